@@ -1,0 +1,31 @@
+# Two commands on a fresh clone with only Python 3.11+: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: demo test lint install clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	# torch is pinned to 2.13.0 (a CPU build); installing it first keeps pip from pulling a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/relayrl demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check relayrl tests bench examples
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

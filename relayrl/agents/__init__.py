@@ -1,0 +1,1 @@
+"""Agents: executors that turn a prompt into trajectories on a rollout engine, and reward sources."""

@@ -1,0 +1,46 @@
+"""`relayrl <command>`: the command-line entry point.
+
+Each command lives in its own module and exposes `main(argv: list[str]) -> int`, parsing its own typed
+config (relayrl/config) so `relayrl <command> --help` lists that command's fields. Commands are imported
+lazily so `relayrl --help` is instant and a missing optional dependency only affects its own command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> ("module:function", one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("relayrl.trainers.demo:main", "Embedded demo on CPU: tiny model, SFT then RL on a built-in task."),
+    "sft": ("relayrl.trainers.sft:main", "Supervised fine-tuning (response-only, multi-turn or pretrain loss)."),
+    "rl": ("relayrl.trainers.rl:main", "RL training: PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO."),
+    "serve": ("relayrl.agents.openai_server:main", "OpenAI-compatible server over a rollout engine."),
+    "serve-rm": ("relayrl.agents.remote_rm:serve_main", "Serve a local reward model over HTTP."),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: relayrl <command> [--help] [options]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "Run `relayrl <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"relayrl: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, func_name = COMMANDS[name][0].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

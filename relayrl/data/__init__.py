@@ -1,0 +1,1 @@
+"""Dataset loading, templates, typed sample records, packing and token-budget batching."""
