@@ -1,0 +1,91 @@
+"""Reading rows from every local format, folders, and the offline Hub error."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from relayrl.data.loading import DataError, MalformedRowError, load_source
+
+ROWS = [{"input": "1+1=", "output": "2"}, {"input": "2+2=", "output": "4"}, {"input": "3+3=", "output": "6"}]
+
+
+def write_all_formats(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")  # blank line skipped
+    (folder / "b.json").write_text(json.dumps(ROWS))
+    pq.write_table(pa.Table.from_pylist(ROWS), folder / "c.parquet")
+    with (folder / "d.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["input", "output"])
+        w.writeheader()
+        w.writerows(ROWS)
+    (folder / "notes.txt").write_text("ignored")
+    return folder
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "b.json", "c.parquet", "d.csv"])
+def test_each_file_format(tmp_path, name):
+    folder = write_all_formats(tmp_path / "data")
+    rows, bad = load_source(str(folder / name))
+    assert [r.data for r in rows] == ROWS and bad == 0
+    assert [r.row for r in rows] == [1, 2, 3] and rows[0].file == str(folder / name)
+    assert rows[0].source == str(folder / name)
+
+
+def test_folder_reads_every_supported_file_in_name_order(tmp_path):
+    folder = write_all_formats(tmp_path / "data")
+    rows, _ = load_source(str(folder))
+    assert [r.data for r in rows] == ROWS * 4
+    assert [r.file.rsplit("/", 1)[1] for r in rows[::3]] == ["a.jsonl", "b.json", "c.parquet", "d.csv"]
+    assert {r.source for r in rows} == {str(folder)}
+
+
+def test_json_lines_in_a_json_file(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("\n".join(json.dumps(r) for r in ROWS))
+    assert [r.data for r in load_source(str(p))[0]] == ROWS
+
+
+def test_bad_json_line_names_file_and_line_unless_skipped(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps(ROWS[0]) + "\n" + '{"input": "oops"\n' + "[1, 2]\n" + json.dumps(ROWS[1]) + "\n")
+    with pytest.raises(MalformedRowError, match=rf"^{p}, line 2: invalid JSON"):
+        load_source(str(p))
+    rows, bad = load_source(str(p), skip_malformed=True)
+    assert [r.row for r in rows] == [1, 4] and bad == 2
+
+
+def test_missing_sources_fail_fast(tmp_path):
+    with pytest.raises(DataError, match=r"'nope/x.jsonl' not found"):
+        load_source("nope/x.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"folder without .jsonl/.json/.parquet/.csv files"):
+        load_source(str(tmp_path / "empty"))
+
+
+def test_hub_id_offline_is_a_clear_error_not_a_hang(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"Hugging Face Hub cannot be used \(HF_HUB_OFFLINE is set\)"):
+        load_source("someorg/somedataset")
+    # no offline flag, but the endpoint does not answer (a closed local port): still a quick, clear error
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(
+        DataError, match=r"'someorg/somedataset' is not a local file or folder.*127.0.0.1:9 is"
+    ):
+        load_source("someorg/somedataset")
+    assert time.monotonic() - start < 5.0
+
+
+def test_save_to_disk_folder(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
+    assert [r.data for r in load_source(str(tmp_path / "ds"))[0]] == ROWS
