@@ -1,0 +1,42 @@
+"""`reinforce_baseline`: REINFORCE++-baseline (group mean baseline, then batch whitening).
+
+Paper: Hu, "REINFORCE++", arXiv 2501.03262 (the "-baseline" variant for n samples per prompt).
+
+    s_i = r_i - mean_{j in group(i)} r_j
+    R_t = -beta * kl_t + [t = last action token] * s_i
+    G_t = sum_{k >= t} gamma^(k - t) R_k            (over action tokens only)
+    A_t = (G_t - mean(G)) / (std(G) + eps)           over ALL action tokens of the batch (unbiased std)
+
+Defaults gamma = 1, eps = 1e-6. Needs group_size >= 2.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from relayrl.algorithms.advantages.base import (
+    AdvantageInputs,
+    Metrics,
+    check_inputs,
+    group_stats_metrics,
+    group_view,
+    scores_to_advantages,
+)
+
+
+def reinforce_baseline(
+    inputs: AdvantageInputs,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    eps: float = 1e-6,
+    whiten: bool | None = None,
+) -> tuple[Tensor, Tensor, Metrics]:
+    """REINFORCE++-baseline advantages. Uses gamma, eps (lam unused). -> (A [B,T], G [B,T], metrics)."""
+    check_inputs(inputs, need_group=True)
+    g = group_view(inputs.rewards.detach(), inputs.group_size)
+    scores = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    adv, ret, metrics = scores_to_advantages(
+        scores, inputs, gamma=gamma, eps=eps, whiten=True if whiten is None else whiten
+    )
+    return adv, ret, {**metrics, **group_stats_metrics(g)}

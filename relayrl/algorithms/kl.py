@@ -1,0 +1,133 @@
+"""KL between the policy and the reference model: estimators, the two ways to use them, controllers.
+
+Schulman, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html). Tokens are sampled from pi
+(the policy), log_ratio = log pi(a) - log pi_ref(a), clamped to [-clamp, clamp] (default 10) first:
+
+| name | per-token estimate                      | notes                                               |
+|------|-----------------------------------------|-----------------------------------------------------|
+| k1   | log_ratio                               | unbiased for KL(pi||ref), high variance, can be < 0 |
+| k2   | 0.5 * log_ratio^2                       | biased, low variance; as a LOSS its gradient equals the gradient of KL(pi||ref) |
+| k3   | exp(-log_ratio) - 1 + log_ratio         | unbiased, >= 0, low variance (GRPO's choice)         |
+
+KL in the reward (PPO / REINFORCE++): `kl_estimate(...)` detached, passed as `AdvantageInputs.kl` with
+`kl_coef` (R_t = -kl_coef * kl_t). KL as a loss (GRPO): `kl_loss(...)` gives coef * kl per token,
+aggregated like the policy loss. Controllers (`KL_CONTROLLERS`) hold the coefficient: `fixed` and
+`adaptive` (Ziegler et al., arXiv 1909.08593: proportional control towards a target KL), both with
+`state_dict` / `load_state_dict` for exact resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+Metrics = dict[str, float]
+
+KL_CLAMP = 10.0
+
+
+def _k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio
+
+
+def _k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio**2
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_estimate(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    estimator: str = "k3",
+    clamp: float = KL_CLAMP,
+) -> tuple[Tensor, Metrics]:
+    """Per-token KL(pi || ref) estimate [B, T] (0 off the mask); metric `kl` = mean over action tokens."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    m = action_mask.to(logprobs.dtype)
+    log_ratio = (logprobs - ref_logprobs.detach()).clamp(-clamp, clamp)
+    kl = KL_ESTIMATORS[estimator](log_ratio) * m
+    return kl, {"kl": float(kl.detach().sum() / m.sum().clamp(min=1))}
+
+
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    coef: float,
+    estimator: str = "k3",
+    clamp: float = KL_CLAMP,
+) -> tuple[Tensor, Metrics]:
+    """KL as a loss term: coef * kl_t per token [B, T] (differentiable in logprobs); aggregate it with the
+    same aggregation as the policy loss. Metrics: `kl`, `kl_coef`."""
+    kl, metrics = kl_estimate(logprobs, ref_logprobs, action_mask, estimator=estimator, clamp=clamp)
+    return coef * kl, {**metrics, "kl_coef": coef}
+
+
+class KLController(Protocol):
+    """Holds the KL coefficient; `update` once per step with the measured KL."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class FixedKLController:
+    """Constant coefficient."""
+
+    def __init__(self, init_kl_coef: float, target: float | None = None, horizon: int | None = None) -> None:
+        self.value = float(init_kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019 (arXiv 1909.08593): e = clip(KL / target - 1, -0.2, 0.2);
+    beta <- beta * (1 + e * n_steps / horizon). Defaults target 6.0, horizon 10000 (theirs / OpenRLHF's)."""
+
+    def __init__(self, init_kl_coef: float, target: float | None = 6.0, horizon: int | None = 10000) -> None:
+        if target is None or target <= 0 or horizon is None or horizon <= 0:
+            raise ValueError(
+                f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}"
+            )
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        err = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + err * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state["target"])
+        self.horizon = int(state["horizon"])
+
+
+KL_CONTROLLERS: dict[str, type[FixedKLController] | type[AdaptiveKLController]] = {
+    "fixed": FixedKLController,
+    "adaptive": AdaptiveKLController,
+}

@@ -1,0 +1,129 @@
+"""Off-policy correction for the rollout-engine vs trainer log-prob mismatch.
+
+The engine (sampling kernels, bf16, top-p) and the trainer compute slightly different log-probs for the
+same tokens; the experience is therefore off-policy w.r.t. the trainer's pi_old. With
+w_t = pi_old(a_t) / pi_rollout(a_t) = exp(clamp(old_logprobs - rollout_logprobs, -20, 20)):
+
+| name          | weight per token                        | mask                                              |
+|---------------|-----------------------------------------|---------------------------------------------------|
+| `tis`         | clamp(w_t, low, high) (low 0: min(w, C))| none                                              |
+| `icepop`      | w_t                                     | tokens with w_t outside [low, high] dropped       |
+| `seq_mask_tis`| min(w_t, high)                          | sequences whose geometric-mean weight exp(mean_t log w_t) is outside [low, high] dropped |
+
+`OFF_POLICY[name](old_logprobs, rollout_logprobs, action_mask, *, low, high) -> (is_weight [B, T],
+keep_mask [B, T] bool, metrics)`. Multiply the per-token policy loss by is_weight (pass it as
+`PolicyLossInputs.is_weight`) and use `action_mask & keep_mask` as its mask; keep the aggregation
+denominators from the unmasked action mask so dropped tokens count as zero-loss tokens.
+
+References: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog,
+2025; TIS, defaults low = 0, high = C = 2; OpenRLHF's interval form uses low = 0.5, high = 5); Ling team, Ring-1T / Ling 2.0 technical report (IcePop;
+defaults low = 0.5, high = 5); seq-mask-TIS as in the follow-up MIS blog / verl rollout correction
+(defaults low = 0.5, high = 2). Metrics: `is_weight_mean`, `masked_frac` (of action tokens),
+`kl_rollout_train` (k3 estimate of KL(pi_rollout || pi_old), tokens sampled from pi_rollout),
+`kl_rollout_train_k1`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+Metrics = dict[str, float]
+
+LOG_W_CLAMP = 20.0
+
+
+class OffPolicyCorrection(Protocol):
+    """`OFF_POLICY[name]`."""
+
+    def __call__(
+        self,
+        old_logprobs: Tensor,
+        rollout_logprobs: Tensor,
+        action_mask: Tensor,
+        *,
+        low: float | None = None,
+        high: float | None = None,
+    ) -> tuple[Tensor, Tensor, Metrics]: ...
+
+
+def _log_w(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor) -> tuple[Tensor, Tensor]:
+    if not old_logprobs.shape == rollout_logprobs.shape == action_mask.shape:
+        raise ValueError(
+            f"off-policy correction: old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
+            f"{tuple(rollout_logprobs.shape)} and action_mask {tuple(action_mask.shape)} must all be [B, T]"
+        )
+    mask = action_mask.bool()
+    log_w = ((old_logprobs - rollout_logprobs).detach() * mask).clamp(-LOG_W_CLAMP, LOG_W_CLAMP)
+    return log_w, mask
+
+
+def _metrics(weight: Tensor, keep: Tensor, log_w: Tensor, mask: Tensor) -> Metrics:
+    m = mask.to(weight.dtype)
+    n = m.sum().clamp(min=1)
+    # KL(rollout || old) with a ~ rollout: k1 = log(rollout/old) = -log_w ; k3 = w - 1 - log w
+    return {
+        "is_weight_mean": float((weight * m).sum() / n),
+        "masked_frac": float(((~keep) & mask).to(m.dtype).sum() / n),
+        "kl_rollout_train": float(((log_w.exp() - 1 - log_w) * m).sum() / n),
+        "kl_rollout_train_k1": float((-log_w * m).sum() / n),
+    }
+
+
+def tis(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[Tensor, Tensor, Metrics]:
+    """Truncated IS: weight clamp(w_t, low, high) (defaults low = 0, i.e. none, high = 2), nothing masked."""
+    log_w, mask = _log_w(old_logprobs, rollout_logprobs, action_mask)
+    weight = log_w.exp().clamp(min=0.0 if low is None else low, max=2.0 if high is None else high) * mask
+    keep = torch.ones_like(mask)
+    return weight, keep, _metrics(weight, keep, log_w, mask)
+
+
+def icepop(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[Tensor, Tensor, Metrics]:
+    """IcePop: weight w_t, tokens with w_t outside [low, high] masked (defaults 0.5, 5.0)."""
+    lo, hi = 0.5 if low is None else low, 5.0 if high is None else high
+    log_w, mask = _log_w(old_logprobs, rollout_logprobs, action_mask)
+    w = log_w.exp()
+    keep = (w >= lo) & (w <= hi)
+    weight = w * (keep & mask)
+    return weight, keep, _metrics(weight, keep, log_w, mask)
+
+
+def seq_mask_tis(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[Tensor, Tensor, Metrics]:
+    """Token TIS weight min(w_t, high); sequences whose geometric-mean weight exp(mean_t log w_t) (over its
+    action tokens) is outside [low, high] are masked entirely (defaults 0.5, 2.0)."""
+    lo, hi = 0.5 if low is None else low, 2.0 if high is None else high
+    log_w, mask = _log_w(old_logprobs, rollout_logprobs, action_mask)
+    n_tok = mask.sum(dim=1).clamp(min=1)
+    seq_w = (log_w.sum(dim=1) / n_tok).exp()
+    keep_seq = (seq_w >= lo) & (seq_w <= hi)
+    keep = keep_seq[:, None].expand_as(mask).clone()
+    weight = log_w.exp().clamp(max=hi) * (keep & mask)
+    metrics = _metrics(weight, keep, log_w, mask)
+    metrics["masked_seq_frac"] = float((~keep_seq & mask.any(dim=1)).float().mean())
+    return weight, keep, metrics
+
+
+OFF_POLICY: dict[str, OffPolicyCorrection] = {"tis": tis, "icepop": icepop, "seq_mask_tis": seq_mask_tis}
