@@ -9,12 +9,16 @@ agent (multi-turn) or from a reward source (reward function file, remote RM, loc
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from relayrl.rollout.base import SamplingParams
 
 
-class TrajectoryStatus(str, Enum):
+class TrajectoryStatus(str, Enum):  # noqa: UP042  (kept: the lead's record, str mixin semantics)
     """Outcome of executing one sample."""
 
     OK = "ok"
@@ -69,6 +73,8 @@ class Trajectory:
     """Scalar metrics from the agent / reward function, averaged into rollout/* metrics."""
     num_turns: int = 1
     """Turns taken."""
+    failure_kind: str | None = None
+    """When FAILED: a short kind ("exception", "nan", "wrong_length", "timeout", ...) for metrics."""
 
     @property
     def prompt_len(self) -> int:
@@ -79,3 +85,47 @@ class Trajectory:
     def response_len(self) -> int:
         """Number of action tokens."""
         return sum(self.action_mask)
+
+
+class AgentInstanceBase(ABC):
+    """One environment episode (OpenRLHF's `AgentInstanceBase`, same method names and dict keys).
+
+    A fresh instance is made per episode (`__init__` may be `async def`, as in OpenRLHF's example).
+    `reset(states)` gets `{"observation": prompt text, "label": label}` and returns `{"observation": text}`.
+    `step(states)` gets `{"observation_text", "action_text", "label", "sampling_params"}` and returns a dict
+    with "rewards" (float or 1-element tensor), "scores" (optional), "environment_feedback" (text appended
+    after the action and masked out of the loss), "done" (bool), optional "sampling_params" for the next
+    turn and optional "extra_logs" (name -> scalar).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027
+        pass
+
+    async def reset(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return states
+
+    @abstractmethod
+    async def step(self, states: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        raise NotImplementedError("AgentInstance.step is not implemented")
+
+
+class AgentExecutorBase(ABC):
+    """Turns one prompt into `params.n` token-exact trajectories (see relayrl/agents/executors.py).
+
+    Executors are built unbound (OpenRLHF's `AgentExecutor()` takes no engine) and get their engine,
+    tokenizer and total length limit from `bind` before the first `execute`.
+    """
+
+    engine: Any = None
+    tokenizer: Any = None
+    max_total_len: int | None = None
+
+    def bind(self, engine: Any, tokenizer: Any, *, max_total_len: int | None = None) -> AgentExecutorBase:
+        """Attach the rollout engine, the tokenizer and the total length limit (prompt + all turns)."""
+        self.engine, self.tokenizer, self.max_total_len = engine, tokenizer, max_total_len
+        return self
+
+    @abstractmethod
+    async def execute(self, sample: PromptSample, params: SamplingParams) -> list[Trajectory]:
+        """Run `params.n` episodes of `sample`; failures come back as FAILED trajectories, never raised."""
+        raise NotImplementedError

@@ -48,4 +48,7 @@ def get_task(name: str) -> Task:
 
 
 def _load_builtin() -> None:
-    from relayrl.tasks import arith  # noqa: F401  (registers on import)
+    from relayrl.tasks import (
+        arith,  # noqa: F401  (registers on import)
+        guess,  # noqa: F401  (registers on import)
+    )
