@@ -23,9 +23,9 @@ import importlib.util
 import inspect
 import sys
 import types
+import uuid
 from collections.abc import Callable
 from dataclasses import fields, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ class SingleTurnExecutor(AgentExecutorBase):
         request = GenerationRequest(
             prompt_ids=list(sample.prompt_ids),
             params=replace(params, max_new_tokens=max_new),
-            request_id=f"sample-{sample.index}",
+            request_id=f"sample-{sample.index}-{uuid.uuid4().hex[:8]}",  # unique: vLLM rejects a duplicate id
         )
         result = await self.engine.generate(request)
         stops = stop_ids_of(self.tokenizer, params)
@@ -153,19 +153,47 @@ class _UserError(Exception):
         self.kind = kind
 
 
-async def _user_call(call: Callable[[], Any], what: str, timeout: float | None) -> Any:
-    """Run user code `call()` (sync or async); every way it can go wrong becomes a `_UserError`."""
+async def _user_call(fn: Callable[..., Any], *args: Any, what: str, timeout: float | None) -> Any:
+    """`fn(*args)` (user code) bounded by `timeout`; every way it can go wrong becomes a `_UserError`.
+
+    An `async def` runs on the event loop; a plain `def` (allowed for `reset` / `step`) runs on a daemon
+    worker thread, so a blocking one cannot stall the other episodes or outlive its timeout. A
+    `TimeoutError` raised *by* the user code (e.g. its own HTTP client) is an "exception", not a "timeout"."""
+    from relayrl.agents.rewards.base import run_in_thread  # lazy: relayrl.agents.rewards imports this module
+
+    def raised(e: Exception) -> _UserError:
+        return _UserError("exception", f"{what} raised {type(e).__name__}: {e}")
+
+    def guarded(*a: Any) -> Any:  # on the worker thread: user errors are not timeouts
+        try:
+            return fn(*a)
+        except Exception as e:
+            raise raised(e) from e
+
+    cm = None
     try:
-        result = call()
-        if not inspect.isawaitable(result):  # a plain `def step` is allowed too
-            return result
-        return await asyncio.wait_for(result, timeout)
-    except TimeoutError:
+        if _is_async(fn):
+            result = fn(*args)
+        else:
+            result = await run_in_thread(guarded, *args, timeout=timeout)
+            if not inspect.isawaitable(result):
+                return result
+        cm = asyncio.timeout(timeout)
+        async with cm:
+            return await result
+    except TimeoutError as e:
+        if cm is not None and not cm.expired():
+            raise raised(e) from e
         raise _UserError("timeout", f"{what} did not finish within {timeout}s") from None
     except _UserError:
         raise
     except Exception as e:
-        raise _UserError("exception", f"{what} raised {type(e).__name__}: {e}") from e
+        raise raised(e) from e
+
+
+def _is_async(fn: Any) -> bool:
+    """`async def` functions and bound methods (a sync callable returning an awaitable is awaited too)."""
+    return inspect.iscoroutinefunction(fn)
 
 
 async def _instantiate(cls: type, kwargs: dict[str, Any]) -> Any:
@@ -188,7 +216,10 @@ def _next_params(current: SamplingParams, given: Any) -> SamplingParams:
         unknown = set(given) - known
         if unknown:
             raise _UserError("bad_output", f"step() sampling_params has unknown keys {sorted(unknown)}")
-        return replace(current, **given)
+        try:
+            return replace(current, **given)
+        except (TypeError, ValueError) as e:  # SamplingParams validates its fields
+            raise _UserError("bad_output", f"step() sampling_params {given!r} is invalid: {e}") from None
     raise _UserError(
         "bad_output", f"step() sampling_params is {type(given).__name__}; use SamplingParams/dict"
     )
@@ -208,9 +239,10 @@ def _scalar_logs(logs: Any) -> dict[str, float]:
 class MultiTurnExecutor(AgentExecutorBase):
     """Runs `params.n` independent episodes of `agent_cls` (a fresh instance each) for one prompt.
 
-    Reward of an episode = sum of step rewards (OpenRLHF); score = the last step's "scores" (default: the
-    reward); extra_logs = the last step's. `truncated` is True when the episode ended without `done`
-    (length limit or `max_turns`).
+    Reward of an episode = sum of step rewards (OpenRLHF); score = the last step's "scores", or the total
+    reward when the last step gave none (as OpenRLHF); extra_logs = the last step's. `truncated` is True
+    when the episode ended without `done` (length limit or `max_turns`). An episode that could not take a
+    single turn (the prompt fills the length limit) is FAILED "prompt_too_long", never rewarded 0.0.
     """
 
     def __init__(
@@ -242,15 +274,16 @@ class MultiTurnExecutor(AgentExecutorBase):
         traj = prompt_only(sample)
         try:
             agent = await _user_call(
-                lambda: _instantiate(self.agent_cls, self.agent_kwargs), "AgentInstance()", self.step_timeout
+                _instantiate,
+                self.agent_cls,
+                self.agent_kwargs,
+                what="AgentInstance()",
+                timeout=self.step_timeout,
             )
-            reset = await _user_call(
-                lambda: agent.reset({"observation": sample.prompt, "label": sample.label}),
-                "reset()",
-                self.step_timeout,
-            )
-            if not isinstance(reset, dict) or "observation" not in reset:
-                raise _UserError("bad_output", "reset() must return a dict with an 'observation' key")
+            states = {"observation": sample.prompt, "label": sample.label}
+            reset = await _user_call(agent.reset, states, what="reset()", timeout=self.step_timeout)
+            if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
+                raise _UserError("bad_output", "reset() must return a dict with an 'observation' string")
             if reset["observation"] != sample.prompt:  # the environment rewrote the prompt: tokenize it once
                 ids = self.tokenizer(reset["observation"], add_special_tokens=False)["input_ids"]
                 traj = prompt_only(replace(sample, prompt=reset["observation"], prompt_ids=list(ids)))
@@ -273,7 +306,7 @@ class MultiTurnExecutor(AgentExecutorBase):
             request = GenerationRequest(
                 prompt_ids=list(traj.token_ids),
                 params=replace(sp, n=1, max_new_tokens=room, seed=seed),
-                request_id=f"sample-{sample.index}-ep{episode}-turn{turn}",
+                request_id=f"sample-{sample.index}-ep{episode}-turn{turn}-{uuid.uuid4().hex[:8]}",
             )
             comp = (await self.engine.generate(request)).completions[0]
             if not comp.token_ids and comp.finish_reason == FinishReason.LENGTH:
@@ -285,19 +318,24 @@ class MultiTurnExecutor(AgentExecutorBase):
             action_text = decode_response(self.tokenizer, comp.token_ids, stop_ids_of(self.tokenizer, sp))
             states = {"observation_text": observation, "action_text": action_text, "label": sample.label}
             states["sampling_params"] = sp
-            out = await _user_call(partial(agent.step, states), f"step() turn {turn}", self.step_timeout)
+            out = await _user_call(agent.step, states, what=f"step() turn {turn}", timeout=self.step_timeout)
             if not isinstance(out, dict) or not {"rewards", "done"} <= set(out):
                 raise _UserError(
                     "bad_output", f"step() turn {turn} must return a dict with 'rewards' and 'done'"
                 )
             try:
                 total += check_scalar(out["rewards"], f"step() turn {turn} rewards")
-                if out.get("scores") is not None:
-                    score = check_scalar(out["scores"], f"step() turn {turn} scores")
+                has_score = out.get("scores") is not None
+                score = check_scalar(out["scores"], f"step() turn {turn} scores") if has_score else None
             except ScalarError as e:
                 raise _UserError(e.kind, str(e)) from None
             traj.extra_logs = _scalar_logs(out.get("extra_logs"))
             feedback = out.get("environment_feedback") or ""
+            if not isinstance(feedback, str):
+                raise _UserError(
+                    "bad_output",
+                    f"step() turn {turn} environment_feedback is {type(feedback).__name__}, expected str",
+                )
             observation = observation + action_text + feedback
             if feedback:
                 ids = list(self.tokenizer(feedback, add_special_tokens=False)["input_ids"])
@@ -307,6 +345,13 @@ class MultiTurnExecutor(AgentExecutorBase):
             sp = _next_params(sp, out.get("sampling_params"))
             done = bool(out["done"])
         traj.num_turns, traj.truncated = turn, not done
+        if turn == 0:  # nothing was generated or stepped: no reward exists (never a silent 0.0)
+            msg = (
+                f"prompt has {len(traj.token_ids)} tokens, the length limit (max_total_len {limit} or the "
+                "engine's max_seq_len) leaves no room to generate; filter long prompts or raise the limit"
+            )
+            mark_failed(traj, "prompt_too_long", msg, source="executor", log=self.log)
+            return
         traj.reward, traj.score = total, (total if score is None else score)
 
 
@@ -340,7 +385,15 @@ def load_module_from_file(path: str | Path, prefix: str) -> types.ModuleType:
         raise ImportError(f"cannot import {str(path)!r}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # SyntaxError, a failing import, a raise at module level: name the file
+        del sys.modules[name]
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        raise ImportError(
+            f"cannot load {prefix} file {str(path)!r}{where}: {type(e).__name__}: {e}; fix the file "
+            "(try `python FILE` to see the full traceback)"
+        ) from e
     return module
 
 
@@ -363,13 +416,21 @@ def load_agent_from_file(
     _openrlhf_shim()
     module = load_module_from_file(path, "agent")
     if hasattr(module, "AgentExecutor"):
-        executor = module.AgentExecutor()
+        try:
+            executor = module.AgentExecutor()
+        except Exception as e:
+            raise TypeError(
+                f"{path}: AgentExecutor() (called with no arguments) raised {type(e).__name__}: {e}"
+            ) from e
         if not isinstance(executor, AgentExecutorBase):
             raise TypeError(f"{path}: AgentExecutor must subclass relayrl.agents.base.AgentExecutorBase")
         for key, value in executor_kwargs.items():
             setattr(executor, key, value)
     elif hasattr(module, "AgentInstance"):
-        executor = MultiTurnExecutor(module.AgentInstance, **executor_kwargs)
+        try:
+            executor = MultiTurnExecutor(module.AgentInstance, **executor_kwargs)
+        except TypeError as e:
+            raise TypeError(f"{path}: {e}") from e
     elif hasattr(module, "openai_agent"):
         from relayrl.agents.openai_agent import OpenAIAgentExecutor
 

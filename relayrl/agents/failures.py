@@ -125,7 +125,11 @@ def apply_failure_policy(
     trajs: Sequence[Trajectory], policy: FailurePolicy | str = FailurePolicy.DROP_GROUP
 ) -> tuple[list[Trajectory], dict[str, float]]:
     """Apply `policy` to a batch; returns (kept trajectories in input order, metrics). See module doc."""
-    policy = FailurePolicy(policy)
+    try:
+        policy = FailurePolicy(policy)
+    except ValueError:
+        choices = ", ".join(p.value for p in FailurePolicy)
+        raise ValueError(f"failure policy {policy!r} is not one of: {choices}") from None
     failed = [t for t in trajs if t.status == TrajectoryStatus.FAILED]
     metrics: dict[str, float] = {
         "rollout/failed": float(len(failed)),

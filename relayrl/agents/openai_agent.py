@@ -92,11 +92,20 @@ class OpenAIAgentExecutor(AgentExecutorBase):
         self.server.open_session(sid, replace(params, n=1, seed=seed))
         kind = message = None
         out: Any = None
+        cm = None
         try:
             result = self.agent_fn(base_url, sid, sample)
-            out = await asyncio.wait_for(result, self.timeout) if inspect.isawaitable(result) else result
-        except TimeoutError:
-            kind, message = "timeout", f"agent did not finish within {self.timeout}s"
+            if inspect.isawaitable(result):
+                cm = asyncio.timeout(self.timeout)
+                async with cm:
+                    out = await result
+            else:
+                out = result
+        except TimeoutError as e:
+            if cm is not None and cm.expired():
+                kind, message = "timeout", f"agent did not finish within {self.timeout}s"
+            else:  # the agent's own TimeoutError (e.g. its HTTP client's), not ours
+                kind, message = "exception", f"agent raised TimeoutError: {e}"
         except Exception as e:
             kind, message = "exception", f"agent raised {type(e).__name__}: {e}"
         trace = self.server.pop_trace(sid)
@@ -105,7 +114,7 @@ class OpenAIAgentExecutor(AgentExecutorBase):
             kind, message = kind or "no_calls", message or f"session {sid!r} made no completion call"
         else:
             traj = trace_to_trajectory(trace, sample, log=self.log)
-        if kind is not None:
+        if kind is not None and traj.status == TrajectoryStatus.OK:  # a history rewrite is already marked
             mark_failed(traj, kind, message, source="openai agent", log=self.log)
         elif traj.status == TrajectoryStatus.OK:
             self._fill_reward(traj, out)
@@ -122,8 +131,13 @@ class OpenAIAgentExecutor(AgentExecutorBase):
                 traj.reward = check_scalar(out.get("rewards"), "agent rewards")
                 score = out.get("scores")
                 traj.score = traj.reward if score is None else check_scalar(score, "agent scores")
+                logs = out.get("extra_logs") or {}
+                if not isinstance(logs, dict):
+                    raise ScalarError(
+                        "bad_output", f"agent extra_logs is {type(logs).__name__}, expected a dict"
+                    )
                 traj.extra_logs.update(
-                    {k: check_scalar(v, k) for k, v in (out.get("extra_logs") or {}).items()}
+                    {str(k): check_scalar(v, f"extra_logs[{k!r}]") for k, v in logs.items()}
                 )
             else:
                 traj.reward = traj.score = check_scalar(out, "agent reward")

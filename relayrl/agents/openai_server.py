@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -62,6 +63,16 @@ def _content_text(content: Any) -> str:
     raise RequestError(
         f"message content must be a string or a list of text parts, got {type(content).__name__}"
     )
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise RequestError(f"body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 class OpenAIServer:
@@ -205,9 +216,7 @@ class OpenAIServer:
         raise RequestError("'prompt' must be one string or one list of token ids")
 
     async def _generate(self, request: web.Request, chat: bool) -> web.Response:
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise RequestError("body must be a JSON object")
+        body = await _json_object(request)
         sid = request.headers.get("X-Session-Id") or body.get("session_id") or body.get("user") or None
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body)
         params = self._params(body, len(prompt_ids), sid)
@@ -324,12 +333,12 @@ class OpenAIServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        body = await _json_object(request)
         ids = self._chat_prompt(body) if "messages" in body else self._text_prompt(body)
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_total_len})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        tokens = (await request.json()).get("tokens")
+        tokens = (await _json_object(request)).get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise RequestError("'tokens' must be a list of token ids")
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
@@ -419,8 +428,12 @@ def _serve(cfg: ServeConfig) -> int:
     from relayrl.rollout import build_engine
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
+    except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
+        print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
+        return 2
     opts = {"max_seq_len": cfg.max_total_len} if cfg.max_total_len else {}
     engine = build_engine(cfg.engine, model, tokenizer, **opts)
     name = cfg.model_name or cfg.model.rstrip("/").split("/")[-1]

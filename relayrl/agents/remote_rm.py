@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -152,6 +153,13 @@ def _serve(cfg: ServeRMConfig) -> int:
         scorer = _build_scorer(cfg)
     except SystemExit as e:
         print(e, flush=True)
+        return 2
+    except (OSError, ImportError, AttributeError, ValueError) as e:  # a missing / broken model or file
+        print(
+            f"relayrl serve-rm: cannot load {cfg.model or cfg.reward_func!r}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     print(f"relayrl serve-rm: listening on http://{cfg.host}:{cfg.port}/get_reward", flush=True)
     web.run_app(build_rm_app(scorer), host=cfg.host, port=cfg.port, print=None, access_log=None)

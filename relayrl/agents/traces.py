@@ -30,7 +30,7 @@ class TraceCall:
     logprobs: list[float]
     """[G] rollout log-probs of `completion_ids`."""
     finish_reason: str
-    """"stop" or "length"."""
+    """"stop", "length" or "abort" (an aborted call fails the session's trajectory)."""
     extends_previous: bool = True
     """True when `prompt_ids` starts with the previous call's prompt + completion (always for the first)."""
 
@@ -85,6 +85,11 @@ def trace_to_trajectory(
     assert traj.token_ids == last.prompt_ids + last.completion_ids  # follows from extends_previous
     traj.num_turns = len(trace.calls)
     traj.truncated = last.finish_reason != "stop"
+    aborted = [i + 1 for i, c in enumerate(trace.calls) if c.finish_reason == FinishReason.ABORT.value]
+    if aborted:  # as in the executors: an aborted generation is not a trainable episode
+        mark_failed(
+            traj, "aborted", f"the engine aborted call(s) {aborted}", source="openai session", log=log
+        )
     return traj
 
 

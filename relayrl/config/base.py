@@ -16,8 +16,8 @@ Seams:
 - `help.py`   the `--help` text (`format_help`), generated from field types, defaults and docstrings.
 
 Supported field types: bool, int, float, str, Path, Enum, Literal[...], X | None, list[X], tuple[X, ...],
-dict[str, X], Any, nested dataclasses. We own this (argparse-free) instead of using tyro so the error texts
-(path, bad key, close matches, valid choices) are exactly ours.
+tuple[X, Y] (length checked), dict[str, X], Any, nested dataclasses. We own this (argparse-free) instead of
+using tyro so the error texts (path, bad key, close matches, valid choices) are exactly ours.
 """
 
 from __future__ import annotations
@@ -226,6 +226,16 @@ def _coerce_list(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
         value = [v.strip() for v in value[0].split(",") if v.strip()]
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise _type_error(path, value, tp)
+    if typing.get_origin(tp) is tuple and args and args[-1] is not Ellipsis:  # tuple[X, Y]: fixed length
+        if len(value) != len(args):
+            kinds = ", ".join(type_name(a) for a in args)
+            raise ConfigError(
+                f"{path}: {list(value)!r} has {len(value)} values; expected {len(args)} ({kinds})", field=path
+            )
+        return tuple(
+            coerce(v, a, f"{path}[{i}]", from_cli=from_cli)
+            for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
     items = [coerce(v, item_tp, f"{path}[{i}]", from_cli=from_cli) for i, v in enumerate(value)]
     return tuple(items) if typing.get_origin(tp) is tuple else items
 

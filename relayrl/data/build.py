@@ -15,7 +15,7 @@ Order of operations (all deterministic under `cfg.seed`):
    together;
 4. tokenize each selected row once. Rows longer than `cfg.max_len` tokens are dropped and counted; malformed
    rows raise `MalformedRowError` (file, row, key) or, with `cfg.skip_malformed`, are skipped and counted.
-   One summary line per source is printed.
+   One summary line per source is printed; no training sample left at all is a `DataError`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from relayrl.agents.base import PromptSample
 from relayrl.config.components import DataConfig
-from relayrl.data.loading import MalformedRowError, load_source
+from relayrl.data.loading import DataError, MalformedRowError, load_source
 from relayrl.data.records import LoadStats, RawRow, TokenizedSample
 from relayrl.data.templates import SFTMode, build_prompt, encode, tokenize_sft
 
@@ -71,6 +71,12 @@ def select_rows(cfg: DataConfig) -> tuple[list[RawRow], list[RawRow], list[LoadS
     """Steps 1-3 of the module docstring: the train and eval rows (untokenized) and per-source stats."""
     if not cfg.datasets:
         raise ValueError("data.datasets is empty: give at least one source (--data.datasets FILE_OR_ID ...)")
+    twice = sorted({s for s in cfg.datasets if cfg.datasets.count(s) > 1})
+    if twice:  # per-source counts and mixing are keyed by the source string
+        raise ValueError(
+            f"data.datasets lists {twice} more than once; list each source once and weight it with "
+            "data.dataset_probs instead"
+        )
     rng = random.Random(cfg.seed)
     per_source: list[list[RawRow]] = []
     evals: list[RawRow] = []
@@ -148,9 +154,15 @@ def _datasource(row: RawRow, cfg: DataConfig) -> str:
     return source_name(row.source)
 
 
-def _report(stats: list[LoadStats], log: Callable[[str], None]) -> None:
+def _report(stats: list[LoadStats], log: Callable[[str], None], n_train: int) -> None:
     for st in stats:
         log(st.line())
+    if n_train == 0:  # training on nothing would fail later, far from the cause
+        lines = "; ".join(st.line() for st in stats if st.split == "train")
+        raise DataError(
+            f"no training samples left ({lines}). Check data.datasets, data.max_len (rows longer are "
+            "dropped) and the key settings (data.input_key, data.output_key, data.messages_key)."
+        )
 
 
 def build_sft_data(
@@ -165,7 +177,7 @@ def build_sft_data(
 
     train = _convert(train_rows, "train", stats, cfg, fn, log)
     evals = _convert(eval_rows, "eval", stats, cfg, fn, log)
-    _report(stats, log)
+    _report(stats, log, len(train))
     return train, evals, stats
 
 
@@ -190,5 +202,5 @@ def build_prompt_data(
     for samples in (train, evals):
         for i, s in enumerate(samples):
             s.index = i
-    _report(stats, log)
+    _report(stats, log, len(train))
     return train, evals, stats

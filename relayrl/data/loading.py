@@ -4,7 +4,8 @@
 
 Sources, tried in this order:
 - a file: .jsonl (one JSON object a line; blank lines skipped), .json (a list of objects, or JSON Lines
-  in a .json file), .parquet, .csv (header row; every cell a string);
+  in a .json file), .parquet, .csv (header row; every cell a string); UTF-8, a leading byte-order mark
+  (as Excel writes) ignored;
 - a folder: every such file directly in it (sorted by name), or a `datasets.save_to_disk` folder;
 - anything else that looks like a Hub id (`org/name`, optionally `org/name@config`): `datasets.load_dataset`
   with `split`. Only where online: with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or when the Hub does not
@@ -91,7 +92,7 @@ def _read_file(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawR
             RawRow(data=d, source=source, file=str(path), row=i) for i, d in enumerate(table.to_pylist(), 1)
         ], 0
     if name.endswith(".csv"):
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:
             rows = [
                 RawRow(data=dict(d), source=source, file=str(path), row=i)
                 for i, d in enumerate(csv.DictReader(f), 1)
@@ -103,7 +104,7 @@ def _read_file(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawR
 def _read_jsonl(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRow], int]:
     rows: list[RawRow] = []
     bad = 0
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -124,7 +125,7 @@ def _read_jsonl(path: Path, source: str, skip_malformed: bool) -> tuple[list[Raw
 
 
 def _read_json(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRow], int]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -4,7 +4,7 @@
     TokenizedSample   one SFT / pretrain sample: token ids + which tokens are targets (trainers consume it)
     LoadStats         per-source counts: rows read, kept, dropped as too long, skipped as malformed
 
-RL prompts are `relayrl.agents.base.PromptSample` (built by `relayrl.data.datasets.build_prompt_data`).
+RL prompts are `relayrl.agents.base.PromptSample` (built by `relayrl.data.build.build_prompt_data`).
 """
 
 from __future__ import annotations

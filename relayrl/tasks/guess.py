@@ -145,13 +145,14 @@ class GuessNumber:
         """Play one episode per row; eval/guess/{solved, reward, turns, invalid} means."""
         import asyncio
 
+        from relayrl.data.templates import encode
         from relayrl.rollout.base import SamplingParams
 
         ex = self.executor(engine, tokenizer)
         params = SamplingParams(n=1, temperature=temperature, max_new_tokens=self.max_new_tokens, seed=seed)
-        samples = [
+        samples = [  # tokenized like training prompts (templates.encode: no special tokens added)
             PromptSample(
-                index=i, prompt=r["input"], prompt_ids=tokenizer(r["input"])["input_ids"], label=r["label"]
+                index=i, prompt=r["input"], prompt_ids=encode(tokenizer, r["input"]), label=r["label"]
             )
             for i, r in enumerate(rows)
         ]

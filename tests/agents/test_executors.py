@@ -123,6 +123,11 @@ def test_multi_turn_total_length_enforced_across_turns(engine, tiny_tokenizer):
     (t,) = asyncio.run(ex.execute(sample, SamplingParams(n=1, max_new_tokens=4, seed=0)))
     assert len(t.token_ids) == limit  # filled exactly: feedback is cut to fit, then no room is left
     assert t.truncated and t.num_turns >= 3 and t.status == TrajectoryStatus.OK
+    log = FailureLog()
+    full = MultiTurnExecutor(Forever, engine, tiny_tokenizer, max_total_len=len(sample.prompt_ids), log=log)
+    (t0,) = asyncio.run(full.execute(sample, SamplingParams(n=1, max_new_tokens=4, seed=0)))
+    assert t0.status == TrajectoryStatus.FAILED and t0.failure_kind == "prompt_too_long"
+    assert t0.reward is None and t0.num_turns == 0 and log.counts == {"prompt_too_long": 1}  # not a 0.0
     capped = MultiTurnExecutor(Forever, engine, tiny_tokenizer, max_turns=2)
     (t2,) = asyncio.run(capped.execute(sample, SamplingParams(n=1, max_new_tokens=4, seed=0)))
     assert t2.num_turns == 2 and t2.truncated
@@ -260,6 +265,8 @@ def test_cli_entry_points_parse():
     assert main([]) == 2  # --model is required
     assert serve_main(["--port", "0"]) == 2  # neither --model nor --reward-func
     assert main(["--bogus", "1"]) == 2
+    assert serve_main(["--reward-func", "no/such/reward.py"]) == 2  # a clear message, no traceback
+    assert main(["--model", "/no/such/model_dir"]) == 2
 
 
 def test_engine_length_limit_ends_episode(tiny_model, tiny_tokenizer):
@@ -288,3 +295,93 @@ def test_single_turn_prompt_filling_engine_limit_fails(tiny_model, tiny_tokenize
     assert [t.failure_kind for t in trajs] == ["prompt_too_long"] * 2 and ex.log.counts[
         "prompt_too_long"
     ] == 2
+
+
+RELEASE = __import__("threading").Event()
+
+
+class SyncBlocking(AgentInstanceBase):
+    """A plain `def step` that blocks (until the test releases it) or raises its own TimeoutError."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def step(self, states, **kwargs):
+        if self.mode == "block":
+            RELEASE.wait(30)
+        else:
+            raise TimeoutError("tool call timed out")
+        return {"rewards": 1.0, "done": True}
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("block", "timeout"), ("own_timeout", "exception")])
+def test_sync_step_runs_off_the_loop_and_times_out(engine, tiny_tokenizer, mode, kind):
+    log = FailureLog()
+    ex = MultiTurnExecutor(
+        SyncBlocking, engine, tiny_tokenizer, step_timeout=0.3, agent_kwargs={"mode": mode}, log=log
+    )
+    try:
+        (t,) = asyncio.run(ex.execute(_sample(tiny_tokenizer), SamplingParams(n=1, max_new_tokens=2, seed=0)))
+    finally:
+        RELEASE.set()  # let the blocked worker thread finish
+    assert t.status == TrajectoryStatus.FAILED and t.failure_kind == kind and log.counts == {kind: 1}
+    if kind == "exception":  # the agent's own TimeoutError is not reported as our timeout
+        assert "step() turn 1 raised TimeoutError: tool call timed out" in t.error
+
+
+class ScoreThenNone(AgentInstanceBase):
+    """Turn 1 gives scores=0.9; turn 2 (the last) gives none: score falls back to the total reward."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        out = {"rewards": 0.25, "environment_feedback": " next\n", "done": self.turn == 2}
+        if self.turn == 1:
+            out["scores"] = 0.9
+        return out
+
+
+def test_score_is_last_steps_scores_else_total_reward(engine, tiny_tokenizer):
+    ex = MultiTurnExecutor(ScoreThenNone, engine, tiny_tokenizer)
+    (t,) = asyncio.run(ex.execute(_sample(tiny_tokenizer), SamplingParams(n=1, max_new_tokens=2, seed=0)))
+    assert t.status == TrajectoryStatus.OK and t.num_turns == 2
+    assert t.reward == 0.5 and t.score == 0.5  # 0.25 + 0.25; turn 1's 0.9 is not the last step's
+
+
+class BadParams(AgentInstanceBase):
+    async def step(self, states, **kwargs):
+        return {"rewards": 1.0, "done": False, "sampling_params": {"temperature": -1.0}}
+
+
+def test_invalid_next_sampling_params_fail_the_episode_not_the_batch(engine, tiny_tokenizer):
+    ex = MultiTurnExecutor(BadParams, engine, tiny_tokenizer, log=FailureLog())
+    trajs = asyncio.run(ex.execute(_sample(tiny_tokenizer), SamplingParams(n=2, max_new_tokens=2, seed=0)))
+    assert [t.failure_kind for t in trajs] == ["bad_output"] * 2
+    assert "sampling_params {'temperature': -1.0} is invalid: SamplingParams.temperature must be >= 0" in (
+        trajs[0].error
+    )
+
+    class BadFeedback(AgentInstanceBase):
+        async def step(self, states, **kwargs):
+            return {"rewards": 1.0, "done": False, "environment_feedback": ["not", "text"]}
+
+    ex = MultiTurnExecutor(BadFeedback, engine, tiny_tokenizer, log=FailureLog())
+    (t,) = asyncio.run(ex.execute(_sample(tiny_tokenizer), SamplingParams(n=1, max_new_tokens=2, seed=0)))
+    assert t.failure_kind == "bad_output" and "environment_feedback is list, expected str" in t.error
+
+
+def test_load_agent_syntax_error_and_bad_class_name_the_file(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1\ndef step(:\n")
+    with pytest.raises(ImportError, match=r"cannot load agent file .*broken\.py' \(line 2\): SyntaxError"):
+        load_agent_from_file(broken)
+    failing = tmp_path / "failing.py"
+    failing.write_text("import not_a_module_xyz\n")
+    with pytest.raises(ImportError, match=r"failing\.py.*ModuleNotFoundError.*not_a_module_xyz"):
+        load_agent_from_file(failing)
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("class AgentInstance:\n    pass\n")
+    with pytest.raises(TypeError, match=r"wrong\.py: .*must be a subclass of .*AgentInstanceBase"):
+        load_agent_from_file(wrong)

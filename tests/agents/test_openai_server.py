@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import urllib.error
 import urllib.request
 
 import openai
@@ -131,7 +132,18 @@ def test_history_rewrite_detected(engine, tiny_tokenizer):
 
 
 def test_bad_requests(served):
-    _, client, _ = served
+    _, client, port = served
+    for path, data, why in [
+        ("/tokenize", b"[1, 2]", "body must be a JSON object, got list"),
+        ("/detokenize", b"not json", "body is not valid JSON"),
+        ("/v1/completions", b'"x"', "body must be a JSON object, got str"),
+    ]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 400 and why in err.value.read().decode()
     with pytest.raises(openai.BadRequestError, match="one completion per call"):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], n=2, user="s3"
@@ -177,3 +189,21 @@ def test_openai_agent_executor_trains_client_agents(engine, tiny_model, tiny_tok
         acts = [i for i, m in enumerate(t.action_mask) if m]
         assert [t.rollout_logprobs[i] for i in acts] == pytest.approx([ref[i] for i in acts], abs=1e-4)
     assert trajs[0].token_ids != trajs[1].token_ids  # two sessions, two seeds
+
+
+def test_trace_with_an_aborted_call_fails():
+    from relayrl.agents.failures import FailureLog
+    from relayrl.agents.traces import SessionTrace, TraceCall
+
+    ok = TraceCall(prompt_ids=[5, 6], completion_ids=[7, 1], logprobs=[-0.5, -0.25], finish_reason="stop")
+    cut = TraceCall(prompt_ids=[5, 6, 7, 1, 9], completion_ids=[8], logprobs=[-1.0], finish_reason="abort")
+    good = trace_to_trajectory(SessionTrace(session_id="a", calls=[ok]))
+    assert good.status == TrajectoryStatus.OK and good.action_mask == [False, False, True, True]
+    log = FailureLog()
+    bad = trace_to_trajectory(SessionTrace(session_id="b", calls=[ok, cut]), log=log)
+    assert (
+        bad.status == TrajectoryStatus.FAILED
+        and bad.failure_kind == "aborted"
+        and log.counts == {"aborted": 1}
+    )
+    assert "aborted call(s) [2]" in bad.error

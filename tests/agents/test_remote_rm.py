@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -78,6 +79,40 @@ def test_load_spread_over_two_urls():
     assert {t.extra_logs["server"] for t in trajs} == {1.0, 2.0}
 
 
+def test_concurrency_limit_is_honoured():
+    from aiohttp import web
+
+    state = {"now": 0, "peak": 0, "total": 0}
+
+    async def handler(request):
+        body = await request.json()
+        state["now"] += 1
+        state["total"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        for _ in range(100):  # hold the request until a second one is in flight (or 1 s passed)
+            if state["now"] >= 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
+        state["now"] -= 1
+        return web.json_response({"rewards": [1.0] * len(body["query"])})
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/get_reward", handler)
+        runners, urls = await _serve(app)
+        try:
+            trajs = _trajs(6)
+            await RemoteRewardSource(urls, batch_size=1, max_concurrency=2).score(trajs)
+            return trajs
+        finally:
+            await runners[0].cleanup()
+
+    trajs = asyncio.run(run())
+    assert all(t.reward == 1.0 for t in trajs) and state["total"] == 6
+    assert state["peak"] == 2  # 6 batches, never more than max_concurrency=2 requests in flight
+
+
 def test_failover_when_one_server_is_down(free_port):
     hits: Counter = Counter()
     down = f"http://127.0.0.1:{free_port()}/get_reward"
@@ -105,7 +140,7 @@ def test_server_down_clear_error_after_retries(free_port):
     start = time.perf_counter()
     asyncio.run(source.score(trajs))
     elapsed = time.perf_counter() - start
-    assert 0.15 <= elapsed < 3.0  # backoff 0.05 + 0.1, then give up
+    assert 0.15 <= elapsed < 10.0  # backoff 0.05 + 0.1, then give up (the upper bound: no hang)
     assert source.requests[url] == 3
     for t in trajs:
         assert t.status == TrajectoryStatus.FAILED and t.failure_kind == "remote_error"
@@ -114,22 +149,53 @@ def test_server_down_clear_error_after_retries(free_port):
 
 
 def test_slow_server_times_out_bounded():
-    hits: Counter = Counter()
+    release = threading.Event()  # the server answers nothing until the client has given up
+
+    def never(queries, prompts, labels):
+        release.wait(30)
+        return [0.0] * len(queries)
 
     async def run():
-        runners, urls = await _serve(build_rm_app(_scorer("slow", hits, delay=0.6)))
+        runners, urls = await _serve(build_rm_app(never))
         try:
             source = RemoteRewardSource(urls, timeout=0.2, retries=1, backoff=0.05)
             trajs = _trajs(2)
             start = time.perf_counter()
             await source.score(trajs)
-            return trajs, time.perf_counter() - start, urls[0]
+            return source, trajs, time.perf_counter() - start, urls[0]
+        finally:
+            release.set()
+            await runners[0].cleanup()
+
+    source, trajs, elapsed, url = asyncio.run(run())
+    # 2 attempts x 0.2 s + 0.05 s backoff = 0.45 s; the bound is loose for a loaded machine, but far below
+    # the 30 s the server would take: the client gives up on its own, it does not wait for the server.
+    assert 0.45 <= elapsed < 10.0 and source.requests[url] == 2
+    assert all(t.failure_kind == "timeout" and f"{url}: no reply within 0.2s" in t.error for t in trajs)
+    assert "failed after 2 attempts" in trajs[0].error
+
+
+def test_unusable_reply_fails_its_batch_without_crashing():
+    from aiohttp import web
+
+    async def handler(request):
+        n = len((await request.json())["query"])
+        return web.json_response({"rewards": [1.0] * n, "extra_logs": ["not", "a", "dict"]})
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/get_reward", handler)
+        runners, urls = await _serve(app)
+        try:
+            trajs, log = _trajs(2), FailureLog()
+            await RemoteRewardSource(urls, retries=0, log=log).score(trajs)
+            return trajs, log, urls[0]
         finally:
             await runners[0].cleanup()
 
-    trajs, elapsed, url = asyncio.run(run())
-    assert elapsed < 0.55  # 2 attempts x 0.2 s + 0.05 s backoff, not the server's 2 x 0.6 s
-    assert all(t.failure_kind == "timeout" and f"{url}: no reply within 0.2s" in t.error for t in trajs)
+    trajs, log, url = asyncio.run(run())
+    assert [t.failure_kind for t in trajs] == ["bad_output"] * 2 and log.counts == {"bad_output": 2}
+    assert f"reply from ['{url}']: extra_logs is list, expected a dict" in trajs[0].error
 
 
 def test_bad_requests_get_400():

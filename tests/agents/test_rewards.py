@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import textwrap
+import threading
 import time
 
 import pytest
@@ -89,31 +89,60 @@ def test_reward_func_failures(tiny_tokenizer, tmp_path, response, kind):
     source = RewardFuncSource(path, timeout=0.3, log=log)
     start = time.perf_counter()
     asyncio.run(source.score(trajs))
-    assert time.perf_counter() - start < 1.5  # the 3 s sleep is not waited for
+    assert time.perf_counter() - start < 2.5  # the 3 s sleep is not waited for (0.3 s timeout)
     assert [t.failure_kind for t in trajs] == [kind, kind]  # one call per batch: the whole batch fails
     assert all(t.reward is None and kind in t.error for t in trajs)
     assert log.counts == {kind: 2}
 
 
 def test_reward_func_plain_function_and_event_loop_free(tiny_tokenizer):
-    ticks = []
+    loop_ran = threading.Event()
 
     def reward_func(queries, prompts, labels):
-        time.sleep(0.3)  # blocking: must run off the event loop
+        # blocks until a coroutine on the event loop has run: only possible if we are off the loop
+        if not loop_ran.wait(10):
+            raise RuntimeError("the event loop was blocked while the reward function ran")
         return [float(len(q)) for q in queries]
 
     async def run() -> None:
-        async def ticker() -> None:
-            for _ in range(5):
-                ticks.append(time.perf_counter())
-                await asyncio.sleep(0.04)
+        async def other_work() -> None:
+            await asyncio.sleep(0)
+            loop_ran.set()
 
-        await asyncio.gather(RewardFuncSource(reward_func).score(trajs), ticker())
+        await asyncio.gather(RewardFuncSource(reward_func).score(trajs), other_work())
 
     trajs = make_trajs(tiny_tokenizer, ["4", "46"])
     asyncio.run(run())
+    assert [t.status for t in trajs] == [TrajectoryStatus.OK] * 2, trajs[0].error
     assert [t.reward for t in trajs] == [7.0, 8.0]  # "12+34=" + response, no tokenizer: text concat
-    assert max(b - a for a, b in itertools.pairwise(ticks)) < 0.2  # the loop kept running
+
+
+def test_async_reward_func_awaited_with_timeout(tiny_tokenizer):
+    async def reward_func(queries, prompts, labels, responses):
+        if responses[0] == "slow":
+            await asyncio.sleep(30)
+        return {"rewards": [float(r == lab) for r, lab in zip(responses, labels, strict=True)]}
+
+    trajs = make_trajs(tiny_tokenizer, ["46", "47"])
+    asyncio.run(RewardFuncSource(reward_func).score(trajs))
+    assert [t.reward for t in trajs] == [1.0, 0.0] and [t.score for t in trajs] == [1.0, 0.0]
+    slow = make_trajs(tiny_tokenizer, ["slow"])
+    log = FailureLog()
+    asyncio.run(RewardFuncSource(reward_func, timeout=0.2, log=log).score(slow))
+    assert slow[0].failure_kind == "timeout" and log.counts == {"timeout": 1}
+
+
+def test_reward_file_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing\.py"):
+        build_reward_source(str(tmp_path / "missing.py"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward_func(queries, prompts, labels)\n    return queries\n")
+    with pytest.raises(ImportError, match=r"cannot load reward file .*broken\.py' \(line 1\): SyntaxError"):
+        build_reward_source(str(broken))
+    other = tmp_path / "other.py"
+    other.write_text("def score(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    with pytest.raises(AttributeError, match=r"other\.py has no function `reward_func"):
+        build_reward_source(str(other))
 
 
 def test_task_reward_source(tiny_tokenizer):

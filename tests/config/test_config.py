@@ -258,3 +258,22 @@ def test_generic_tree_enum_path_dict_union_optional_group(tmp_path):
     assert load_yaml(Generic, save_yaml(cfg, tmp_path / "back.yaml")) == cfg
     with pytest.raises(ConfigError, match=r"weights.b: 'x' is not a valid float"):
         from_dict(Generic, {"weights": {"b": "x"}})
+
+
+@dataclass(kw_only=True, slots=True)
+class Pair:
+    """A fixed-length tuple of two types."""
+
+    point: tuple[int, str] = (1, "a")
+    """An int and a str."""
+
+
+def test_fixed_length_tuple_checks_length_and_each_type():
+    assert parse_cli(Pair, ["--point", "3", "b"]).point == (3, "b")
+    assert from_dict(Pair, {"point": [4, "c"]}).point == (4, "c")
+    with pytest.raises(ConfigError, match=r"^point: \['3'\] has 1 values; expected 2 \(int, str\)$"):
+        parse_cli(Pair, ["--point", "3"])
+    with pytest.raises(ConfigError, match=r"^point: \[1, 'a', 2\] has 3 values; expected 2 \(int, str\)$"):
+        from_dict(Pair, {"point": [1, "a", 2]})
+    with pytest.raises(ConfigError, match=r"^point\[0\]: 'x' is not a valid int$"):
+        parse_cli(Pair, ["--point", "x", "y"])

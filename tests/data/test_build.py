@@ -9,7 +9,7 @@ import pytest
 
 from relayrl.config import DataConfig
 from relayrl.data.build import build_prompt_data, build_sft_data, mix_counts, select_rows
-from relayrl.data.loading import MalformedRowError
+from relayrl.data.loading import DataError, MalformedRowError
 
 
 def write_jsonl(path, rows):
@@ -97,6 +97,22 @@ def test_too_long_rows_are_dropped_counted_and_printed(tmp_path, tiny_tokenizer)
     assert [len(s) for s in train] == [6, 4]
     assert (stats[0].kept, stats[0].dropped_too_long) == (2, 1)
     assert logged == [f"data[train] {a}: read 3, used 3, kept 2, dropped_too_long 1, skipped_malformed 0"]
+
+
+def test_nothing_left_to_train_on_is_a_clear_error(tmp_path, tiny_tokenizer):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"input": "12345+1=", "output": "12346"}])
+    with pytest.raises(
+        DataError, match=r"no training samples left \(data\[train\] .*kept 0, dropped_too_long 1"
+    ):
+        build_sft_data(DataConfig(datasets=[a], max_len=6), tiny_tokenizer, log=lambda s: None)
+    with pytest.raises(DataError, match=r"no training samples left .*data.max_len"):
+        build_prompt_data(DataConfig(datasets=[a], max_len=3), tiny_tokenizer, log=lambda s: None)
+
+
+def test_same_source_twice_is_rejected(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", rows_of("a", 3))
+    with pytest.raises(ValueError, match=r"lists \[.*a\.jsonl'\] more than once; .*data.dataset_probs"):
+        select_rows(DataConfig(datasets=[a, a]))
 
 
 def test_malformed_row_error_names_file_row_and_key(tmp_path, tiny_tokenizer):

@@ -51,6 +51,15 @@ def test_json_lines_in_a_json_file(tmp_path):
     assert [r.data for r in load_source(str(p))[0]] == ROWS
 
 
+@pytest.mark.parametrize("name", ["a.jsonl", "b.json", "d.csv"])
+def test_utf8_byte_order_mark_is_ignored(tmp_path, name):
+    folder = write_all_formats(tmp_path / "src")
+    path = folder / name
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # Excel / Notepad save with a BOM
+    rows, bad = load_source(str(path))
+    assert [r.data for r in rows] == ROWS and bad == 0  # the csv header is 'input', not '\ufeffinput'
+
+
 def test_bad_json_line_names_file_and_line_unless_skipped(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text(json.dumps(ROWS[0]) + "\n" + '{"input": "oops"\n' + "[1, 2]\n" + json.dumps(ROWS[1]) + "\n")

@@ -63,7 +63,10 @@ def parse_reward_output(out: Any, n: int) -> RewardBatch:
         rewards = _as_list(out["rewards"], "rewards", n)
         scores = None if out.get("scores") is None else _as_list(out["scores"], "scores", n)
         logs: dict[str, list[float]] = {}
-        for name, value in (out.get("extra_logs") or {}).items():
+        raw_logs = out.get("extra_logs") or {}
+        if not isinstance(raw_logs, dict):
+            raise ScalarError("bad_output", f"extra_logs is {type(raw_logs).__name__}, expected a dict")
+        for name, value in raw_logs.items():
             values = _as_list(value, f"extra_logs[{name!r}]", n) if _is_seq(value) else [value] * n
             logs[str(name)] = [_finite_or_nan(v) for v in values]
         return RewardBatch(rewards=rewards, scores=scores, extra_logs=logs)

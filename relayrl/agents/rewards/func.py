@@ -8,7 +8,7 @@
 
 It returns {"rewards": [B], "scores": [B], "extra_logs": {...}} or a plain [B] list / tensor. It is called on
 batches of `batch_size` trajectories, on a daemon thread (never on the event loop), each call bounded by
-`timeout` seconds.
+`timeout` seconds; an `async def reward_func` is awaited on the event loop instead (same timeout).
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ class RewardFuncSource:
         prompts = [t.sample.prompt for t in chunk]
         labels = [t.sample.label for t in chunk]
         try:
-            out = await run_in_thread(self.func, queries, prompts, labels, timeout=self.timeout, **kwargs)
+            if inspect.iscoroutinefunction(self.func):  # an `async def reward_func` runs on the event loop
+                out = await asyncio.wait_for(self.func(queries, prompts, labels, **kwargs), self.timeout)
+            else:
+                out = await run_in_thread(self.func, queries, prompts, labels, timeout=self.timeout, **kwargs)
             batch = parse_reward_output(out, len(chunk))
         except TimeoutError:
             return fail_all(chunk, "timeout", f"no result within {self.timeout}s", self.name, self.log)

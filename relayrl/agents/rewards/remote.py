@@ -90,6 +90,9 @@ class RemoteRewardSource:
             return fail_all(batch, e.kind, str(e), "remote RM", self.log)
         except ScalarError as e:
             return fail_all(batch, e.kind, f"reply from {self.urls}: {e}", "remote RM", self.log)
+        except (TypeError, ValueError, AttributeError) as e:  # any other unusable reply: fail, don't crash
+            msg = f"reply from {self.urls} is unusable: {type(e).__name__}: {e}"
+            return fail_all(batch, "bad_output", msg, "remote RM", self.log)
         fill(batch, parsed, "remote RM", self.log)
 
     def _pick(self, avoid: str | None) -> str:
