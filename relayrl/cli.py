@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("relayrl.trainers.rl:main", "RL training: PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO."),
     "serve": ("relayrl.agents.openai_server:main", "OpenAI-compatible server over a rollout engine."),
     "serve-rm": ("relayrl.agents.remote_rm:serve_main", "Serve a local reward model over HTTP."),
+    "merge-lora": ("relayrl.models.loading:merge_lora_main", "Merge a LoRA adapter into its base model."),
 }
 
 

@@ -1,0 +1,236 @@
+"""Load policies, reference models and tokenizers; LoRA / QLoRA through peft; merge adapters.
+
+    tok = load_tokenizer("path/or/hub-id")                       pad token falls back to eos (with a warning)
+    model = load_causal_lm(ModelConfig(name_or_path=...))        dtype, attention kernel, grad checkpointing,
+                                                                 LoRA (lora.rank > 0), QLoRA (load_in_4bit)
+    merge_lora("runs/sft/ckpt/step_100/model", "merged/")        adapter folder -> full HF model folder
+
+Errors teach: a name that is neither a local folder nor reachable on the Hub (offline) says so and how to fix
+it; QLoRA without bitsandbytes or without CUDA names what is missing. Value-head models (critic / reward
+model) live in value_head.py and reuse `resolve_source`, `torch_dtype` and `apply_lora`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl.config.components import LoraConfig, ModelConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """ "fp32" / "bf16" / "fp16" -> the torch dtype."""
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
+    """Check that `name_or_path` is a local folder or a Hub id we may download; return it unchanged.
+
+    Raises a clear error for an empty value, a local-looking path that does not exist, or a Hub id while
+    HF_HUB_OFFLINE=1 (unless it is already in the local Hub cache).
+    """
+    if not name_or_path:
+        raise ValueError(
+            f"{what} is empty: pass a local model folder or a Hub id (e.g. --{what} Qwen/Qwen3-0.6B)"
+        )
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return str(p)
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or p.exists()
+    if looks_local:
+        raise FileNotFoundError(f"{what}={name_or_path!r}: no such folder (expected an HF model folder)")
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            raise OSError(
+                f"{what}={name_or_path!r} is not a local folder and HF_HUB_OFFLINE=1 forbids downloading it: "
+                "pass a local folder, or unset HF_HUB_OFFLINE where the Hub is reachable"
+            )
+    return name_or_path
+
+
+def _hub_error(err: Exception, source: str, what: str) -> OSError:
+    return OSError(
+        f"could not load {what}={source!r}: {err}. If it is a Hub id, check the name and that the Hub is "
+        "reachable (offline machines need a local folder)"
+    )
+
+
+def load_tokenizer(
+    name_or_path: str, *, trust_remote_code: bool = False, padding_side: str | None = None
+) -> Any:
+    """AutoTokenizer from a folder or Hub id; sets pad_token = eos_token (with a warning) when missing."""
+    from transformers import AutoTokenizer
+
+    source = resolve_source(name_or_path, "model.tokenizer_name_or_path")
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise _hub_error(err, source, "tokenizer") from err
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer {source!r} has neither a pad token nor an eos token; set one in it")
+        warnings.warn(
+            f"tokenizer {source!r} has no pad token; using eos {tok.eos_token!r} as pad", stacklevel=2
+        )
+        tok.pad_token = tok.eos_token
+    if padding_side is not None:
+        tok.padding_side = padding_side
+    return tok
+
+
+def quantization_config(cfg: ModelConfig) -> Any:
+    """BitsAndBytesConfig for QLoRA (nf4, double quant, bf16 compute); None when load_in_4bit is off."""
+    if not cfg.load_in_4bit:
+        return None
+    missing = []
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        missing.append("the bitsandbytes package (pip install bitsandbytes)")
+    if not torch.cuda.is_available():
+        missing.append("a CUDA GPU")
+    if missing:
+        raise RuntimeError(
+            f"model.load_in_4bit (QLoRA) needs {' and '.join(missing)}; turn load_in_4bit off to use plain LoRA"
+        )
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """from_pretrained keyword arguments shared by causal LMs and value-head models."""
+    kwargs: dict[str, Any] = {
+        "dtype": torch_dtype(cfg.dtype),
+        "attn_implementation": cfg.attn_implementation,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
+    quant = quantization_config(cfg)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return kwargs
+
+
+def apply_lora(model: Any, lora: LoraConfig, *, task_type: str = "CAUSAL_LM", quantized: bool = False) -> Any:
+    """Wrap `model` in peft LoRA adapters (rank, alpha, dropout, targets); returns the PeftModel.
+
+    task_type "SEQ_CLS" (value-head models) also trains and saves the `score` head.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    targets: Any = lora.target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    peft_cfg = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type=task_type,
+        modules_to_save=["score"] if task_type == "SEQ_CLS" else None,
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def finish_model(model: Any, cfg: ModelConfig, *, task_type: str) -> Any:
+    """Gradient checkpointing and LoRA, shared by causal LMs and value-head models."""
+    if cfg.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora.rank > 0:
+        model = apply_lora(model, cfg.lora, task_type=task_type, quantized=cfg.load_in_4bit)
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def load_causal_lm(cfg: ModelConfig, *, device: torch.device | str | None = None, lora: bool = True) -> Any:
+    """AutoModelForCausalLM per `cfg`: dtype, attention kernel, gradient checkpointing, LoRA / QLoRA.
+
+    `lora=False` skips adapters (e.g. for a frozen reference model). The model is moved to `device` unless
+    it was quantized (bitsandbytes places it itself).
+    """
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_source(cfg.name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs(cfg))
+    except OSError as err:
+        raise _hub_error(err, source, "model.name_or_path") from err
+    if device is not None and not cfg.load_in_4bit:
+        model = model.to(device)
+    if not lora:
+        return model
+    return finish_model(model, cfg, task_type="CAUSAL_LM")
+
+
+def load_model_and_tokenizer(
+    cfg: ModelConfig, *, device: torch.device | str | None = None
+) -> tuple[Any, Any]:
+    """(causal LM, tokenizer) per `cfg`; the tokenizer from tokenizer_name_or_path or name_or_path."""
+    tok = load_tokenizer(
+        cfg.tokenizer_name_or_path or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
+    )
+    return load_causal_lm(cfg, device=device), tok
+
+
+def merge_lora(adapter_path: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> Path:
+    """Merge a saved LoRA adapter folder into its base model and save a full HF folder (+ tokenizer).
+
+    The base model is the adapter's `base_model_name_or_path`; the tokenizer is copied from the adapter
+    folder when present, else from the base.
+    """
+    from peft import AutoPeftModelForCausalLM
+
+    adapter_path, out_dir = Path(adapter_path), Path(out_dir)
+    if not (adapter_path / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{adapter_path} has no adapter_config.json: is it a LoRA adapter folder?")
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter_path, dtype=torch_dtype(dtype))
+    merged = model.merge_and_unload()
+    merged.save_pretrained(out_dir)
+    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else None
+    if tok_source is None:
+        tok_source = model.peft_config["default"].base_model_name_or_path
+    load_tokenizer(str(tok_source)).save_pretrained(out_dir)
+    return out_dir
+
+
+def merge_lora_main(argv: list[str]) -> int:
+    """`relayrl merge-lora ADAPTER_DIR OUT_DIR [--dtype fp32|bf16|fp16]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="relayrl merge-lora", description=merge_lora.__doc__)
+    parser.add_argument("adapter_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    args = parser.parse_args(argv)
+    out = merge_lora(args.adapter_dir, args.out_dir, dtype=args.dtype)
+    print(f"merged model written to {out}")
+    return 0

@@ -1,0 +1,144 @@
+"""Value-head models for critics (per-token values) and reward models (one score per sequence).
+
+A value-head model IS a Hugging Face `AutoModelForSequenceClassification` with num_labels=1: the decoder
+(`model.<base_model_prefix>`) plus a linear head named `score` (hidden -> 1, no bias), with `pad_token_id` in
+its config. So a saved critic / RM folder loads anywhere with
+
+    AutoModelForSequenceClassification.from_pretrained(folder)     # logits [B, 1] = sequence_scores(...)
+
+and vLLM / OpenRLHF-style tools read it unchanged.
+
+    rm = build_value_model(ModelConfig(name_or_path=sft_path), init="normal")   # new head on a causal LM
+    v  = token_values(critic, input_ids, attention_mask)     # [B, T]   critic: value of every position
+    r  = sequence_scores(rm, input_ids, attention_mask)      # [B]      RM: value at the last real token
+    save_value_model(rm, tokenizer, out_dir)
+
+`build_value_model` accepts either a causal-LM folder (the head is new: zeros for a critic, N(0, 1/(H+1)) for
+a reward model as in OpenRLHF) or an already saved value-head folder (the head is loaded). Packed inputs work
+as for causal LMs: pass position_ids and attention_mask=None.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayrl.config.components import ModelConfig
+from relayrl.models.loading import _hub_error, finish_model, model_kwargs, resolve_source
+
+
+def _is_value_folder(source: str) -> bool:
+    config = Path(source) / "config.json"
+    if not config.is_file():
+        return False
+    archs = json.loads(config.read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
+def build_value_model(
+    cfg: ModelConfig,
+    *,
+    init: str = "zeros",
+    pad_token_id: int | None = None,
+    device: torch.device | str | None = None,
+) -> Any:
+    """An `AutoModelForSequenceClassification` (num_labels=1) from a causal-LM or value-head folder.
+
+    init: how a NEW head is initialised: "zeros" (critic: starts at V=0) or "normal" (reward model,
+    std 1/sqrt(H+1)); ignored when loading a saved value-head folder. pad_token_id defaults to the one in
+    the model config (needed by HF's own pooling; set it from the tokenizer when the config lacks it).
+    LoRA (cfg.lora.rank > 0) uses peft task SEQ_CLS, which also trains the `score` head.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if init not in ("zeros", "normal"):
+        raise ValueError(f"value head init must be 'zeros' or 'normal', got {init!r}")
+    source = resolve_source(cfg.name_or_path)
+    existing = _is_value_folder(source)
+    kwargs = model_kwargs(cfg)
+    try:
+        hf_config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        hf_config.num_labels = 1
+        if pad_token_id is not None:
+            hf_config.pad_token_id = pad_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(source, config=hf_config, **kwargs)
+    except OSError as err:
+        raise _hub_error(err, source, "model.name_or_path") from err
+    except ValueError as err:
+        raise ValueError(
+            f"{source!r}: this architecture has no ForSequenceClassification class in transformers, so it "
+            f"cannot carry a value head ({err})"
+        ) from err
+    if not existing:
+        _init_head(model.score, init)
+    if device is not None and not cfg.load_in_4bit:
+        model = model.to(device)
+    return finish_model(model, cfg, task_type="SEQ_CLS")
+
+
+@torch.no_grad()
+def _init_head(head: torch.nn.Linear, init: str) -> None:
+    if init == "zeros":
+        head.weight.zero_()
+    else:
+        head.weight.normal_(0.0, 1.0 / math.sqrt(head.in_features + 1))
+    if head.bias is not None:
+        head.bias.zero_()
+
+
+def _unwrap(model: Any) -> Any:
+    """The HF model under a peft wrapper (peft keeps `score` trainable through modules_to_save)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def token_values(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token values [B, T] (float32): the `score` head applied to every position's last hidden state."""
+    hf = _unwrap(model)
+    decoder = getattr(hf, hf.base_model_prefix)
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    return hf.score(hidden).squeeze(-1).float()
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of the last real (mask=1) position of each row; works for left and right padding."""
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return (positions * attention_mask.to(positions.dtype)).argmax(-1)
+
+
+def sequence_scores(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reward-model scores [B] (float32): the value at each row's last real token."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    values = token_values(model, input_ids, attention_mask)
+    return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+
+
+def save_value_model(model: Any, tokenizer: Any, out_dir: str | Path, *, merge_lora: bool = True) -> Path:
+    """Save so that `AutoModelForSequenceClassification.from_pretrained(out_dir)` loads it.
+
+    A peft model is merged first (merge_lora=True) so the folder is a plain full model; pad_token_id is
+    taken from the tokenizer when the config lacks it.
+    """
+    out_dir = Path(out_dir)
+    if merge_lora and hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    if getattr(model.config, "pad_token_id", None) is None and tokenizer is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

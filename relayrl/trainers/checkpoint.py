@@ -1,0 +1,320 @@
+"""Atomic, rotating, exactly-resumable checkpoints (DESIGN.md "Outputs").
+
+Layout of one checkpoint (`CheckpointManager.save`)::
+
+    <root>/
+      latest                  text file: the folder name of the newest complete checkpoint ("step_40")
+      step_40/
+        model/                HF folder (save_pretrained + tokenizer) -> from_pretrained loads it
+                              (or weights.pt, a torch state_dict, with hf_format=False)
+        critic/               ... one folder per entry of `models` (RL saves policy and critic)
+        optim.pt              {"optimizers": {name: state_dict}, "schedulers": {name: state_dict}}
+        extra.pt              anything torch-picklable the trainer wants back (dataloader state, ...)
+        rng.pt                python / numpy / torch / cuda RNG states (`capture_rng_state`)
+        trainer_state.json    JSON: {"step", "metric", ...trainer fields}
+
+Atomicity: everything is written into `<root>/.tmp-step_40-<pid>/` and renamed to `step_40/` only when
+complete; `latest` is then replaced with `os.replace` (atomic on POSIX). A crash mid-save leaves at most a
+`.tmp-*` folder, which `latest()` ignores and the next `save` removes. Rotation (after each save) keeps the
+`keep_last` newest checkpoints plus the `keep_best` best by the `metric` passed to `save` (`best_mode` min or
+max); the one `latest` points to is never removed.
+
+Resume: `load(path, models=..., optimizers=..., schedulers=...)` restores weights in place (HF safetensors or a
+peft adapter), optimizer and scheduler states, the RNG states, and returns a `LoadedCheckpoint` with the trainer
+state and the extra payload. Single-process (or rank-0 full-state) checkpoints; sharded FSDP state belongs to
+relayrl/distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+LATEST = "latest"
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+WEIGHTS_FILE = "weights.pt"
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadedCheckpoint:
+    """What `CheckpointManager.load` returns besides the in-place restores."""
+
+    path: Path
+    """The checkpoint folder (`<root>/step_<N>`)."""
+    step: int
+    """Optimizer steps completed when it was saved."""
+    trainer_state: dict[str, Any]
+    """The JSON trainer state passed to `save` (plus "step" and "metric")."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The `extra` payload passed to `save` (e.g. {"data": data-iterator state})."""
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and (when present) all CUDA RNG states."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of `capture_rng_state` (CUDA states restored only when CUDA is present)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_of(path: Path) -> int:
+    """The N of a `step_<N>` folder name."""
+    return int(path.name[len(STEP_PREFIX) :])
+
+
+class CheckpointManager:
+    """Saves, rotates, finds and loads checkpoints under one root folder.
+
+    Args:
+        root: the checkpoint folder (created if missing).
+        keep_last: newest checkpoints to keep (>= 1); older ones are deleted after each save.
+        keep_best: additionally keep this many best checkpoints by the `metric` given to `save` (0: none).
+        best_mode: "min" (e.g. eval loss) or "max" (e.g. accuracy).
+        hf_format: write each model as an HF folder (save_pretrained, loadable by from_pretrained); False
+            writes only `<name>/weights.pt` (a torch state_dict: smaller, still exactly resumable).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        keep_last: int = 2,
+        keep_best: int = 0,
+        best_mode: str = "min",
+        hf_format: bool = True,
+    ):
+        if keep_last < 1:
+            raise ValueError(f"ckpt keep_last must be >= 1, got {keep_last}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"ckpt best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.best_mode = best_mode
+        self.hf_format = hf_format
+
+    # ---------------------------------------------------------------- discovery
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoint folders, oldest step first."""
+        if not self.root.is_dir():
+            return []
+        found = [
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX) :].isdigit()
+        ]
+        return sorted(found, key=step_of)
+
+    def latest(self) -> Path | None:
+        """The folder `latest` names, or the newest complete one if the pointer is missing; None if none."""
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            target = self.root / pointer.read_text().strip()
+            if (target / "trainer_state.json").is_file():
+                return target
+        complete = [p for p in self.checkpoints() if (p / "trainer_state.json").is_file()]
+        return complete[-1] if complete else None
+
+    # ---------------------------------------------------------------- save
+    def save(
+        self,
+        step: int,
+        *,
+        models: Mapping[str, Any],
+        tokenizer: Any = None,
+        optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: Mapping[str, Any] | None = None,
+        trainer_state: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        metric: float | None = None,
+    ) -> Path:
+        """Write `<root>/step_<step>/` atomically, point `latest` at it, rotate; returns the folder.
+
+        `models` maps a sub-folder name to a model with `save_pretrained` (HF or peft); the tokenizer is saved
+        into every model folder. `trainer_state` must be JSON-serialisable; `extra` is torch-pickled.
+        `metric` (lower is better when best_mode="min") ranks checkpoints for `keep_best`.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_tmp()
+        final = self.root / f"{STEP_PREFIX}{step}"
+        tmp = self.root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+        try:
+            tmp.mkdir()
+            for name, model in models.items():
+                if self.hf_format:
+                    model.save_pretrained(tmp / name)
+                else:
+                    (tmp / name).mkdir()
+                    torch.save(model.state_dict(), tmp / name / WEIGHTS_FILE)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp / name)
+            torch.save(
+                {
+                    "optimizers": {k: o.state_dict() for k, o in (optimizers or {}).items()},
+                    "schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()},
+                },
+                tmp / "optim.pt",
+            )
+            torch.save(dict(extra or {}), tmp / "extra.pt")
+            torch.save(capture_rng_state(), tmp / "rng.pt")
+            state = {**dict(trainer_state or {}), "step": step, "metric": metric}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, never leave a half folder
+            trash = self.root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            final.rename(trash)
+            tmp.rename(final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        self._write_latest(final.name)
+        self._rotate()
+        return final
+
+    def _write_latest(self, name: str) -> None:
+        tmp = self.root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, self.root / LATEST)
+
+    def _remove_stale_tmp(self) -> None:
+        for p in self.root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+    def _metric_of(self, path: Path) -> float | None:
+        try:
+            return json.loads((path / "trainer_state.json").read_text()).get("metric")
+        except (OSError, ValueError):
+            return None
+
+    def _rotate(self) -> None:
+        ckpts = self.checkpoints()
+        keep = set(ckpts[-self.keep_last :])
+        if self.keep_best > 0:
+            scored = [(m, p) for p in ckpts if (m := self._metric_of(p)) is not None]
+            scored.sort(key=lambda mp: mp[0], reverse=self.best_mode == "max")
+            keep |= {p for _, p in scored[: self.keep_best]}
+        latest = self.latest()
+        if latest is not None:
+            keep.add(latest)
+        for p in ckpts:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def best(self) -> Path | None:
+        """The kept checkpoint with the best metric (None when no checkpoint has one)."""
+        scored = [(m, p) for p in self.checkpoints() if (m := self._metric_of(p)) is not None]
+        if not scored:
+            return None
+        pick = min if self.best_mode == "min" else max
+        return pick(scored, key=lambda mp: mp[0])[1]
+
+    # ---------------------------------------------------------------- load
+    def load(
+        self,
+        path: str | Path | None = None,
+        *,
+        models: Mapping[str, torch.nn.Module] | None = None,
+        optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: Mapping[str, Any] | None = None,
+        restore_rng: bool = True,
+    ) -> LoadedCheckpoint:
+        """Restore a checkpoint in place (default: `latest()`); returns trainer state and `extra`.
+
+        Models must have the same architecture as when saved; weights are copied into them (so optimizers
+        built on their parameters stay valid). Optimizer and scheduler states are loaded after the weights.
+        """
+        path = Path(path) if path is not None else self.latest()
+        if path is None or not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(
+                f"no complete checkpoint at {path or self.root}: expected a step_<N> folder with trainer_state.json"
+            )
+        for name, model in (models or {}).items():
+            load_weights_into(model, path / name)
+        optim = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
+        for name, opt in (optimizers or {}).items():
+            opt.load_state_dict(optim["optimizers"][name])
+        for name, sched in (schedulers or {}).items():
+            sched.load_state_dict(optim["schedulers"][name])
+        if restore_rng:
+            restore_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=False))
+        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        state = json.loads((path / "trainer_state.json").read_text())
+        return LoadedCheckpoint(path=path, step=int(state["step"]), trainer_state=state, extra=extra)
+
+
+def _read_safetensors_folder(folder: Path, stem: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob(f"{stem}*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no {stem}*.safetensors in {folder}: was it saved with save_pretrained?")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
+    """Copy the weights of an HF (or peft adapter) folder into `model` in place.
+
+    Keys missing from the files are allowed only when they are tied to a loaded parameter (e.g. lm_head tied to
+    the embeddings); anything else is an error naming the keys.
+    """
+    folder = Path(folder)
+    if (folder / WEIGHTS_FILE).is_file():
+        model.load_state_dict(torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True))
+        return
+    if (folder / "adapter_config.json").is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, _read_safetensors_folder(folder, "adapter_model"))
+        return
+    state = _read_safetensors_folder(folder, "model")
+    result = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    untied = [k for k in result.missing_keys if own[k].data_ptr() not in loaded_ptrs]
+    if not untied and not result.unexpected_keys:
+        return
+    # Saved names may differ from in-memory names (transformers' weight conversions, e.g. fused MoE experts):
+    # let from_pretrained map them, then copy.
+    mismatch = (
+        f"checkpoint {folder} does not match the model: missing {untied[:5]}, unexpected "
+        f"{result.unexpected_keys[:5]}; was it saved from the same architecture?"
+    )
+    if not hasattr(type(model), "from_pretrained"):
+        raise ValueError(mismatch)
+    fresh = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
+    try:
+        model.load_state_dict(fresh.state_dict(), strict=True)
+    except RuntimeError as err:
+        raise ValueError(mismatch) from err
