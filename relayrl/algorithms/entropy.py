@@ -19,16 +19,21 @@ Metrics = dict[str, float]
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """[..., V] -> [...]: entropy of softmax(logits / temperature), computed in float32 or wider."""
+    """[..., V] -> [...]: entropy of softmax(logits / temperature), computed in float32 or wider.
+
+    Logits of -inf (a banned token) contribute 0 (p log p -> 0), not NaN, to the value and the gradient."""
+    if temperature <= 0:
+        raise ValueError(f"entropy temperature must be > 0 (the sampling temperature), got {temperature}")
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    z = z / temperature
-    logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    logp = torch.log_softmax(z / temperature, dim=-1)
+    finite_logp = logp.clamp(min=torch.finfo(logp.dtype).min)  # -inf -> most negative float; p = 0 there
+    return -(logp.exp() * finite_logp).sum(dim=-1)
 
 
 def entropy_bonus(entropy: Tensor, action_mask: Tensor, *, coef: float) -> tuple[Tensor, Metrics]:
     """Per-token loss -coef * H_t [B, T] (0 off the mask; subtracting entropy = a bonus). Metric `entropy`
-    = mean over action tokens. coef = 0 gives a zero loss (metric only)."""
-    m = action_mask.to(entropy.dtype)
-    mean = float(entropy.detach().mul(m).sum() / m.sum().clamp(min=1))
-    return -coef * entropy * m, {"entropy": mean}
+    = sum over action tokens / their count (0 for an empty mask). coef = 0 gives a zero loss (metric only)."""
+    m = action_mask.bool()
+    ent = torch.where(m, entropy, 0.0)
+    mean = float(ent.detach().sum() / m.sum().clamp(min=1))
+    return -coef * ent, {"entropy": mean}

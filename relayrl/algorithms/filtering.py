@@ -3,7 +3,10 @@
 A group = the n contiguous samples of one prompt (scores [B], B = G * n). A group is dropped when
 
 - its scores have zero variance (max - min <= atol; any constant score, not only all-0 / all-1), or
-- its mean score falls outside [mean_low, mean_high] (when a range is given).
+- its mean score falls outside [mean_low, mean_high] (when a range is given; bounds inclusive).
+
+Non-finite scores raise a ValueError naming the rows (a NaN group would otherwise look "varied" or not
+depending on where the NaN sits). Fractions in the metrics divide by the number of groups.
 
 `dynamic_filter(scores, group_size=, mean_range=None, atol=0.0) -> (kept_groups [G_k] long,
 dropped_groups [G_d] long, metrics)`: group indices, so the loop can refill (generate more prompts until it
@@ -28,6 +31,15 @@ def dynamic_filter(
         raise ValueError(
             f"scores must be [G * n] with n = group_size = {group_size}, got shape {tuple(scores.shape)}"
         )
+    rows = (~torch.isfinite(scores.detach())).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"dynamic filtering: scores are non-finite at rows {rows[:10]}; fix the reward source"
+        )
+    if atol < 0:
+        raise ValueError(f"dynamic filtering: atol must be >= 0, got {atol}")
+    if mean_range is not None and mean_range[0] > mean_range[1]:
+        raise ValueError(f"dynamic filtering: mean_range (low, high) is empty: {mean_range}")
     g = scores.detach().to(torch.float64).reshape(-1, group_size)
     zero_var = (g.amax(dim=1) - g.amin(dim=1)) <= atol
     out_of_range = torch.zeros_like(zero_var)

@@ -11,16 +11,18 @@ w_t = pi_old(a_t) / pi_rollout(a_t) = exp(clamp(old_logprobs - rollout_logprobs,
 | `seq_mask_tis`| min(w_t, high)                          | sequences whose geometric-mean weight exp(mean_t log w_t) is outside [low, high] dropped |
 
 `OFF_POLICY[name](old_logprobs, rollout_logprobs, action_mask, *, low, high) -> (is_weight [B, T],
-keep_mask [B, T] bool, metrics)`. Multiply the per-token policy loss by is_weight (pass it as
+keep_mask [B, T] bool, metrics)`; is_weight is float32 (float64 for float64 inputs) and 0 off the mask.
+A token the engine gave log-prob -inf gets log w = +20 (clamped); NaN on an action token raises. Multiply the per-token policy loss by is_weight (pass it as
 `PolicyLossInputs.is_weight`) and use `action_mask & keep_mask` as its mask; keep the aggregation
 denominators from the unmasked action mask so dropped tokens count as zero-loss tokens.
 
 References: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog,
 2025; TIS, defaults low = 0, high = C = 2; OpenRLHF's interval form uses low = 0.5, high = 5); Ling team, Ring-1T / Ling 2.0 technical report (IcePop;
 defaults low = 0.5, high = 5); seq-mask-TIS as in the follow-up MIS blog / verl rollout correction
-(defaults low = 0.5, high = 2). Metrics: `is_weight_mean`, `masked_frac` (of action tokens),
-`kl_rollout_train` (k3 estimate of KL(pi_rollout || pi_old), tokens sampled from pi_rollout),
-`kl_rollout_train_k1`.
+(defaults low = 0.5, high = 2). Metrics, all means over the action tokens of the batch (denominator: their
+count, at least 1): `is_weight_mean` (masked tokens count as weight 0), `masked_frac`, `kl_rollout_train`
+(k3 estimate of KL(pi_rollout || pi_old), tokens sampled from pi_rollout: w - 1 - log w),
+`kl_rollout_train_k1` (-log w); seq_mask_tis adds `masked_seq_frac` (of rows).
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ class OffPolicyCorrection(Protocol):
     ) -> tuple[Tensor, Tensor, Metrics]: ...
 
 
+def _wide(x: Tensor) -> Tensor:
+    x = x.detach()
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _bounds(
+    low: float | None, high: float | None, default_low: float, default_high: float
+) -> tuple[float, float]:
+    lo = default_low if low is None else float(low)
+    hi = default_high if high is None else float(high)
+    if not 0 <= lo <= hi:
+        raise ValueError(f"off-policy correction needs 0 <= low <= high, got low={lo}, high={hi}")
+    return lo, hi
+
+
 def _log_w(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor) -> tuple[Tensor, Tensor]:
     if not old_logprobs.shape == rollout_logprobs.shape == action_mask.shape:
         raise ValueError(
@@ -56,7 +73,14 @@ def _log_w(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor) 
             f"{tuple(rollout_logprobs.shape)} and action_mask {tuple(action_mask.shape)} must all be [B, T]"
         )
     mask = action_mask.bool()
-    log_w = ((old_logprobs - rollout_logprobs).detach() * mask).clamp(-LOG_W_CLAMP, LOG_W_CLAMP)
+    diff = _wide(old_logprobs) - _wide(rollout_logprobs)
+    rows = (diff.isnan() & mask).any(dim=1).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"off-policy correction: old_logprobs / rollout_logprobs are NaN on action tokens of rows "
+            f"{rows[:10]}; check the rollout engine's log-probs"
+        )
+    log_w = torch.where(mask, diff, 0.0).clamp(-LOG_W_CLAMP, LOG_W_CLAMP)  # padding is never read
     return log_w, mask
 
 
@@ -81,8 +105,9 @@ def tis(
     high: float | None = None,
 ) -> tuple[Tensor, Tensor, Metrics]:
     """Truncated IS: weight clamp(w_t, low, high) (defaults low = 0, i.e. none, high = 2), nothing masked."""
+    lo, hi = _bounds(low, high, 0.0, 2.0)
     log_w, mask = _log_w(old_logprobs, rollout_logprobs, action_mask)
-    weight = log_w.exp().clamp(min=0.0 if low is None else low, max=2.0 if high is None else high) * mask
+    weight = log_w.exp().clamp(min=lo, max=hi) * mask
     keep = torch.ones_like(mask)
     return weight, keep, _metrics(weight, keep, log_w, mask)
 
@@ -96,7 +121,7 @@ def icepop(
     high: float | None = None,
 ) -> tuple[Tensor, Tensor, Metrics]:
     """IcePop: weight w_t, tokens with w_t outside [low, high] masked (defaults 0.5, 5.0)."""
-    lo, hi = 0.5 if low is None else low, 5.0 if high is None else high
+    lo, hi = _bounds(low, high, 0.5, 5.0)
     log_w, mask = _log_w(old_logprobs, rollout_logprobs, action_mask)
     w = log_w.exp()
     keep = (w >= lo) & (w <= hi)
@@ -114,7 +139,7 @@ def seq_mask_tis(
 ) -> tuple[Tensor, Tensor, Metrics]:
     """Token TIS weight min(w_t, high); sequences whose geometric-mean weight exp(mean_t log w_t) (over its
     action tokens) is outside [low, high] are masked entirely (defaults 0.5, 2.0)."""
-    lo, hi = 0.5 if low is None else low, 2.0 if high is None else high
+    lo, hi = _bounds(low, high, 0.5, 2.0)
     log_w, mask = _log_w(old_logprobs, rollout_logprobs, action_mask)
     n_tok = mask.sum(dim=1).clamp(min=1)
     seq_w = (log_w.sum(dim=1) / n_tok).exp()

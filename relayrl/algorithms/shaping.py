@@ -10,9 +10,11 @@
 - `truncation_penalty(r, truncated, penalty=, replace=False)`: responses cut at the length limit get
   r - penalty (or exactly -penalty with replace=True).
 - `RunningRewardNorm`: running mean/var over all rewards seen (Chan et al. parallel update), normalises
-  r <- (r - mean) / (std + eps) (or r / (std + eps) with center=False); `state_dict` for exact resume.
+  r <- (r - mean) / (std + eps) (or r / (std + eps) with center=False; no division while std = 0);
+  `state_dict` for exact resume.
 
-All functions return `(rewards or penalty [B], metrics)`.
+All functions return `(rewards or penalty [B], metrics)`; fractions in the metrics divide by B. Non-finite
+rewards raise a ValueError naming the rows (clipping must not hide a broken reward function).
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ from torch import Tensor
 Metrics = dict[str, float]
 
 
+def check_finite(rewards: Tensor, where: str) -> None:
+    """Raise a ValueError naming the rows whose reward is NaN or +-inf."""
+    rows = (~torch.isfinite(rewards.detach())).flatten().nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(f"{where}: rewards are non-finite at rows {rows[:10]}; fix the reward source")
+
+
 def clip_rewards(rewards: Tensor, *, low: float, high: float) -> tuple[Tensor, Metrics]:
     """clamp(r, low, high). Metric `reward_clip_frac`."""
+    check_finite(rewards, "clip_rewards")
     if low > high:
         raise ValueError(f"reward clip range is empty: low={low} > high={high}")
     out = rewards.clamp(low, high)
@@ -41,6 +51,8 @@ def overlong_penalty(
         raise ValueError(
             f"overlong penalty needs 0 < buffer_len <= max_len, got buffer_len={buffer_len}, max_len={max_len}"
         )
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"overlong penalty: response lengths must be >= 0, got min {int(lengths.min())}")
     start = max_len - buffer_len
     L = lengths.to(torch.float64)
     pen = ((start - L) / buffer_len).clamp(min=-1.0, max=0.0) * factor
@@ -52,6 +64,11 @@ def truncation_penalty(
     rewards: Tensor, truncated: Tensor, *, penalty: float, replace: bool = False
 ) -> tuple[Tensor, Metrics]:
     """Truncated responses get r - penalty (replace=False) or -penalty (replace=True). Metric `truncated_frac`."""
+    check_finite(rewards, "truncation_penalty")
+    if truncated.shape != rewards.shape:
+        raise ValueError(
+            f"truncation_penalty: truncated {tuple(truncated.shape)} must match rewards {tuple(rewards.shape)}"
+        )
     t = truncated.bool()
     new = torch.full_like(rewards, -penalty) if replace else rewards - penalty
     return torch.where(t, new, rewards), {"truncated_frac": float(t.float().mean()) if t.numel() else 0.0}
@@ -71,6 +88,7 @@ class RunningRewardNorm:
 
     def update(self, rewards: Tensor) -> None:
         """Merge a batch into the running statistics (Chan et al. parallel algorithm)."""
+        check_finite(rewards, "RunningRewardNorm")
         x = rewards.detach().to(torch.float64).flatten()
         n = x.numel()
         if n == 0:
@@ -86,7 +104,8 @@ class RunningRewardNorm:
         """Update with this batch, then normalise it."""
         self.update(rewards)
         shifted = rewards - self.mean if self.center else rewards
-        out = shifted / (self.std + self.eps)
+        # std 0 (one reward or all equal so far): no scaling, else r / eps would blow up (e.g. 1 -> 1e8)
+        out = shifted / (self.std + self.eps) if self.std > 0 else shifted
         return out, {"reward_running_mean": self.mean, "reward_running_std": self.std}
 
     def state_dict(self) -> dict[str, Any]:

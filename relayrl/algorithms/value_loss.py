@@ -6,8 +6,9 @@ Papers: Schulman et al. PPO arXiv 1707.06347 (value clipping as in the OpenAI ba
     loss_t = 0.5 * max((v - G)^2, (v_clip - G)^2)        (clip_eps = None: 0.5 * (v - G)^2)
 
 Per-token loss [B, T] (0 off the mask); aggregate with `relayrl.algorithms.aggregation` (token_mean is the
-usual choice). Default clip_eps = 0.2. Metrics: `value_clip_frac` (tokens where the clipped term is the
-max and differs), `value_error` (mean squared error of v).
+usual choice). Default clip_eps = 0.2. Metrics (denominator: this micro-batch's action-token count):
+`value_clip_frac` (tokens where the clipped term is the max and differs), `value_error` (mean of (v - G)^2).
+float16 / bfloat16 inputs are computed in float32; masked positions are never read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import torch
 from torch import Tensor
 
 Metrics = dict[str, float]
+
+
+def wide(x: Tensor) -> Tensor:
+    """float16 / bfloat16 -> float32 (differentiable); other dtypes unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def value_loss(
@@ -27,12 +33,16 @@ def value_loss(
             f"value_loss: values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns "
             f"{tuple(returns.shape)} and action_mask {tuple(action_mask.shape)} must all be [B, T]"
         )
-    ret = returns.detach()
-    m = action_mask.to(values.dtype)
+    if clip_eps is not None and clip_eps <= 0:
+        raise ValueError(f"value_loss clip_eps must be > 0, or None for no clipping; got {clip_eps}")
+    mask = action_mask.bool()
+    values = torch.where(mask, wide(values), 0.0)  # padding is never read (no NaN from it in the gradient)
+    ret = torch.where(mask, wide(returns.detach()), 0.0)
+    m = mask.to(values.dtype)
     err = (values - ret) ** 2
     clipped = torch.zeros_like(err, dtype=torch.bool)
     if clip_eps is not None:
-        old = old_values.detach()
+        old = torch.where(mask, wide(old_values.detach()), 0.0)
         v_clip = old + (values - old).clamp(-clip_eps, clip_eps)
         err_clip = (v_clip - ret) ** 2
         clipped = err_clip > err

@@ -10,7 +10,8 @@ Semantics (the same everywhere in relayrl): z = (hidden @ weight.T + bias) / tem
 logp_t = z[target_t] - logsumexp(z), entropy_t = logsumexp(z) - sum_v softmax(z)_v z_v, i.e. the
 temperature-scaled distribution the rollout engine samples from. `targets[b, t]` is the token scored by
 `hidden[b, t]`: the caller shifts (hidden[:, :-1] with input_ids[:, 1:]). Targets equal to `ignore_index`
-get logp = 0 and no gradient. Outputs are float32 (float64 for float64 inputs).
+get logp = 0 and no gradient; other targets must lie in [0, V). Outputs are float32 (float64 for float64
+inputs). `from_logits` accepts -inf logits (banned tokens: p = 0, entropy and gradients stay finite).
 
 Memory. Tokens are processed in chunks of `chunk_size` rows (default: as many rows as fit 2**24 float32
 logits = 64 MiB on CPU, i.e. 524 rows for V = 32k; 4x that on CUDA). Both functions are `torch.autograd.Function`s: the forward
@@ -146,6 +147,20 @@ class _HeadLogprobs(torch.autograd.Function):
         return g_hidden, g_weight, g_bias, None, None, None, None, None
 
 
+def _finite(z: Tensor) -> Tensor:
+    """In place: -inf logits (banned tokens) -> the most negative float, so p = 0 there and p * z = 0, not NaN."""
+    return z.clamp_(min=torch.finfo(z.dtype).min)
+
+
+def _check_targets(targets: Tensor, vocab: int, ignore_index: int) -> None:
+    valid = targets[targets != ignore_index]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab):
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}) or ignore_index={ignore_index}; got values in "
+            f"[{int(valid.min())}, {int(valid.max())}]"
+        )
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64 (exact tests); everything else is computed in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -182,6 +197,7 @@ def token_logprobs(
         raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got {tuple(weight.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_targets(targets, weight.shape[0], ignore_index)
     chunk = _auto_chunk(chunk_size, weight.shape[0], hidden.device)
     shape = targets.shape
     logp, ent = _HeadLogprobs.apply(
@@ -208,7 +224,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         ent = logits.new_empty(n if with_entropy else 0, dtype=acc)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            z = logits[s:e].to(_acc_dtype(logits.dtype)) / temperature
+            z = _finite(logits[s:e].to(_acc_dtype(logits.dtype)) / temperature)
             lp, ls, en = _fwd_chunk(z, tgt[s:e], valid[s:e], with_entropy)
             logp[s:e], lse[s:e] = lp, ls
             if en is not None:
@@ -226,7 +242,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         use_ent = with_entropy and g_ent is not None
         for s in range(0, logits.shape[0], chunk):
             e = min(s + chunk, logits.shape[0])
-            z = logits[s:e].to(_acc_dtype(logits.dtype)) / temperature
+            z = _finite(logits[s:e].to(_acc_dtype(logits.dtype)) / temperature)
             gz = _bwd_chunk(
                 z,
                 tgt[s:e],
@@ -258,6 +274,7 @@ def token_logprobs_from_logits(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_targets(targets, logits.shape[-1], ignore_index)
     chunk = _auto_chunk(chunk_size, logits.shape[-1], logits.device)
     shape = targets.shape
     logp, ent = _LogitsLogprobs.apply(

@@ -198,16 +198,17 @@ def _random_batch(gen, B=12, T=9):
     )
 
 
+@pytest.mark.parametrize("gamma", [0.9, 1.0])  # 1.0: the default
 @pytest.mark.parametrize("name", sorted(ADVANTAGES))
-def test_vectorised_matches_loop(name):
+def test_vectorised_matches_loop(name, gamma):
     gen = torch.Generator().manual_seed(0)
     d = _random_batch(gen)
     r, mask, values, kl = d["r"], d["mask"], d["values"], d["kl"]
     if name in GROUP_ESTIMATORS:
         r[4:7] = 1.5  # one constant group (n=3)
     inp = AdvantageInputs(rewards=r, action_mask=mask, group_size=3, values=values, kl=kl, kl_coef=0.3)
-    adv, ret, _ = ADVANTAGES[name](inp, gamma=0.9, lam=0.8, eps=1e-6)
-    ref_adv, ref_ret = _ref(name, r, mask, values, kl, 0.3, 3, 0.9, 0.8, 1e-6)
+    adv, ret, _ = ADVANTAGES[name](inp, gamma=gamma, lam=0.8, eps=1e-6)
+    ref_adv, ref_ret = _ref(name, r, mask, values, kl, 0.3, 3, gamma, 0.8, 1e-6)
     close(adv, ref_adv)
     close(ret, ref_ret)
 

@@ -8,6 +8,7 @@ import torch
 from relayrl.algorithms.aggregation import AGGREGATIONS, step_denominators
 from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
 from relayrl.algorithms.kl import kl_loss
+from relayrl.algorithms.off_policy import OFF_POLICY
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from relayrl.algorithms.value_loss import value_loss
 
@@ -44,10 +45,11 @@ def _step(gen, B=10, T=8, H=5, V=7):
     old = torch.log_softmax(x @ theta.detach(), -1).gather(-1, tgt[..., None]).squeeze(-1)
     old = old + 0.3 * torch.randn(B, T, generator=gen, dtype=F64)
     adv = torch.randn(B, generator=gen, dtype=F64)[:, None].expand(B, T) * mask
-    return theta, x, tgt, mask, old, adv
+    roll = old + 0.5 * torch.randn(B, T, generator=gen, dtype=F64)  # the engine's log-probs (off-policy)
+    return theta, x, tgt, mask, old, adv, roll
 
 
-def _grad(theta, x, tgt, mask, old, adv, rows, loss_name, agg_name, denoms):
+def _grad(theta, x, tgt, mask, old, adv, roll, rows, loss_name, agg_name, denoms):
     logits = x[rows] @ theta
     logp = torch.log_softmax(logits, -1).gather(-1, tgt[rows][..., None]).squeeze(-1)
     m = mask[rows]
@@ -57,21 +59,30 @@ def _grad(theta, x, tgt, mask, old, adv, rows, loss_name, agg_name, denoms):
         loss, _ = kl_loss(logp, old[rows], m, coef=0.1, estimator="k3")
     elif loss_name == "entropy":
         loss, _ = entropy_bonus(entropy_from_logits(logits), m, coef=0.01)
-    else:
-        inp = PolicyLossInputs(logprobs=logp, old_logprobs=old[rows], advantages=adv[rows], action_mask=m)
-        loss, _ = POLICY_LOSSES[loss_name](inp, eps_low=0.2, eps_high=0.28)
+    else:  # "loss" or "loss+correction": the correction's keep-mask narrows the loss mask, not the denominators
+        name, _, corr = loss_name.partition("+")
+        w, keep = None, torch.ones_like(m)
+        if corr:
+            w, keep, _ = OFF_POLICY[corr](old[rows], roll[rows], m)
+        inp = PolicyLossInputs(
+            logprobs=logp, old_logprobs=old[rows], advantages=adv[rows], action_mask=m & keep, is_weight=w
+        )
+        loss, _ = POLICY_LOSSES[name](inp, eps_low=0.2, eps_high=0.28)
     agg, _ = AGGREGATIONS[agg_name](loss, m, **denoms)
     return torch.autograd.grad(agg, theta)[0]
 
 
-@pytest.mark.parametrize("loss_name", ["ppo", "dual_clip", "gspo", "cispo", "value", "kl_k3", "entropy"])
+LOSSES = ["ppo", "dual_clip", "gspo", "cispo", "value", "kl_k3", "entropy", "ppo+icepop", "gspo+seq_mask_tis"]
+
+
+@pytest.mark.parametrize("loss_name", LOSSES)
 @pytest.mark.parametrize("agg_name", sorted(AGGREGATIONS))
 def test_microbatch_and_rank_invariance(loss_name, agg_name):
     gen = torch.Generator().manual_seed(7)
-    theta, x, tgt, mask, old, adv = _step(gen)
+    theta, x, tgt, mask, old, adv, roll = _step(gen)
     n_tok, n_seq = step_denominators([mask])
     denoms = dict(num_tokens=n_tok, num_seqs=n_seq, norm_const=8.0)
-    full = _grad(theta, x, tgt, mask, old, adv, slice(0, 10), loss_name, agg_name, denoms)
+    full = _grad(theta, x, tgt, mask, old, adv, roll, slice(0, 10), loss_name, agg_name, denoms)
     # 2 simulated ranks x uneven micro-batches; each rank counts its own masks, then "all-reduce" (sum)
     ranks = [[slice(0, 1), slice(1, 4)], [slice(4, 5), slice(5, 7), slice(7, 10)]]
     per_rank = [step_denominators([mask[s] for s in mbs]) for mbs in ranks]
@@ -79,7 +90,9 @@ def test_microbatch_and_rank_invariance(loss_name, agg_name):
     assert (g_tok, g_seq) == (n_tok, n_seq)
     denoms = dict(num_tokens=g_tok, num_seqs=g_seq, norm_const=8.0)
     split = sum(
-        _grad(theta, x, tgt, mask, old, adv, s, loss_name, agg_name, denoms) for mbs in ranks for s in mbs
+        _grad(theta, x, tgt, mask, old, adv, roll, s, loss_name, agg_name, denoms)
+        for mbs in ranks
+        for s in mbs
     )
     torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-13)
     # the common mistake (per-micro-batch denominators, then averaging) gives a different gradient
@@ -96,6 +109,7 @@ def test_microbatch_and_rank_invariance(loss_name, agg_name):
                     mask,
                     old,
                     adv,
+                    roll,
                     s,
                     loss_name,
                     agg_name,

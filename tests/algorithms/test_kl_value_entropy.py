@@ -127,3 +127,37 @@ def test_entropy_hand_and_temperature():
     loss, m = entropy_bonus(ent, torch.tensor([[1, 1, 0]]).bool(), coef=0.01)
     close(loss, [[-0.01 * h, -0.01, 0.0]])
     assert m["entropy"] == pytest.approx((h + 1.0) / 2)
+
+
+def test_entropy_matches_loop():
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(3, 4, 7, generator=gen, dtype=F64) * 2
+    got = entropy_from_logits(z, temperature=0.7)
+    ref = []
+    for row in (z / 0.7).reshape(-1, 7).tolist():
+        mx = max(row)
+        e = [math.exp(v - mx) for v in row]
+        p = [x / sum(e) for x in e]
+        ref.append(-sum(q * math.log(q) for q in p))
+    close(got, torch.tensor(ref, dtype=F64).reshape(3, 4))
+
+
+def test_kl_loss_expected_gradients():
+    # Exact expectation over a 5-token vocabulary: sum_a sg[pi(a)] * grad k(a). The claims in kl.py:
+    # E[grad k1] = 0, E[grad k2] = grad KL(pi || ref), E[grad k3] = grad KL(ref || pi)
+    gen = torch.Generator().manual_seed(8)
+    theta = torch.randn(5, generator=gen, dtype=F64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(5, generator=gen, dtype=F64), -1)
+    logp = torch.log_softmax(theta, -1)
+    pi = logp.exp()
+    ones = torch.ones(1, 5).bool()
+    targets = {
+        "k1": torch.zeros(5, dtype=F64),
+        "k2": torch.autograd.grad((pi * (logp - ref)).sum(), theta, retain_graph=True)[0],
+        "k3": torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta, retain_graph=True)[0],
+    }
+    for name, want in targets.items():
+        kl, _ = kl_loss(logp[None], ref[None], ones, coef=1.0, estimator=name)
+        got = torch.autograd.grad((pi.detach() * kl[0]).sum(), theta, retain_graph=True)[0]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    assert float(targets["k2"].abs().max()) > 1e-3 and not torch.allclose(targets["k2"], targets["k3"])

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from relayrl.algorithms.aggregation import AGGREGATIONS
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
 
 F64 = torch.float64
@@ -102,10 +103,47 @@ def test_cispo_hand():
 
 
 def test_log_ratio_clamp():
-    # log-ratio 50 is clamped to 20 before exp: ppo with A = -1 -> loss = r = e^20, finite
+    # log-ratio 50 is clamped to 20 before exp: ppo with A = -1 -> loss = r = e^20, finite; the clamp
+    # cuts the gradient (d clamp / dx = 0 outside the range)
     inp = make([50.0], [-1.0])
     loss, _ = POLICY_LOSSES["ppo"](inp)
     close(loss, [[math.exp(20.0)]])
+    close(grad(loss, inp), [[0.0]])
+    # gspo: token log-ratios [30, 30] -> sequence mean 30, clamped to 20: s = e^20; A = -1 -> loss = e^20 per
+    # token (-min(-e^20, -(1 + 4e-4))), gradient 0 like a clamped ppo token (not e^20 * grad log pi)
+    inp = make([30.0, 30.0], [-1.0, -1.0])
+    loss, m = POLICY_LOSSES["gspo"](inp)
+    close(loss, [[math.exp(20.0), math.exp(20.0)]])
+    close(grad(loss, inp), [[0.0, 0.0]])
+    assert m["ratio_max"] == pytest.approx(math.exp(20.0))
+    # cispo: the weight is clip(e^20, 0, 1.28) = 1.28; loss = -1.28 * A * logp with logp = 0 -> 0, grad -1.28 A
+    inp = make([50.0], [-1.0])
+    loss, _ = POLICY_LOSSES["cispo"](inp)
+    close(grad(loss, inp), [[1.28]])
+
+
+def test_gspo_gradient_is_the_sequence_objective_gradient():
+    # GSPO (arXiv 2507.18071, eq. 5-7) differentiated straight through the sequence ratio:
+    #   J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),  s_i = exp(mean_t log r_i,t)
+    # The GSPO-token loss aggregated with seq_mean_token_mean must equal -J in value and gradient.
+    gen = torch.Generator().manual_seed(11)
+    B, T = 10, 6
+    old = -torch.rand(B, T, generator=gen, dtype=F64) * 2
+    logp = (old + 0.15 * torch.randn(B, T, generator=gen, dtype=F64)).requires_grad_(True)
+    mask = torch.rand(B, T, generator=gen) < 0.8
+    mask[:, 0] = True
+    a_seq = torch.randn(B, generator=gen, dtype=F64)
+    lo, hi = 0.01, 0.02
+    inp = PolicyLossInputs(
+        logprobs=logp, old_logprobs=old, advantages=a_seq[:, None] * mask, action_mask=mask
+    )
+    loss, m = POLICY_LOSSES["gspo"](inp, eps_low=lo, eps_high=hi)
+    agg, _ = AGGREGATIONS["seq_mean_token_mean"](loss, mask, num_tokens=float(mask.sum()), num_seqs=float(B))
+    s = torch.exp(((logp - old) * mask).sum(dim=1) / mask.sum(dim=1))
+    J = torch.minimum(s * a_seq, s.clamp(1 - lo, 1 + hi) * a_seq).mean()
+    close(agg, -J)
+    close(torch.autograd.grad(agg, logp)[0], -torch.autograd.grad(J, logp)[0])
+    assert 0.2 < m["clip_frac"] < 0.8  # both clipped and unclipped sequences are exercised
 
 
 def test_shape_error_names_field():

@@ -61,6 +61,9 @@ def test_running_norm_and_resume():
     assert torch.equal(out, out2)  # exact resume
     scale_only = RunningRewardNorm(center=False, eps=0.0)
     close(scale_only(torch.tensor([1.0, 3.0], dtype=F64))[0], [1.0, 3.0])  # std 1
+    # nothing seen but equal rewards: std 0 -> no scaling (not 2 / 1e-8)
+    fresh = RunningRewardNorm(center=False)
+    close(fresh(torch.tensor([2.0, 2.0], dtype=F64))[0], [2.0, 2.0])
 
 
 def test_dynamic_filter_hand():
@@ -77,3 +80,22 @@ def test_dynamic_filter_hand():
         dynamic_filter(scores, group_size=1)
     with pytest.raises(ValueError, match="group_size = 3"):
         dynamic_filter(scores, group_size=3)
+
+
+def test_overlong_and_filter_match_loops():
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.randint(0, 40, (50,), generator=gen)
+    pen, _ = overlong_penalty(lengths, max_len=32, buffer_len=8, factor=0.5)
+    ref = []
+    for L in lengths.tolist():  # DAPO eq. 13, scaled by factor
+        ref.append(0.0 if L <= 24 else (0.5 * (24 - L) / 8 if L <= 32 else -0.5))
+    close(pen, ref)
+    scores = torch.randint(0, 3, (60,), generator=gen).to(F64) / 2  # many constant groups of 3
+    kept, dropped, _ = dynamic_filter(scores, group_size=3, mean_range=(0.2, 0.8))
+    want = []
+    for g in range(20):
+        grp = scores[3 * g : 3 * g + 3].tolist()
+        if max(grp) != min(grp) and 0.2 <= sum(grp) / 3 <= 0.8:
+            want.append(g)
+    assert kept.tolist() == want
+    assert sorted(kept.tolist() + dropped.tolist()) == list(range(20)) and 0 < len(want) < 20

@@ -21,6 +21,10 @@ Per-token rewards (KL in the reward, when `kl` is given):
 where s is the estimator's scalar (the raw reward r for `gae`/`reinforce`, a group-baselined score for the
 group estimators).
 
+Numerics. Integer / float16 / bfloat16 rewards and values are computed in float32 (float64 stays float64;
+the outputs have that dtype). Non-finite rewards, or non-finite `values` / `kl` on action tokens, raise a
+ValueError naming the rows; whatever sits at masked positions (padding) is never read.
+
 Registry: `relayrl.algorithms.advantages.ADVANTAGES[name](inputs, gamma=..., lam=..., eps=...)`; every
 estimator accepts the same keyword arguments (each docstring says which ones it uses).
 """
@@ -93,6 +97,15 @@ def check_inputs(inputs: AdvantageInputs, *, need_group: bool = False, need_valu
         raise ValueError(
             f"AdvantageInputs.rewards has non-finite values at rows {bad[:10]}; fix the reward source"
         )
+    for name in ("values", "kl"):
+        x = getattr(inputs, name)
+        if x is not None:
+            rows = (~torch.isfinite(x.detach()) & m.bool()).any(dim=1).nonzero().flatten().tolist()
+            if rows:
+                raise ValueError(
+                    f"AdvantageInputs.{name} has non-finite values on action tokens of rows {rows[:10]}; "
+                    f"check the {'critic' if name == 'values' else 'policy / reference log-probs'}"
+                )
     if need_values and inputs.values is None:
         raise ValueError(
             "advantage estimator 'gae' needs AdvantageInputs.values (a critic); use a critic-free one"
@@ -106,6 +119,16 @@ def check_inputs(inputs: AdvantageInputs, *, need_group: bool = False, need_valu
             )
         if r.shape[0] % n:
             raise ValueError(f"batch of {r.shape[0]} rewards is not a whole number of groups of size {n}")
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays float64; every other dtype (int, bool, float16, bfloat16, float32) -> float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def float_rewards(inputs: AdvantageInputs) -> Tensor:
+    """Detached rewards [B] in their compute dtype (see `compute_dtype`)."""
+    return inputs.rewards.detach().to(compute_dtype(inputs.rewards))
 
 
 def group_view(rewards: Tensor, group_size: int) -> Tensor:
@@ -125,7 +148,7 @@ def masked_backward_scan(x: Tensor, mask: Tensor, decay: float) -> Tensor:
     """
     mask = mask.bool()
     order = _compact_order(mask)
-    xc = (x * mask).gather(1, order)
+    xc = torch.where(mask, x, 0).gather(1, order)
     mc = mask.gather(1, order).to(x.dtype)
     yc = torch.zeros_like(xc)
     nxt = torch.zeros_like(xc[:, 0])
@@ -145,10 +168,10 @@ def last_action_index(mask: Tensor) -> Tensor:
 def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
     """R_t = -kl_coef * kl_t + [t = last action token] * score, zero off the action mask. [B, T]."""
     mask = mask.bool()
-    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    dtype = compute_dtype(scores)
     r = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     if kl is not None and kl_coef != 0.0:
-        r = r - kl_coef * kl.detach().to(dtype)
+        r = torch.where(mask, -kl_coef * kl.detach().to(dtype), 0.0)  # padding KL is never read
     has_action = mask.any(dim=1)
     r = r.scatter_add(1, last_action_index(mask)[:, None], (scores.to(dtype) * has_action)[:, None])
     return r * mask
@@ -162,13 +185,14 @@ def discounted_returns(scores: Tensor, inputs: AdvantageInputs, gamma: float) ->
 
 def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
     """float64 [3] = (sum x, sum x^2, count) over mask: all-reduce it (sum) for global statistics."""
-    m = mask.to(torch.float64)
-    xd = x.detach().to(torch.float64)
-    return torch.stack([(xd * m).sum(), (xd * xd * m).sum(), m.sum()])
+    m = mask.bool()
+    xd = torch.where(m, x.detach().to(torch.float64), 0.0)
+    return torch.stack([xd.sum(), (xd * xd).sum(), m.sum().to(torch.float64)])
 
 
 def moments_to_mean_std(moments: Tensor) -> tuple[float, float]:
-    """(mean, unbiased std) from summed `masked_moments` (std 0 when fewer than 2 tokens)."""
+    """(mean, unbiased std) from summed `masked_moments`: mean = sum / N, var = (sum x^2 - N mean^2) / (N - 1)
+    with N = the action-token count (all ranks after the all-reduce); (0, 0) for N = 0, std 0 for N = 1."""
     s, s2, n = (float(v) for v in moments)
     if n < 1:
         return 0.0, 0.0
@@ -182,7 +206,7 @@ def whiten(x: Tensor, mask: Tensor, *, mean: float, std: float, eps: float = 1e-
 
     Use `masked_moments` + an all-reduce + `moments_to_mean_std` to get global (all ranks) statistics.
     """
-    out = (x - mean) / (std + eps) * mask.to(x.dtype)
+    out = torch.where(mask.bool(), (x - mean) / (std + eps), 0.0)
     return out, {"whiten_mean": mean, "whiten_std": std}
 
 
@@ -196,7 +220,8 @@ def batch_whiten(x: Tensor, inputs: AdvantageInputs, eps: float) -> tuple[Tensor
 
 
 def summarize(adv: Tensor, ret: Tensor, inputs: AdvantageInputs) -> Metrics:
-    """Common metrics: reward mean/std, advantage and return means over action tokens."""
+    """Common metrics: reward mean/std over rows; advantage mean/std (population) and return mean over the
+    action tokens of this batch (denominator: its action-token count, at least 1)."""
     m = inputs.action_mask.to(adv.dtype)
     n = m.sum().clamp(min=1)
     a_mean = (adv * m).sum() / n
@@ -213,7 +238,7 @@ def next_action_values(values: Tensor, mask: Tensor) -> Tensor:
     """[B, T]: at each action token, V at the *next action token* of the row (0 after the last one)."""
     mask = mask.bool()
     order = _compact_order(mask)
-    vc = (values * mask).gather(1, order)
+    vc = torch.where(mask, values, 0).gather(1, order)
     mc = mask.gather(1, order).to(values.dtype)
     nxt = torch.zeros_like(vc)
     nxt[:, :-1] = vc[:, 1:] * mc[:, 1:]

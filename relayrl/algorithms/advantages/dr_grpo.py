@@ -7,7 +7,7 @@ Paper: Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective"
 
 It removes GRPO's two biases: the per-question std division (here) and the per-response length
 normalisation (pair it with the aggregation `seq_mean_token_sum_norm`, a constant denominator such as the
-max generation length). Defaults gamma = 1. Needs group_size >= 2.
+max generation length). Denominator: the group mean divides by n. Defaults gamma = 1. Needs group_size >= 2.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from relayrl.algorithms.advantages.base import (
     AdvantageInputs,
     Metrics,
     check_inputs,
+    float_rewards,
     group_stats_metrics,
     group_view,
     scores_to_advantages,
@@ -34,7 +35,7 @@ def dr_grpo(
 ) -> tuple[Tensor, Tensor, Metrics]:
     """Dr. GRPO advantages. Uses gamma (lam, eps unused). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs, need_group=True)
-    g = group_view(inputs.rewards.detach(), inputs.group_size)
+    g = group_view(float_rewards(inputs), inputs.group_size)
     scores = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
     adv, ret, metrics = scores_to_advantages(scores, inputs, gamma=gamma, eps=eps, whiten=bool(whiten))
     return adv, ret, {**metrics, **group_stats_metrics(g)}

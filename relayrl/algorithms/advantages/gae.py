@@ -17,6 +17,7 @@ lam < 1 trades a little bias for a large variance cut when the critic is imperfe
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from relayrl.algorithms.advantages.base import (
@@ -24,6 +25,7 @@ from relayrl.algorithms.advantages.base import (
     Metrics,
     batch_whiten,
     check_inputs,
+    compute_dtype,
     masked_backward_scan,
     next_action_values,
     summarize,
@@ -44,6 +46,7 @@ def gae(
     assert inputs.values is not None
     mask = inputs.action_mask.bool()
     values = inputs.values.detach()
+    values = torch.where(mask, values.to(compute_dtype(values)), 0.0)  # padding values are never read
     r = token_rewards(inputs.rewards.detach().to(values.dtype), mask, inputs.kl, inputs.kl_coef)
     delta = (r + gamma * next_action_values(values, mask) - values) * mask
     adv = masked_backward_scan(delta, mask, gamma * lam)

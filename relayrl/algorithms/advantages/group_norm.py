@@ -8,7 +8,8 @@ Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning 
     R_t = -beta * kl_t + [t = last action token] * s_i   (GRPO proper puts KL in the loss: kl_coef = 0 here)
     A_t = G_t = sum_{k >= t} gamma^(k - t) R_k            (= s_i on every action token when beta = 0, gamma = 1)
 
-Defaults gamma = 1, eps = 1e-6. A group with equal rewards gets s = 0. Needs group_size >= 2.
+Denominators: the group mean divides by n, the group variance by n - 1. Defaults gamma = 1, eps = 1e-6. A
+group with equal rewards gets s = 0. Needs group_size >= 2.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from relayrl.algorithms.advantages.base import (
     AdvantageInputs,
     Metrics,
     check_inputs,
+    float_rewards,
     group_stats_metrics,
     group_view,
     scores_to_advantages,
@@ -35,7 +37,7 @@ def group_norm(
 ) -> tuple[Tensor, Tensor, Metrics]:
     """GRPO advantages. Uses gamma, eps (lam unused). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs, need_group=True)
-    g = group_view(inputs.rewards.detach(), inputs.group_size)
+    g = group_view(float_rewards(inputs), inputs.group_size)
     scores = ((g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + eps)).reshape(-1)
     adv, ret, metrics = scores_to_advantages(scores, inputs, gamma=gamma, eps=eps, whiten=bool(whiten))
     return adv, ret, {**metrics, **group_stats_metrics(g)}

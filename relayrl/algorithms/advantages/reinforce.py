@@ -7,8 +7,9 @@ arXiv 2501.03262.
     G_t = sum_{k >= t} gamma^(k - t) R_k            (over action tokens only)
     A_t = (G_t - mean(G)) / (std(G) + eps)           mean/std over ALL action tokens of the batch
 
-Denominator of the whitening statistics: the number of action tokens of the whole batch (all data-parallel
-ranks when `AdvantageInputs.stats_reducer` sums the moments across ranks); std is the unbiased one.
+Denominators of the whitening statistics: mean = sum / N, var = sum of squared deviations / (N - 1) (unbiased),
+N = action tokens of the whole batch (all data-parallel ranks when `AdvantageInputs.stats_reducer` sums the
+moments across ranks).
 Defaults gamma = 1, eps = 1e-6; `whiten=False` gives plain REINFORCE returns.
 """
 
@@ -16,7 +17,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from relayrl.algorithms.advantages.base import AdvantageInputs, Metrics, check_inputs, scores_to_advantages
+from relayrl.algorithms.advantages.base import (
+    AdvantageInputs,
+    Metrics,
+    check_inputs,
+    float_rewards,
+    scores_to_advantages,
+)
 
 
 def reinforce(
@@ -30,5 +37,5 @@ def reinforce(
     """REINFORCE++ advantages. Uses gamma, eps (lam unused). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs)
     return scores_to_advantages(
-        inputs.rewards.detach(), inputs, gamma=gamma, eps=eps, whiten=True if whiten is None else whiten
+        float_rewards(inputs), inputs, gamma=gamma, eps=eps, whiten=True if whiten is None else whiten
     )

@@ -7,7 +7,8 @@ Feedback in LLMs", arXiv 2402.14740 (baseline from Kool et al. 2019).
     R_t = -beta * kl_t + [t = last action token] * s_i
     A_t = G_t = sum_{k >= t} gamma^(k - t) R_k      (over action tokens only; no whitening by default)
 
-Defaults gamma = 1. Needs group_size n >= 2 (the leave-one-out mean divides by n - 1).
+Defaults gamma = 1. Needs group_size n >= 2 (the leave-one-out mean divides by n - 1). Equivalently
+s_i = n / (n - 1) * (r_i - mean_group r). `whiten=True` adds batch whitening as in `reinforce`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from relayrl.algorithms.advantages.base import (
     AdvantageInputs,
     Metrics,
     check_inputs,
+    float_rewards,
     group_stats_metrics,
     group_view,
     scores_to_advantages,
@@ -35,7 +37,7 @@ def rloo(
     """RLOO advantages. Uses gamma (lam unused; eps only with whiten=True). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs, need_group=True)
     n = inputs.group_size
-    g = group_view(inputs.rewards.detach(), n)
+    g = group_view(float_rewards(inputs), n)
     scores = (g - (g.sum(dim=1, keepdim=True) - g) / (n - 1)).reshape(-1)
     adv, ret, metrics = scores_to_advantages(scores, inputs, gamma=gamma, eps=eps, whiten=bool(whiten))
     return adv, ret, {**metrics, **group_stats_metrics(g)}

@@ -12,8 +12,14 @@ the whole optimizer step. All variants take the same keyword arguments:
   [2e-9, 4.9e8]) before exp, so a stale or broken token cannot produce inf/nan. Gradients through clamped
   positions are 0.
 
-Metrics (floats over this micro-batch's action tokens): `clip_frac` (tokens whose gradient is cut by the
-clip), `ratio_mean`, `ratio_min`, `ratio_max`, `approx_kl` (k3 of pi_old -> pi: mean(r - 1 - log r)).
+Metrics (floats; means divide by this micro-batch's action-token count, 0 / 1.0 when it has none):
+`clip_frac` (tokens whose gradient is cut by the clip), `ratio_mean`, `ratio_min`, `ratio_max`, `approx_kl`
+(k3 of pi_old -> pi: mean(r - 1 - log r)).
+
+Numerics: float16 / bfloat16 inputs are computed (and the loss returned) in float32, float64 stays float64.
+Non-finite values on action tokens raise a ValueError naming the field and rows; masked positions (padding)
+are replaced by 0 before any arithmetic, so garbage there reaches neither the loss nor its gradient. An empty
+mask gives a zero loss.
 """
 
 from __future__ import annotations
@@ -60,8 +66,11 @@ class PolicyLoss(Protocol):
     ) -> tuple[Tensor, Metrics]: ...
 
 
+_FIELDS = ("logprobs", "old_logprobs", "advantages", "is_weight")
+
+
 def check_inputs(inputs: PolicyLossInputs) -> None:
-    """Shapes must agree; errors name the field."""
+    """Shapes must agree and action tokens must carry finite values; errors name the field (and rows)."""
     shape = inputs.logprobs.shape
     for name in ("old_logprobs", "advantages", "action_mask", "is_weight"):
         x = getattr(inputs, name)
@@ -69,11 +78,39 @@ def check_inputs(inputs: PolicyLossInputs) -> None:
             raise ValueError(
                 f"PolicyLossInputs.{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (logprobs)"
             )
+    mask = inputs.action_mask.bool()
+    bad = {n: ~torch.isfinite(x.detach()) & mask for n in _FIELDS if (x := getattr(inputs, n)) is not None}
+    if bool(torch.stack([b.any() for b in bad.values()]).any()):  # one device sync on the happy path
+        name, b = next((n, b) for n, b in bad.items() if b.any())
+        rows = b.any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"PolicyLossInputs.{name} has non-finite values on action tokens of rows {rows[:10]}; "
+            "check the log-prob computation / advantage estimator that produced it"
+        )
+
+
+def check_eps(eps_low: float, eps_high: float) -> None:
+    """The clip range [1 - eps_low, 1 + eps_high] needs eps_low, eps_high >= 0."""
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(
+            f"policy-loss clip needs eps_low >= 0 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}"
+        )
+
+
+def wide(x: Tensor) -> Tensor:
+    """float16 / bfloat16 -> float32 (differentiable); other dtypes unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x (widened) on action tokens, 0 elsewhere; the gradient at masked positions is exactly 0."""
+    return torch.where(mask.bool(), wide(x), 0.0)
 
 
 def clamped_log_ratio(inputs: PolicyLossInputs, clamp: float) -> Tensor:
-    """log(pi / pi_old) clamped to [-clamp, clamp]. [B, T]."""
-    return (inputs.logprobs - inputs.old_logprobs.detach()).clamp(-clamp, clamp)
+    """log(pi / pi_old) on action tokens (0 elsewhere), clamped to [-clamp, clamp]. [B, T]."""
+    m = inputs.action_mask
+    return (masked(inputs.logprobs, m) - masked(inputs.old_logprobs.detach(), m)).clamp(-clamp, clamp)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -86,10 +123,10 @@ def finish(
     loss: Tensor, inputs: PolicyLossInputs, log_ratio: Tensor, clipped: Tensor
 ) -> tuple[Tensor, Metrics]:
     """Apply the IS weight and the mask; compute the common metrics."""
-    mask = inputs.action_mask.to(loss.dtype)
+    mask = inputs.action_mask.bool()
     if inputs.is_weight is not None:
-        loss = loss * inputs.is_weight.detach().to(loss.dtype)
-    loss = loss * mask
+        loss = loss * masked(inputs.is_weight.detach(), mask).to(loss.dtype)
+    loss = torch.where(mask, loss, 0.0)
     with torch.no_grad():
         lr = log_ratio.detach()
         ratio = lr.exp()

@@ -19,9 +19,11 @@ from relayrl.algorithms.policy_losses.base import (
     LOG_RATIO_CLAMP,
     Metrics,
     PolicyLossInputs,
+    check_eps,
     check_inputs,
     clamped_log_ratio,
     finish,
+    masked,
 )
 
 
@@ -37,9 +39,11 @@ def cispo(
     check_inputs(inputs)
     lo = 1.0 if eps_low is None else eps_low
     hi = 0.28 if eps_high is None else eps_high
+    check_eps(lo, hi)
     log_ratio = clamped_log_ratio(inputs, log_ratio_clamp)
     ratio = log_ratio.detach().exp()
     weight = ratio.clamp(1 - lo, 1 + hi)
-    loss = -weight * inputs.advantages.detach() * inputs.logprobs
+    mask = inputs.action_mask
+    loss = -weight * masked(inputs.advantages.detach(), mask) * masked(inputs.logprobs, mask)
     clipped = weight != ratio
     return finish(loss, inputs, log_ratio, clipped)

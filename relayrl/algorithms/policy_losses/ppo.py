@@ -21,9 +21,11 @@ from relayrl.algorithms.policy_losses.base import (
     LOG_RATIO_CLAMP,
     Metrics,
     PolicyLossInputs,
+    check_eps,
     check_inputs,
     clamped_log_ratio,
     finish,
+    masked,
     masked_mean,
 )
 
@@ -40,7 +42,8 @@ def ppo_clip(
     check_inputs(inputs)
     lo = 0.2 if eps_low is None else eps_low
     hi = lo if eps_high is None else eps_high
-    adv = inputs.advantages.detach()
+    check_eps(lo, hi)
+    adv = masked(inputs.advantages.detach(), inputs.action_mask)
     log_ratio = clamped_log_ratio(inputs, log_ratio_clamp)
     ratio = log_ratio.exp()
     surr1 = ratio * adv
