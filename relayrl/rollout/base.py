@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 import torch
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why a completion ended."""
 
     STOP = "stop"

@@ -1,0 +1,236 @@
+"""Rollout throughput: the native engine vs `transformers.generate` (hf engine) on the same requests.
+
+    python bench/rollout.py --shape tiny --device cpu --prompts 32 --new-tokens 64 --n-prompts 8 --n-new-tokens 64
+    python bench/rollout.py --shape qwen2.5-0.5b --device cuda            # the GPU target (bf16)
+
+Workload 1: --prompts prompts of --prompt-len random tokens -> --new-tokens new tokens each, sampling at
+temperature 1 (top_p 1, top_k 0). Workload 2: --n-prompts prompts x n=--n samples -> --n-new-tokens tokens,
+with log-probs (the RL shape: n samples share one prefill). EOS is ignored (engines get no stop ids and the
+model's generation_config has no EOS), so every sample has exactly the asked length and both engines do
+the same work. The model has random weights, built locally (nothing is downloaded): "tiny" is the test
+model (hidden 64, 2 layers, vocab 101); "qwen2.5-0.5b" is Qwen2.5-0.5B's shape (hidden 896, 24 layers,
+14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings).
+
+Timings: tokens/s = generated tokens / wall time of all requests (after a warm-up round, with
+torch.cuda.synchronize around it); start-up = engine construction (KV cache allocation and CUDA graph
+capture for native). Prints a table and writes bench/results/rollout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
+
+QWEN05 = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype, layers: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if shape == "tiny":
+        from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
+
+        model = build_tiny_model(
+            build_tiny_tokenizer(), TinyModelSpec(hidden=64, layers=2, max_positions=4096)
+        )
+    else:
+        config = Qwen2Config(
+            **{**QWEN05, **({"num_hidden_layers": layers} if layers else {})}, pad_token_id=0
+        )
+        config.eos_token_id = config.bos_token_id = None
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # ignore EOS: fixed-length samples
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def requests(
+    num: int, prompt_len: int, new_tokens: int, n: int, vocab: int, seed: int
+) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (num, prompt_len), generator=gen)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens, logprobs=True)
+    return [
+        GenerationRequest(prompt_ids=row.tolist(), params=params, request_id=str(i))
+        for i, row in enumerate(ids)
+    ]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_engine(
+    name: str, model, reqs, *, device: str, max_seq_len: int, slots: int, hf_batch: int, native_opts: dict
+) -> dict:
+    _sync(device)
+    t0 = time.perf_counter()
+    opts = dict(max_slots=slots, **native_opts) if name == "native" else dict(max_batch=hf_batch)
+    engine = build_engine(name, model, None, max_seq_len=max_seq_len, eos_token_id=[], **opts)
+    _sync(device)
+    startup = time.perf_counter() - t0
+    warm = [
+        GenerationRequest(prompt_ids=r.prompt_ids, params=SamplingParams(max_new_tokens=8)) for r in reqs[:4]
+    ]
+    generate_all(engine, warm)
+    _sync(device)
+    t0 = time.perf_counter()
+    results = generate_all(engine, reqs)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    lengths = [len(c.token_ids) for r in results for c in r.completions]
+    want = reqs[0].params.max_new_tokens
+    assert all(n == want for n in lengths), f"{name}: expected {want} tokens per sample, got {set(lengths)}"
+    assert all(len(c.logprobs) == want for r in results for c in r.completions)
+    row = dict(
+        engine=name,
+        tokens=sum(lengths),
+        seconds=elapsed,
+        tokens_per_s=sum(lengths) / elapsed,
+        startup_s=startup,
+    )
+    if name == "native":
+        row.update(decode_steps=engine.decode_steps, prefill_batches=engine.prefill_batches)
+        if engine.graphs is not None:
+            row["cuda_graphs"] = len(engine.graphs.graphs)
+    engine.close()
+    del engine
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--dtype", default=None, help="bfloat16 | float16 | float32 (default: bf16 on cuda, fp32 on cpu)"
+    )
+    ap.add_argument("--shape", choices=["tiny", "qwen2.5-0.5b"], default="qwen2.5-0.5b")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt in workload 2 (0 skips it)")
+    ap.add_argument("--n-prompts", type=int, default=64)
+    ap.add_argument("--n-new-tokens", type=int, default=512)
+    ap.add_argument("--engines", default="native,hf")
+    ap.add_argument("--hf-max-batch", type=int, default=0, help="rows per generate call (0: all at once)")
+    ap.add_argument("--decode-attention", default="auto", help="native: sdpa | math | auto (sdpa on cuda)")
+    ap.add_argument("--sync-every", type=int, default=16, help="native: decode steps between host syncs")
+    ap.add_argument("--no-graphs", action="store_true", help="native: run decode eagerly (no CUDA graphs)")
+    ap.add_argument(
+        "--layers", type=int, default=0, help="override the qwen shape's layer count (CPU smoke runs)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="CPU threads for torch on --device cpu (1 avoids contention)"
+    )
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rollout.json"))
+    args = ap.parse_args(argv)
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(args.threads)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    )
+    model = build_model(args.shape, args.device, dtype, args.layers)
+    vocab = model.config.vocab_size
+    workloads = [
+        ("w1", requests(args.prompts, args.prompt_len, args.new_tokens, 1, vocab, 0), args.new_tokens)
+    ]
+    if args.n > 0:
+        workloads.append(
+            (
+                "w2",
+                requests(args.n_prompts, args.prompt_len, args.n_new_tokens, args.n, vocab, 1),
+                args.n_new_tokens,
+            )
+        )
+    native_opts = dict(decode_attention=args.decode_attention, sync_every=args.sync_every)
+    if args.no_graphs:
+        native_opts["cuda_graphs"] = False
+    rows = []
+    for wname, reqs, new in workloads:
+        samples = sum(r.params.n for r in reqs)
+        for name in args.engines.split(","):
+            row = run_engine(
+                name,
+                model,
+                reqs,
+                device=args.device,
+                max_seq_len=args.prompt_len + new,
+                slots=samples,
+                hf_batch=args.hf_max_batch or samples,
+                native_opts=native_opts,
+            )
+            row.update(
+                workload=wname,
+                prompts=len(reqs),
+                n=reqs[0].params.n,
+                prompt_len=args.prompt_len,
+                new_tokens=new,
+            )
+            rows.append(row)
+            print(
+                f"{wname} {name:7s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s",
+                flush=True,
+            )
+    _report(rows, args, dtype)
+    return 0
+
+
+def _report(rows: list[dict], args, dtype: torch.dtype) -> None:
+    card = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    print(f"\n{card}  {args.shape}  {dtype}")
+    print(f"{'workload':28s} {'engine':7s} {'tok/s':>10s} {'speed-up':>9s} {'start-up s':>10s}")
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        base = next((r["tokens_per_s"] for r in rows if r["workload"] == w and r["engine"] == "hf"), None)
+        for r in (r for r in rows if r["workload"] == w):
+            label = f"{r['prompts']}x{r['prompt_len']} n={r['n']} -> {r['new_tokens']}"
+            speed = f"{r['tokens_per_s'] / base:8.1f}x" if base else "        -"
+            print(f"{label:28s} {r['engine']:7s} {r['tokens_per_s']:10.0f} {speed} {r['startup_s']:10.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=card,
+        shape=args.shape,
+        dtype=str(dtype),
+        torch=torch.__version__,
+        eos="ignored (fixed-length samples)",
+        sampling="temperature 1, top_p 1, top_k 0",
+    )
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""The async front and the worker thread shared by the in-process engines (native, hf).
+
+`generate` (async, on the caller's event loop) validates the request, wraps it in a `Pending` with a
+`concurrent.futures.Future` and puts it in an inbox; one driver thread runs the engine's rounds
+(`_step(new_items)`) and resolves the futures, so the event loop stays responsive while the device works.
+
+    caller ──generate()──> inbox ──driver thread──> engine._step(new) ──> Pending.finish(result)
+                                                     (admits, decodes, retires; repeats while _busy())
+
+A subclass implements five hooks:
+    _step(new)          take ownership of newly submitted `Pending`s and make progress on all of them
+    _busy()             True while it still holds unfinished work (the driver keeps calling `_step([])`)
+    _abort_inflight()   finish every held `Pending` with ABORT (sleep / close)
+    _release()          free generation memory (sleep);  _reacquire(): allocate it again (wake_up)
+    _load(named)        copy named tensors into the model in place (load_weights)
+
+Errors inside a round are not swallowed: every held request's future gets the exception, so callers see
+it instead of hanging. Cancelling the awaiting task marks the request; engines drop it at their next
+sync point. Thread safety: the model and caches are only touched by the driver thread or while the
+round lock is held (sleep, wake_up, load_weights and close take it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True, eq=False)
+class Pending:
+    """A submitted request and the future its caller awaits."""
+
+    request: GenerationRequest
+    """The request as given."""
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    """Resolved with a `GenerationResult` (or an exception) by the driver thread."""
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the caller stopped waiting (task cancelled)."""
+        return self.future.cancelled()
+
+    def finish(self, completions: list[Completion]) -> None:
+        """Resolve with these completions (ignored if the caller already cancelled)."""
+        result = GenerationResult(
+            request_id=self.request.request_id,
+            prompt_ids=list(self.request.prompt_ids),
+            completions=completions,
+        )
+        if not self.future.done():
+            self.future.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        """Resolve with an exception (ignored if already done)."""
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    def abort(self) -> None:
+        """Resolve with n empty ABORT completions."""
+        n = self.request.params.n
+        self.finish([Completion(token_ids=[], logprobs=[], finish_reason=FinishReason.ABORT)] * n)
+
+
+class ThreadedEngine(ABC):
+    """Async `RolloutEngine` front + one driver thread; subclasses implement the round hooks."""
+
+    def __init__(self, *, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._round_lock = threading.RLock()
+        self._inbox: list[Pending] = []
+        self._paused = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ---- protocol -------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Complete one request (n samples); many calls may be in flight at once."""
+        self._validate(request)
+        pending = Pending(request=request)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self._name} engine is closed; build a new one to generate")
+            self._inbox.append(pending)
+            self._ensure_thread()
+            self._cond.notify_all()
+        return await asyncio.wrap_future(pending.future)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Copy `named_tensors` into the model in place; `None`: the shared weights changed in place."""
+        with self._round_lock:
+            self._load(named_tensors)
+
+    def sleep(self) -> None:
+        """Abort in-flight requests and free generation memory; new requests wait until `wake_up`."""
+        with self._cond:
+            self._paused = True
+        with self._round_lock:
+            self._abort_inflight()
+            self._release()
+
+    def wake_up(self) -> None:
+        """Re-allocate what `sleep` freed and resume serving queued requests."""
+        with self._round_lock:
+            self._reacquire()
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the driver thread; queued and in-flight requests finish with ABORT."""
+        with self._cond:
+            self._closed = True
+            inbox, self._inbox = self._inbox, []
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._round_lock:
+            for p in inbox:
+                p.abort()
+            self._abort_inflight()
+            self._release()
+
+    # ---- hooks ----------------------------------------------------------------------------------------
+    def _validate(self, request: GenerationRequest) -> None:
+        """Raise a ValueError naming the field when the request cannot be served."""
+        if not request.prompt_ids:
+            raise ValueError(f"request {request.request_id!r}: prompt_ids is empty; give at least one token")
+
+    @abstractmethod
+    def _step(self, new: list[Pending]) -> None: ...
+
+    @abstractmethod
+    def _busy(self) -> bool: ...
+
+    @abstractmethod
+    def _abort_inflight(self) -> None: ...
+
+    def _release(self) -> None:  # noqa: B027 (optional hook)
+        """Free generation memory (default: nothing held)."""
+
+    def _reacquire(self) -> None:  # noqa: B027 (optional hook)
+        """Allocate what `_release` freed (default: nothing)."""
+
+    @abstractmethod
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None: ...
+
+    # ---- driver thread --------------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._run, name=f"relayrl-{self._name}-engine", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                idle = not self._busy()
+                while not self._closed and (self._paused or (not self._inbox and not self._busy())):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                if idle:
+                    self._coalesce()
+                new, self._inbox = self._inbox, []
+            with self._round_lock, torch.no_grad():
+                try:
+                    self._step(new)
+                except Exception as exc:  # every waiting caller gets the error instead of hanging
+                    log.exception("%s engine round failed; failing its in-flight requests", self._name)
+                    for p in new:
+                        p.fail(exc)
+                    self._fail_inflight(exc)
+
+    def _coalesce(self, quiet_s: float = 0.002, max_s: float = 0.05) -> None:
+        """After idling, wait until submissions pause (quiet_s without a new one, at most max_s), so a
+        burst of `generate` calls (e.g. `generate_all`) starts as one batch instead of a lone first request
+        followed by the rest. Called with `_cond` held; waiting releases it."""
+        deadline = time.monotonic() + max_s
+        seen = -1
+        while len(self._inbox) != seen and time.monotonic() < deadline and not self._closed:
+            seen = len(self._inbox)
+            self._cond.wait(quiet_s)
+
+    def _fail_inflight(self, exc: BaseException) -> None:
+        """Fail every held request (after an error in a round). Default: abort them."""
+        self._abort_inflight()
+
+
+def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy tensors into `model`'s parameters/buffers of the same name, in place; returns how many.
+
+    Names may carry or omit a leading "module." (DDP/FSDP wrappers). Unknown names raise a KeyError that
+    lists a few valid ones.
+    """
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            key = name.removeprefix("module.")
+            if key not in targets:
+                known = ", ".join(list(targets)[:5])
+                raise KeyError(f"load_weights: no parameter named {name!r} in the model (e.g. {known}, ...)")
+            targets[key].copy_(tensor)
+            count += 1
+    return count

@@ -1,0 +1,371 @@
+"""`native` engine (the default): continuous batching over a preallocated KV cache, on the policy's own
+live weights, sampling on the device, CUDA graphs for decode.
+
+Design
+------
+Slots. The engine owns `max_slots` sequence slots. Per slot, on the device: the KV cache
+[layers, slots, kv_heads, max_len, head_dim] (native_model.DecoderRunner), the sequence buffers
+tokens/logprobs [slots, max_len + 1], and small state vectors cur_tok, pos (position of cur_tok), gen
+(tokens generated), done, stopped, plus the sampling settings temp, top_p, top_k, seed, max_new and
+stop_ids [slots, max_stop_ids] (-1 padded). The host mirrors only what it can compute without reading
+the device: which slots are taken, each slot's admission step (so upper bounds of pos / gen).
+
+A round (one call of `_step` on the driver thread, driver.py):
+  1. admit: pop waiting requests while n free slots exist (lowest slot ids first, so decode batches stay
+     short); right-pad their prompts into prefill batches of <= max_prefill_tokens padded tokens; ONE
+     prefill per prompt writes its K/V into all n slots of the request; each slot samples its first token
+     from the shared last-position logits with its own seed.
+  2. decode k steps without looking at the device: k = min(sync_every, fewest steps until some slot must
+     hit a length limit). A step runs slots [0, bs) with bs the smallest captured batch size covering the
+     highest taken slot and attends over kv_len = the smallest length bucket covering the longest
+     sequence. Finished or free slots inside [0, bs) keep running harmlessly (their state is frozen by
+     `done`; their writes land past their ends).
+  3. sync once: read done/stopped/gen, copy finished rows to the host, resolve futures, free slots.
+So the host syncs once per k tokens (not per token); stop tokens are detected on the device.
+
+Step (`_decode_step(bs, kv_len, mode)`): forward -> `sampling.sample_tokens` -> record token and
+log-prob -> update done/stopped/pos/gen with `torch.where`, all with static shapes. On CUDA it is captured
+as one CUDA graph per (bs, kv_len bucket, sampling mode) at start-up (mode "sample") or on first use
+(other modes); replay costs one launch. `load_weights(None)` re-captures if a parameter's storage moved
+(graphs hold raw pointers); in-place updates (optimizer steps, `load_weights(named)`) need nothing.
+
+Guarantees
+----------
+- Greedy (temperature 0) = argmax of the model's logits at every step.
+- Seeded sampling: a sample depends only on (seed, sample index, prompt, params) and its logits, not
+  on the batch it ran in or a generator's state (counter-based uniforms, sampling.py). Bitwise equal
+  logits across different batch compositions are exact on CPU; on GPU a batched GEMM may round
+  differently at different batch sizes, so reproducibility there is for the same workload.
+- Unseeded requests get seeds from the engine's `seed` (None: fresh randomness per engine).
+- Log-probs: log_softmax(logits / T) of the sampled token, before top-p/top-k; T = 1 when greedy.
+- Length: at most max_new_tokens per sample and max_seq_len tokens per sequence (prompt included);
+  a prompt of >= max_seq_len tokens returns empty LENGTH completions without running the model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
+from relayrl.rollout.driver import Pending, ThreadedEngine, load_named_tensors
+from relayrl.rollout.hf import default_eos_ids
+from relayrl.rollout.native_model import DecoderRunner
+from relayrl.rollout.native_state import GraphCache, SlotState
+from relayrl.rollout.sampling import mix_seed
+
+
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A request holding slots."""
+
+    pending: Pending
+    slots: list[int]
+    prompt_len: int
+    admit_step: int
+    out: dict[int, Completion] = field(default_factory=dict)
+
+
+class NativeEngine(ThreadedEngine):
+    """The built-in continuous-batching engine (see module doc)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        max_slots: int = 64,
+        max_seq_len: int | None = None,
+        max_prefill_tokens: int = 8192,
+        sync_every: int = 16,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: tuple[int, ...] | None = None,
+        kv_bucket: int = 256,
+        max_stop_ids: int = 8,
+        eos_token_id: int | list[int] | None = None,
+        seed: int | None = None,
+        decode_attention: str = "auto",
+    ) -> None:
+        """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
+        length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
+        prefill batch; `sync_every`: decode steps between host syncs; `cuda_graphs`: capture decode
+        (default: on CUDA); `graph_batch_sizes`: captured batch sizes (default powers of two and
+        max_slots); `kv_bucket`: attention length granularity of the graphs; `eos_token_id`: stop ids for
+        every request (default the tokenizer's EOS; [] for none); `seed`: source of unseeded requests'
+        seeds (None: fresh); `decode_attention`: "sdpa" | "math" | "auto" (sdpa on CUDA)."""
+        super().__init__(name="native")
+        t0 = time.perf_counter()
+        cfg = model.config
+        self.model = model
+        self.max_seq_len = int(max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096))
+        self.max_slots = max_slots
+        self.max_prefill_tokens = max_prefill_tokens
+        self.sync_every = max(1, sync_every)
+        self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
+        self.max_stop_ids = max(max_stop_ids, len(self.eos_ids))
+        self.runner = DecoderRunner(model, self.max_seq_len, decode_attention)
+        self.device = self.runner.device
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("NativeEngine(cuda_graphs=True) needs the model on a CUDA device")
+        sizes = graph_batch_sizes or tuple(2**i for i in range(max_slots.bit_length()) if 2**i < max_slots)
+        self.graph_batch_sizes = tuple(sorted({min(s, max_slots) for s in sizes} | {max_slots}))
+        self.kv_buckets = _kv_buckets(kv_bucket, self.max_seq_len)
+        self._rng = random.Random(seed)
+        self._waiting: deque[Pending] = deque()
+        self._running: set[_Running] = set()
+        self._slot_owner: dict[int, _Running] = {}
+        self._free: list[int] = list(range(max_slots))
+        self.state: SlotState | None = None
+        self.graphs: GraphCache | None = None
+        self.prefill_count = 0
+        """Prompts prefilled (a request with n samples counts once)."""
+        self.prefill_tokens = 0
+        """Prompt tokens prefilled (unpadded)."""
+        self.decode_steps = 0
+        """Batched decode steps run."""
+        self.prefill_batches = 0
+        """Prefill forward calls."""
+        self._reacquire()
+        self.startup_s = time.perf_counter() - t0
+        """Seconds spent in the constructor (cache allocation and CUDA graph capture)."""
+
+    # ---- memory / weights -----------------------------------------------------------------------------
+    def _reacquire(self) -> None:
+        if self.state is not None:
+            return
+        with torch.no_grad():
+            self.state = SlotState(self.runner, self.max_slots, self.max_stop_ids)
+            if self.cuda_graphs:
+                self.graphs = GraphCache(self._decode_step, self.state.snapshot_tensors(), self.model)
+                with torch.cuda.device(self.device):
+                    for bs in reversed(self.graph_batch_sizes):
+                        for kv_len in reversed(self.kv_buckets):
+                            self.graphs.ensure((bs, kv_len, "sample"))
+                    torch.cuda.synchronize()
+
+    def _release(self) -> None:
+        self.graphs = None
+        self.state = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        if named_tensors is not None:
+            load_named_tensors(self.model, named_tensors)
+        if self.graphs is not None:
+            self.graphs.drop_if_moved(self.model)
+
+    # ---- protocol hooks -------------------------------------------------------------------------------
+    def _validate(self, request: GenerationRequest) -> None:
+        super()._validate(request)
+        p = request.params
+        rid = request.request_id
+        if p.n > self.max_slots:
+            raise ValueError(
+                f"request {rid!r}: n={p.n} exceeds the engine's max_slots={self.max_slots}; raise max_slots"
+            )
+        stops = set(self.eos_ids) | set(p.stop_token_ids)
+        if len(stops) > self.max_stop_ids:
+            raise ValueError(
+                f"request {rid!r}: {len(stops)} stop ids > max_stop_ids={self.max_stop_ids}; raise it"
+            )
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {rid!r}: prompt ids {bad[:5]} outside the vocabulary [0, {self.runner.vocab_size})"
+            )
+
+    def _busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _abort_inflight(self) -> None:
+        for p in self._waiting:
+            p.abort()
+        self._waiting.clear()
+        for run in list(self._running):
+            run.pending.abort()
+            self._free_slots(run)
+
+    def _fail_inflight(self, exc: BaseException) -> None:
+        for p in self._waiting:
+            p.fail(exc)
+        self._waiting.clear()
+        for run in list(self._running):
+            run.pending.fail(exc)
+            self._free_slots(run)
+
+    def _step(self, new: list[Pending]) -> None:
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                self._round(new)
+        else:
+            self._round(new)
+
+    def _round(self, new: list[Pending]) -> None:
+        self._waiting.extend(new)
+        for run in [r for r in self._running if r.pending.cancelled]:
+            self._free_slots(run)
+        self._admit()
+        if not self._running:
+            return
+        # batch size, sampling mode and longest sequence are fixed for the round (host-side bounds)
+        bs = next(b for b in self.graph_batch_sizes if b > max(self._slot_owner))
+        mode = _mode(run.pending.request.params for run in self._running)
+        longest = max(run.prompt_len + self.decode_steps - run.admit_step for run in self._running)
+        for _ in range(self._steps_before_sync()):
+            longest = min(longest + 1, self.max_seq_len)  # attend to positions [0, pos] of the longest
+            self._decode_once(bs, longest, mode)
+        self._retire()
+
+    # ---- admission / prefill --------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting:
+            batch: list[_Running] = []
+            width = 0
+            while self._waiting and len(self._free) >= self._waiting[0].request.params.n:
+                p = self._waiting[0]
+                plen = len(p.request.prompt_ids)
+                if p.cancelled or plen >= self.max_seq_len:
+                    self._waiting.popleft()
+                    p.finish(
+                        [Completion(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)]
+                        * p.request.params.n
+                    )
+                    continue
+                if batch and (len(batch) + 1) * max(width, plen) > self.max_prefill_tokens:
+                    break
+                self._waiting.popleft()
+                slots = [heapq.heappop(self._free) for _ in range(p.request.params.n)]
+                batch.append(_Running(pending=p, slots=slots, prompt_len=plen, admit_step=self.decode_steps))
+                width = max(width, plen)
+            if not batch:
+                return
+            self._prefill(batch, width)
+
+    def _prefill(self, batch: list[_Running], width: int) -> None:
+        st = self.state
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        slot_rows, settings = [], []
+        for b, run in enumerate(batch):
+            req = run.pending.request
+            ids[b, : run.prompt_len] = torch.tensor(req.prompt_ids)
+            for j, s in enumerate(run.slots):
+                slot_rows.append((s, b))
+                settings.append(self._slot_settings(req.params, j, run.prompt_len))
+                self._slot_owner[s] = run
+            self._running.add(run)
+        slot_idx = torch.tensor([s for s, _ in slot_rows], device=self.device)
+        row_idx = torch.tensor([b for _, b in slot_rows], device=self.device)
+        last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
+        st.assign(slot_idx, settings)
+        logits = self.runner.prefill(ids.to(self.device), last, st.k_cache, st.v_cache, slot_idx, row_idx)
+        st.advance(
+            slot_idx, logits[row_idx], st.pos[slot_idx] + 1, _mode(r.pending.request.params for r in batch)
+        )
+        self.prefill_count += len(batch)
+        self.prefill_tokens += sum(run.prompt_len for run in batch)
+        self.prefill_batches += 1
+
+    def _slot_settings(
+        self, params: SamplingParams, index: int, prompt_len: int
+    ) -> tuple[list[float], list[int]]:
+        """Per-slot (floats, ints) rows for SlotState.assign."""
+        seed = self._rng.getrandbits(31) if params.seed is None else mix_seed(params.seed, index)
+        stops = sorted(set(self.eos_ids) | set(params.stop_token_ids))
+        stops += [-1] * (self.max_stop_ids - len(stops))
+        # pos starts at prompt_len - 1 so that advance() places the first sampled token at prompt_len
+        return [params.temperature, params.top_p], [
+            max(params.top_k, 0),
+            seed,
+            params.max_new_tokens,
+            prompt_len - 1,
+            *stops,
+        ]
+
+    # ---- decode ---------------------------------------------------------------------------------------
+    def _steps_before_sync(self) -> int:
+        """Decode steps that surely finish no slot by length before the last one (>= 1)."""
+        steps = self.sync_every
+        for run in self._running:
+            p = run.pending.request.params
+            done_steps = self.decode_steps - run.admit_step  # decode tokens produced so far
+            gen = 1 + done_steps
+            pos = run.prompt_len + done_steps
+            steps = min(steps, p.max_new_tokens - gen, self.max_seq_len - 1 - pos)
+        return max(1, steps)
+
+    def _decode_once(self, bs: int, kv_needed: int, mode: str) -> None:
+        # eager runs use the same padded (bs, kv_len) shapes as the graphs, so CPU tests cover them
+        kv_len = next(b for b in self.kv_buckets if b >= kv_needed)
+        if self.graphs is not None:
+            self.graphs.run((bs, kv_len, mode))
+        else:
+            self._decode_step(bs, kv_len, mode)
+        self.decode_steps += 1
+
+    def _decode_step(self, bs: int, kv_len: int, mode: str) -> None:
+        st = self.state
+        rows = st.rows[:bs]
+        logits = self.runner.decode(st.cur_tok[:bs], st.pos[:bs], st.k_cache, st.v_cache, kv_len, rows)
+        st.advance(rows, logits, st.pos[:bs] + 1, mode)
+
+    # ---- retire ---------------------------------------------------------------------------------------
+    def _retire(self) -> None:
+        st = self.state
+        taken = sorted(self._slot_owner)
+        idx = torch.tensor(taken, device=self.device)
+        flags = torch.stack([st.done[idx].long(), st.stopped[idx].long(), st.gen[idx]]).cpu()
+        finished = [(s, int(flags[1, i]), int(flags[2, i])) for i, s in enumerate(taken) if flags[0, i]]
+        if not finished:
+            return
+        fidx = torch.tensor([s for s, _, _ in finished], device=self.device)
+        toks, lps = st.tokens[fidx].cpu(), st.logprobs[fidx].cpu()
+        for i, (s, stopped, gen) in enumerate(finished):
+            run = self._slot_owner.pop(s)
+            a = run.prompt_len
+            run.out[s] = Completion(
+                token_ids=toks[i, a : a + gen].tolist(),
+                logprobs=lps[i, a : a + gen].tolist(),
+                finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
+            )
+            heapq.heappush(self._free, s)
+            if len(run.out) == len(run.slots):
+                self._running.discard(run)
+                run.pending.finish([run.out[s2] for s2 in run.slots])
+
+    def _free_slots(self, run: _Running) -> None:
+        """Drop a request's remaining slots (cancel / abort) and mark them done on the device."""
+        left = [s for s in run.slots if self._slot_owner.get(s) is run]
+        if left and self.state is not None:
+            self.state.done[torch.tensor(left, device=self.device)] = True
+        for s in left:
+            del self._slot_owner[s]
+            heapq.heappush(self._free, s)
+        self._running.discard(run)
+
+
+def _kv_buckets(step: int, max_len: int) -> tuple[int, ...]:
+    """Attention lengths the graphs are captured for: multiples of `step` up to 8 steps, then doubling,
+    always ending at max_len (256, 512, ..., 2048, 4096, 8192, ... for step 256)."""
+    buckets, b = [], step
+    while b < max_len:
+        buckets.append(b)
+        b = b + step if b < 8 * step else 2 * b
+    return (*buckets, max_len)
+
+
+def _mode(params: Iterable[SamplingParams]) -> str:
+    """Sampling mode covering every request in `params` (see sampling.py)."""
+    params = list(params)
+    if all(p.temperature == 0 for p in params):
+        return "greedy"
+    if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
+        return "truncate"
+    return "sample"

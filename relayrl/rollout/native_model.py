@@ -1,0 +1,223 @@
+"""Our own forward over a Hugging Face decoder's modules, with an external preallocated KV cache.
+
+`DecoderRunner` reads the policy's modules IN PLACE (embed_tokens, every layer's input/post-attention
+RMSNorm, q/k/v/o projections, optional per-head q_norm/k_norm (Qwen3), MLP, final norm, lm_head): it calls
+the same `nn.Module`s, so there is no copy and nothing to sync, and LoRA-wrapped projections work. Only
+attention, rotary embedding and the cache are ours; plain HF RMSNorms are evaluated by one fused
+`F.rms_norm` over the module's own weight (same math, fewer kernels per decode step):
+
+    k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim] (model dtype)
+    prefill(ids[B, T] right-padded, last[B], caches, slot_idx[M], row_idx[M]) -> logits[B, V] at last[b]
+        causal SDPA over each padded row (flash on CUDA: padding is at the end, so a plain causal mask is
+        right for the real tokens); row row_idx[m]'s K/V go to slot slot_idx[m] positions [0, T) (several
+        slots may take the same row: the n samples of a prompt share one prefill).
+    decode(tok[bs], pos[bs], caches, kv_len) -> logits[bs, V]
+        slots [0, bs): writes K/V of `tok` at `pos`, attends over cache positions [0, kv_len) masked to
+        <= pos. GQA without repeating K/V: the G query heads of a KV head ride as SDPA's query length,
+        q[bs, kv_heads, G, D] x K[bs, kv_heads, kv_len, D]. Static shapes for fixed (bs, kv_len), so the
+        caller can capture it in a CUDA graph.
+
+Supported: decoder-only models laid out like Llama (model.model.{embed_tokens, layers, norm, rotary_emb},
+model.lm_head) with default or scaled rotary (the HF module's own inv_freq and attention_scaling are used)
+and no active sliding window: model types in SUPPORTED_MODEL_TYPES. Others raise an error naming the type
+and pointing at engine "hf".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+_PLAIN_RMSNORMS = {f"{name}RMSNorm" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
+
+
+def _norm_fn(module: torch.nn.Module):
+    """A fused callable equal to HF's plain RMSNorm module (fp32 normalise, cast, times weight), reading the
+    module's live weight; other norm modules are called as they are. Fewer kernels per decode step."""
+    if type(module).__name__ not in _PLAIN_RMSNORMS or not hasattr(module, "variance_epsilon"):
+        return module
+    weight, eps = module.weight, float(module.variance_epsilon)
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    return norm
+
+
+class DecoderRunner:
+    """Prefill and decode forwards over an HF causal LM's live modules (see module doc)."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto") -> None:
+        """`decode_attention`: "sdpa" (fused kernel), "math" (matmul + softmax; faster on CPU for short
+        query groups) or "auto" (sdpa on CUDA, math elsewhere)."""
+        if hasattr(model, "get_base_model"):  # peft: run the base model, whose projections carry the adapters
+            model = model.get_base_model()
+        cfg = model.config
+        if decode_attention not in ("auto", "sdpa", "math"):
+            raise ValueError(f"decode_attention must be 'auto', 'sdpa' or 'math', got {decode_attention!r}")
+        check_supported(model, max_len)
+        self.model = model
+        self.body = model.model
+        self.layers = list(self.body.layers)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.group = self.n_heads // self.n_kv
+        self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5))
+        self.vocab_size = cfg.vocab_size
+        emb = self.body.embed_tokens.weight
+        self.device, self.dtype = emb.device, emb.dtype
+        self.max_len = max_len
+        self.cos, self.sin = self._rope_table(max_len)
+        self.kv_positions = torch.arange(max_len, device=self.device)
+        self.norms = [
+            (_norm_fn(layer.input_layernorm), _norm_fn(layer.post_attention_layernorm))
+            for layer in self.layers
+        ]
+        self.final_norm = _norm_fn(self.body.norm)
+        self.qk_norms = [
+            (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
+            if getattr(layer.self_attn, "q_norm", None) is not None
+            else None
+            for layer in self.layers
+        ]
+        if decode_attention == "auto":
+            decode_attention = "sdpa" if self.device.type == "cuda" else "math"
+        self.decode_attention = decode_attention
+
+    def _rope_table(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [max_len, head_dim] as HF computes them (fp32, then cast to the model dtype)."""
+        rot = self.body.rotary_emb
+        inv_freq = rot.inv_freq.float().to(self.device)
+        pos = torch.arange(max_len, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(getattr(rot, "attention_scaling", 1.0))
+        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+    def cache_shape(self, slots: int) -> tuple[int, int, int, int, int]:
+        """[layers, slots, kv_heads, max_len, head_dim]."""
+        return (len(self.layers), slots, self.n_kv, self.max_len, self.head_dim)
+
+    def _qkv(self, li: int, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms)."""
+        attn = self.layers[li].self_attn
+        q = attn.q_proj(h).view(*shape, self.n_heads, self.head_dim)
+        k = attn.k_proj(h).view(*shape, self.n_kv, self.head_dim)
+        v = attn.v_proj(h).view(*shape, self.n_kv, self.head_dim)
+        if self.qk_norms[li] is not None:
+            q_norm, k_norm = self.qk_norms[li]
+            q, k = q_norm(q), k_norm(k)
+        return q, k, v
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.final_norm(x))
+
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        last: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_idx: torch.Tensor,
+        row_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run right-padded prompts ids [B, T]; fill slots; return logits [B, V] at positions last [B]."""
+        b, t = ids.shape
+        x = self.body.embed_tokens(ids)
+        cos, sin = self.cos[None, None, :t], self.sin[None, None, :t]
+        for li, layer in enumerate(self.layers):
+            attn, (norm1, norm2) = layer.self_attn, self.norms[li]
+            q, k, v = self._qkv(li, norm1(x), (b, t))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            k_cache[li, slot_idx, :, :t] = k[row_idx]
+            v_cache[li, slot_idx, :, :t] = v[row_idx]
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(norm2(x))
+        return self._logits(x[torch.arange(b, device=x.device), last])
+
+    def decode(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_len: int,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token for slots [0, bs) (rows = arange(bs)); returns logits [bs, V]."""
+        bs = tok.shape[0]
+        x = self.body.embed_tokens(tok)  # [bs, hidden]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [bs, 1, D]
+        # additive mask [bs, 1, 1, kv_len], built once for all layers (fp32 for math, model dtype for sdpa)
+        hidden = self.kv_positions[None, None, None, :kv_len] > pos[:, None, None, None]
+        mask_dtype = torch.float32 if self.decode_attention == "math" else self.dtype
+        mask = torch.zeros(hidden.shape, dtype=mask_dtype, device=hidden.device).masked_fill_(
+            hidden, float("-inf")
+        )
+        for li, layer in enumerate(self.layers):
+            attn, (norm1, norm2) = layer.self_attn, self.norms[li]
+            q, k, v = self._qkv(li, norm1(x), (bs,))
+            qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # one rotary pass for q and k
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+            kc, vc = k_cache[li], v_cache[li]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            o = self._attend(
+                q.view(bs, self.n_kv, self.group, self.head_dim),
+                kc[:bs, :, :kv_len],
+                vc[:bs, :, :kv_len],
+                mask,
+            )
+            x = x + attn.o_proj(o.reshape(bs, -1))
+            x = x + layer.mlp(norm2(x))
+        return self._logits(x)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [bs, Hkv, G, D] over k/v [bs, Hkv, T, D] with additive mask [bs, 1, 1, T]."""
+        if self.decode_attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale + mask
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def check_supported(model: torch.nn.Module, max_len: int) -> None:
+    """Raise NotImplementedError naming the model type when the native forward cannot run it."""
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", type(model).__name__)
+    hint = 'use the "hf" engine (build_engine("hf", ...)) for this model'
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"native rollout engine: model type {mtype!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); {hint}"
+        )
+    body = getattr(model, "model", None)
+    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(body, attr):
+            raise NotImplementedError(f"native rollout engine: {mtype!r} model has no model.{attr}; {hint}")
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    sliding = "sliding_attention" in layer_types or (mtype == "mistral" and window is not None)
+    if mtype == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+        sliding = False
+    if sliding and window is not None and window < max_len:
+        raise NotImplementedError(
+            f"native rollout engine: {mtype!r} uses a sliding window of {window} < max_seq_len {max_len}; "
+            f"lower max_seq_len to <= {window} or {hint}"
+        )

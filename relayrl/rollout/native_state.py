@@ -1,0 +1,156 @@
+"""Device-side state of the native engine: the slot buffers, the per-step update, the CUDA graph cache.
+
+`SlotState` holds every tensor a decode step touches (shapes in native.py's module doc) and `advance`,
+the sample-record-update that follows a forward; all static-shape tensor ops, no host sync.
+`GraphCache` captures `step_fn(bs, kv_len, mode)` as CUDA graphs in one shared memory pool, keyed by
+(bs, kv_len, mode); warm-up runs before capture mutate the slot state, so it is snapshotted and restored
+around each capture (warm-up writes to K/V and token buffers land only at positions that the real step
+rewrites before anyone reads them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from relayrl.rollout.native_model import DecoderRunner
+from relayrl.rollout.sampling import sample_tokens
+
+log = logging.getLogger(__name__)
+
+
+class SlotState:
+    """Preallocated per-slot device buffers (KV cache, sequences, sampling settings, progress)."""
+
+    def __init__(self, runner: DecoderRunner, slots: int, max_stop_ids: int) -> None:
+        dev, long = runner.device, torch.long
+        self.max_len = runner.max_len
+        self.k_cache = torch.zeros(runner.cache_shape(slots), dtype=runner.dtype, device=dev)
+        self.v_cache = torch.zeros(runner.cache_shape(slots), dtype=runner.dtype, device=dev)
+        self.tokens = torch.zeros((slots, self.max_len + 1), dtype=long, device=dev)
+        self.logprobs = torch.zeros((slots, self.max_len + 1), dtype=torch.float32, device=dev)
+        self.cur_tok = torch.zeros(slots, dtype=long, device=dev)
+        self.pos = torch.zeros(slots, dtype=long, device=dev)
+        self.gen = torch.zeros(slots, dtype=long, device=dev)
+        self.max_new = torch.ones(slots, dtype=long, device=dev)
+        self.done = torch.ones(slots, dtype=torch.bool, device=dev)
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.temp = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(slots, dtype=long, device=dev)
+        self.seed = torch.zeros(slots, dtype=long, device=dev)
+        self.stop_ids = torch.full((slots, max_stop_ids), -1, dtype=long, device=dev)
+        self.rows = torch.arange(slots, device=dev)
+
+    def snapshot_tensors(self) -> list[torch.Tensor]:
+        """The progress tensors a step mutates (besides K/V and token buffers)."""
+        return [self.cur_tok, self.pos, self.gen, self.done, self.stopped]
+
+    def assign(self, idx: torch.Tensor, settings: list[tuple[list[float], list[int]]]) -> None:
+        """Start slots `idx` with (floats [temp, top_p], ints [top_k, seed, max_new, pos, *stop_ids])."""
+        dev = self.rows.device
+        f = torch.tensor([s[0] for s in settings], dtype=torch.float32).to(dev)
+        i = torch.tensor([s[1] for s in settings], dtype=torch.long).to(dev)
+        self.temp[idx], self.top_p[idx] = f[:, 0], f[:, 1]
+        self.top_k[idx], self.seed[idx], self.max_new[idx], self.pos[idx] = i[:, 0], i[:, 1], i[:, 2], i[:, 3]
+        self.stop_ids[idx] = i[:, 4:]
+        self.done[idx] = False
+        self.stopped[idx] = False
+        self.gen[idx] = 0
+
+    def advance(self, idx: torch.Tensor, logits: torch.Tensor, new_pos: torch.Tensor, mode: str) -> None:
+        """Sample the token at `new_pos` for slots `idx` from `logits` [len(idx), V], record it, update flags.
+
+        Slots already done are frozen (pos, cur_tok, gen, flags unchanged); their token write lands at
+        pos + 1 <= max_len, past their end, inside the max_len + 1 wide buffers.
+        """
+        live = ~self.done[idx]
+        tok, lp = sample_tokens(
+            logits, self.temp[idx], self.top_p[idx], self.top_k[idx], self.seed[idx], new_pos, mode
+        )
+        self.tokens[idx, new_pos] = tok
+        self.logprobs[idx, new_pos] = lp
+        gen = self.gen[idx] + live.long()
+        is_stop = (tok[:, None] == self.stop_ids[idx]).any(-1)
+        at_limit = (gen >= self.max_new[idx]) | (new_pos + 1 >= self.max_len)
+        self.stopped[idx] = self.stopped[idx] | (live & is_stop)
+        self.done[idx] = self.done[idx] | (live & (is_stop | at_limit))
+        self.pos[idx] = torch.where(live, new_pos, self.pos[idx])
+        self.cur_tok[idx] = torch.where(live, tok, self.cur_tok[idx])
+        self.gen[idx] = gen
+
+
+def _param_ptrs(model: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
+class GraphCache:
+    """CUDA graphs of `step_fn(bs, kv_len, mode)`, captured on first `run` (see module doc)."""
+
+    def __init__(
+        self,
+        step_fn: Callable[[int, int, str], None],
+        state_tensors: list[torch.Tensor],
+        model: torch.nn.Module,
+        warmup: int = 2,
+    ) -> None:
+        self.step_fn = step_fn
+        self.state_tensors = state_tensors
+        self.model = model
+        self.warmup = warmup
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph | None] = {}
+        self.ptrs = _param_ptrs(model)
+        self.captures = 0
+        """Graphs captured so far (re-captures included)."""
+
+    def ensure(self, key: tuple[int, int, str]) -> None:
+        """Capture the graph for `key` if not yet tried; a failed capture marks the key eager."""
+        if key in self.graphs:
+            return
+        try:
+            self.graphs[key] = self._capture(key)
+        except Exception:  # e.g. an op that cannot be captured in this torch build: stay correct
+            log.warning("CUDA graph capture failed for %s; running that step eagerly", key, exc_info=True)
+            self.graphs[key] = None
+
+    def run(self, key: tuple[int, int, str]) -> None:
+        """Replay the graph for `key` (capturing it first); a key whose capture failed runs eagerly."""
+        self.ensure(key)
+        graph = self.graphs[key]
+        if graph is None:
+            self.step_fn(*key)
+        else:
+            graph.replay()
+
+    def _capture(self, key: tuple[int, int, str]) -> torch.cuda.CUDAGraph:
+        saved = [t.clone() for t in self.state_tensors]
+        try:
+            return self._capture_with(key)
+        finally:
+            for t, s in zip(self.state_tensors, saved, strict=True):
+                t.copy_(s)
+
+    def _capture_with(self, key: tuple[int, int, str]) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup if self.captures == 0 else 1):  # lazy inits happen in the first
+                self.step_fn(*key)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.step_fn(*key)
+        self.captures += 1
+        return graph
+
+    def drop_if_moved(self, model: torch.nn.Module) -> bool:
+        """Forget every graph if a parameter's storage moved since capture; True if dropped."""
+        ptrs = _param_ptrs(model)
+        if ptrs == self.ptrs:
+            return False
+        self.graphs.clear()
+        self.ptrs = ptrs
+        return True
