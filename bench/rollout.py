@@ -1,4 +1,5 @@
-"""Rollout throughput: the native engine vs `transformers.generate` (hf engine) on the same requests.
+"""Rollout throughput: the native engine vs `transformers.generate` (hf engine) on the same requests
+(and vLLM, with --engines native,hf,vllm, where the vllm package is installed).
 
     python bench/rollout.py --shape tiny --device cpu --prompts 32 --new-tokens 64 --n-prompts 8 --n-new-tokens 64
     python bench/rollout.py --shape qwen2.5-0.5b --device cuda            # the GPU target (bf16)
@@ -14,6 +15,11 @@ model (hidden 64, 2 layers, vocab 101); "qwen2.5-0.5b" is Qwen2.5-0.5B's shape (
 Timings: tokens/s = generated tokens / wall time of all requests (after a warm-up round, with
 torch.cuda.synchronize around it); start-up = engine construction (KV cache allocation and CUDA graph
 capture for native). Prints a table and writes bench/results/rollout.json.
+
+vllm: the same random model is saved to a temporary folder (safetensors) and loaded by one in-process vLLM
+engine (relayrl/rollout/vllm_engine.py) built on first use and reused for both workloads (max_model_len =
+prompt + the longer workload, max_num_seqs = the most samples, gpu_memory_utilization=--vllm-gpu-util);
+its start-up (load, profiling, torch.compile, CUDA graph capture) is reported on both rows.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,15 +95,44 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def build_vllm(model, dtype: torch.dtype, *, max_seq_len: int, max_seqs: int, gpu_util: float, eager: bool):
+    """Save `model` to a temporary folder and build the vllm engine over it (EOS ignored, like the others)."""
+    folder = tempfile.mkdtemp(prefix="relayrl-bench-vllm-")
+    model.save_pretrained(folder)
+    return build_engine(
+        "vllm",
+        folder,
+        None,
+        max_seq_len=max_seq_len,
+        eos_token_id=[],
+        dtype=str(dtype).removeprefix("torch."),
+        max_num_seqs=max_seqs,
+        gpu_memory_utilization=gpu_util,
+        enforce_eager=eager,
+    )
+
+
 def run_engine(
-    name: str, model, reqs, *, device: str, max_seq_len: int, slots: int, hf_batch: int, native_opts: dict
+    name: str,
+    model,
+    reqs,
+    *,
+    device: str,
+    max_seq_len: int,
+    slots: int,
+    hf_batch: int,
+    native_opts: dict,
+    prebuilt=None,
 ) -> dict:
     _sync(device)
     t0 = time.perf_counter()
-    opts = dict(max_slots=slots, **native_opts) if name == "native" else dict(max_batch=hf_batch)
-    engine = build_engine(name, model, None, max_seq_len=max_seq_len, eos_token_id=[], **opts)
-    _sync(device)
-    startup = time.perf_counter() - t0
+    if prebuilt is not None:  # vllm: built once for all workloads
+        engine, startup = prebuilt, prebuilt.startup_s
+    else:
+        opts = dict(max_slots=slots, **native_opts) if name == "native" else dict(max_batch=hf_batch)
+        engine = build_engine(name, model, None, max_seq_len=max_seq_len, eos_token_id=[], **opts)
+        _sync(device)
+        startup = time.perf_counter() - t0
     warm = [
         GenerationRequest(prompt_ids=r.prompt_ids, params=SamplingParams(max_new_tokens=8)) for r in reqs[:4]
     ]
@@ -120,6 +157,9 @@ def run_engine(
         row.update(decode_steps=engine.decode_steps, prefill_batches=engine.prefill_batches)
         if engine.graphs is not None:
             row["cuda_graphs"] = len(engine.graphs.graphs)
+    if prebuilt is not None:
+        row["engine_steps"] = engine.steps
+        return row
     engine.close()
     del engine
     gc.collect()
@@ -141,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt in workload 2 (0 skips it)")
     ap.add_argument("--n-prompts", type=int, default=64)
     ap.add_argument("--n-new-tokens", type=int, default=512)
-    ap.add_argument("--engines", default="native,hf")
+    ap.add_argument("--engines", default="native,hf", help="comma list of native, hf, vllm")
+    ap.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm: gpu_memory_utilization")
+    ap.add_argument("--vllm-eager", action="store_true", help="vllm: enforce_eager (no compile / graphs)")
     ap.add_argument("--hf-max-batch", type=int, default=0, help="rows per generate call (0: all at once)")
     ap.add_argument("--decode-attention", default="auto", help="native: sdpa | math | auto (sdpa on cuda)")
     ap.add_argument("--sync-every", type=int, default=16, help="native: decode steps between host syncs")
@@ -154,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rollout.json"))
     args = ap.parse_args(argv)
+    if "vllm" in args.engines.split(",") and importlib.util.find_spec("vllm") is None:
+        ap.error("--engines vllm needs the vllm package (pip install vllm, on a CUDA machine)")
     if not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
     dtype = (
@@ -178,9 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_graphs:
         native_opts["cuda_graphs"] = False
     rows = []
+    vllm_engine = None
     for wname, reqs, new in workloads:
         samples = sum(r.params.n for r in reqs)
         for name in args.engines.split(","):
+            if name == "vllm" and vllm_engine is None:
+                vllm_engine = build_vllm(
+                    model,
+                    dtype,
+                    max_seq_len=args.prompt_len + max(n for _, _, n in workloads),
+                    max_seqs=max(sum(r.params.n for r in w) for _, w, _ in workloads),
+                    gpu_util=args.vllm_gpu_util,
+                    eager=args.vllm_eager,
+                )
             row = run_engine(
                 name,
                 model,
@@ -190,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 slots=samples,
                 hf_batch=args.hf_max_batch or samples,
                 native_opts=native_opts,
+                prebuilt=vllm_engine if name == "vllm" else None,
             )
             row.update(
                 workload=wname,
@@ -203,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{wname} {name:7s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s",
                 flush=True,
             )
+    if vllm_engine is not None:
+        vllm_engine.close()
     _report(rows, args, dtype)
     return 0
 
@@ -225,6 +282,7 @@ def _report(rows: list[dict], args, dtype: torch.dtype) -> None:
         shape=args.shape,
         dtype=str(dtype),
         torch=torch.__version__,
+        **({"vllm": sys.modules["vllm"].__version__} if "vllm" in sys.modules else {}),
         eos="ignored (fixed-length samples)",
         sampling="temperature 1, top_p 1, top_k 0",
     )
