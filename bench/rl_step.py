@@ -1,0 +1,160 @@
+"""RL step benchmark: the per-step time breakdown (generation, experience, update, sync) and tokens/s.
+
+    .venv/bin/python bench/rl_step.py                                  # tiny model on CPU (the demo's shape)
+    .venv/bin/python bench/rl_step.py --device cuda --shape qwen0.5b   # Qwen2.5-0.5B-shaped random model, bf16
+
+Runs `relayrl rl`'s own loop (local mode, native engine, GRPO, no reference) for a few steps on random
+weights with a cheap reward (fraction of digit characters, tests/trainers/data/digit_reward.py), drops the
+first (warm-up) step, and prints the mean of the remaining steps. Writes bench/results/rl_step.json
+(one entry per device/shape, updated in place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARD = ROOT / "tests" / "trainers" / "data" / "digit_reward.py"
+RESULTS = ROOT / "bench" / "results" / "rl_step.json"
+PARTS = ("generation", "experience", "update", "sync", "step")
+
+SHAPES = {
+    # name: (Qwen2Config overrides, dtype, prompts per step, samples per prompt, max new tokens)
+    "tiny": (
+        dict(
+            hidden_size=128,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        "fp32",
+        32,
+        8,
+        6,
+    ),
+    "qwen0.5b": (
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+        "bf16",
+        64,
+        8,
+        256,
+    ),
+}
+
+
+def build_model(shape: str, folder: Path) -> Path:
+    """A random Qwen2 of the given shape + the tiny char tokenizer, saved as an HF folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from relayrl.models.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    overrides, dtype, *_ = SHAPES[shape]
+    config = Qwen2Config(
+        vocab_size=overrides.pop("vocab_size", len(tok)),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def run(device: str, shape: str, steps: int) -> dict:
+    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.trainers.rl import run_rl
+
+    _, dtype, prompts, n, new_tokens = SHAPES[shape]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(shape, Path(tmp) / "model")
+        cfg = tiny_cpu_config(str(model), str(Path(tmp) / "run"), steps=steps, reward=str(REWARD))
+        cfg = replace(
+            cfg,
+            model=replace(cfg.model, dtype=dtype),
+            train=replace(cfg.train, device=device),
+            optim=replace(cfg.optim, lr=1e-5),
+            task=replace(cfg.task, train_rows=2000),
+            rollout=replace(
+                cfg.rollout,
+                prompts_per_step=prompts,
+                n_samples=n,
+                max_new_tokens=new_tokens,
+                max_len=64 + new_tokens,
+            ),
+            algo=replace(cfg.algo, micro_batch_tokens=16384),
+        )
+        t0 = time.perf_counter()
+        result = run_rl(cfg)
+        wall = time.perf_counter() - t0
+    hist = result.history[1:] if len(result.history) > 1 else result.history
+    mean = {p: statistics.mean(h[f"timing/{p}"] for h in hist) for p in PARTS}
+    gen_tokens = statistics.mean(h["rollout/response_len"] * h["rollout/samples"] for h in hist)
+    return {
+        "device": device if device == "cpu" else torch.cuda.get_device_name(0),
+        "shape": shape,
+        "dtype": dtype,
+        "prompts_x_samples": f"{prompts}x{n}",
+        "max_new_tokens": new_tokens,
+        "steps_timed": len(hist),
+        "seconds": {p: round(v, 4) for p, v in mean.items()},
+        "gen_tokens_per_step": round(gen_tokens, 1),
+        "gen_tokens_per_s": round(gen_tokens / mean["generation"], 1),
+        "train_tokens_per_s": round(statistics.mean(h["perf/train_tokens_per_s"] for h in hist), 1),
+        "step_tokens_per_s": round(gen_tokens / mean["step"], 1),
+        "wall_s": round(wall, 1),
+        "torch_threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--steps", type=int, default=6, help="steps to run (the first is not timed)")
+    args = parser.parse_args()
+    row = run(args.device, args.shape, args.steps)
+    print(
+        f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
+        f"<= {row['max_new_tokens']} new tokens, mean of {row['steps_timed']} steps"
+    )
+    print(f"{'part':<12}{'seconds':>10}{'share':>8}")
+    for p in PARTS:
+        share = row["seconds"][p] / row["seconds"]["step"] * 100
+        print(f"{p:<12}{row['seconds'][p]:>10.3f}{share:>7.0f}%")
+    print(f"generated tokens/s {row['gen_tokens_per_s']:.0f}  (per step {row['gen_tokens_per_step']:.0f})")
+    print(f"train tokens/s     {row['train_tokens_per_s']:.0f}")
+    print(f"end-to-end generated tokens/s {row['step_tokens_per_s']:.0f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    results[f"{args.device}/{args.shape}"] = row
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Config of `relayrl rl`: the component configs (model, data, optim, train, ckpt, logger) plus the RL parts.
+
+    RLConfig
+      model: ModelConfig        policy (actor) weights; the reference model is the same path, frozen
+      data: DataConfig          prompt data (or `task` for a built-in task)
+      optim: OptimConfig        policy optimizer / schedule
+      train: TrainConfig        steps, seed, output dir
+      ckpt: CkptConfig          where / how often / how many checkpoints
+      logger: LoggerConfig      JSONL / TensorBoard / W&B
+      task: TaskConfig          built-in task as prompt source + reward + eval
+      rollout: RolloutConfig    engine, n samples per prompt, sampling, prompts per step, agent executor
+      algo: AlgoConfig          estimator, policy loss, KL, aggregation, off-policy correction, epochs, batching
+      reward: RewardConfig      where rewards come from (task / reward_func file / remote RM / local RM / agent)
+                                and how they are shaped
+      filter: FilterConfig      dynamic filtering (DAPO dynamic sampling) with bounded refill
+      critic: CriticConfig      the critic (only built for `gae`)
+      eval: EvalConfig          eval every k steps, pass@k, best-checkpoint metric
+      dist: DistConfig          execution mode (local / ray)
+
+Every algorithm choice is a *name* looked up in a registry of relayrl.algorithms (see docs/rl.md for the
+table); the trainer never branches on the name. Validation (`validate_rl_config`) runs before any work starts
+and names the field, the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from relayrl.config.components import (
+    CkptConfig,
+    DataConfig,
+    LoggerConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """How trajectories are sampled."""
+
+    engine: str = "native"
+    """Rollout engine: native (built in, reads the policy's weights in place) or hf (transformers.generate)."""
+    prompts_per_step: int = 8
+    """Prompts sampled per RL step (the rollout batch); each gets `n_samples` completions."""
+    n_samples: int = 4
+    """Samples per prompt (the group size of group estimators)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 disables; with truncation use an off-policy correction)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    max_new_tokens: int = 32
+    """Most tokens generated per turn."""
+    max_len: int = 256
+    """Total length limit (prompt + every turn); longer prompts are dropped and counted."""
+    agent: str = "single"
+    """Agent executor: single (one completion per sample), multi (drives `agent_file`'s AgentInstance), or a
+    path to a Python file defining an AgentExecutor."""
+    agent_file: str = ""
+    """Python file with the user's AgentInstance (multi-turn agents) or a built-in multi-turn task name."""
+    max_turns: int = 8
+    """Most turns of a multi-turn agent."""
+    failure_policy: str = "drop_group"
+    """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgoConfig:
+    """The RL algorithm: every choice is a registry name (relayrl.algorithms)."""
+
+    advantage: str = "group_norm"
+    """Advantage estimator: gae, reinforce, reinforce_baseline, rloo, group_norm, dr_grpo."""
+    gamma: float = 1.0
+    """Discount factor (gae / reinforce)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (clip-higher when clip_eps_high > clip_eps_low), dual_clip, gspo, cispo."""
+    clip_eps_low: float = 0.2
+    """Lower clip range of the ratio (1 - eps_low)."""
+    clip_eps_high: float = 0.2
+    """Upper clip range of the ratio (1 + eps_high); > eps_low for clip-higher."""
+    dual_clip_c: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages; 0 = the loss's default (off for ppo, 3 for dual_clip)."""
+    aggregation: str = "token_mean"
+    """Loss aggregation over the optimizer step: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm
+    (Dr. GRPO's constant normaliser, set by `max_new_tokens`)."""
+    kl_mode: str = "none"
+    """KL to the reference: none (no reference model), monitor (measured and logged only), reward (per-token
+    penalty in the reward), loss (a loss term)."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2, k3."""
+    kl_coef: float = 0.0
+    """Initial KL coefficient beta."""
+    kl_controller: str = "fixed"
+    """KL controller: fixed or adaptive."""
+    kl_target: float = 0.1
+    """Target KL of the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon of the adaptive controller."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0: entropy is a metric only)."""
+    off_policy: str = "none"
+    """Rollout-vs-trainer log-prob mismatch correction: none, tis, icepop, seq_mask_tis."""
+    off_policy_low: float = 0.5
+    """Lower bound of the IS weight (icepop / seq_mask_tis)."""
+    off_policy_high: float = 2.0
+    """Upper bound (cap for tis) of the IS weight."""
+    epochs: int = 1
+    """Passes over each step's experience."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the experience is split into this many mini-batches)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (packed sequences); the loss is normalised over the mini-batch."""
+    value_clip: float = 0.2
+    """Value clipping range of the critic loss (gae)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """A built-in task (relayrl/tasks) as the prompt source, reward and eval (instead of `data`)."""
+
+    name: str = ""
+    """Task name (add2, add3, guess, ...); empty = prompts from `data` and rewards from `reward.source`."""
+    train_rows: int = 2000
+    """Training prompts generated from the task."""
+    eval_rows: int = 200
+    """Held-out eval prompts generated from the task (disjoint from training)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """Where rewards come from and how they are shaped."""
+
+    source: str = ""
+    """Reward source: task:<name>, a reward_func .py file, http(s) URL(s) of remote RMs (comma-separated),
+    rm:<path> (a local reward model), or agent (the multi-turn agent's own rewards). Empty: the task's
+    reward when `task.name` is set, the agent's own rewards for multi-turn agents."""
+    timeout_s: float = 60.0
+    """Timeout of one reward call."""
+    clip: float = 0.0
+    """Clip rewards to [-clip, clip] (0 disables)."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty: linear penalty over the last `overlong_buffer` tokens before the limit."""
+    overlong_penalty: float = 1.0
+    """Largest overlong penalty."""
+    truncation_penalty: float = 0.0
+    """Subtracted from the reward of a response cut at the length limit."""
+    normalize: bool = False
+    """Running normalisation of rewards."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterConfig:
+    """Dynamic filtering (DAPO dynamic sampling): drop uninformative groups and refill from new prompts."""
+
+    enabled: bool = False
+    """Drop groups whose scores have zero variance or whose mean is outside [min_mean, max_mean]."""
+    min_mean: float = 0.0
+    """Lowest accepted group mean score."""
+    max_mean: float = 1.0
+    """Highest accepted group mean score."""
+    max_refills: int = 3
+    """Extra rollout rounds per step to refill dropped groups (bounded; the count is logged)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """The critic (value model); built only for estimators that need values (gae)."""
+
+    model_path: str = ""
+    """Critic initial weights; empty uses the policy's path (value head freshly initialised)."""
+    lr: float = 1e-4
+    """Critic learning rate."""
+    epochs: int = 1
+    """Critic passes over each step's experience."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Evaluation on the eval set."""
+
+    every: int = 0
+    """Evaluate every `every` steps (and at the end); 0 disables."""
+    n_samples: int = 1
+    """Samples per eval prompt for pass@k (1: greedy pass@1 only)."""
+    temperature: float = 0.0
+    """Eval sampling temperature (0: greedy; with n_samples > 1 use > 0)."""
+    max_prompts: int = 0
+    """Evaluate on at most this many prompts (0: all)."""
+    correct_threshold: float = 0.5
+    """A sample counts as correct for pass@k when its score is above this."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DistConfig:
+    """Execution mode: the same worker classes run in-process or as Ray actors."""
+
+    mode: str = "local"
+    """local (every role in this process) or ray (roles as Ray actors in a placement group)."""
+    ray_address: str = ""
+    """Ray cluster address; empty starts a local cluster."""
+    num_cpus: int = 2
+    """CPUs of the local Ray cluster started when no address is given."""
+    num_gpus_per_role: float = 0.0
+    """GPUs per role actor (0 on CPU)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """`relayrl rl`: RL post-training (PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO / CISPO)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Policy optimizer."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, seed, output folder."""
+    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(best_metric="eval/pass@1", best_mode="max"))
+    """Checkpoints."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Metrics logging."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Built-in task (prompts + reward + eval)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rewards."""
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    """Dynamic filtering."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Critic (gae only)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Execution mode."""
+    ema: float = 0.0
+    """Decay of an exponential moving average of the policy saved beside it (0 disables)."""
+
+
+def tiny_cpu_config(model_path: str, output_dir: str, *, steps: int = 4, reward: str = "") -> RLConfig:
+    """A preset for smoke tests and CPU benchmarks: the add2 prompts, 8 prompts x 4 samples, 6 new tokens,
+    GRPO, no checkpoints in between, no console output. Change fields with dataclasses.replace."""
+    return RLConfig(
+        model=ModelConfig(name_or_path=model_path),
+        optim=OptimConfig(lr=3e-3, scheduler="constant", warmup_steps=0),
+        train=TrainConfig(max_steps=steps, output_dir=output_dir, seed=0, device="cpu"),
+        ckpt=CkptConfig(resume="none", save_every=0, best_metric="eval/pass@1", best_mode="max"),
+        logger=LoggerConfig(progress_bar=False),
+        task=TaskConfig(name="add2", train_rows=256, eval_rows=0),
+        reward=RewardConfig(source=reward),
+        rollout=RolloutConfig(prompts_per_step=8, n_samples=4, max_new_tokens=6, max_len=64),
+        algo=AlgoConfig(advantage="group_norm"),
+    )

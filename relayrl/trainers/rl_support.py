@@ -1,0 +1,105 @@
+"""Small helpers of the RL loop (relayrl/trainers/rl.py): step timer, SIGINT / SIGTERM flag, failure counts,
+and the builders of the checkpoint manager and reward normaliser."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from relayrl.agents.base import Trajectory
+from relayrl.config.rl import RLConfig
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{k}": v for k, v in self.seconds.items()}
+
+
+class SignalFlag:
+    """SIGINT / SIGTERM set `signum` (the loop then checkpoints and exits); a second signal interrupts."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(
+            f"\nrelayrl rl: signal {signum}: finishing this step, then writing a checkpoint", file=sys.stderr
+        )
+
+    @contextmanager
+    def installed(self):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def add(total: dict[str, float], more: dict[str, float]) -> None:
+    for k, v in more.items():
+        total[k] = total.get(k, 0.0) + v
+
+
+def failure_counts(trajs: list[Trajectory]) -> dict[str, float]:
+    """rollout/failed(/<kind>) and rollout/dropped when the failure policy dropped everything."""
+    out = {"rollout/failed": 0.0, "rollout/dropped": float(len(trajs))}
+    for t in trajs:
+        if t.failure_kind is not None:
+            out["rollout/failed"] += 1
+            key = f"rollout/failed/{t.failure_kind}"
+            out[key] = out.get(key, 0.0) + 1
+    return out
+
+
+def due(every: int, step: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def reward_norm(cfg: RLConfig) -> Any:
+    if not cfg.reward.normalize:
+        return None
+    from relayrl.algorithms.shaping import RunningRewardNorm
+
+    return RunningRewardNorm()
+
+
+def checkpoint_manager(cfg: RLConfig, run_dir: Path) -> Any:
+    from relayrl.trainers.checkpoint import CheckpointManager
+
+    c = cfg.ckpt
+    return CheckpointManager(
+        run_dir / "checkpoints",
+        keep_last=c.keep_last if c.keep_last > 0 else 10**9,
+        keep_best=1 if c.keep_best else 0,
+        best_mode=c.best_mode,
+    )
+
+
+def as_dict(cfg: RLConfig) -> dict[str, Any]:
+    from relayrl.config.base import to_dict
+
+    return to_dict(cfg)

@@ -1,0 +1,125 @@
+"""Records passed between the RL controller and the role workers, and the collation of trajectories.
+
+    trajs: list[Trajectory]  --collate-->  SequenceBatch  --workers-->  Experience  --policy / critic update-->
+
+Token alignment (one convention everywhere): every per-token tensor is [B, T] and lines up with `input_ids`;
+position t holds the quantity *of token t* given the tokens before it: `logprobs[b, t] = log pi(x_t | x_<t)`,
+`values[b, t] = V(x_<t)` (the state in which token t was chosen), `action_mask[b, t]` = token t was generated
+by the policy. Column 0 never is an action (a prompt has >= 1 token). Rows are right-padded with the pad id;
+padding has attention_mask False and action_mask False. The n samples of one prompt are contiguous rows (the
+controller keeps groups together), which is what the group advantage estimators expect.
+
+These records are plain tensors in slotted dataclasses, so they cross a Ray actor boundary by pickling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from relayrl.agents.base import Trajectory
+
+
+@dataclass(kw_only=True, slots=True)
+class SequenceBatch:
+    """Right-padded token tensors of B trajectories."""
+
+    input_ids: Tensor
+    """[B, T] long: prompt + response (+ env feedback) tokens, pad id after the end."""
+    attention_mask: Tensor
+    """[B, T] bool: True on real tokens."""
+    action_mask: Tensor
+    """[B, T] bool: True on tokens the policy generated (the loss positions)."""
+    rollout_logprobs: Tensor
+    """[B, T] float32: the engine's log-prob of each action token (0 elsewhere)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real length of each row."""
+        return self.attention_mask.sum(1).tolist()
+
+    def select(self, rows: list[int] | Tensor) -> SequenceBatch:
+        """The sub-batch of `rows`, trimmed to its longest row."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        width = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
+        return SequenceBatch(**{f.name: getattr(self, f.name)[idx, :width] for f in fields(self)})
+
+
+@dataclass(kw_only=True, slots=True)
+class Experience:
+    """What the update needs for one step's trajectories: SequenceBatch plus per-token training signals."""
+
+    tokens: SequenceBatch
+    """The sequences."""
+    old_logprobs: Tensor
+    """[B, T] float32: log-probs of the policy that sampled (recomputed by the trainer before the update)."""
+    advantages: Tensor
+    """[B, T] float32: advantage of each action token (0 elsewhere)."""
+    rewards: Tensor
+    """[B] float32: scalar reward per sequence after shaping."""
+    ref_logprobs: Tensor | None = None
+    """[B, T] float32: reference-model log-probs (only when a KL term is on)."""
+    values: Tensor | None = None
+    """[B, T] float32: critic values V(x_<t) (gae only)."""
+    returns: Tensor | None = None
+    """[B, T] float32: value targets (gae only)."""
+
+    def select(self, rows: list[int] | Tensor) -> Experience:
+        """The sub-experience of `rows`, trimmed to its longest row."""
+        tokens = self.tokens.select(rows)
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        width = tokens.input_ids.shape[1]
+
+        def cut(x: Tensor | None) -> Tensor | None:
+            if x is None:
+                return None
+            return x[idx] if x.dim() == 1 else x[idx, :width]
+
+        return Experience(
+            tokens=tokens,
+            old_logprobs=cut(self.old_logprobs),
+            advantages=cut(self.advantages),
+            rewards=cut(self.rewards),
+            ref_logprobs=cut(self.ref_logprobs),
+            values=cut(self.values),
+            returns=cut(self.returns),
+        )
+
+
+def collate(trajs: list[Trajectory], pad_id: int) -> SequenceBatch:
+    """Right-pad trajectories into a SequenceBatch (see module doc for the alignment)."""
+    if not trajs:
+        raise ValueError("collate: no trajectories to batch")
+    width = max(len(t.token_ids) for t in trajs)
+    b = len(trajs)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.bool)
+    act = torch.zeros((b, width), dtype=torch.bool)
+    lp = torch.zeros((b, width), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        n = len(t.token_ids)
+        if len(t.action_mask) != n or len(t.rollout_logprobs) != n:
+            raise ValueError(
+                f"trajectory of sample {t.sample.index}: token_ids ({n}), action_mask ({len(t.action_mask)}) "
+                f"and rollout_logprobs ({len(t.rollout_logprobs)}) must have the same length"
+            )
+        ids[i, :n] = torch.tensor(t.token_ids, dtype=torch.long)
+        attn[i, :n] = True
+        act[i, :n] = torch.tensor(t.action_mask, dtype=torch.bool)
+        lp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+    act[:, 0] = False
+    return SequenceBatch(input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=lp)
+
+
+def split_rows(num_rows: int, parts: int) -> list[list[int]]:
+    """Split rows 0..num_rows-1 into `parts` contiguous, nearly equal chunks (mini-batches); empty ones dropped."""
+    parts = max(1, min(parts, num_rows))
+    base, extra = divmod(num_rows, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return [o for o in out if o]

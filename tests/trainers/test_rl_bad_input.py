@@ -1,0 +1,154 @@
+"""Bad input to `relayrl rl`: each case gives a clear message, is counted, and the run either continues
+or stops cleanly with a non-zero exit code, leaving no half-written checkpoint behind.
+
+Cases: a reward function that raises / returns NaN / returns the wrong number of rewards; prompts over the
+length limits; an empty dataset; every group filtered out; a missing model path; an unknown algorithm name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relayrl.trainers.logging import read_jsonl
+from relayrl.trainers.rl import main
+
+REWARD_FUNCS = {
+    "raises": "def reward_func(queries, prompts, labels, **kw):\n    raise RuntimeError('reward server exploded')\n",
+    "half_nan": (
+        "import math\n"
+        "def reward_func(queries, prompts, labels, **kw):\n"
+        "    return [math.nan if i % 4 == 1 else float(len(q) % 2) for i, q in enumerate(queries)]\n"
+    ),
+    "wrong_length": "def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * (len(queries) + 1)\n",
+    "constant": "def reward_func(queries, prompts, labels, **kw):\n    return [1.0] * len(queries)\n",
+}
+
+
+def _argv(model: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model.name_or_path",
+        str(model),
+        "--train.output_dir",
+        str(out),
+        "--train.max_steps",
+        "4",
+        "--task.name",
+        "add2",
+        "--task.train_rows",
+        "64",
+        "--task.eval_rows",
+        "0",
+        "--rollout.prompts_per_step",
+        "4",
+        "--rollout.n_samples",
+        "2",
+        "--rollout.max_new_tokens",
+        "4",
+        "--logger.progress_bar",
+        "false",
+        "--ckpt.save_every",
+        "1",
+        *extra,
+    ]
+
+
+def _reward(tmp_path: Path, kind: str) -> str:
+    path = tmp_path / f"{kind}.py"
+    path.write_text(REWARD_FUNCS[kind])
+    return str(path)
+
+
+def _no_tmp_left(out: Path) -> None:
+    ckpt = out / "checkpoints"
+    assert not ckpt.exists() or not [p for p in ckpt.iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind,failure", [("raises", "exception"), ("wrong_length", "wrong_length")])
+def test_reward_that_always_fails_stops_with_exit_1(tiny_model_path, tmp_path, capsys, kind, failure):
+    out = tmp_path / "run"
+    code = main(_argv(tiny_model_path, out, "--reward.source", _reward(tmp_path, kind)))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "nothing to train" in err and "3 consecutive skipped step(s)" in err
+    assert f"'{failure}'" in err or failure in err  # the failure kind is named
+    assert not (out / "final").exists()  # no final model from a run that trained nothing
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("step_*"))
+    _no_tmp_left(out)
+
+
+@pytest.mark.timeout(60)
+def test_nan_rewards_are_counted_and_the_run_continues(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(_argv(tiny_model_path, out, "--reward.source", _reward(tmp_path, "half_nan")))
+    assert code == 0, capsys.readouterr().err
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 4
+    # every 4th sample's reward is NaN: with 2 samples per prompt, half of the 4 groups have one NaN
+    # sample; drop_group drops those groups (2 failed, 4 dropped) and the step trains on the other 4
+    for r in rows:
+        assert r["rollout/failed/nan"] == r["rollout/failed"] == 2.0
+        assert r["rollout/dropped"] == 4.0 and r["rollout/samples"] == 4.0
+    _no_tmp_left(out)
+
+
+@pytest.mark.timeout(60)
+def test_every_group_filtered_out_stops_with_exit_1(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = _argv(
+        tiny_model_path, out, "--reward.source", _reward(tmp_path, "constant"), "--filter.enabled", "true"
+    )
+    code = main([*argv, "--filter.max_refills", "1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "groups filtered out" in err and "filter.max_refills=1" in err
+    _no_tmp_left(out)
+
+
+@pytest.mark.timeout(60)
+def test_prompts_over_the_length_limits_are_dropped_and_counted(tiny_model_path, tmp_path, capsys):
+    rows = tmp_path / "prompts.jsonl"
+    lines = ['{"input": "1+2=", "label": "3"}'] * 8 + ['{"input": "' + "9" * 40 + '", "label": "0"}'] * 2
+    lines += ['{"input": "' + "1+" * 8 + '1=", "label": "9"}'] * 8
+    rows.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    argv = _argv(tiny_model_path, out, "--reward.source", _reward(tmp_path, "half_nan"))
+    argv = [a for a in argv if a not in ("--task.name", "add2")]
+    code = main([*argv, "--data.datasets", str(rows), "--data.max_len", "20", "--rollout.max_len", "16"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "dropped_too_long 2" in captured.out  # data.max_len: the two 40-char prompts
+    metrics = read_jsonl(out / "metrics.jsonl")
+    # rollout.max_len 16 leaves the 17-token prompts no room: they fail as prompt_too_long, counted
+    assert sum(r.get("rollout/failed/prompt_too_long", 0) for r in metrics) > 0
+
+
+@pytest.mark.timeout(30)
+def test_empty_dataset_is_a_clear_error(tiny_model_path, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    argv = [a for a in _argv(tiny_model_path, tmp_path / "run") if a not in ("--task.name", "add2")]
+    code = main([*argv, "--data.datasets", str(empty), "--reward.source", _reward(tmp_path, "constant")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "empty" in err and str(empty) in err
+
+
+@pytest.mark.timeout(30)
+def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    code = main(_argv(missing, tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert str(missing) in err and "model.name_or_path" in err
+
+
+@pytest.mark.timeout(30)
+def test_unknown_algorithm_name_fails_before_any_work(tiny_model_path, tmp_path, capsys):
+    code = main([*_argv(tiny_model_path, tmp_path / "run"), "--algo.advantage", "grpo_typo"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "algo.advantage" in err and "'grpo_typo'" in err and "group_norm" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
