@@ -57,6 +57,11 @@ class SamplingParams:
     logprobs: bool = True
     """Return the log-prob of every generated token."""
 
+    @property
+    def max_tokens(self) -> int:
+        """vLLM's / OpenAI's name for `max_new_tokens` (OpenRLHF agents read `sampling_params.max_tokens`)."""
+        return self.max_new_tokens
+
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")

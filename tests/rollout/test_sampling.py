@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from relayrl.rollout.sampling import hash32, mix_seed, sample_tokens, uniform
@@ -112,3 +113,11 @@ def test_greedy_rows_take_argmax_with_untempered_logprob():
         assert tok.tolist() == [1, 0]
         # log softmax([0, 2, 1])[1] = 2 - log(1 + e^2 + e)
         assert math.isclose(lp[0].item(), 2 - math.log(1 + math.e**2 + math.e), rel_tol=1e-6)
+
+
+def test_sampling_params_max_tokens_alias_for_openrlhf_agents():
+    from relayrl.rollout.base import SamplingParams
+
+    assert SamplingParams(max_new_tokens=7).max_tokens == 7
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
