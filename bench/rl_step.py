@@ -28,7 +28,9 @@ RESULTS = ROOT / "bench" / "results" / "rl_step.json"
 PARTS = ("generation", "experience", "update", "sync", "step")
 
 SHAPES = {
-    # name: (Qwen2Config overrides, dtype, prompts per step, samples per prompt, max new tokens)
+    # name: (Qwen2Config overrides, dtype, prompts per step, samples per prompt, max new tokens, micro-batch
+    # tokens). Packed micro-batches build a block-causal mask over all their tokens, so short sequences want a
+    # small token budget (the demo uses 512) and long ones a larger one.
     "tiny": (
         dict(
             hidden_size=128,
@@ -41,6 +43,7 @@ SHAPES = {
         32,
         8,
         6,
+        512,
     ),
     "qwen0.5b": (
         dict(
@@ -55,6 +58,7 @@ SHAPES = {
         64,
         8,
         256,
+        4096,
     ),
 }
 
@@ -87,7 +91,7 @@ def run(device: str, shape: str, steps: int) -> dict:
     from relayrl.config.rl import tiny_cpu_config
     from relayrl.trainers.rl import run_rl
 
-    _, dtype, prompts, n, new_tokens = SHAPES[shape]
+    _, dtype, prompts, n, new_tokens, micro_tokens = SHAPES[shape]
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(shape, Path(tmp) / "model")
         cfg = tiny_cpu_config(str(model), str(Path(tmp) / "run"), steps=steps, reward=str(REWARD))
@@ -104,7 +108,7 @@ def run(device: str, shape: str, steps: int) -> dict:
                 max_new_tokens=new_tokens,
                 max_len=64 + new_tokens,
             ),
-            algo=replace(cfg.algo, micro_batch_tokens=16384),
+            algo=replace(cfg.algo, micro_batch_tokens=micro_tokens),
         )
         t0 = time.perf_counter()
         result = run_rl(cfg)
@@ -118,6 +122,7 @@ def run(device: str, shape: str, steps: int) -> dict:
         "dtype": dtype,
         "prompts_x_samples": f"{prompts}x{n}",
         "max_new_tokens": new_tokens,
+        "micro_batch_tokens": micro_tokens,
         "steps_timed": len(hist),
         "seconds": {p: round(v, 4) for p, v in mean.items()},
         "gen_tokens_per_step": round(gen_tokens, 1),

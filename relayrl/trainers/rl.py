@@ -122,7 +122,6 @@ class RLTrainer:
         self.kl_ctl = build_kl_controller(cfg)
         self.reward_norm = reward_norm(cfg)
         self.step = 0
-        self.best: float | None = None
         self.skipped = 0
         self.roles = build_roles(cfg, cfg.train.max_steps)
         self.pad_id = int(self.roles.policy.call("info")["pad_id"])
@@ -167,8 +166,9 @@ class RLTrainer:
                 break
             prompts = self._draw_prompts(need, drawn)
             trajs = self.roles.policy.call("rollout", prompts, self._seed(attempt))
+            t0 = time.perf_counter()
             trajs = self.roles.reward.call("score", trajs)
-            add(counts, {"rollout/generated": float(len(trajs))})
+            add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})
             try:
                 ok, m = apply_failure_policy(trajs, r.failure_policy)
             except RolloutFailure as e:
@@ -182,7 +182,7 @@ class RLTrainer:
             counts["filter/rounds"] = float(attempt + 1)
         if not kept:
             raise _Skip(
-                f"step {self.step + 1}: nothing to train: {counts.get('rollout/failed', 0):.0f} of "
+                f"step {self.step}: nothing to train: {counts.get('rollout/failed', 0):.0f} of "
                 f"{counts.get('rollout/generated', 0):.0f} samples failed, "
                 f"{counts.get('filter/groups_dropped', 0):.0f} groups filtered out (filter.max_refills="
                 f"{f.max_refills}); counts: {counts}" + (f". Last error: {last_error}" if last_error else "")
@@ -383,7 +383,7 @@ class RLTrainer:
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }
-        state = {"skipped": self.skipped, "best": self.best}
+        state = {"skipped": self.skipped}
         return self.ckpt.save(self.step, models=models, trainer_state=state, extra=extra, metric=metric)
 
     def resume(self) -> bool:
@@ -405,6 +405,7 @@ class RLTrainer:
         if self.reward_norm is not None and loaded.extra.get("reward_norm"):
             self.reward_norm.load_state_dict(loaded.extra["reward_norm"])
         self.step = loaded.step
+        self.skipped = int(loaded.trainer_state.get("skipped", 0))
         print(f"relayrl rl: resumed from {path} (step {self.step})", flush=True)
         return True
 

@@ -3,8 +3,8 @@
 The task is made trivially learnable: the reward is the fraction of digit characters in the response
 (tests/trainers/data/digit_reward.py). A random 2-layer tiny model emits digits ~10% of the time, so every
 group has some signal from step 1. Budget: 16 steps of 8 prompts x 4 samples, lr 3e-3 (a few seconds each).
-Pass criterion: the mean reward of the last 4 steps exceeds the first 2 steps' by at least 0.1 (measured
-gains are 0.2-0.5; the random-policy spread of a step's mean is ~0.03).
+Pass criterion: the mean reward of the last 4 steps exceeds the first 2 steps' by at least 0.1 (measured:
+0.105 -> 0.40-0.50 for every estimator).
 """
 
 from __future__ import annotations

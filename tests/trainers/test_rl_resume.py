@@ -74,3 +74,37 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_model_path, tmp_
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{name}:{k} differs after resume"
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_writes_a_checkpoint_and_exits_143(tiny_model_path, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "relayrl.cli", "rl", "--model.name_or_path", str(tiny_model_path)]
+    cmd += [
+        "--task.name",
+        "add2",
+        "--task.eval_rows",
+        "0",
+        "--train.max_steps",
+        "10000",
+        "--train.output_dir",
+        str(out),
+    ]
+    cmd += ["--reward.source", str(DATA / "digit_reward.py"), "--logger.progress_bar", "false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 90
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    step = len(read_jsonl(metrics))
+    assert step >= 2 and "checkpoint written" in err
+    assert (out / "checkpoints/latest").read_text().strip() == f"step_{step}"
+    assert (out / f"checkpoints/step_{step}/policy/model.safetensors").is_file()
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
