@@ -1,8 +1,8 @@
 """Arithmetic tasks with verifiable answers: `add2` (two-digit addition, the demo task) and `add3`.
 
 Prompt "a+b=", answer the decimal sum. Reward 1.0 for an exact match of the stripped response, else 0.0.
-Train and test prompts are disjoint: the (a, b) pairs are split by a hash so that no test pair is ever
-seen in training, whatever `n` is. Sized after ../shared/notes/demo-task-measurements.md: a ~1M-parameter
+Train and test prompts are disjoint: the (a, b) pairs are split by a hash (`is_held_out`) so that no test
+pair is ever seen in training, whatever `n` is. Sized after ../shared/notes/demo-task-measurements.md: a ~1M-parameter
 model reaches 0.1-0.6 exact match from a few hundred SFT examples, leaving room for RL to add 20-40 points.
 """
 
@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.tasks.base import register_task
+from relayrl.tasks.base import is_held_out, register_task
 
 
 @dataclass
@@ -25,9 +25,8 @@ class Addition:
     def _pairs(self, split: str) -> list[tuple[int, int]]:
         lo, hi = 10 ** (self.digits - 1), 10**self.digits
         pairs = [(a, b) for a in range(lo, hi) for b in range(lo, hi)]
-        # Deterministic split: 20% of pairs are test-only (Python's hash() is salted, so use arithmetic).
-        is_test = [((a * 7919 + b * 104729) % 10) < 2 for a, b in pairs]
-        return [p for p, t in zip(pairs, is_test, strict=True) if t == (split == "test")]
+        # Deterministic split: about 20% of pairs are test-only, chosen by a hash of the pair.
+        return [(a, b) for a, b in pairs if is_held_out(f"{self.name}:{a}+{b}") == (split == "test")]
 
     def make_rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
         if split not in ("train", "test"):

@@ -7,6 +7,7 @@ row's label; the RL loop calls it through the reward-source layer, never parsing
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -27,6 +28,14 @@ class Task(Protocol):
 
 
 TASKS: dict[str, Callable[[], Task]] = {}
+
+
+def is_held_out(key: str, fraction: float = 0.2) -> bool:
+    """Deterministic train/test assignment of an item by a hash of its key (blake2b, not Python's salted
+    `hash()`): about `fraction` of keys are held out, with no arithmetic structure (a linear hash such as
+    `(7919 a + 104729 b) mod 10` would hold out only sums ending in one or two digits)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
 def register_task(name: str) -> Callable[[Callable[[], Task]], Callable[[], Task]]:

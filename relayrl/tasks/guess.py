@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayrl.agents.base import AgentInstanceBase, PromptSample
-from relayrl.tasks.base import register_task
+from relayrl.tasks.base import is_held_out, register_task
 
 PROMPT_RE = re.compile(r"guess (\d+)-(\d+): ")
 HINT_RE = re.compile(r" (?:higher|lower|correct|invalid)\n")
@@ -92,8 +92,7 @@ class GuessNumber:
 
     def _ranges(self, split: str) -> list[tuple[int, int]]:
         ranges = [(lo, hi) for lo in range(1, self.top + 1) for hi in range(lo + 1, self.top + 1)]
-        is_test = [((lo * 7919 + hi * 104729) % 10) < 2 for lo, hi in ranges]
-        return [r for r, t in zip(ranges, is_test, strict=True) if t == (split == "test")]
+        return [(lo, hi) for lo, hi in ranges if is_held_out(f"guess:{lo}-{hi}") == (split == "test")]
 
     def make_rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
         """`n` rows {"input": "guess LO-HI: ", "output": str(secret), "label": secret}; rows repeat the
