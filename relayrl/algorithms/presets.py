@@ -1,8 +1,9 @@
 """Algorithm presets: one setting (`algorithm: grpo`) picks the registry entries that make an algorithm.
 
 `ALGORITHM_PRESETS[name] -> AlgorithmPreset`; a trainer reads the names and looks them up in
-`ADVANTAGES`, `POLICY_LOSSES`, `AGGREGATIONS`, `KL_ESTIMATORS`. Every field can still be overridden one by
-one in the trainer config; the preset only supplies defaults.
+`ADVANTAGES`, `POLICY_LOSSES`, `AGGREGATIONS`, `KL_ESTIMATORS`. `relayrl rl --algo.preset NAME` applies one
+(relayrl.config.rl.resolve_algo): the preset only supplies defaults, every field set explicitly in the
+trainer config wins. eps None: the policy loss's own default clip range.
 
 | preset               | advantage          | policy loss | aggregation             | KL                  | critic |
 |----------------------|--------------------|-------------|-------------------------|---------------------|--------|

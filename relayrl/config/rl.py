@@ -18,14 +18,21 @@
       dist: DistConfig          execution mode (local / ray)
 
 Every algorithm choice is a *name* looked up in a registry of relayrl.algorithms (see docs/rl.md for the
-table); the trainer never branches on the name. Validation (`validate_rl_config`) runs before any work starts
-and names the field, the bad value and the valid choices.
+table); the trainer never branches on the name. Unknown names fail while parsing (`AlgoConfig.__post_init__`
+-> `check_algo_names`), naming the field, the bad value and the valid choices; `validate_rl_config` checks the
+rest before any work starts.
+
+Presets: `algo.preset NAME` (relayrl.algorithms.ALGORITHM_PRESETS) picks advantage, policy loss, aggregation,
+KL mode / estimator and clip range in one setting. Those fields default to "" / None ("not set"), so a value
+set explicitly (flag or YAML) wins; `resolve_algo(algo) -> AlgoConfig` fills the rest from the preset or the
+built-in defaults (rl_build.validate_rl_config applies it before the run's config.yaml is written).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from relayrl.config.base import invalid
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
@@ -67,34 +74,55 @@ class RolloutConfig:
     """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
 
 
+KL_MODES = ("none", "monitor", "reward", "loss")
+"""Where the KL to the reference enters (`algo.kl_mode`)."""
+BUILTIN_ALGO = {
+    "advantage": "group_norm",
+    "policy_loss": "ppo",
+    "aggregation": "token_mean",
+    "kl_mode": "none",
+}
+"""What an empty preset-controlled name means when no preset is chosen."""
+
+
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
-    """The RL algorithm: every choice is a registry name (relayrl.algorithms)."""
+    """The RL algorithm: every choice is a registry name (relayrl.algorithms). Empty names / None clip ranges
+    mean "the preset's choice, else the built-in default"; `resolve_algo` fills them in."""
 
-    advantage: str = "group_norm"
-    """Advantage estimator: gae, reinforce, reinforce_baseline, rloo, group_norm, dr_grpo."""
+    preset: str = ""
+    """Algorithm preset, one setting for a known recipe: ppo, reinforce++, reinforce++_baseline, rloo, grpo,
+    dr_grpo, dapo, gspo, cispo (docs/rl.md lists what each sets). Empty: no preset. Any algo field set
+    explicitly (flag or YAML) wins over the preset."""
+    advantage: str = ""
+    """Advantage estimator: gae, reinforce, reinforce_baseline, rloo, group_norm, dr_grpo. Empty: the preset's,
+    else group_norm."""
     gamma: float = 1.0
     """Discount factor (gae / reinforce)."""
     lam: float = 0.95
     """GAE lambda."""
-    policy_loss: str = "ppo"
-    """Policy loss: ppo (clip-higher when clip_eps_high > clip_eps_low), dual_clip, gspo, cispo."""
-    clip_eps_low: float = 0.2
-    """Lower clip range of the ratio (1 - eps_low)."""
-    clip_eps_high: float = 0.2
-    """Upper clip range of the ratio (1 + eps_high); > eps_low for clip-higher."""
+    policy_loss: str = ""
+    """Policy loss: ppo (clip-higher when clip_eps_high > clip_eps_low), dual_clip, gspo, cispo. Empty: the
+    preset's, else ppo."""
+    clip_eps_low: float | None = None
+    """Lower clip range of the ratio (1 - eps_low). None: the preset's, else the policy loss's own default
+    (ppo 0.2, gspo 3e-4, cispo 1.0 = no lower bound)."""
+    clip_eps_high: float | None = None
+    """Upper clip range of the ratio (1 + eps_high); > eps_low for clip-higher. None: the preset's, else the
+    policy loss's own default (ppo: = eps_low, gspo 4e-4, cispo 0.28)."""
     dual_clip_c: float = 0.0
     """Dual-clip constant c > 1 for negative advantages; 0 = the loss's default (off for ppo, 3 for dual_clip)."""
-    aggregation: str = "token_mean"
+    aggregation: str = ""
     """Loss aggregation over the optimizer step: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm
-    (Dr. GRPO's constant normaliser, set by `max_new_tokens`)."""
-    kl_mode: str = "none"
+    (Dr. GRPO's constant normaliser, set by `max_new_tokens`). Empty: the preset's, else token_mean."""
+    kl_mode: str = ""
     """KL to the reference: none (no reference model), monitor (measured and logged only), reward (per-token
-    penalty in the reward), loss (a loss term)."""
-    kl_estimator: str = "k3"
-    """KL estimator: k1, k2, k3."""
+    penalty in the reward), loss (a loss term). Empty: the preset's, else none."""
+    kl_estimator: str = ""
+    """KL estimator: k1, k2, k3. Empty: the preset's (when its KL mode is used), else k1 for kl_mode=reward
+    and k3 otherwise."""
     kl_coef: float = 0.0
-    """Initial KL coefficient beta."""
+    """Initial KL coefficient beta (0: the KL is measured, not applied)."""
     kl_controller: str = "fixed"
     """KL controller: fixed or adaptive."""
     kl_target: float = 0.1
@@ -117,6 +145,67 @@ class AlgoConfig:
     """Token budget of one micro-batch (packed sequences); the loss is normalised over the mini-batch."""
     value_clip: float = 0.2
     """Value clipping range of the critic loss (gae)."""
+
+    def __post_init__(self) -> None:
+        check_algo_names(self)
+
+
+def algo_choices() -> dict[str, tuple[str, ...]]:
+    """{AlgoConfig field: its valid registry names} (read from the registries, so new entries count)."""
+    from relayrl.algorithms import (
+        ADVANTAGES,
+        AGGREGATIONS,
+        ALGORITHM_PRESETS,
+        KL_CONTROLLERS,
+        KL_ESTIMATORS,
+        OFF_POLICY,
+        POLICY_LOSSES,
+    )
+
+    return {
+        "preset": tuple(ALGORITHM_PRESETS),
+        "advantage": tuple(ADVANTAGES),
+        "policy_loss": tuple(POLICY_LOSSES),
+        "aggregation": tuple(AGGREGATIONS),
+        "kl_mode": KL_MODES,
+        "kl_estimator": tuple(KL_ESTIMATORS),
+        "kl_controller": tuple(KL_CONTROLLERS),
+        "off_policy": ("none", *OFF_POLICY),
+    }
+
+
+def check_algo_names(a: AlgoConfig) -> None:
+    """`invalid(...)` naming the field, the bad name and the valid choices, for any unknown registry name
+    (runs in `AlgoConfig.__post_init__`, so a bad flag or YAML value fails while parsing)."""
+    may_be_empty = ("preset", *BUILTIN_ALGO, "kl_estimator")
+    for name, choices in algo_choices().items():
+        value = getattr(a, name)
+        if value not in choices and not (value == "" and name in may_be_empty):
+            raise invalid(name, value, "one of: " + ", ".join(choices))
+
+
+def resolve_algo(a: AlgoConfig) -> AlgoConfig:
+    """A copy of `a` with every preset-controlled name filled in: the field's own value when set, else the
+    preset's (`algo.preset`), else the built-in default (BUILTIN_ALGO; KL estimator k1 for kl_mode=reward,
+    k3 otherwise). Clip ranges stay None when neither the user nor the preset sets them: each policy loss
+    then uses its own default. Idempotent."""
+    from relayrl.algorithms.presets import ALGORITHM_PRESETS
+
+    p = ALGORITHM_PRESETS.get(a.preset) if a.preset else None
+    names = {k: getattr(a, k) or (str(getattr(p, k)) if p else v) for k, v in BUILTIN_ALGO.items()}
+    if a.kl_estimator:
+        estimator = a.kl_estimator
+    elif p is not None and p.kl_mode != "none" and names["kl_mode"] == str(p.kl_mode):
+        estimator = p.kl_estimator
+    else:
+        estimator = "k1" if names["kl_mode"] == "reward" else "k3"
+    return replace(
+        a,
+        **names,
+        kl_estimator=estimator,
+        clip_eps_low=a.clip_eps_low if a.clip_eps_low is not None else (p.eps_low if p else None),
+        clip_eps_high=a.clip_eps_high if a.clip_eps_high is not None else (p.eps_high if p else None),
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -257,5 +346,5 @@ def tiny_cpu_config(model_path: str, output_dir: str, *, steps: int = 4, reward:
         task=TaskConfig(name="add2", train_rows=256, eval_rows=0),
         reward=RewardConfig(source=reward),
         rollout=RolloutConfig(prompts_per_step=8, n_samples=4, max_new_tokens=6, max_len=64),
-        algo=AlgoConfig(advantage="group_norm"),
+        algo=AlgoConfig(),  # group_norm + ppo; names left unset so `algo.preset` can still pick them
     )

@@ -1,6 +1,7 @@
 """Setup of `relayrl rl` (everything before the first step), kept out of the loop module:
 
-    validate_rl_config(cfg)                      every registry name and cross-field rule, before any work
+    validate_rl_config(cfg)                      resolves `cfg.algo` (preset + defaults, in place), then checks
+                                                 every registry name and cross-field rule, before any work
     build_prompts(cfg, run_dir, tokenizer)       -> Prompts(train, eval, stats)  (task rows or data files)
     build_roles(cfg, total_steps)                -> Roles(launcher, policy, reference?, critic?, reward)
     build_kl_controller(cfg)                     -> FixedKLController | AdaptiveKLController
@@ -20,10 +21,9 @@ from typing import Any
 
 from relayrl.agents.base import PromptSample
 from relayrl.config.base import ConfigError
-from relayrl.config.rl import RLConfig
+from relayrl.config.rl import KL_MODES, RLConfig, resolve_algo
 from relayrl.distributed.launch import LAUNCHERS, RoleHandle, build_launcher
 
-KL_MODES = ("none", "monitor", "reward", "loss")
 NEEDS_CRITIC = frozenset({"gae"})
 FAILURE_POLICIES = ("drop_group", "drop_sample", "zero_reward", "raise")
 AGENTS = ("single", "multi")
@@ -37,7 +37,9 @@ def _choice(field: str, value: str, choices: Any) -> None:
 
 
 def validate_rl_config(cfg: RLConfig) -> None:
-    """Raise ConfigError naming the field, the bad value and the valid choices."""
+    """Resolve `cfg.algo` in place (`resolve_algo`: the preset's and built-in defaults fill the unset names, so
+    the workers, the experience maker and the saved config.yaml all see the final values); then raise
+    ConfigError naming the field, the bad value and the valid choices."""
     from relayrl.algorithms.advantages import ADVANTAGES, GROUP_ESTIMATORS
     from relayrl.algorithms.aggregation import AGGREGATIONS
     from relayrl.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
@@ -45,6 +47,7 @@ def validate_rl_config(cfg: RLConfig) -> None:
     from relayrl.rollout import ENGINES
     from relayrl.workers.builders import off_policy_registry
 
+    cfg.algo = resolve_algo(cfg.algo)
     a, r = cfg.algo, cfg.rollout
     _choice("algo.advantage", a.advantage, ADVANTAGES)
     _choice("algo.policy_loss", a.policy_loss, POLICY_LOSSES)
@@ -186,6 +189,7 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
     from relayrl.workers.reference import ReferenceWorker
     from relayrl.workers.reward import RewardWorker
 
+    cfg = replace(cfg, algo=resolve_algo(cfg.algo))  # a no-op after validate_rl_config
     want_ref = cfg.algo.kl_mode != "none"
     want_critic = cfg.algo.advantage in NEEDS_CRITIC
     launcher = build_launcher(cfg.dist, num_roles=2 + int(want_ref) + int(want_critic))

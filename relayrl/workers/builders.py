@@ -6,6 +6,7 @@ source, and the per-micro-batch policy / critic loss. Workers call these; the co
     build_policy_optim(model, optim_cfg, n)    -> (AdamW, LambdaLR)        via relayrl.trainers.core
     build_engine_for(cfg, model, tokenizer)    -> RolloutEngine           via relayrl.rollout.build_engine
     build_executor(cfg, engine, tokenizer)     -> AgentExecutorBase        single / multi-turn / user file
+    build_policy_loss(algo)                    -> fn(PolicyLossInputs): the named loss, clip settings bound
     policy_loss_step(model, micro, mb, ...)    forward + loss + backward of one micro-batch -> metrics
 
 The loss pieces are looked up by name in the algorithm registries (POLICY_LOSSES, KL_ESTIMATORS,
@@ -14,15 +15,17 @@ OFF_POLICY, AGGREGATIONS); there is no branching on algorithm names here.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from relayrl.config.rl import RLConfig
+from relayrl.config.rl import AlgoConfig, RLConfig, resolve_algo
 from relayrl.workers.base import Experience
 
 
@@ -130,6 +133,21 @@ def off_policy_registry() -> dict[str, Any]:
     return {"none": _no_correction, **OFF_POLICY}
 
 
+def build_policy_loss(algo: AlgoConfig) -> Callable[..., tuple[Tensor, dict[str, float]]]:
+    """POLICY_LOSSES[policy_loss] with the clip settings bound: `fn(PolicyLossInputs) -> (loss [B, T], m)`.
+    Clip ranges the user and the preset left unset (None) go to the loss as None, so each loss applies its
+    own documented default (ppo 0.2 / = eps_low, gspo 3e-4 / 4e-4, cispo 1.0 / 0.28)."""
+    from relayrl.algorithms.policy_losses import POLICY_LOSSES
+
+    a = resolve_algo(algo)
+    return functools.partial(
+        POLICY_LOSSES[a.policy_loss],
+        eps_low=a.clip_eps_low,
+        eps_high=a.clip_eps_high,
+        dual_clip=a.dual_clip_c or None,
+    )
+
+
 def policy_loss_step(
     model: torch.nn.Module,
     mb: Experience,
@@ -146,10 +164,10 @@ def policy_loss_step(
     its share of the mini-batch's action tokens (sum them over micro-batches)."""
     from relayrl.algorithms.aggregation import AGGREGATIONS
     from relayrl.algorithms.kl import kl_loss
-    from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
+    from relayrl.algorithms.policy_losses import PolicyLossInputs
     from relayrl.workers.model_ops import token_logprobs
 
-    a = cfg.algo
+    a = resolve_algo(cfg.algo)  # a no-op for a trainer's (already resolved) config
     micro = mb.select(rows)
     t = micro.tokens
     device = next(model.parameters()).device
@@ -166,9 +184,7 @@ def policy_loss_step(
         action_mask=mask & keep,
         is_weight=is_weight if a.off_policy != "none" else None,
     )
-    per_token, metrics = POLICY_LOSSES[a.policy_loss](
-        inputs, eps_low=a.clip_eps_low, eps_high=a.clip_eps_high, dual_clip=a.dual_clip_c or None
-    )
+    per_token, metrics = build_policy_loss(a)(inputs)
     if a.kl_mode == "loss" and micro.ref_logprobs is not None:
         kl_tok, kl_metrics = kl_loss(
             lp, micro.ref_logprobs.to(device), mask, coef=kl_coef, estimator=a.kl_estimator
