@@ -87,6 +87,11 @@ def validate_rl_config(cfg: RLConfig) -> None:
                 f"rollout.{name}: {getattr(r, name)} is invalid; expected an int >= 1",
                 field=f"rollout.{name}",
             )
+    if r.engine_slots < 0:
+        raise ConfigError(
+            f"rollout.engine_slots: {r.engine_slots} is invalid; expected 0 (auto) or an int >= 1",
+            field="rollout.engine_slots",
+        )
     for name in ("epochs", "mini_batches", "micro_batch_tokens"):
         if getattr(a, name) < 1:
             raise ConfigError(

@@ -87,7 +87,11 @@ def build_engine_for(cfg: RLConfig, model: torch.nn.Module, tokenizer: Any) -> A
     """The rollout engine colocated with the policy (reads `model`'s parameters in place)."""
     from relayrl.rollout import build_engine
 
-    return build_engine(cfg.rollout.engine, model, tokenizer, max_seq_len=cfg.rollout.max_len)
+    r = cfg.rollout
+    opts: dict[str, Any] = {}
+    if r.engine == "native":
+        opts["max_slots"] = max(r.engine_slots or r.prompts_per_step * r.n_samples, cfg.eval.n_samples)
+    return build_engine(r.engine, model, tokenizer, max_seq_len=r.max_len, **opts)
 
 
 def build_executor(cfg: RLConfig, engine: Any, tokenizer: Any) -> Any:

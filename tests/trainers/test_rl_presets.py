@@ -175,3 +175,24 @@ def test_ppo_preset_builds_critic_and_reference_and_saves_resolved_config(tiny_m
     # the saved (resolved) config reloads to the same algorithm
     again = parse_cli(RLConfig, ["--config", str(tmp_path / "run" / "config.yaml")])
     assert resolve_algo(again.algo) == cfg.algo
+
+
+def test_native_engine_slots_default_to_the_samples_of_a_step(tiny_model_path, tmp_path):
+    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from relayrl.workers.builders import build_engine_for
+
+    cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path / "run"))
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok)
+    engine = build_engine_for(cfg, model, tok)
+    try:
+        assert engine.max_slots == cfg.rollout.prompts_per_step * cfg.rollout.n_samples == 32
+    finally:
+        engine.close()
+    cfg.rollout.engine_slots = 5
+    engine = build_engine_for(cfg, model, tok)
+    try:
+        assert engine.max_slots == 5
+    finally:
+        engine.close()
