@@ -12,8 +12,14 @@ import sys
 
 # name -> ("module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("relayrl.trainers.demo:main", "Embedded demo on CPU: tiny model, SFT then RL on a built-in task."),
-    "sft": ("relayrl.trainers.sft:main", "Supervised fine-tuning (response-only, multi-turn or pretrain loss)."),
+    "demo": (
+        "relayrl.trainers.demo:main",
+        "Embedded demo on CPU: tiny model, SFT then RL on a built-in task.",
+    ),
+    "sft": (
+        "relayrl.trainers.sft:main",
+        "Supervised fine-tuning (response-only, multi-turn or pretrain loss).",
+    ),
     "rl": ("relayrl.trainers.rl:main", "RL training: PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO."),
     "serve": ("relayrl.agents.openai_server:main", "OpenAI-compatible server over a rollout engine."),
     "serve-rm": ("relayrl.agents.remote_rm:serve_main", "Serve a local reward model over HTTP."),

@@ -70,7 +70,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec | None = None) -> Qwen2ForCausalLM:
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec | None = None
+) -> Qwen2ForCausalLM:
     """A randomly initialised few-layer Qwen2 causal LM sized for `tokenizer` (fp32, eval mode off)."""
     spec = spec or TinyModelSpec()
     config = Qwen2Config(
