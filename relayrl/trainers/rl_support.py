@@ -88,15 +88,13 @@ def reward_norm(cfg: RLConfig) -> Any:
 
 
 def checkpoint_manager(cfg: RLConfig, run_dir: Path) -> Any:
-    from relayrl.trainers.checkpoint import CheckpointManager
+    """The shared CheckpointManager builder (trainers/setup.py). RL workers always save HF folders through
+    their `save_pretrained` shims, so `ckpt.save_hf_model` does not apply here."""
+    from dataclasses import replace
 
-    c = cfg.ckpt
-    return CheckpointManager(
-        run_dir / "checkpoints",
-        keep_last=c.keep_last if c.keep_last > 0 else 10**9,
-        keep_best=1 if c.keep_best else 0,
-        best_mode=c.best_mode,
-    )
+    from relayrl.trainers.setup import build_checkpoint_manager
+
+    return build_checkpoint_manager(replace(cfg.ckpt, save_hf_model=True), run_dir)
 
 
 def as_dict(cfg: RLConfig) -> dict[str, Any]:
