@@ -1,94 +1,107 @@
-"""Loss aggregation: per-token loss [B, T] -> the scalar to backprop, with explicit global denominators.
+"""Loss aggregation: per-token loss [B, T] -> a SUM and the COUNT it is a sum over.
 
-`AGGREGATIONS[name](loss, action_mask, *, num_tokens, num_seqs, norm_const=None) -> (scalar, metrics)`
+`AGGREGATIONS[name](loss, action_mask, *, norm_const=None) -> (loss_sum, count, metrics)`
 
-The denominators describe the WHOLE optimizer step: all micro-batches of the step on all data-parallel
-ranks (`step_denominators` counts them locally; all-reduce (sum) the two numbers across ranks). Each
-micro-batch's returned scalar is its share of the step's loss, so
+loss_sum is a differentiable 0-dim tensor, count a 0-dim float tensor without gradient (float32, float64
+for float64 losses). Nothing is divided by a global denominator here: the training core sums loss_sum and
+count over every micro-batch of the optimizer step on every rank and divides the summed gradients once by
+the total count, so the step's objective is
 
-    sum over micro-batches and ranks of grad(aggregate(micro-batch)) == grad(aggregate(whole step))
+    L = sum over micro-batches and ranks of loss_sum  /  sum over micro-batches and ranks of count
 
-exactly: accumulate gradients by summing (no extra division by the number of micro-batches), and sum
-across ranks. DDP/FSDP *average* gradients over ranks, so under them multiply the loss by world_size.
+which equals the formula below over the whole step however it is split (tested), and needs no count
+before the forward passes. A micro-batch without action tokens gives (0, 0).
 
-| name                      | formula                                                  | paper             |
-|---------------------------|----------------------------------------------------------|-------------------|
-| `token_mean`              | sum_{i,t} m l / num_tokens                                | DAPO 2503.14476   |
-| `seq_mean_token_mean`     | sum_i [ sum_t m l / sum_t m ] / num_seqs                  | GRPO 2402.03300   |
-| `seq_mean_token_sum_norm` | sum_i [ sum_t m l / norm_const ] / num_seqs               | Dr.GRPO 2503.20783|
+| name                      | loss_sum                           | count (denominator)                 | paper              |
+|---------------------------|------------------------------------|-------------------------------------|--------------------|
+| `token_mean`              | sum_{i,t} m l                      | action tokens: sum_{i,t} m          | DAPO 2503.14476    |
+| `seq_mean_token_mean`     | sum_i [sum_t m l / max(1, sum_t m)]| sequences with >= 1 action token    | GRPO 2402.03300    |
+| `seq_mean_token_sum_norm` | sum_i [sum_t m l / norm_const]     | sequences with >= 1 action token    | Dr.GRPO 2503.20783 |
 
-num_tokens = action tokens in the step; num_seqs = sequences with >= 1 action token in the step;
-norm_const = a constant (Dr. GRPO: the max generation length), required by `seq_mean_token_sum_norm`.
+so the step's value is: token_mean = the mean over the step's action tokens; seq_mean_token_mean = the mean
+over sequences of each sequence's token mean (GRPO's original per-sequence normalisation); Dr. GRPO = the
+mean over sequences of each sequence's token SUM over a constant (Dr. GRPO's fix of the length bias:
+norm_const = the generation budget, e.g. rollout.max_new_tokens; required, > 0).
+
+m = action_mask (bool). Padding is removed with `torch.where(m, loss, 0)`, never `loss * m`, so NaN / inf at
+masked positions reach neither the value nor the gradient (d loss_sum / d loss is exactly 0 there).
+float16 / bfloat16 losses are summed in float32. Metrics: none (the value is the core's sum / sum; a float
+here would synchronise the device on every micro-batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
+from relayrl.algorithms.registry import AGGREGATIONS
+
 Metrics = dict[str, float]
+
+__all__ = [
+    "AGGREGATIONS",
+    "Aggregation",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum_norm",
+    "token_mean",
+]
 
 
 class Aggregation(Protocol):
     """`AGGREGATIONS[name]`."""
 
     def __call__(
-        self,
-        loss: Tensor,
-        action_mask: Tensor,
-        *,
-        num_tokens: float,
-        num_seqs: float,
-        norm_const: float | None = None,
-    ) -> tuple[Tensor, Metrics]: ...
+        self, loss: Tensor, action_mask: Tensor, *, norm_const: float | None = None
+    ) -> tuple[Tensor, Tensor, Metrics]: ...
 
 
-def step_denominators(action_masks: Iterable[Tensor]) -> tuple[float, float]:
-    """(num_tokens, num_seqs) of a step given its micro-batches' masks (this rank; all-reduce to globalise)."""
-    tokens = seqs = 0.0
-    for m in action_masks:
-        tokens += float(m.sum())
-        seqs += float((m.sum(dim=-1) > 0).sum())
-    return tokens, seqs
+def _masked(loss: Tensor, action_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(loss with padding replaced by 0, in float32 or wider; the bool mask)."""
+    if loss.shape != action_mask.shape or loss.dim() != 2:
+        raise ValueError(
+            f"aggregation: loss {tuple(loss.shape)} and action_mask {tuple(action_mask.shape)} must both be [B, T]"
+        )
+    if loss.dtype in (torch.float16, torch.bfloat16):
+        loss = loss.float()
+    mask = action_mask.bool()
+    return torch.where(mask, loss, 0.0), mask
 
 
-def _check(name: str, value: float | None) -> float:
-    if value is None or value <= 0:
-        raise ValueError(f"aggregation needs {name} > 0 (the whole optimizer step's count), got {value}")
-    return float(value)
+def _count(x: Tensor, like: Tensor) -> Tensor:
+    return x.detach().to(torch.promote_types(like.dtype, torch.float32))
 
 
 def token_mean(
-    loss: Tensor, action_mask: Tensor, *, num_tokens: float, num_seqs: float, norm_const: float | None = None
-) -> tuple[Tensor, Metrics]:
-    """sum_{i,t} mask * loss / num_tokens (every action token of the step weighs the same)."""
-    out = (loss * action_mask.to(loss.dtype)).sum() / _check("num_tokens", num_tokens)
-    return out, {"loss": float(out.detach())}
+    loss: Tensor, action_mask: Tensor, *, norm_const: float | None = None
+) -> tuple[Tensor, Tensor, Metrics]:
+    """loss_sum = sum_{i,t} m l; count = sum_{i,t} m (every action token of the step weighs the same)."""
+    masked, mask = _masked(loss, action_mask)
+    return masked.sum(), _count(mask.sum(), masked), {}
 
 
 def seq_mean_token_mean(
-    loss: Tensor, action_mask: Tensor, *, num_tokens: float, num_seqs: float, norm_const: float | None = None
-) -> tuple[Tensor, Metrics]:
-    """sum_i (sum_t mask * loss / sum_t mask) / num_seqs (every sequence weighs the same)."""
-    m = action_mask.to(loss.dtype)
-    per_seq = (loss * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
-    out = per_seq.sum() / _check("num_seqs", num_seqs)
-    return out, {"loss": float(out.detach())}
+    loss: Tensor, action_mask: Tensor, *, norm_const: float | None = None
+) -> tuple[Tensor, Tensor, Metrics]:
+    """loss_sum = sum_i (sum_t m l / max(1, sum_t m)); count = #{i : sum_t m >= 1} (every sequence weighs the
+    same)."""
+    masked, mask = _masked(loss, action_mask)
+    tokens = mask.sum(dim=-1)
+    per_seq = masked.sum(dim=-1) / tokens.clamp(min=1).to(masked.dtype)
+    return per_seq.sum(), _count((tokens > 0).sum(), masked), {}
 
 
 def seq_mean_token_sum_norm(
-    loss: Tensor, action_mask: Tensor, *, num_tokens: float, num_seqs: float, norm_const: float | None = None
-) -> tuple[Tensor, Metrics]:
-    """sum_i (sum_t mask * loss / norm_const) / num_seqs (Dr. GRPO: constant norm_const, e.g. max length)."""
-    m = action_mask.to(loss.dtype)
-    out = (loss * m).sum() / _check("norm_const", norm_const) / _check("num_seqs", num_seqs)
-    return out, {"loss": float(out.detach())}
-
-
-AGGREGATIONS: dict[str, Aggregation] = {
-    "token_mean": token_mean,
-    "seq_mean_token_mean": seq_mean_token_mean,
-    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
-}
+    loss: Tensor, action_mask: Tensor, *, norm_const: float | None = None
+) -> tuple[Tensor, Tensor, Metrics]:
+    """loss_sum = sum_i sum_t m l / norm_const; count = #{i : sum_t m >= 1} (Dr. GRPO: norm_const a constant,
+    e.g. the max generation length; required, > 0)."""
+    if norm_const is None or not (math.isfinite(norm_const) and norm_const > 0):
+        raise ValueError(
+            f"seq_mean_token_sum_norm needs norm_const > 0 (Dr. GRPO's constant, e.g. rollout.max_new_tokens), "
+            f"got {norm_const}"
+        )
+    masked, mask = _masked(loss, action_mask)
+    return masked.sum() / float(norm_const), _count((mask.sum(dim=-1) > 0).sum(), masked), {}

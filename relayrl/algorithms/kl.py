@@ -30,24 +30,40 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from relayrl.algorithms.registry import KL_CONTROLLERS, KL_ESTIMATORS
+
 Metrics = dict[str, float]
 
 KL_CLAMP = 10.0
 
+__all__ = [  # the registries are re-exported for `from relayrl.algorithms.kl import KL_CONTROLLERS`
+    "KL_CLAMP",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "k1",
+    "k2",
+    "k3",
+    "kl_estimate",
+    "kl_loss",
+]
 
-def _k1(log_ratio: Tensor) -> Tensor:
+
+def k1(log_ratio: Tensor) -> Tensor:
+    """log_ratio."""
     return log_ratio
 
 
-def _k2(log_ratio: Tensor) -> Tensor:
+def k2(log_ratio: Tensor) -> Tensor:
+    """0.5 * log_ratio^2."""
     return 0.5 * log_ratio**2
 
 
-def _k3(log_ratio: Tensor) -> Tensor:
+def k3(log_ratio: Tensor) -> Tensor:
+    """exp(-log_ratio) - 1 + log_ratio."""
     return torch.expm1(-log_ratio) + log_ratio
-
-
-KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}
 
 
 def kl_estimate(
@@ -152,9 +168,3 @@ class AdaptiveKLController:
         self.value = float(state["value"])
         self.target = float(state["target"])
         self.horizon = int(state["horizon"])
-
-
-KL_CONTROLLERS: dict[str, type[FixedKLController] | type[AdaptiveKLController]] = {
-    "fixed": FixedKLController,
-    "adaptive": AdaptiveKLController,
-}

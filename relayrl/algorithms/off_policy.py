@@ -6,21 +6,24 @@ w_t = pi_old(a_t) / pi_rollout(a_t) = exp(clamp(old_logprobs - rollout_logprobs,
 
 | name          | weight per token                        | mask                                              |
 |---------------|-----------------------------------------|---------------------------------------------------|
+| `none`        | 1 (0 off the action mask)               | none (low / high ignored)                         |
 | `tis`         | clamp(w_t, low, high) (low 0: min(w, C))| none                                              |
 | `icepop`      | w_t                                     | tokens with w_t outside [low, high] dropped       |
 | `seq_mask_tis`| min(w_t, high)                          | sequences whose geometric-mean weight exp(mean_t log w_t) is outside [low, high] dropped |
 
-`OFF_POLICY[name](old_logprobs, rollout_logprobs, action_mask, *, low, high) -> (is_weight [B, T],
+`OFF_POLICY[name](old_logprobs, rollout_logprobs, action_mask, *, low=None, high=None) -> (is_weight [B, T],
 keep_mask [B, T] bool, metrics)`; is_weight is float32 (float64 for float64 inputs) and 0 off the mask.
-A token the engine gave log-prob -inf gets log w = +20 (clamped); NaN on an action token raises. Multiply the per-token policy loss by is_weight (pass it as
-`PolicyLossInputs.is_weight`) and use `action_mask & keep_mask` as its mask; keep the aggregation
-denominators from the unmasked action mask so dropped tokens count as zero-loss tokens.
+low / high None: the method's own default bounds below (what `algo.off_policy_low/high` None means).
+A token the engine gave log-prob -inf gets log w = +20 (clamped); NaN on an action token raises. Multiply
+the per-token policy loss by is_weight (pass it as `PolicyLossInputs.is_weight`) and use
+`action_mask & keep_mask` as its mask; aggregate with the unmasked action mask, so the count includes
+dropped tokens as zero-loss tokens.
 
 References: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog,
 2025; TIS, defaults low = 0, high = C = 2; OpenRLHF's interval form uses low = 0.5, high = 5); Ling team, Ring-1T / Ling 2.0 technical report (IcePop;
 defaults low = 0.5, high = 5); seq-mask-TIS as in the follow-up MIS blog / verl rollout correction
-(defaults low = 0.5, high = 2). Metrics, all means over the action tokens of the batch (denominator: their
-count, at least 1): `is_weight_mean` (masked tokens count as weight 0), `masked_frac`, `kl_rollout_train`
+(defaults low = 0.5, high = 2). Metrics (none for `none`), all means over the action tokens of the batch
+(denominator: their count, at least 1): `is_weight_mean` (masked tokens count as weight 0), `masked_frac`, `kl_rollout_train`
 (k3 estimate of KL(pi_rollout || pi_old), tokens sampled from pi_rollout: w - 1 - log w),
 `kl_rollout_train_k1` (-log w); seq_mask_tis adds `masked_seq_frac` (of rows).
 """
@@ -32,9 +35,21 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from relayrl.algorithms.registry import OFF_POLICY
+
 Metrics = dict[str, float]
 
 LOG_W_CLAMP = 20.0
+
+__all__ = [
+    "LOG_W_CLAMP",
+    "OFF_POLICY",
+    "OffPolicyCorrection",
+    "icepop",
+    "no_correction",
+    "seq_mask_tis",
+    "tis",
+]
 
 
 class OffPolicyCorrection(Protocol):
@@ -96,6 +111,24 @@ def _metrics(weight: Tensor, keep: Tensor, log_w: Tensor, mask: Tensor) -> Metri
     }
 
 
+def no_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[Tensor, Tensor, Metrics]:
+    """`none`: weight 1 on action tokens (0 off the mask), nothing masked, no metrics; low / high ignored."""
+    if not old_logprobs.shape == rollout_logprobs.shape == action_mask.shape:
+        raise ValueError(
+            f"off-policy correction: old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
+            f"{tuple(rollout_logprobs.shape)} and action_mask {tuple(action_mask.shape)} must all be [B, T]"
+        )
+    mask = action_mask.bool()
+    return mask.to(_wide(old_logprobs).dtype), torch.ones_like(mask), {}
+
+
 def tis(
     old_logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -149,6 +182,3 @@ def seq_mask_tis(
     metrics = _metrics(weight, keep, log_w, mask)
     metrics["masked_seq_frac"] = float((~keep_seq & mask.any(dim=1)).float().mean())
     return weight, keep, metrics
-
-
-OFF_POLICY: dict[str, OffPolicyCorrection] = {"tis": tis, "icepop": icepop, "seq_mask_tis": seq_mask_tis}

@@ -1,9 +1,11 @@
 """Algorithm presets: one setting (`algorithm: grpo`) picks the registry entries that make an algorithm.
 
-`ALGORITHM_PRESETS[name] -> AlgorithmPreset`; a trainer reads the names and looks them up in
-`ADVANTAGES`, `POLICY_LOSSES`, `AGGREGATIONS`, `KL_ESTIMATORS`. `relayrl rl --algo.preset NAME` applies one
-(relayrl.config.rl.resolve_algo): the preset only supplies defaults, every field set explicitly in the
-trainer config wins. eps None: the policy loss's own default clip range.
+`ALGORITHM_PRESETS[name] -> AlgorithmPreset`; a trainer reads the names and looks them up in `ADVANTAGES`,
+`POLICY_LOSSES`, `AGGREGATIONS`, `KL_MODES`, `KL_ESTIMATORS` (relayrl.algorithms.registry, whose entries say
+what each needs: the critic column below is `needs_critic(advantage)`). Imports no torch.
+`relayrl rl --algo.preset NAME` applies one (relayrl.config.rl.resolve_algo): the preset only supplies
+defaults, every field set explicitly in the trainer config wins. eps None: the policy loss's own default
+clip range.
 
 | preset               | advantage          | policy loss | aggregation             | KL                  | critic |
 |----------------------|--------------------|-------------|-------------------------|---------------------|--------|
@@ -24,18 +26,8 @@ loss (k2 as a loss has the gradient of the true KL, k3 is GRPO's choice); "none"
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class KLMode(StrEnum):
-    """Where the KL to the reference model enters."""
-
-    NONE = "none"
-    """No KL term (no reference model needed)."""
-    REWARD = "reward"
-    """Per-token penalty in the reward: R_t = -kl_coef * kl_t + ..."""
-    LOSS = "loss"
-    """A loss term kl_coef * kl_t aggregated like the policy loss."""
+from relayrl.algorithms.registry import needs_critic
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,27 +40,30 @@ class AlgorithmPreset:
     """Key of POLICY_LOSSES."""
     aggregation: str = "token_mean"
     """Key of AGGREGATIONS."""
-    kl_mode: KLMode = KLMode.NONE
-    """Where the KL enters (none / reward / loss)."""
+    kl_mode: str = "none"
+    """Key of KL_MODES: where the KL enters (none / monitor / reward / loss)."""
     kl_estimator: str = "k1"
     """Key of KL_ESTIMATORS."""
     eps_low: float | None = None
     """Policy-loss clip eps_low (None: the loss's default)."""
     eps_high: float | None = None
     """Policy-loss clip eps_high (None: the loss's default)."""
-    needs_critic: bool = False
-    """True when the advantage needs a value model (gae)."""
+
+    @property
+    def needs_critic(self) -> bool:
+        """True when the advantage needs a value model (read from its registry entry)."""
+        return needs_critic(self.advantage)
 
 
 ALGORITHM_PRESETS: dict[str, AlgorithmPreset] = {
-    "ppo": AlgorithmPreset(advantage="gae", kl_mode=KLMode.REWARD, needs_critic=True),
-    "reinforce++": AlgorithmPreset(advantage="reinforce", kl_mode=KLMode.REWARD),
+    "ppo": AlgorithmPreset(advantage="gae", kl_mode="reward"),
+    "reinforce++": AlgorithmPreset(advantage="reinforce", kl_mode="reward"),
     "reinforce++_baseline": AlgorithmPreset(
-        advantage="reinforce_baseline", kl_mode=KLMode.LOSS, kl_estimator="k2"
+        advantage="reinforce_baseline", kl_mode="loss", kl_estimator="k2"
     ),
-    "rloo": AlgorithmPreset(advantage="rloo", kl_mode=KLMode.REWARD),
+    "rloo": AlgorithmPreset(advantage="rloo", kl_mode="reward"),
     "grpo": AlgorithmPreset(
-        advantage="group_norm", aggregation="seq_mean_token_mean", kl_mode=KLMode.LOSS, kl_estimator="k3"
+        advantage="group_norm", aggregation="seq_mean_token_mean", kl_mode="loss", kl_estimator="k3"
     ),
     "dr_grpo": AlgorithmPreset(advantage="dr_grpo", aggregation="seq_mean_token_sum_norm"),
     "dapo": AlgorithmPreset(advantage="group_norm", eps_low=0.2, eps_high=0.28),

@@ -5,6 +5,7 @@ from relayrl.config import ModelConfig, OptimConfig, parse_cli, run_command, sav
 
 from relayrl.config.base import (
     ConfigError,
+    ConfigWarning,
     check_choices,
     field_docs,
     from_dict,
@@ -30,6 +31,7 @@ from relayrl.config.help import format_help
 __all__ = [
     "CkptConfig",
     "ConfigError",
+    "ConfigWarning",
     "DataConfig",
     "LoggerConfig",
     "LoraConfig",

@@ -58,6 +58,12 @@ class ConfigError(ValueError):
         """The message without the field name (lets `from_dict` re-prefix it with the full dotted path)."""
 
 
+class ConfigWarning(UserWarning):
+    """A config value that is accepted but has no effect (e.g. critic.lr without a critic), issued with
+    `warnings.warn` as one line naming the field(s) and why. Make them errors with
+    `warnings.simplefilter("error", ConfigWarning)` (in pytest: `-W error::relayrl.config.ConfigWarning`)."""
+
+
 def invalid(field: str, value: Any, valid: str) -> ConfigError:
     """The error for a bad value, for `__post_init__`: `raise invalid("lr", self.lr, "a float > 0")`.
 

@@ -1,10 +1,10 @@
-"""Config of `relayrl rl`: the component configs (model, data, optim, train, ckpt, logger) plus the RL parts.
+"""Config of `relayrl rl`: the component configs (model, data, optim, ckpt, logger) plus the RL parts.
 
     RLConfig
       model: ModelConfig        policy (actor) weights; the reference model is the same path, frozen
       data: DataConfig          prompt data (or `task` for a built-in task)
       optim: OptimConfig        policy optimizer / schedule
-      train: TrainConfig        steps, seed, output dir
+      train: RLTrainConfig      steps, seed, device, output dir (batching lives in rollout / algo)
       ckpt: CkptConfig          where / how often / how many checkpoints
       logger: LoggerConfig      JSONL / TensorBoard / W&B
       task: TaskConfig          built-in task as prompt source + reward + eval
@@ -18,9 +18,10 @@
       dist: DistConfig          execution mode (local / ray)
 
 Every algorithm choice is a *name* looked up in a registry of relayrl.algorithms (see docs/rl.md for the
-table); the trainer never branches on the name. Unknown names fail while parsing (`AlgoConfig.__post_init__`
--> `check_algo_names`), naming the field, the bad value and the valid choices; `validate_rl_config` checks the
-rest before any work starts.
+table); the trainer never branches on the name. The names and what each needs (critic, groups, reference
+model) come from relayrl.algorithms.registry, which imports no torch, so parsing this config never loads
+torch. Unknown names fail while parsing (`AlgoConfig.__post_init__` -> `check_algo_names`), naming the field,
+the bad value and the valid choices; `validate_rl_config` checks the rest before any work starts.
 
 Presets: `algo.preset NAME` (relayrl.algorithms.ALGORITHM_PRESETS) picks advantage, policy loss, aggregation,
 KL mode / estimator and clip range in one setting. Those fields default to "" / None ("not set"), so a value
@@ -31,16 +32,44 @@ built-in defaults (rl_build.validate_rl_config applies it before the run's confi
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
-from relayrl.config.base import invalid
-from relayrl.config.components import (
-    CkptConfig,
-    DataConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
+from relayrl.algorithms.presets import ALGORITHM_PRESETS
+from relayrl.algorithms.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    KL_MODES,
+    OFF_POLICY,
+    POLICY_LOSSES,
 )
+from relayrl.config.base import check_choices, invalid
+from relayrl.config.components import CkptConfig, DataConfig, LoggerConfig, ModelConfig, OptimConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class RLTrainConfig:
+    """The RL loop: steps, seed, device, run folder (per-step sizes and batching are in rollout.* / algo.*)."""
+
+    seed: int = 42
+    """Seed for weights init (value head), prompt order, sampling and dropout."""
+    max_steps: int = 0
+    """RL steps to run (each: rollout, experience, update, weight sync); required, >= 1."""
+    log_every: int = 1
+    """Print a table of sampled completions every N steps (with logger.progress_bar); metrics and
+    <run>/samples.jsonl are written every step."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy (and reference / critic) run; auto = cuda when available, else cpu."""
+    output_dir: str = ""
+    """Run folder (config, metrics, samples, checkpoints, final model); empty = runs/rl."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.log_every < 1:
+            raise invalid("log_every", self.log_every, "an int >= 1")
+        if self.max_steps < 0:
+            raise invalid("max_steps", self.max_steps, "an int >= 1 (the number of RL steps)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,8 +107,6 @@ class RolloutConfig:
     """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
 
 
-KL_MODES = ("none", "monitor", "reward", "loss")
-"""Where the KL to the reference enters (`algo.kl_mode`)."""
 BUILTIN_ALGO = {
     "advantage": "group_norm",
     "policy_loss": "ppo",
@@ -137,10 +164,12 @@ class AlgoConfig:
     """Entropy bonus coefficient (0: entropy is a metric only)."""
     off_policy: str = "none"
     """Rollout-vs-trainer log-prob mismatch correction: none, tis, icepop, seq_mask_tis."""
-    off_policy_low: float = 0.5
-    """Lower bound of the IS weight (icepop / seq_mask_tis)."""
-    off_policy_high: float = 2.0
-    """Upper bound (cap for tis) of the IS weight."""
+    off_policy_low: float | None = None
+    """Lower bound of the IS weight. None: the method's own default (tis 0 = no lower bound, icepop 0.5,
+    seq_mask_tis 0.5)."""
+    off_policy_high: float | None = None
+    """Upper bound of the IS weight (the cap of tis / seq_mask_tis). None: the method's own default (tis 2,
+    icepop 5, seq_mask_tis 2)."""
     epochs: int = 1
     """Passes over each step's experience."""
     mini_batches: int = 1
@@ -155,26 +184,17 @@ class AlgoConfig:
 
 
 def algo_choices() -> dict[str, tuple[str, ...]]:
-    """{AlgoConfig field: its valid registry names} (read from the registries, so new entries count)."""
-    from relayrl.algorithms import (
-        ADVANTAGES,
-        AGGREGATIONS,
-        ALGORITHM_PRESETS,
-        KL_CONTROLLERS,
-        KL_ESTIMATORS,
-        OFF_POLICY,
-        POLICY_LOSSES,
-    )
-
+    """{AlgoConfig field: its valid registry names} (read from the registries, so new entries count; no
+    implementation is imported)."""
     return {
         "preset": tuple(ALGORITHM_PRESETS),
         "advantage": tuple(ADVANTAGES),
         "policy_loss": tuple(POLICY_LOSSES),
         "aggregation": tuple(AGGREGATIONS),
-        "kl_mode": KL_MODES,
+        "kl_mode": tuple(KL_MODES),
         "kl_estimator": tuple(KL_ESTIMATORS),
         "kl_controller": tuple(KL_CONTROLLERS),
-        "off_policy": ("none", *OFF_POLICY),
+        "off_policy": tuple(OFF_POLICY),
     }
 
 
@@ -193,8 +213,6 @@ def resolve_algo(a: AlgoConfig) -> AlgoConfig:
     preset's (`algo.preset`), else the built-in default (BUILTIN_ALGO; KL estimator k1 for kl_mode=reward,
     k3 otherwise). Clip ranges stay None when neither the user nor the preset sets them: each policy loss
     then uses its own default. Idempotent."""
-    from relayrl.algorithms.presets import ALGORITHM_PRESETS
-
     p = ALGORITHM_PRESETS.get(a.preset) if a.preset else None
     names = {k: getattr(a, k) or (str(getattr(p, k)) if p else v) for k, v in BUILTIN_ALGO.items()}
     if a.kl_estimator:
@@ -312,8 +330,8 @@ class RLConfig:
     """Prompt data."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Policy optimizer."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Steps, seed, output folder."""
+    train: RLTrainConfig = field(default_factory=RLTrainConfig)
+    """Steps, seed, device, output folder."""
     ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(best_metric="eval/pass@1", best_mode="max"))
     """Checkpoints."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -344,7 +362,7 @@ def tiny_cpu_config(model_path: str, output_dir: str, *, steps: int = 4, reward:
     return RLConfig(
         model=ModelConfig(name_or_path=model_path),
         optim=OptimConfig(lr=3e-3, scheduler="constant", warmup_steps=0),
-        train=TrainConfig(max_steps=steps, output_dir=output_dir, seed=0, device="cpu"),
+        train=RLTrainConfig(max_steps=steps, output_dir=output_dir, seed=0, device="cpu"),
         ckpt=CkptConfig(resume="none", save_every=0, best_metric="eval/pass@1", best_mode="max"),
         logger=LoggerConfig(progress_bar=False),
         task=TaskConfig(name="add2", train_rows=256, eval_rows=0),

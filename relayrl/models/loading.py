@@ -158,7 +158,8 @@ def apply_lora(model: Any, lora: LoraConfig, *, task_type: str = "CAUSAL_LM", qu
 def finish_model(model: Any, cfg: ModelConfig, *, task_type: str) -> Any:
     """Gradient checkpointing and LoRA, shared by causal LMs and value-head models."""
     if cfg.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5 name
+        # newer transformers 5 name; 5.17 (the GPU machine) only has gradient_checkpointing_enable
+        enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -169,6 +170,15 @@ def finish_model(model: Any, cfg: ModelConfig, *, task_type: str) -> Any:
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
     return model
+
+
+def checkpointing_enabled(model: Any) -> bool:
+    """Whether activation (gradient) checkpointing is on: any module's `gradient_checkpointing` flag.
+
+    transformers 5.17 names the property `is_gradient_checkpointing`, 5.24 `is_activation_checkpointing`
+    (the old name warns); both read these flags, which peft wrappers also expose through `modules()`.
+    """
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def load_causal_lm(cfg: ModelConfig, *, device: torch.device | str | None = None, lora: bool = True) -> Any:

@@ -36,7 +36,15 @@ from relayrl.config.components import (
     OptimConfig,
     TrainConfig,
 )
-from relayrl.config.rl import AlgoConfig, EvalConfig, FilterConfig, RewardConfig, RLConfig, RolloutConfig
+from relayrl.config.rl import (
+    AlgoConfig,
+    EvalConfig,
+    FilterConfig,
+    RewardConfig,
+    RLConfig,
+    RLTrainConfig,
+    RolloutConfig,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,7 +201,7 @@ def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, st
             seed=cfg.seed,
         ),
         optim=OptimConfig(lr=cfg.rl_lr, warmup_steps=0, scheduler="constant", weight_decay=0.0),
-        train=TrainConfig(
+        train=RLTrainConfig(
             seed=cfg.seed, max_steps=steps, log_every=50, device=cfg.device, output_dir=str(out)
         ),
         ckpt=CkptConfig(save_every=0, keep_last=1, resume="none", best_metric="eval/pass@1", best_mode="max"),

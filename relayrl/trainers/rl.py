@@ -97,14 +97,14 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig) -> None:
         from relayrl.config.base import save_yaml
         from relayrl.models.loading import load_tokenizer, resolve_source
-        from relayrl.trainers.core import ResumableSampler
         from relayrl.trainers.rl_build import (
             build_kl_controller,
             build_prompts,
             build_roles,
             validate_rl_config,
         )
-        from relayrl.workers.builders import setup_process
+        from relayrl.training.sampler import ResumableSampler
+        from relayrl.workers.builders import exact_on_policy, setup_process
 
         validate_rl_config(cfg)
         self.cfg = cfg
@@ -124,7 +124,17 @@ class RLTrainer:
         self.step = 0
         self.skipped = 0
         self.roles = build_roles(cfg, cfg.train.max_steps)
-        self.pad_id = int(self.roles.policy.call("info")["pad_id"])
+        info = self.roles.policy.call("info")
+        self.pad_id = int(info["pad_id"])
+        self.on_policy = exact_on_policy(cfg.algo)
+        log.info(
+            "policy: %s params, attention layout %s, precision %s, engine weights %s, old-log-prob pass %s",
+            f"{info['params']:,}",
+            info["layout"],
+            info["precision"],
+            info["engine_weights"],
+            "skipped (exactly on-policy)" if self.on_policy else "on",
+        )
         self.ckpt = checkpoint_manager(cfg, self.run_dir)
 
     # =========================================================================================== the step
@@ -139,7 +149,7 @@ class RLTrainer:
         with timer("update"):
             metrics.update(self.update(exp, metrics.get("rollout/kl", 0.0)))
         with timer("sync"):
-            self.sync()
+            metrics.update(self.sync())
         metrics.update(timer.metrics())
         tokens = float(exp.tokens.attention_mask.sum())
         metrics["perf/train_tokens_per_s"] = tokens / max(1e-9, timer.seconds["update"])
@@ -203,12 +213,15 @@ class RLTrainer:
         return out
 
     def make_experience(self, trajs: list[Trajectory]) -> tuple[Experience, dict[str, float]]:
-        """Old / reference log-probs and values (in parallel across roles), shaped rewards, advantages."""
+        """Old / reference log-probs and values (in parallel across roles), shaped rewards, advantages. The
+        old-log-prob forward is skipped when the update is exactly on-policy (workers.builders.exact_on_policy)."""
         from relayrl.trainers.rl_experience import compute_advantages, shape_rewards
 
         batch = collate(trajs, self.pad_id)
         rewards, metrics = shape_rewards(trajs, self.cfg, self.reward_norm)
-        jobs = {"old": self.roles.policy.submit("logprobs", batch)}
+        jobs = {}
+        if not self.on_policy:
+            jobs["old"] = self.roles.policy.submit("logprobs", batch)
         if self.roles.reference is not None:
             jobs["ref"] = self.roles.reference.submit("logprobs", batch)
         if self.roles.critic is not None:
@@ -218,7 +231,7 @@ class RLTrainer:
             self.cfg,
             rewards=rewards,
             action_mask=batch.action_mask,
-            old_logprobs=got["old"],
+            old_logprobs=got.get("old", batch.rollout_logprobs),
             ref_logprobs=got.get("ref"),
             values=got.get("values"),
             kl_coef=self.kl_ctl.value,
@@ -226,7 +239,7 @@ class RLTrainer:
         metrics.update(m)
         exp = Experience(
             tokens=batch,
-            old_logprobs=got["old"],
+            old_logprobs=got.get("old"),
             advantages=adv,
             rewards=rewards,
             ref_logprobs=got.get("ref"),
@@ -246,9 +259,10 @@ class RLTrainer:
         self.kl_ctl.update(kl, len(exp.rewards))
         return metrics
 
-    def sync(self) -> None:
-        """New weights to the engine (colocated: in place, nothing copied)."""
-        self.roles.policy.call("sync")
+    def sync(self) -> dict[str, float]:
+        """New weights to the engine (an on-device cast-copy, or nothing when it runs on the policy's own
+        parameters); returns timing/engine_refresh."""
+        return self.roles.policy.call("sync")
 
     # =========================================================================================== eval
     def evaluate(self) -> dict[str, float]:
@@ -311,7 +325,13 @@ class RLTrainer:
                 on_step(self.step, metrics)
             table = cfg.logger.progress_bar and due(max(1, cfg.train.log_every), self.step)
             log_samples(self._last_trajs, self.step, self.run_dir, console=table)
-            if due(cfg.ckpt.save_every, self.step) or stop.signum is not None:
+            evaluated = cfg.ckpt.best_metric in metrics
+            if (
+                due(cfg.ckpt.save_every, self.step)
+                or stop.signum is not None
+                or (cfg.ckpt.keep_best and evaluated)
+            ):
+                # with keep_best every eval step is also a save step, so the best checkpoint is always ranked
                 self.save_checkpoint(metrics)
 
     def _finish(self, result: RLResult, stop: SignalFlag) -> None:
@@ -329,7 +349,7 @@ class RLTrainer:
             result.final_model = Path(self.roles.policy.call("export", str(self.run_dir / "final")))
 
     def _build_logger(self) -> Any:
-        from relayrl.trainers.logging import MetricsLogger
+        from relayrl.training.logging import MetricsLogger
 
         lg = self.cfg.logger
         return MetricsLogger(

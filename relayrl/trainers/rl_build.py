@@ -8,46 +8,62 @@
 
 A built-in task (`task.name`) writes its rows as JSONL into <run>/data/ and goes through the same data
 loader as users' files (relayrl.data.build_prompt_data), so templating is identical to SFT's.
-Roles: the reference is built only when a KL term is on (`algo.kl_mode` != none), the critic only for
-estimators that need values (`gae`); the rollout engine lives inside the policy worker (colocated).
+Roles: the reference is built only for KL modes that need it, the critic only for estimators that need
+values (both read from the registry entries: needs_reference / needs_critic); the rollout engine lives
+inside the policy worker (colocated).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from relayrl.agents.base import PromptSample
-from relayrl.config.base import ConfigError
-from relayrl.config.rl import KL_MODES, RLConfig, resolve_algo
+from relayrl.algorithms.registry import (
+    ADVANTAGES,
+    AGENTS,
+    AGGREGATIONS,
+    FAILURE_POLICIES,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    KL_MODES,
+    OFF_POLICY,
+    POLICY_LOSSES,
+    applies_kl,
+    keeps_groups,
+    needs_critic,
+    needs_groups,
+    needs_reference,
+)
+from relayrl.config.base import ConfigError, ConfigWarning
+from relayrl.config.rl import AlgoConfig, RLConfig, resolve_algo
 from relayrl.distributed.launch import LAUNCHERS, RoleHandle, build_launcher
-
-NEEDS_CRITIC = frozenset({"gae"})
-FAILURE_POLICIES = ("drop_group", "drop_sample", "zero_reward", "raise")
-AGENTS = ("single", "multi")
 
 
 def _choice(field: str, value: str, choices: Any) -> None:
     if value not in choices:
-        raise ConfigError(
-            f"{field}: {value!r} is not known; choose one of {', '.join(sorted(choices))}", field=field
-        )
+        raise ConfigError(f"{field}: {value!r} is not known; choose one of {', '.join(choices)}", field=field)
 
 
 def validate_rl_config(cfg: RLConfig) -> None:
     """Resolve `cfg.algo` in place (`resolve_algo`: the preset's and built-in defaults fill the unset names, so
     the workers, the experience maker and the saved config.yaml all see the final values); then raise
-    ConfigError naming the field, the bad value and the valid choices."""
-    from relayrl.algorithms.advantages import ADVANTAGES, GROUP_ESTIMATORS
-    from relayrl.algorithms.aggregation import AGGREGATIONS
-    from relayrl.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS
-    from relayrl.algorithms.policy_losses import POLICY_LOSSES
-    from relayrl.rollout import ENGINES
-    from relayrl.workers.builders import off_policy_registry
-
+    ConfigError naming the field, the bad value and the valid choices, and warn (ConfigWarning, one line
+    each) about values that are accepted but have no effect. What a name requires (critic, groups, reference
+    model, whole groups, weight bounds) is read from its registry entry (relayrl.algorithms.registry)."""
+    raw = cfg.algo
     cfg.algo = resolve_algo(cfg.algo)
+    _check_names(cfg)
+    _check_values(cfg)
+    _warn_ineffective(cfg, raw)
+
+
+def _check_names(cfg: RLConfig) -> None:
+    from relayrl.rollout import ENGINES
+
     a, r = cfg.algo, cfg.rollout
     _choice("algo.advantage", a.advantage, ADVANTAGES)
     _choice("algo.policy_loss", a.policy_loss, POLICY_LOSSES)
@@ -55,30 +71,35 @@ def validate_rl_config(cfg: RLConfig) -> None:
     _choice("algo.kl_mode", a.kl_mode, KL_MODES)
     _choice("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
     _choice("algo.kl_controller", a.kl_controller, KL_CONTROLLERS)
-    _choice("algo.off_policy", a.off_policy, off_policy_registry())
+    _choice("algo.off_policy", a.off_policy, OFF_POLICY)
     _choice("rollout.engine", r.engine, ENGINES)
     _choice("rollout.failure_policy", r.failure_policy, FAILURE_POLICIES)
     _choice("dist.mode", cfg.dist.mode, LAUNCHERS)
     if r.agent not in AGENTS and not r.agent.endswith(".py"):
         raise ConfigError(
-            f"rollout.agent: {r.agent!r}; choose single, multi, or a path to a .py file",
+            f"rollout.agent: {r.agent!r}; choose {', '.join(AGENTS)}, or a path to a .py file",
             field="rollout.agent",
         )
     if not cfg.model.name_or_path:
         raise ConfigError(
             "model.name_or_path is required: a local model folder or Hub id", field="model.name_or_path"
         )
-    if a.advantage in GROUP_ESTIMATORS or cfg.filter.enabled:
+
+
+def _check_values(cfg: RLConfig) -> None:
+    a, r = cfg.algo, cfg.rollout
+    if needs_groups(a.advantage) or cfg.filter.enabled:
         if r.n_samples < 2:
             raise ConfigError(
                 f"rollout.n_samples: {r.n_samples} is invalid; {a.advantage!r} / dynamic filtering compare the "
                 "samples of a prompt, so use >= 2 (or a critic-free single-sample estimator: reinforce)",
                 field="rollout.n_samples",
             )
-        if r.failure_policy == "drop_sample":
+        if not keeps_groups(r.failure_policy):
+            keeping = [n for n, e in FAILURE_POLICIES.items() if e.keeps_groups]
             raise ConfigError(
-                "rollout.failure_policy: 'drop_sample' leaves groups of unequal size, which group estimators "
-                "cannot use; choose drop_group or zero_reward",
+                f"rollout.failure_policy: {r.failure_policy!r} leaves groups of unequal size, which group "
+                f"estimators and dynamic filtering cannot use; choose one of {', '.join(keeping)}",
                 field="rollout.failure_policy",
             )
     for name in ("prompts_per_step", "n_samples", "max_new_tokens", "max_len"):
@@ -97,6 +118,13 @@ def validate_rl_config(cfg: RLConfig) -> None:
             raise ConfigError(
                 f"algo.{name}: {getattr(a, name)} is invalid; expected an int >= 1", field=f"algo.{name}"
             )
+    if a.kl_coef > 0 and not applies_kl(a.kl_mode):
+        using = [n for n, e in KL_MODES.items() if e.applies_kl]
+        raise ConfigError(
+            f"algo.kl_coef: {a.kl_coef} has no effect with algo.kl_mode={a.kl_mode!r} (the KL is not in the "
+            f"objective); set --algo.kl_mode to {' or '.join(using)}, or kl_coef 0",
+            field="algo.kl_coef",
+        )
     if cfg.train.max_steps < 1:
         raise ConfigError(
             "train.max_steps: RL needs the number of steps; set --train.max_steps N (>= 1)",
@@ -109,6 +137,75 @@ def validate_rl_config(cfg: RLConfig) -> None:
         )
     if not 0.0 <= cfg.ema < 1.0:
         raise ConfigError(f"ema: {cfg.ema} is invalid; expected a decay in [0, 1) (0 = off)", field="ema")
+
+
+def _changed(obj: Any, names: Any, prefix: str) -> list[str]:
+    """`prefix.name` of each field of dataclass `obj` among `names` whose value differs from its default."""
+    default = type(obj)()
+    return [f"{prefix}.{n}" for n in names if getattr(obj, n) != getattr(default, n)]
+
+
+def _explicit_kl_estimator(raw: AlgoConfig) -> bool:
+    """The user chose a KL estimator other than the one `resolve_algo` fills in (so validating twice, after
+    the first call resolved it, does not warn about a value nobody set)."""
+    return (
+        bool(raw.kl_estimator)
+        and raw.kl_estimator != resolve_algo(replace(raw, kl_estimator="")).kl_estimator
+    )
+
+
+def _warn_ineffective(cfg: RLConfig, raw: AlgoConfig) -> None:
+    """One ConfigWarning per group of fields that were set but are not read under the rest of the config.
+    `raw` is the algo config before `resolve_algo` (to tell an explicit kl_estimator from a filled-in one)."""
+    a, kl_fields = cfg.algo, ("kl_controller", "kl_target", "kl_horizon")
+    checks = [
+        (
+            _changed(cfg.critic, ("model_path", "lr", "epochs"), "critic")
+            + _changed(a, ("value_clip",), "algo"),
+            not needs_critic(a.advantage),
+            f"algo.advantage={a.advantage!r} trains no critic (estimators with one: "
+            f"{', '.join(n for n in ADVANTAGES if needs_critic(n))})",
+        ),
+        (
+            ["algo.kl_estimator"] if _explicit_kl_estimator(raw) else [],
+            not needs_reference(a.kl_mode),
+            f"algo.kl_mode={a.kl_mode!r} computes no KL",
+        ),
+        (
+            _changed(a, kl_fields, "algo"),
+            not applies_kl(a.kl_mode),
+            f"algo.kl_mode={a.kl_mode!r} keeps the KL out of the objective, so no coefficient is used",
+        ),
+        (
+            _changed(a, ("kl_target", "kl_horizon"), "algo"),
+            applies_kl(a.kl_mode) and a.kl_controller == "fixed",
+            "only the adaptive KL controller reads them (algo.kl_controller=fixed)",
+        ),
+        (
+            _changed(a, ("off_policy_low", "off_policy_high"), "algo"),
+            not OFF_POLICY.entry(a.off_policy).uses_bounds,
+            f"algo.off_policy={a.off_policy!r} uses no weight bounds",
+        ),
+        (
+            _changed(cfg.filter, ("min_mean", "max_mean", "max_refills"), "filter"),
+            not cfg.filter.enabled,
+            "dynamic filtering is off (filter.enabled=false)",
+        ),
+        (
+            _changed(cfg.eval, ("n_samples", "temperature", "max_prompts", "correct_threshold"), "eval"),
+            cfg.eval.every == 0,
+            "evaluation is off (eval.every=0)",
+        ),
+        (
+            _changed(cfg.reward, ("overlong_penalty",), "reward"),
+            cfg.reward.overlong_buffer == 0,
+            "the overlong penalty is off (reward.overlong_buffer=0)",
+        ),
+    ]
+    for fields, ineffective, why in checks:
+        if fields and ineffective:
+            verb = "has" if len(fields) == 1 else "have"
+            warnings.warn(f"{', '.join(fields)} {verb} no effect: {why}", ConfigWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -188,21 +285,48 @@ class Roles:
 
 
 def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
-    """Start the workers (policy + colocated engine, reward, and reference / critic when needed)."""
-    from relayrl.workers.critic import CriticWorker
-    from relayrl.workers.policy import PolicyWorker
-    from relayrl.workers.reference import ReferenceWorker
-    from relayrl.workers.reward import RewardWorker
+    """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
+    the component configs it reads."""
+    from relayrl.workers.critic import CriticSpec, CriticWorker
+    from relayrl.workers.policy import PolicySpec, PolicyWorker
+    from relayrl.workers.reference import ReferenceSpec, ReferenceWorker
+    from relayrl.workers.reward import RewardWorker, reward_spec
 
-    cfg = replace(cfg, algo=resolve_algo(cfg.algo))  # a no-op after validate_rl_config
-    want_ref = cfg.algo.kl_mode != "none"
-    want_critic = cfg.algo.advantage in NEEDS_CRITIC
+    algo = resolve_algo(cfg.algo)  # a no-op after validate_rl_config
+    want_ref = needs_reference(algo.kl_mode)
+    want_critic = needs_critic(algo.advantage)
+    run = {"seed": cfg.train.seed, "device": cfg.train.device}
+    policy_spec = PolicySpec(
+        model=cfg.model,
+        optim=cfg.optim,
+        algo=algo,
+        rollout=cfg.rollout,
+        eval=cfg.eval,
+        total_steps=total_steps,
+        ema=cfg.ema,
+        task_name=cfg.task.name,
+        step_timeout=cfg.reward.timeout_s,
+        **run,
+    )
     launcher = build_launcher(cfg.dist, num_roles=2 + int(want_ref) + int(want_critic))
     try:
-        policy = launcher.spawn("policy", PolicyWorker, cfg, total_steps)
-        reward = launcher.spawn("reward", RewardWorker, cfg)
-        reference = launcher.spawn("reference", ReferenceWorker, cfg) if want_ref else None
-        critic = launcher.spawn("critic", CriticWorker, cfg, total_steps) if want_critic else None
+        policy = launcher.spawn("policy", PolicyWorker, policy_spec)
+        reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
+        reference = None
+        if want_ref:
+            ref_spec = ReferenceSpec(
+                model=cfg.model,
+                micro_batch_tokens=algo.micro_batch_tokens,
+                temperature=cfg.rollout.temperature,
+                **run,
+            )
+            reference = launcher.spawn("reference", ReferenceWorker, ref_spec)
+        critic = None
+        if want_critic:
+            critic_spec = CriticSpec(
+                model=cfg.model, optim=cfg.optim, critic=cfg.critic, algo=algo, total_steps=total_steps, **run
+            )
+            critic = launcher.spawn("critic", CriticWorker, critic_spec)
         policy.call("info")  # surfaces a worker's construction error here, in both modes
     except BaseException:
         launcher.shutdown()

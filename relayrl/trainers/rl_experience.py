@@ -89,8 +89,9 @@ def compute_advantages(
 
     KL(pi_old || ref) is measured whenever a reference exists (metric rollout/kl); it enters the reward
     only with kl_mode=reward (R_t = -beta kl_t), the loss only with kl_mode=loss (in the policy worker)."""
-    from relayrl.algorithms.advantages import ADVANTAGES, GROUP_ESTIMATORS, AdvantageInputs
+    from relayrl.algorithms.advantages import ADVANTAGES, AdvantageInputs
     from relayrl.algorithms.kl import kl_estimate
+    from relayrl.algorithms.registry import needs_groups
 
     a = cfg.algo
     kl, metrics = None, {}
@@ -98,7 +99,7 @@ def compute_advantages(
         kl, m = kl_estimate(old_logprobs, ref_logprobs, action_mask, estimator=a.kl_estimator)
         metrics["rollout/kl"] = m["kl"]
     in_reward = a.kl_mode == "reward"
-    group = cfg.rollout.n_samples if a.advantage in GROUP_ESTIMATORS else 1
+    group = cfg.rollout.n_samples if needs_groups(a.advantage) else 1
     inputs = AdvantageInputs(
         rewards=rewards,
         action_mask=action_mask,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.agents.base import Trajectory
-from relayrl.trainers.logging import ConsoleProgress, _scalar, read_jsonl
+from relayrl.training.logging import ConsoleProgress, _scalar, read_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
 

@@ -92,7 +92,7 @@ def checkpoint_manager(cfg: RLConfig, run_dir: Path) -> Any:
     their `save_pretrained` shims, so `ckpt.save_hf_model` does not apply here."""
     from dataclasses import replace
 
-    from relayrl.trainers.setup import build_checkpoint_manager
+    from relayrl.training.setup import build_checkpoint_manager
 
     return build_checkpoint_manager(replace(cfg.ckpt, save_hf_model=True), run_dir)
 

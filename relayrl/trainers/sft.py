@@ -1,16 +1,21 @@
-"""`relayrl sft`: supervised fine-tuning on the shared training-loop core.
+"""`relayrl sft`: supervised fine-tuning, a recipe on the shared training core (relayrl/training).
 
     SFTConfig(model, data, optim, train, ckpt, logger, mode)
       -> build_sft_data(data, tokenizer, mode)        relayrl.data.build: TokenizedSample(input_ids, loss_mask)
-      -> make_sft_collate(...)                        step indices -> micro-batches (packed or padded TokenBatch,
-                                                      labels shifted *within* each sample)
-      -> Trainer(TrainEngine(loss_fn=next_token_loss), ResumableSampler, CheckpointManager, MetricsLogger).fit()
-         (the parts built from the component configs by trainers/setup.py, shared with RM / DPO / KTO)
+      -> make_sft_collate(...)                        step indices -> micro-batches (SFTBatch: the samples'
+                                                      token ids + target masks, grouped by token budget or count)
+      -> Trainer(TrainStep(loss_fn=next_token_loss), ResumableSampler, CheckpointManager, MetricsLogger).fit()
+         (the parts built from the component configs by training/setup.py, shared with RM / DPO / KTO)
+
+Forward passes go through relayrl.models.forward: on a GPU the micro-batch's samples are packed into one
+row and attention runs per sample with variable-length (cu_seqlens) kernels; on a CPU they run as
+length-bucketed, right-padded rows with plain causal attention (no dense mask in either case). Log-probs
+come from the chunked LM-head path (no [N, V] fp32 logits).
 
 Modes (masks are built by the data layer): response (loss on the response only, default), multiturn (loss on
 every assistant turn), pretrain (every token). The loss is token-level cross-entropy summed over the target
-tokens of the whole optimizer step divided by their count (see trainers/core.py), so micro-batch size and
-packing do not change the update.
+tokens of the whole optimizer step divided by their count (training/step.py), so micro-batch size and the
+layout do not change the update.
 
 Run folder (train.output_dir, default runs/sft): config.yaml (fully resolved), metrics.jsonl,
 tensorboard/ (when asked), checkpoints/step_<N>/ (model/ is an HF folder), checkpoints/latest.
@@ -21,12 +26,11 @@ Programmatic use (the demo): `result = run_sft(cfg)`; `result.model`, `result.me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from relayrl.config.base import check_choices, run_command, save_yaml, to_dict
 from relayrl.config.components import (
@@ -37,19 +41,22 @@ from relayrl.config.components import (
     OptimConfig,
     TrainConfig,
 )
-from relayrl.data.packing import IGNORE_INDEX, TokenBatch, chunk_by_count, pack, pad, plan_token_budget
-from relayrl.data.packing import shift_for_next_token as shift
-from relayrl.trainers.core import LoopSettings, LossOutput, ResumableSampler, Trainer
-from relayrl.trainers.setup import (
+from relayrl.data.packing import chunk_by_count
+from relayrl.models.forward import choose_layout, prepare_model
+from relayrl.training.loop import LoopSettings, Trainer
+from relayrl.training.sampler import ResumableSampler
+from relayrl.training.setup import (
     build_checkpoint_manager,
-    build_engine,
     build_logger,
+    build_train_step,
+    compute_precision,
     resolve_device,
     resume_if_asked,
     run_dir_of,
     seed_everything,
     total_steps_of,
 )
+from relayrl.training.step import LossOutput
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,63 +101,81 @@ class SFTResult:
 
 
 # ---------------------------------------------------------------------------------------------- loss
-def next_token_loss(model: torch.nn.Module, batch: TokenBatch) -> LossOutput:
-    """Summed token cross-entropy over positions whose `labels` field is not IGNORE_INDEX.
+@dataclass(kw_only=True, slots=True)
+class SFTBatch:
+    """One micro-batch: the samples of one forward pass."""
 
-    loss_sum = sum_t -log p(labels_t | tokens <= t of the same sample); count = number of such t. Metric
-    token_acc (a sum; the core divides by the step's count) = argmax hits.
-    """
-    logits = model(**batch.model_inputs()).logits
-    labels = batch.fields["labels"]
-    keep = labels != IGNORE_INDEX
-    picked = logits[keep].float()
-    targets = labels[keep]
-    loss_sum = F.cross_entropy(picked, targets, reduction="sum")
-    hits = float((picked.argmax(-1) == targets).sum()) if targets.numel() else 0.0
-    return LossOutput(loss_sum=loss_sum, count=int(keep.sum()), metrics={"token_acc": hits})
+    input_ids: list[torch.Tensor]
+    """Per sample, [L_i] int64 token ids."""
+    targets: list[torch.Tensor]
+    """Per sample, [L_i] bool: token t carries loss (it is predicted from tokens < t; position 0 never)."""
+    layout: str = "padded"
+    """Attention layout of the forward (relayrl.models.forward.LAYOUTS)."""
+    num_tokens: int = 0
+    """Real tokens in the micro-batch."""
+
+
+def next_token_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
+    """Summed token cross-entropy: loss_sum = sum over target tokens t of -log p(x_t | x_<t of the same
+    sample); count = number of target tokens."""
+    from relayrl.models.forward import token_logprobs
+
+    logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
+    mask = torch.cat(batch.targets).to(logp.device)
+    mask[torch.tensor(_first_positions(batch.input_ids), device=logp.device)] = False
+    loss_sum = -torch.where(mask, logp, 0.0).sum()
+    return LossOutput(loss_sum=loss_sum, count=mask.sum().float())
+
+
+def _first_positions(seqs: Sequence[torch.Tensor]) -> list[int]:
+    starts, at = [], 0
+    for s in seqs:
+        starts.append(at)
+        at += len(s)
+    return starts
 
 
 # ---------------------------------------------------------------------------------------------- batching
 def sft_micro_batches(
     samples: Sequence[Any],
     *,
+    layout: str,
     packing: bool,
-    pad_id: int,
     micro_batch_size: int = 1,
     max_tokens_per_micro_batch: int = 0,
-) -> list[TokenBatch]:
+) -> list[SFTBatch]:
     """One optimizer step's samples (objects with input_ids, loss_mask) -> micro-batches.
 
-    Split by token budget (first-fit-decreasing) when max_tokens_per_micro_batch > 0, else into chunks of
-    micro_batch_size. Each group is one forward pass: packed into rows no longer than its longest sample
-    (packing: little padding, attention cost of the padded layout) or right-padded, one row per sample.
+    packing with a token budget (max_tokens_per_micro_batch > 0): samples grouped by
+    relayrl.models.forward.plan_micro_batches (real tokens per GPU varlen pack; padded tokens per CPU
+    length bucket); otherwise consecutive chunks of micro_batch_size samples.
     """
+    from relayrl.models.forward import plan_micro_batches
+
     lengths = [len(s.input_ids) for s in samples]
-    if max_tokens_per_micro_batch > 0:
-        groups = plan_token_budget(lengths, max_tokens_per_micro_batch)
+    if packing and max_tokens_per_micro_batch > 0:
+        groups = plan_micro_batches(lengths, max_tokens_per_micro_batch, layout)
     else:
         groups = chunk_by_count(len(samples), micro_batch_size)
-    out = []
-    for group in groups:
-        seqs = [list(samples[i].input_ids) for i in group]
-        labels = {"labels": [shift(samples[i].input_ids, samples[i].loss_mask) for i in group]}
-        pads = {"labels": IGNORE_INDEX}
-        if packing:
-            row_len = max(len(s) for s in seqs)
-            out.append(pack(seqs, labels, pad_id=pad_id, pad_values=pads, row_len=row_len))
-        else:
-            out.append(pad(seqs, labels, pad_id=pad_id, pad_values=pads))
-    return out
+    return [
+        SFTBatch(
+            input_ids=[torch.as_tensor(list(samples[i].input_ids), dtype=torch.long) for i in g],
+            targets=[torch.as_tensor(list(samples[i].loss_mask), dtype=torch.bool) for i in g],
+            layout=layout,
+            num_tokens=sum(lengths[i] for i in g),
+        )
+        for g in groups
+    ]
 
 
-def make_sft_collate(samples: Sequence[Any], cfg: TrainConfig, pad_id: int) -> Callable[[list[int]], list]:
+def make_sft_collate(samples: Sequence[Any], cfg: TrainConfig, layout: str) -> Callable[[list[int]], list]:
     """indices -> micro-batches, per the train config (packing, micro_batch_size, token budget)."""
 
-    def collate(indices: list[int]) -> list[TokenBatch]:
+    def collate(indices: list[int]) -> list[SFTBatch]:
         return sft_micro_batches(
             [samples[i] for i in indices],
+            layout=layout,
             packing=cfg.packing,
-            pad_id=pad_id,
             micro_batch_size=cfg.micro_batch_size,
             max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
         )
@@ -158,12 +183,12 @@ def make_sft_collate(samples: Sequence[Any], cfg: TrainConfig, pad_id: int) -> C
     return collate
 
 
-def eval_batches_fn(samples: Sequence[Any], cfg: TrainConfig, pad_id: int) -> Callable[[], list[list]]:
+def eval_batches_fn(samples: Sequence[Any], cfg: TrainConfig, layout: str) -> Callable[[], list[list]]:
     """Every eval sample once, in order, batched like training."""
     step = cfg.batch_size
 
-    def batches() -> list[list[TokenBatch]]:
-        collate = make_sft_collate(samples, cfg, pad_id)
+    def batches() -> list[list[SFTBatch]]:
+        collate = make_sft_collate(samples, cfg, layout)
         return [collate(list(range(i, min(len(samples), i + step)))) for i in range(0, len(samples), step)]
 
     return batches
@@ -186,7 +211,10 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
     run_dir = run_dir_of(cfg.train, "sft")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(cfg, run_dir / "config.yaml")
-    model, tokenizer = load_model_and_tokenizer(cfg.model, device=device)
+    # the trained weights are fp32 masters; model.dtype picks the compute precision (bf16 autocast on a GPU)
+    model, tokenizer = load_model_and_tokenizer(replace(cfg.model, dtype="fp32"), device=device)
+    layout = choose_layout(model, device)
+    prepare_model(model, layout)
     train_samples, eval_samples = _load_data(cfg, tokenizer)
     total = total_steps_of(cfg.train, len(train_samples))
     if total <= 0:
@@ -194,12 +222,12 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
             f"no optimizer step to run: {len(train_samples)} training samples < train.batch_size "
             f"{cfg.train.batch_size}; lower train.batch_size or set train.max_steps"
         )
-    pad_id = tokenizer.pad_token_id
-    engine = build_engine(model, cfg.optim, total, device, next_token_loss)
+    precision = compute_precision(cfg.model.dtype, device)
+    step = build_train_step(model, cfg.optim, total, next_token_loss, precision=precision, device=device)
     trainer = Trainer(
-        engine=engine,
+        train_step=step,
         sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
-        collate=make_sft_collate(train_samples, cfg.train, pad_id),
+        collate=make_sft_collate(train_samples, cfg.train, layout),
         settings=LoopSettings(
             total_steps=total,
             eval_every=cfg.train.eval_every,
@@ -208,7 +236,7 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
             log_every=cfg.train.log_every,
         ),
         ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
-        eval_batches=eval_batches_fn(eval_samples, cfg.train, pad_id) if eval_samples else None,
+        eval_batches=eval_batches_fn(eval_samples, cfg.train, layout) if eval_samples else None,
         tokenizer=tokenizer,
     )
     resumed = resume_if_asked(trainer, cfg.ckpt)

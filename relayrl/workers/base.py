@@ -53,12 +53,13 @@ class Experience:
 
     tokens: SequenceBatch
     """The sequences."""
-    old_logprobs: Tensor
-    """[B, T] float32: log-probs of the policy that sampled (recomputed by the trainer before the update)."""
     advantages: Tensor
     """[B, T] float32: advantage of each action token (0 elsewhere)."""
     rewards: Tensor
     """[B] float32: scalar reward per sequence after shaping."""
+    old_logprobs: Tensor | None = None
+    """[B, T] float32: log-probs of the policy that sampled, recomputed by the trainer before the update;
+    None when the update is exactly on-policy (the update then uses its own detached log-probs)."""
     ref_logprobs: Tensor | None = None
     """[B, T] float32: reference-model log-probs (only when a KL term is on)."""
     values: Tensor | None = None

@@ -1,117 +1,135 @@
 """CriticWorker: the value model of PPO (`gae`), built only for estimators that need values.
 
     values(batch: SequenceBatch) -> Tensor [B, T]      V(x_<t) at every action token (0 elsewhere)
-    update(exp: Experience) -> metrics                 clipped value loss, epochs x mini-batches x packed
-                                                       micro-batches, token-mean over each optimizer step
+    update(exp: Experience) -> metrics                 clipped value loss (ValueObjective), epochs x
+                                                       mini-batches x token-budget micro-batches, one
+                                                       TrainStep per mini-batch (token mean over the step)
     save(folder) / load(folder)                        HF value-head folder + worker_state.pt
 
 The critic is an `AutoModelForSequenceClassification` value-head model (relayrl.models.value_head), initialised
-from `critic.model_path` (default: the policy's path) with a zero head, so V starts at 0.
+from `critic.model_path` (default: the policy's path) with a zero head, so V starts at 0. Like the policy it
+keeps fp32 master weights and computes in bf16 on a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from relayrl.algorithms.aggregation import AGGREGATIONS, step_denominators
-from relayrl.algorithms.value_loss import value_loss
-from relayrl.config.rl import RLConfig
+from relayrl.algorithms.objective import ValueObjective, ValueTerms
+from relayrl.config.components import ModelConfig, OptimConfig
+from relayrl.config.rl import AlgoConfig, CriticConfig
+from relayrl.models.forward import choose_layout, prepare_model
+from relayrl.training.rng import capture_rng_state, restore_rng_state
+from relayrl.training.setup import build_train_step, compute_precision, resolve_device
+from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, SequenceBatch, split_rows
-from relayrl.workers.builders import build_policy_optim, resolve_device, setup_process
+from relayrl.workers.builders import setup_process
 from relayrl.workers.model_ops import critic_values, micro_batches
-from relayrl.workers.policy import STATE_FILE, _rng_state, _set_rng_state
+
+STATE_FILE = "worker_state.pt"
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticSpec:
+    """What the critic role reads."""
+
+    model: ModelConfig
+    """The policy's model config (its path is the default critic init; dtype, LoRA)."""
+    optim: OptimConfig
+    """Optimizer settings (the critic's lr comes from `critic.lr`)."""
+    critic: CriticConfig
+    """Critic path, lr, epochs."""
+    algo: AlgoConfig
+    """Mini-batches, micro-batch tokens, value clip."""
+    seed: int = 0
+    device: str = "auto"
+    total_steps: int = 1
 
 
 class CriticWorker:
     """The critic role."""
 
-    def __init__(self, cfg: RLConfig, total_steps: int) -> None:
+    def __init__(self, spec: CriticSpec) -> None:
         from relayrl.models.loading import load_tokenizer
         from relayrl.models.value_head import build_value_model
 
-        setup_process(cfg.train.seed + 1)
-        self.cfg = cfg
-        m = replace(cfg.model, name_or_path=cfg.critic.model_path or cfg.model.name_or_path)
-        self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or cfg.model.name_or_path)
+        setup_process(spec.seed + 1)
+        self.spec = spec
+        self.device = resolve_device(spec.device)
+        m = replace(spec.model, name_or_path=spec.critic.model_path or spec.model.name_or_path, dtype="fp32")
+        self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or spec.model.name_or_path)
         self.model = build_value_model(
-            m, init="zeros", pad_token_id=self.tokenizer.pad_token_id, device=resolve_device(cfg.train.device)
+            m, init="zeros", pad_token_id=self.tokenizer.pad_token_id, device=self.device
         )
-        optim = replace(cfg.optim, lr=cfg.critic.lr)
-        steps = total_steps * cfg.critic.epochs * max(1, cfg.algo.mini_batches)
-        self.optimizer, self.scheduler = build_policy_optim(self.model, optim, steps)
+        self.layout = choose_layout(self.model, self.device)
+        prepare_model(self.model, self.layout)
+        steps = spec.total_steps * spec.critic.epochs * max(1, spec.algo.mini_batches)
+        precision = compute_precision(spec.model.dtype, self.device)
+        optim = replace(spec.optim, lr=spec.critic.lr)
+        self.train = build_train_step(self.model, optim, steps, precision=precision, device=self.device)
+        self.objective = ValueObjective(clip_eps=spec.algo.value_clip or None)
 
     @torch.no_grad()
     def values(self, batch: SequenceBatch) -> Tensor:
         """V(x_<t) [B, T] (float32, CPU), 0 off the action mask."""
         self.model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for rows in micro_batches(batch, self.cfg.algo.micro_batch_tokens):
-            v = critic_values(self.model, batch, rows)
+        for rows in micro_batches(batch, self.spec.algo.micro_batch_tokens, self.layout):
+            with self.train.autocast():
+                v = critic_values(self.model, batch, rows, self.layout)
             out[rows, : v.shape[1]] = v.float().cpu()
         return out * batch.action_mask
 
     def update(self, exp: Experience) -> dict[str, float]:
         """Critic epochs over the experience; returns critic/* metrics averaged over optimizer steps."""
-        self.model.train()
         sums: dict[str, float] = {}
         steps = 0
-        for _ in range(self.cfg.critic.epochs):
-            for rows in split_rows(len(exp.rewards), self.cfg.algo.mini_batches):
-                for k, v in self._optimizer_step(exp.select(rows)).items():
+        for _ in range(self.spec.critic.epochs):
+            for rows in split_rows(len(exp.rewards), self.spec.algo.mini_batches):
+                mb = exp.select(rows)
+                groups = micro_batches(mb.tokens, self.spec.algo.micro_batch_tokens, self.layout)
+                out = self.train.step(groups, lambda model, r, mb=mb: self._loss(model, mb, r))
+                for k, v in {**out.metrics, "loss": out.loss, "grad_norm": out.grad_norm}.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         return {f"critic/{k}": v / max(1, steps) for k, v in sums.items()}
 
-    def _optimizer_step(self, mb: Experience) -> dict[str, float]:
-        num_tokens, num_seqs = step_denominators([mb.tokens.action_mask])
-        totals: dict[str, float] = {"loss": 0.0}
-        for rows in micro_batches(mb.tokens, self.cfg.algo.micro_batch_tokens):
-            micro = mb.select(rows)
-            mask = micro.tokens.action_mask
-            v = critic_values(self.model, mb.tokens, rows)
-            per_tok, metrics = value_loss(
-                v,
-                micro.values.to(v.device),
-                micro.returns.to(v.device),
-                mask.to(v.device),
-                clip_eps=self.cfg.algo.value_clip or None,
-            )
-            loss, _ = AGGREGATIONS["token_mean"](
-                per_tok, mask.to(v.device), num_tokens=num_tokens, num_seqs=num_seqs
-            )
-            loss.backward()
-            share = float(mask.sum()) / num_tokens
-            totals["loss"] += float(loss.detach())
-            for k, val in metrics.items():
-                totals[k] = totals.get(k, 0.0) + val * share
-        max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return totals
+    def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int]) -> LossOutput:
+        micro = mb.select(rows)
+        v = critic_values(model, mb.tokens, rows, self.layout)
+        dev = v.device
+        terms = ValueTerms(
+            values=v,
+            old_values=micro.values.to(dev),
+            returns=micro.returns.to(dev),
+            action_mask=micro.tokens.action_mask.to(dev),
+        )
+        o = self.objective(terms)
+        return LossOutput(
+            loss_sum=o.loss_sum, count=o.count, metrics=o.metrics, metric_counts=o.metric_counts
+        )
 
     def save(self, folder: str) -> None:
         path = Path(folder)
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(),
+            "optimizer": self.train.optimizer.state_dict(),
+            "scheduler": self.train.scheduler.state_dict(),
+            "rng": capture_rng_state(),
         }
         torch.save(state, path / STATE_FILE)
 
     def load(self, folder: str) -> None:
-        from relayrl.trainers.checkpoint import load_weights_into
+        from relayrl.training.checkpoint import load_weights_into
 
         path = Path(folder)
         load_weights_into(self.model, path)
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        self.train.optimizer.load_state_dict(state["optimizer"])
+        self.train.scheduler.load_state_dict(state["scheduler"])
+        restore_rng_state(state["rng"])

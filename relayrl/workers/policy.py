@@ -1,76 +1,122 @@
-"""PolicyWorker: the actor. Owns the policy model, its optimizer / scheduler, optional EMA, and the rollout
-engine + agent executor colocated with it (the engine reads the policy's parameters in place).
+"""PolicyWorker: the actor. Owns the policy model (fp32 master weights), its TrainStep (optimizer, schedule,
+mixed precision), the policy objective, optional EMA, and the rollout engine + agent executor colocated with
+it. The engine runs on `EngineWeights`: the policy module itself when dtypes match (CPU, fp32), else a bf16
+copy refreshed on the device after every update.
 
 Methods (called by the controller through a RoleHandle, in-process or on a Ray actor):
 
     rollout(samples, seed, eval=False) -> list[Trajectory]     sample n per prompt through the executor
-    logprobs(batch: SequenceBatch) -> Tensor [B, T]               old log-probs (no grad)
+    logprobs(batch: SequenceBatch) -> Tensor [B, T]               old log-probs (no grad); skipped by the
+                                                               controller when the update is exactly on-policy
     update(exp: Experience, kl_coef) -> metrics                epochs x mini-batches x token-budget micro-batches
-    sync() -> None                                             weights to the engine (load_weights(None))
-    save(folder) / load(folder)                                full state for checkpoints (HF model folder +
-                                                               worker_state.pt: optimizer, scheduler, EMA, RNG)
+    sync() -> metrics                                          weights to the engine (timing/engine_refresh)
+    save(folder) / load(folder)                                HF model folder + worker_state.pt (optimizer,
+                                                               scheduler, EMA, RNG; loads with weights_only)
     export(folder)                                             HF model + tokenizer (EMA weights when on)
+    weight_canary() -> float                                   max |engine - trainer| weight difference
 
-The update normalises every micro-batch's loss by the *global* denominator of its optimizer step (number of
-action tokens / sequences of the whole mini-batch, or Dr. GRPO's constant), so gradients do not depend on
-how the mini-batch is split into micro-batches (relayrl.algorithms.aggregation).
+Every optimizer step is one `TrainStep.step` over the mini-batch's micro-batches: the objective returns each
+micro-batch's (loss_sum, count) and the step divides by the mini-batch's total count (relayrl/training/step.py),
+so the update does not depend on how the mini-batch is split.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from relayrl.agents.base import PromptSample, Trajectory
-from relayrl.algorithms.aggregation import step_denominators
-from relayrl.config.rl import RLConfig
+from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
+from relayrl.config.components import ModelConfig, OptimConfig
+from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
+from relayrl.distributed.weights import EngineWeights
+from relayrl.models.forward import choose_layout, prepare_model
 from relayrl.rollout.base import SamplingParams
-from relayrl.workers.base import Experience, SequenceBatch, split_rows
+from relayrl.training.rng import capture_rng_state, restore_rng_state
+from relayrl.training.setup import build_train_step, compute_precision, resolve_device
+from relayrl.training.step import LossOutput
+from relayrl.workers.base import Experience, split_rows
 from relayrl.workers.builders import (
     build_engine_for,
     build_executor,
-    build_policy_model,
-    build_policy_optim,
-    policy_loss_step,
+    build_policy_objective,
+    build_trainable,
+    inference_dtype,
     setup_process,
 )
-from relayrl.workers.model_ops import masked_logprobs, micro_batches
+from relayrl.workers.model_ops import masked_logprobs, micro_batches, token_logprobs
 
 STATE_FILE = "worker_state.pt"
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicySpec:
+    """What the policy role reads: its component configs plus a few run facts."""
+
+    model: ModelConfig
+    """Policy weights, compute dtype, LoRA."""
+    optim: OptimConfig
+    """Optimizer and schedule."""
+    algo: AlgoConfig
+    """The resolved algorithm (objective, epochs, mini-batches, micro-batch tokens)."""
+    rollout: RolloutConfig
+    """Engine, sampling, agent executor."""
+    eval: EvalConfig
+    """Eval sampling."""
+    seed: int = 0
+    """Process seed."""
+    device: str = "auto"
+    """auto / cpu / cuda."""
+    total_steps: int = 1
+    """RL steps of the run (the schedule spans total_steps x epochs x mini_batches optimizer steps)."""
+    ema: float = 0.0
+    """EMA decay of the saved weights (0 = off)."""
+    task_name: str = ""
+    """Built-in multi-turn task driving a `multi` agent."""
+    step_timeout: float = 60.0
+    """Timeout of one agent environment step."""
 
 
 class PolicyWorker:
     """The actor role (see module doc)."""
 
-    def __init__(self, cfg: RLConfig, total_steps: int) -> None:
-        setup_process(cfg.train.seed)
-        self.cfg = cfg
-        self.model, self.tokenizer = build_policy_model(cfg)
-        self.device = next(self.model.parameters()).device
-        self.optimizer, self.scheduler = build_policy_optim(
-            self.model, cfg.optim, total_steps * self._opt_steps()
+    def __init__(self, spec: PolicySpec) -> None:
+        setup_process(spec.seed)
+        self.spec = spec
+        self.device = resolve_device(spec.device)
+        self.model, self.tokenizer = build_trainable(spec.model, self.device)
+        self.layout = choose_layout(self.model, self.device)
+        prepare_model(self.model, self.layout)
+        a = spec.algo
+        opt_steps = spec.total_steps * max(1, a.epochs * a.mini_batches)
+        precision = compute_precision(spec.model.dtype, self.device)
+        self.train = build_train_step(
+            self.model, spec.optim, opt_steps, precision=precision, device=self.device
         )
+        self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
         self.ema = (
-            {k: v.detach().clone() for k, v in self.model.state_dict().items()} if cfg.ema > 0 else None
+            {k: v.detach().clone() for k, v in self.model.state_dict().items()} if spec.ema > 0 else None
         )
-        self.engine = build_engine_for(cfg, self.model, self.tokenizer)
-        self.executor = build_executor(cfg, self.engine, self.tokenizer)
-
-    def _opt_steps(self) -> int:
-        return max(1, self.cfg.algo.epochs * self.cfg.algo.mini_batches)
+        self.weights = EngineWeights(self.model, dtype=inference_dtype(spec.model, self.device))
+        self.engine = build_engine_for(spec.rollout, spec.eval, self.weights.model, self.tokenizer)
+        self.executor = build_executor(
+            spec.rollout,
+            self.engine,
+            self.tokenizer,
+            task_name=spec.task_name,
+            step_timeout=spec.step_timeout,
+        )
 
     # ----------------------------------------------------------------------------------------- rollout
     def sampling_params(self, *, eval: bool = False, seed: int | None = None) -> SamplingParams:
-        r = self.cfg.rollout
+        r = self.spec.rollout
         if eval:
-            e = self.cfg.eval
+            e = self.spec.eval
             return SamplingParams(
                 n=e.n_samples, temperature=e.temperature, max_new_tokens=r.max_new_tokens, seed=seed
             )
@@ -102,62 +148,88 @@ class PolicyWorker:
 
     # ----------------------------------------------------------------------------------------- experience
     @torch.no_grad()
-    def logprobs(self, batch: SequenceBatch) -> Tensor:
+    def logprobs(self, batch: Any) -> Tensor:
         """log pi_old(x_t | x_<t) [B, T] under the sampling temperature (0 where not an action)."""
         self.model.eval()
         return masked_logprobs(
-            self.model, batch, self.cfg.algo.micro_batch_tokens, self.cfg.rollout.temperature
+            self.model,
+            batch,
+            self.spec.algo.micro_batch_tokens,
+            self.spec.rollout.temperature,
+            self.layout,
+            self.train.autocast,
         )
 
     # ----------------------------------------------------------------------------------------- update
     def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
         """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps."""
-        self.model.train()
-        a = self.cfg.algo
+        a = self.spec.algo
         sums: dict[str, float] = {}
         steps = 0
         for _ in range(a.epochs):
             for rows in split_rows(len(exp.rewards), a.mini_batches):
-                metrics = self._optimizer_step(exp.select(rows), kl_coef)
-                for k, v in metrics.items():
+                for k, v in self._optimizer_step(exp.select(rows), kl_coef).items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         self._ema_update()
         out = {f"train/{k}": v / steps for k, v in sums.items()}
-        out["train/lr"] = float(self.scheduler.get_last_lr()[0])
+        out["train/lr"] = float(self.train.scheduler.get_last_lr()[0])
+        out["train/nonfinite_skips"] = float(self.train.nonfinite_total)
         return out
 
     def _optimizer_step(self, mb: Experience, kl_coef: float) -> dict[str, float]:
-        num_tokens, num_seqs = step_denominators([mb.tokens.action_mask])
-        totals: dict[str, float] = {}
-        if num_tokens > 0:
-            for rows in micro_batches(mb.tokens, self.cfg.algo.micro_batch_tokens):
-                metrics = policy_loss_step(
-                    self.model, mb, rows, self.cfg, kl_coef=kl_coef, num_tokens=num_tokens, num_seqs=num_seqs
-                )
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + v
-        max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        totals["grad_norm"] = float(grad_norm)
-        return totals
+        groups = micro_batches(mb.tokens, self.spec.algo.micro_batch_tokens, self.layout)
+
+        def loss_fn(model: torch.nn.Module, rows: list[int]) -> LossOutput:
+            return self._loss(model, mb, rows, kl_coef)
+
+        out = self.train.step(groups, loss_fn)
+        return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
+
+    def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int], kl_coef: float) -> LossOutput:
+        micro = mb.select(rows)
+        dev = self.device
+        lp, ent = token_logprobs(
+            model, mb.tokens, rows, self.layout, temperature=self.spec.rollout.temperature, entropy=True
+        )
+
+        def on(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.to(dev, non_blocking=True)
+
+        terms = PolicyTerms(
+            logprobs=lp,
+            entropy=ent,
+            action_mask=on(micro.tokens.action_mask),
+            advantages=on(micro.advantages),
+            rollout_logprobs=on(micro.tokens.rollout_logprobs),
+            old_logprobs=on(micro.old_logprobs),
+            ref_logprobs=on(micro.ref_logprobs),
+        )
+        o = self.objective(terms, kl_coef=kl_coef)
+        return LossOutput(
+            loss_sum=o.loss_sum, count=o.count, metrics=o.metrics, metric_counts=o.metric_counts
+        )
 
     def _ema_update(self) -> None:
         if self.ema is None:
             return
-        d = self.cfg.ema
+        d = self.spec.ema
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 if v.is_floating_point():
                     self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
 
     # ----------------------------------------------------------------------------------------- sync
-    def sync(self) -> None:
-        """The weights changed in place: tell the colocated engine (drops weight-dependent caches)."""
+    def sync(self) -> dict[str, float]:
+        """New weights to the engine: cast-copy into its buffers (or nothing when it runs on the policy's own
+        parameters); the engine then drops weight-dependent caches."""
+        seconds = self.weights.refresh()
         self.engine.load_weights(None)
+        return {"timing/engine_refresh": seconds}
+
+    def weight_canary(self) -> float:
+        """max |engine weight - trainer weight (cast)|: 0 when the engine runs on the trained weights."""
+        return self.weights.max_abs_diff()
 
     # ----------------------------------------------------------------------------------------- state
     def save(self, folder: str) -> None:
@@ -165,27 +237,27 @@ class PolicyWorker:
         path = Path(folder)
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "ema": self.ema,
-                "rng": _rng_state(),
-            },
-            path / STATE_FILE,
-        )
+        state = {
+            "optimizer": self.train.optimizer.state_dict(),
+            "scheduler": self.train.scheduler.state_dict(),
+            "ema": self.ema,
+            "rng": capture_rng_state(),
+            "nonfinite_skips": self.train.nonfinite_total,
+        }
+        torch.save(state, path / STATE_FILE)
 
     def load(self, folder: str) -> None:
         """Restore everything `save` wrote, in place."""
-        from relayrl.trainers.checkpoint import load_weights_into
+        from relayrl.training.checkpoint import load_weights_into
 
         path = Path(folder)
         load_weights_into(self.model, path)
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        self.train.optimizer.load_state_dict(state["optimizer"])
+        self.train.scheduler.load_state_dict(state["scheduler"])
         self.ema = state["ema"]
-        _set_rng_state(state["rng"])
+        self.train.nonfinite_total = int(state.get("nonfinite_skips", 0))
+        restore_rng_state(state["rng"])
         self.sync()
 
     def export(self, folder: str) -> str:
@@ -202,22 +274,15 @@ class PolicyWorker:
         return str(path)
 
     def info(self) -> dict[str, Any]:
-        """Facts the controller needs: pad / eos ids, parameter count."""
+        """Facts the controller needs: pad / eos ids, parameter count, layout and precision."""
         return {
             "pad_id": int(self.tokenizer.pad_token_id),
             "eos_id": int(self.tokenizer.eos_token_id),
             "params": sum(p.numel() for p in self.model.parameters()),
+            "layout": self.layout,
+            "precision": self.train.precision,
+            "engine_weights": "shared" if self.weights.shared else "copy",
         }
 
     def close(self) -> None:
         self.engine.close()
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(s: dict[str, Any]) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])

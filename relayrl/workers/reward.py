@@ -11,6 +11,7 @@ or "agent" (the multi-turn agent already set its rewards: nothing to do). The sp
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from relayrl.agents.base import Trajectory
@@ -41,22 +42,43 @@ class _AgentRewards:
         return None
 
 
+@dataclass(kw_only=True, slots=True)
+class RewardSpec:
+    """What the reward role reads."""
+
+    source: str
+    """The resolved source spec (`resolve_reward_spec`)."""
+    tokenizer: str = ""
+    """Tokenizer folder / id for sources that decode text (reward_func files, remote and local RMs)."""
+    timeout_s: float = 60.0
+    """Timeout of one reward call."""
+    seed: int = 0
+
+
+def reward_spec(cfg: RLConfig) -> RewardSpec:
+    """The reward role's spec from a run config."""
+    return RewardSpec(
+        source=resolve_reward_spec(cfg),
+        tokenizer=cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
+        timeout_s=cfg.reward.timeout_s,
+        seed=cfg.train.seed + 2,
+    )
+
+
 class RewardWorker:
     """The reward role."""
 
-    def __init__(self, cfg: RLConfig) -> None:
+    def __init__(self, rs: RewardSpec) -> None:
         from relayrl.agents.rewards import build_reward_source
 
-        setup_process(cfg.train.seed + 2)
-        spec = resolve_reward_spec(cfg)
+        setup_process(rs.seed)
+        spec = rs.source
         tokenizer = None
         if not spec.startswith("task:") and spec != AGENT:
             from relayrl.models.loading import load_tokenizer
 
-            tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path)
-        options: dict[str, Any] = (
-            {} if spec.startswith(("task:", "rm:")) else {"timeout": cfg.reward.timeout_s}
-        )
+            tokenizer = load_tokenizer(rs.tokenizer)
+        options: dict[str, Any] = {} if spec.startswith(("task:", "rm:")) else {"timeout": rs.timeout_s}
         self.source = (
             _AgentRewards() if spec == AGENT else build_reward_source(spec, tokenizer=tokenizer, **options)
         )

@@ -1,4 +1,4 @@
-"""Off-policy correction (TIS, ICEPOP, seq-mask-TIS): hand values, metrics, loop reference."""
+"""Off-policy correction (none, TIS, ICEPOP, seq-mask-TIS): hand values, metrics, default bounds, loop reference."""
 
 from __future__ import annotations
 
@@ -20,6 +20,35 @@ def close(a, b):
 OLD = torch.tensor([[math.log(3), math.log(0.25), 0.0], [math.log(4), math.log(4), 5.0]], dtype=F64)
 ROLL = torch.zeros(2, 3, dtype=F64)
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]]).bool()
+
+
+def test_none_hand():
+    # weight 1 on action tokens, 0 off them; nothing masked; no metrics; bounds ignored
+    for bounds in ({}, {"low": 0.9, "high": 1.1}):
+        w, keep, m = OFF_POLICY["none"](OLD, ROLL, MASK, **bounds)
+        close(w, [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+        assert keep.dtype == torch.bool and bool(keep.all()) and m == {}
+    w, _, _ = OFF_POLICY["none"](OLD.bfloat16(), ROLL.bfloat16(), MASK)
+    assert w.dtype == torch.float32
+
+
+# the documented bounds each method applies when low / high are None (algo.off_policy_low/high default)
+DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "icepop": (0.5, 5.0), "seq_mask_tis": (0.5, 2.0)}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_BOUNDS))
+def test_none_bounds_mean_the_method_default_and_explicit_bounds_win(name):
+    gen = torch.Generator().manual_seed(2)
+    old = -torch.rand(8, 6, generator=gen, dtype=F64) * 2
+    roll = old + 0.8 * torch.randn(8, 6, generator=gen, dtype=F64)
+    mask = torch.rand(8, 6, generator=gen) < 0.8
+    lo, hi = DEFAULT_BOUNDS[name]
+    ref = OFF_POLICY[name](old, roll, mask, low=lo, high=hi)
+    for kw in ({}, {"low": None, "high": None}, {"low": lo}, {"high": hi}):
+        w, keep, m = OFF_POLICY[name](old, roll, mask, **kw)
+        assert torch.equal(w, ref[0]) and torch.equal(keep, ref[1]) and m == ref[2]
+    w, _, _ = OFF_POLICY[name](old, roll, mask, low=0.9, high=1.1)
+    assert not torch.equal(w, ref[0])
 
 
 def test_tis_hand():
@@ -70,6 +99,8 @@ def test_matches_loop(name):
             x = math.exp(a - b)
             if not k:
                 row.append(0.0)
+            elif name == "none":
+                row.append(1.0)
             elif name == "tis":
                 row.append(min(max(x, 0.7), 1.6))
             elif name == "icepop":

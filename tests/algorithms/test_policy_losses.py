@@ -138,7 +138,9 @@ def test_gspo_gradient_is_the_sequence_objective_gradient():
         logprobs=logp, old_logprobs=old, advantages=a_seq[:, None] * mask, action_mask=mask
     )
     loss, m = POLICY_LOSSES["gspo"](inp, eps_low=lo, eps_high=hi)
-    agg, _ = AGGREGATIONS["seq_mean_token_mean"](loss, mask, num_tokens=float(mask.sum()), num_seqs=float(B))
+    loss_sum, count, _ = AGGREGATIONS["seq_mean_token_mean"](loss, mask)
+    assert float(count) == B
+    agg = loss_sum / count
     s = torch.exp(((logp - old) * mask).sum(dim=1) / mask.sum(dim=1))
     J = torch.minimum(s * a_seq, s.clamp(1 - lo, 1 + hi) * a_seq).mean()
     close(agg, -J)

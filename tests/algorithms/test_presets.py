@@ -34,7 +34,8 @@ def test_preset_runs_end_to_end(name):
         eps_low=p.eps_low,
         eps_high=p.eps_high,
     )
-    total, _ = AGGREGATIONS[p.aggregation](loss, mask, num_tokens=3, num_seqs=2, norm_const=2)
+    loss_sum, count, _ = AGGREGATIONS[p.aggregation](loss, mask, norm_const=2)
+    total = loss_sum / count
     total.backward()
     # the rewarded sequence is pushed up, the other down (ratio 1: no clipping at the first step)
     assert logp.grad[0, 1] < 0 < logp.grad[1, 1]

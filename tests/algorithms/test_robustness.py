@@ -212,11 +212,14 @@ def test_policy_loss_rejects_negative_eps():
             POLICY_LOSSES[name](inp, eps_low=-0.1, eps_high=0.2)
 
 
-def test_aggregation_rejects_empty_step():
-    loss, mask = torch.zeros(2, 3), torch.zeros(2, 3).bool()
+def test_aggregation_empty_micro_batch_counts_zero():
+    # a micro-batch without action tokens (NaN everywhere) adds nothing: loss_sum 0, count 0, gradient 0
+    mask = torch.zeros(2, 3).bool()
     for name in AGGREGATIONS:
-        with pytest.raises(ValueError, match="> 0"):
-            AGGREGATIONS[name](loss, mask, num_tokens=0.0, num_seqs=0.0, norm_const=4.0)
+        loss = torch.full((2, 3), NAN, dtype=F64, requires_grad=True)
+        s, n, _ = AGGREGATIONS[name](loss, mask, norm_const=4.0)
+        assert float(s.detach()) == 0.0 and float(n) == 0.0
+        assert torch.equal(torch.autograd.grad(s, loss)[0], torch.zeros(2, 3, dtype=F64))
 
 
 # ---------------------------------------------------------------- KL, value, entropy

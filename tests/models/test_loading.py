@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.models.loading import (
+    checkpointing_enabled,
     load_causal_lm,
     load_model_and_tokenizer,
     load_tokenizer,
@@ -37,7 +38,9 @@ def test_dtype_attention_and_checkpointing(tiny_model_path):
     model = load_causal_lm(cfg)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config._attn_implementation == "eager"
-    assert model.is_activation_checkpointing and model.config.use_cache is False
+    assert checkpointing_enabled(model) and model.config.use_cache is False
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)  # every decoder layer
+    assert not checkpointing_enabled(load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path))))
 
 
 def test_pad_token_falls_back_to_eos(tmp_path, tiny_tokenizer):

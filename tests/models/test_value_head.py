@@ -6,7 +6,6 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from relayrl.config.components import LoraConfig, ModelConfig
-from relayrl.data.packing import pack
 from relayrl.models.loading import load_tokenizer
 from relayrl.models.value_head import (
     build_value_model,
@@ -51,14 +50,28 @@ def test_rm_roundtrip_through_auto_sequence_classification(tmp_path, tiny_model_
     torch.testing.assert_close(sequence_scores(again, IDS, MASK), scores, atol=0, rtol=0)
 
 
-def test_packed_values_equal_unpacked(tiny_model_path):
+def test_critic_values_of_a_micro_batch_equal_each_sequence_alone(tiny_model_path):
+    """The workers' critic forward (length-bucketed rows, causal, no mask) gives each sequence the values
+    it gets alone, shifted to the token alignment values[t] = V(x_<t) (column 0 is 0)."""
+    from relayrl.workers.base import SequenceBatch
+    from relayrl.workers.model_ops import critic_values
+
     rm = build_value_model(ModelConfig(name_or_path=str(tiny_model_path)), init="normal")
     seqs = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    b = pack(seqs)
-    packed = token_values(rm, b.input_ids, b.attention_mask, b.position_ids)
+    ids = torch.zeros((3, 4), dtype=torch.long)
+    attn = torch.zeros((3, 4), dtype=torch.bool)
     for i, s in enumerate(seqs):
-        single = token_values(rm, torch.tensor([s]))[0]
-        torch.testing.assert_close(packed[0][b.seq_ids[0] == i], single, atol=1e-5, rtol=1e-5)
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = True
+    batch = SequenceBatch(
+        input_ids=ids, attention_mask=attn, action_mask=attn, rollout_logprobs=torch.zeros(3, 4)
+    )
+    with torch.no_grad():
+        got = critic_values(rm, batch, [0, 1, 2], "padded")
+        for i, s in enumerate(seqs):
+            single = token_values(rm, torch.tensor([s]))[0]
+            torch.testing.assert_close(got[i, 1 : len(s)], single[:-1], atol=1e-5, rtol=1e-5)
+            assert got[i, 0] == 0 and torch.all(got[i, len(s) :] == 0)
 
 
 def test_lora_critic_trains_score_and_merges(tmp_path, tiny_model_path):

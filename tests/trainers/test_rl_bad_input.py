@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.trainers.logging import read_jsonl
 from relayrl.trainers.rl import main
+from relayrl.training.logging import read_jsonl
 
 REWARD_FUNCS = {
     "raises": "def reward_func(queries, prompts, labels, **kw):\n    raise RuntimeError('reward server exploded')\n",

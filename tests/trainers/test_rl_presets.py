@@ -14,13 +14,14 @@ import torch
 import yaml
 
 from relayrl.algorithms import ALGORITHM_PRESETS
+from relayrl.algorithms.objective import PolicyTerms
 from relayrl.config.base import parse_cli
 from relayrl.config.help import format_help
 from relayrl.config.rl import RLConfig, resolve_algo, tiny_cpu_config
 from relayrl.trainers.rl import RLTrainer, main
 from relayrl.trainers.rl_build import validate_rl_config
-from relayrl.workers.base import Experience, SequenceBatch
-from relayrl.workers.builders import policy_loss_step
+from relayrl.workers.base import SequenceBatch
+from relayrl.workers.builders import build_policy_objective
 from relayrl.workers.model_ops import token_logprobs
 
 
@@ -52,17 +53,19 @@ def _clip_frac(model, cfg: RLConfig) -> float:
         input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=torch.zeros(ids.shape)
     )
     rows = list(range(len(SEQS)))
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, batch, rows, temperature=cfg.rollout.temperature)
+    lp, _ = token_logprobs(model, batch, rows, "padded", temperature=cfg.rollout.temperature)
     shift = torch.tensor([d for d, _ in SEQS])[:, None]
     adv = torch.tensor([a for _, a in SEQS])[:, None].expand(ids.shape)
-    exp = Experience(
-        tokens=batch, old_logprobs=(lp - shift) * act, advantages=adv * act, rewards=torch.zeros(len(SEQS))
+    objective = build_policy_objective(cfg.algo, cfg.rollout.max_new_tokens)
+    terms = PolicyTerms(
+        logprobs=lp,
+        old_logprobs=(lp.detach() - shift) * act,
+        advantages=adv * act,
+        action_mask=act,
+        rollout_logprobs=torch.zeros(ids.shape),
     )
-    n_tok = float(act.sum())
-    m = policy_loss_step(model, exp, rows, cfg, kl_coef=0.0, num_tokens=n_tok, num_seqs=float(len(SEQS)))
-    model.zero_grad(set_to_none=True)
-    return m["clip_frac"]
+    out = objective(terms)
+    return float(out.metrics["clip_frac"] / out.metric_counts["clip_frac"])
 
 
 def test_gspo_preset_reaches_the_loss_with_its_own_clip_range(tiny_model, tmp_path):
@@ -185,13 +188,13 @@ def test_native_engine_slots_default_to_the_samples_of_a_step(tiny_model_path, t
     cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path / "run"))
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok)
-    engine = build_engine_for(cfg, model, tok)
+    engine = build_engine_for(cfg.rollout, cfg.eval, model, tok)
     try:
         assert engine.max_slots == cfg.rollout.prompts_per_step * cfg.rollout.n_samples == 32
     finally:
         engine.close()
     cfg.rollout.engine_slots = 5
-    engine = build_engine_for(cfg, model, tok)
+    engine = build_engine_for(cfg.rollout, cfg.eval, model, tok)
     try:
         assert engine.max_slots == 5
     finally:

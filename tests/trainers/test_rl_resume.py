@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.logging import read_jsonl
 from relayrl.trainers.rl import RLTrainer
+from relayrl.training.logging import read_jsonl
 
 DATA = Path(__file__).parent / "data"
 STEPS = 4

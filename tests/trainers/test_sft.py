@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.cli import main as cli_main
 from relayrl.config.base import load_yaml
-from relayrl.trainers.logging import read_jsonl
 from relayrl.trainers.sft import SFTConfig, run_sft
+from relayrl.training.logging import read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_wandb_missing_is_a_clear_error(tmp_path):
         pytest.skip("wandb is installed")
     except ImportError:
         pass
-    from relayrl.trainers.logging import MetricsLogger
+    from relayrl.training.logging import MetricsLogger
 
     with pytest.raises(ImportError, match="pip install wandb"):
         MetricsLogger(tmp_path, wandb=True)

@@ -14,15 +14,11 @@ import torch
 
 from relayrl.config.components import TrainConfig
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-from relayrl.trainers.core import (
-    LoopSettings,
-    ResumableSampler,
-    TrainEngine,
-    Trainer,
-    build_optimizer,
-    build_scheduler,
-)
 from relayrl.trainers.sft import make_sft_collate, next_token_loss
+from relayrl.training.loop import LoopSettings, Trainer
+from relayrl.training.optim import build_optimizer, build_scheduler
+from relayrl.training.sampler import ResumableSampler
+from relayrl.training.step import TrainStep
 
 REFERENCE = Path(__file__).parent / "data" / "sft_reference_losses.json"
 
@@ -44,11 +40,13 @@ def _run() -> list[float]:
     model = build_tiny_model(tok, TinyModelSpec(seed=0))
     opt = build_optimizer(model, lr=3e-3, weight_decay=0.01)
     sched = build_scheduler(opt, total_steps=8, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
-    engine = TrainEngine(model=model, loss_fn=next_token_loss, optimizer=opt, scheduler=sched, device="cpu")
+    engine = TrainStep(model=model, loss_fn=next_token_loss, optimizer=opt, scheduler=sched, device="cpu")
     trainer = Trainer(
-        engine=engine,
+        train_step=engine,
         sampler=ResumableSampler(len(samples), 8, seed=0),
-        collate=make_sft_collate(samples, TrainConfig(batch_size=8, micro_batch_size=4, packing=True), 0),
+        collate=make_sft_collate(
+            samples, TrainConfig(batch_size=8, micro_batch_size=4, packing=True), "padded"
+        ),
         settings=LoopSettings(total_steps=8, save_final=False),
     )
     return [h["train/loss"] for h in trainer.fit().history]

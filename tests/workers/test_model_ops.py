@@ -1,19 +1,23 @@
-"""The workers' forward passes and the micro-batched policy loss.
+"""The workers' forward passes and the micro-batched policy objective.
 
-- Packed log-probs (several sequences in one row, positions restarting) equal a plain padded forward's
-  log_softmax(logits / T) of each token, in the [B, T] token-aligned layout (fp32, 1e-5).
-- The policy-loss gradient of a mini-batch does not depend on how it is split into token-budget
-  micro-batches (the loss is normalised by the mini-batch's global denominator), for each aggregation.
+- Log-probs of several sequences in one micro-batch (length-bucketed, causal, no mask) equal a plain padded
+  forward's log_softmax(logits / T) of each token, in the [B, T] token-aligned layout (fp32, 1e-5).
+- The policy-objective gradient of a mini-batch does not depend on how it is split into token-budget
+  micro-batches (sum of loss_sum over the micro-batches / sum of count, the training core's contract), for
+  each aggregation.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from relayrl.algorithms.objective import PolicyTerms
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.workers.base import Experience, SequenceBatch
-from relayrl.workers.builders import policy_loss_step
+from relayrl.workers.base import SequenceBatch
+from relayrl.workers.builders import build_policy_objective
 from relayrl.workers.model_ops import micro_batches, token_logprobs
 
 
@@ -34,7 +38,7 @@ def _batch(lengths: list[int], prompt: int = 3, seed: int = 0) -> SequenceBatch:
 
 def test_packed_logprobs_equal_padded_forward(tiny_model):
     batch = _batch([7, 12, 5, 9])
-    lp, ent = token_logprobs(tiny_model, batch, [0, 1, 2, 3], temperature=0.7, entropy=True)
+    lp, ent = token_logprobs(tiny_model, batch, [0, 1, 2, 3], "padded", temperature=0.7, entropy=True)
     with torch.no_grad():
         logits = tiny_model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()
@@ -54,26 +58,30 @@ def test_policy_gradient_is_invariant_to_micro_batching(tiny_model, tmp_path, ag
     batch = _batch([7, 12, 5, 9, 11], seed=1)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        old, _ = token_logprobs(tiny_model, batch, list(range(5)))
+        old, _ = token_logprobs(tiny_model, batch, list(range(5)), "padded")
     noise = torch.randn(old.shape, generator=g) * 0.05
-    exp = Experience(
-        tokens=batch,
-        old_logprobs=(old + noise) * batch.action_mask,  # ratios != 1 so clipping is exercised
-        advantages=torch.randn(old.shape, generator=g) * batch.action_mask,
-        rewards=torch.zeros(5),
-    )
-    mask = batch.action_mask
-    num_tokens, num_seqs = float(mask.sum()), float((mask.sum(1) > 0).sum())
+    old = (old + noise) * batch.action_mask  # ratios != 1 so clipping is exercised
+    adv = torch.randn(old.shape, generator=g) * batch.action_mask
+    objective = build_policy_objective(replace(cfg.algo, aggregation=aggregation), cfg.rollout.max_new_tokens)
 
-    def grads(budget: int) -> list[torch.Tensor]:
-        from dataclasses import replace
-
-        c = replace(cfg, algo=replace(cfg.algo, aggregation=aggregation, micro_batch_tokens=budget))
+    def grads(budget: int) -> tuple[list[torch.Tensor], int]:
         tiny_model.zero_grad(set_to_none=True)
-        chunks = micro_batches(batch, budget)
+        chunks = micro_batches(batch, budget, "padded")
+        total = 0.0
         for rows in chunks:
-            policy_loss_step(tiny_model, exp, rows, c, kl_coef=0.0, num_tokens=num_tokens, num_seqs=num_seqs)
-        return [p.grad.clone() for p in tiny_model.parameters() if p.grad is not None], len(chunks)
+            lp, _ = token_logprobs(tiny_model, batch, rows, "padded")
+            w = lp.shape[1]
+            terms = PolicyTerms(
+                logprobs=lp,
+                old_logprobs=old[rows, :w],
+                advantages=adv[rows, :w],
+                action_mask=batch.action_mask[rows, :w],
+                rollout_logprobs=torch.zeros(len(rows), w),
+            )
+            out = objective(terms)
+            out.loss_sum.backward()
+            total += float(out.count)
+        return [p.grad.clone() / total for p in tiny_model.parameters() if p.grad is not None], len(chunks)
 
     whole, n1 = grads(10_000)
     split, n2 = grads(11)

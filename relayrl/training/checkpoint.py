@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from relayrl.training.rng import capture_rng_state, restore_rng_state
 
 LATEST = "latest"
 STEP_PREFIX = "step_"
@@ -57,27 +57,6 @@ class LoadedCheckpoint:
     """The JSON trainer state passed to `save` (plus "step" and "metric")."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The `extra` payload passed to `save` (e.g. {"data": data-iterator state})."""
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU and (when present) all CUDA RNG states."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of `capture_rng_state` (CUDA states restored only when CUDA is present)."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def step_of(path: Path) -> int:

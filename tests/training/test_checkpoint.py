@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from relayrl.trainers.checkpoint import (
+from relayrl.training.checkpoint import (
     CheckpointManager,
     capture_rng_state,
     load_weights_into,

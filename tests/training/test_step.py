@@ -1,4 +1,4 @@
-"""Training-loop core: optimizer groups, schedules, global-token accumulation, sampler, exact resume."""
+"""The training core: optimizer groups, schedules, (loss_sum, count) accumulation, sampler, exact resume."""
 
 from __future__ import annotations
 
@@ -8,19 +8,13 @@ import pytest
 import torch
 
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model
-from relayrl.trainers.checkpoint import CheckpointManager
-from relayrl.trainers.core import (
-    LoopSettings,
-    ResumableSampler,
-    TrainEngine,
-    Trainer,
-    build_optimizer,
-    build_scheduler,
-    lr_factor,
-    param_groups,
-)
-from relayrl.trainers.logging import MetricsLogger, read_jsonl
 from relayrl.trainers.sft import make_sft_collate, next_token_loss, sft_micro_batches
+from relayrl.training.checkpoint import CheckpointManager
+from relayrl.training.logging import MetricsLogger, read_jsonl
+from relayrl.training.loop import LoopSettings, Trainer
+from relayrl.training.optim import build_optimizer, build_scheduler, lr_factor, param_groups
+from relayrl.training.sampler import ResumableSampler
+from relayrl.training.step import TrainStep
 
 
 class Sample:
@@ -82,9 +76,9 @@ def _one_step_grads(samples, *, packing, mbs=1, budget=0):
     torch.manual_seed(0)
     tok_model = build_tiny_model(_tok(), TinyModelSpec(seed=0))
     opt = torch.optim.SGD(tok_model.parameters(), lr=0.1)
-    engine = TrainEngine(model=tok_model, loss_fn=next_token_loss, optimizer=opt, grad_clip=0.0, device="cpu")
+    engine = TrainStep(model=tok_model, loss_fn=next_token_loss, optimizer=opt, grad_clip=0.0, device="cpu")
     mbs_list = sft_micro_batches(
-        samples, packing=packing, pad_id=0, micro_batch_size=mbs, max_tokens_per_micro_batch=budget
+        samples, layout="padded", packing=packing, micro_batch_size=mbs, max_tokens_per_micro_batch=budget
     )
     out = engine.step(mbs_list)
     return out, len(mbs_list), {n: p.detach().clone() for n, p in tok_model.named_parameters()}
@@ -126,7 +120,7 @@ def test_naive_mean_of_means_differs():
     ref, _, _ = _one_step_grads(samples, packing=False, mbs=8)
     model = build_tiny_model(_tok(), TinyModelSpec(seed=0))
     means = []
-    for b in sft_micro_batches(samples, packing=False, pad_id=0, micro_batch_size=2):
+    for b in sft_micro_batches(samples, layout="padded", packing=False, micro_batch_size=2):
         out = next_token_loss(model, b)
         means.append(float(out.loss_sum.detach()) / out.count)
     assert abs(sum(means) / len(means) - ref.loss) > 1e-4
@@ -153,12 +147,12 @@ def _trainer(tmp_path, samples, total, *, save_every, seed=0):
     model = build_tiny_model(_tok(), TinyModelSpec(seed=0))
     opt = build_optimizer(model, lr=3e-3, weight_decay=0.01)
     sched = build_scheduler(opt, total_steps=total, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
-    engine = TrainEngine(model=model, loss_fn=next_token_loss, optimizer=opt, scheduler=sched, device="cpu")
+    engine = TrainStep(model=model, loss_fn=next_token_loss, optimizer=opt, scheduler=sched, device="cpu")
     cfg = TrainConfig(batch_size=4, micro_batch_size=2, packing=True)
     return Trainer(
-        engine=engine,
+        train_step=engine,
         sampler=ResumableSampler(len(samples), 4, seed=seed),
-        collate=make_sft_collate(samples, cfg, 0),
+        collate=make_sft_collate(samples, cfg, "padded"),
         settings=LoopSettings(total_steps=total, save_every=save_every),
         ckpt=CheckpointManager(tmp_path / "ckpt", keep_last=2),
         tokenizer=_tok(),
@@ -182,7 +176,7 @@ def test_resume_is_exact(tmp_path):
     part2 = [h["train/loss"] for h in second.fit().history]
     assert part1 + part2 == full_losses
     for (name, p), q in zip(
-        full.engine.model.named_parameters(), second.engine.model.parameters(), strict=True
+        full.train_step.model.named_parameters(), second.train_step.model.parameters(), strict=True
     ):
         assert torch.equal(p, q), name
 
@@ -191,7 +185,7 @@ def test_fit_logs_eval_and_jsonl(tmp_path):
     samples = make_samples(8, seed=2)
     trainer = _trainer(tmp_path, samples, 4, save_every=0)
     trainer.settings.eval_every = 2
-    collate = make_sft_collate(samples[:4], trainer_cfg(), 0)
+    collate = make_sft_collate(samples[:4], trainer_cfg(), "padded")
     trainer.eval_batches = lambda: [collate([0, 1, 2, 3])]
     with MetricsLogger(tmp_path / "run", total_steps=4, console=False) as logger:
         trainer.logger = logger
@@ -201,7 +195,7 @@ def test_fit_logs_eval_and_jsonl(tmp_path):
     assert [("eval/loss" in r) for r in rows] == [False, True, False, True]
     assert all(r["train/loss"] > 0 and r["perf/tokens_per_s"] > 0 for r in rows)
     # eval loss = token-weighted CE of the 4 eval samples under the final weights
-    model = trainer.engine.model
+    model = trainer.train_step.model
     out = [next_token_loss(model, b) for b in collate([0, 1, 2, 3])]
     expect = sum(float(o.loss_sum.detach()) for o in out) / sum(o.count for o in out)
     assert abs(rows[-1]["eval/loss"] - expect) < 1e-6
@@ -215,7 +209,7 @@ def trainer_cfg():
 
 
 def test_precision_resolution():
-    from relayrl.trainers.core import resolve_precision
+    from relayrl.training.step import resolve_precision
 
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -225,11 +219,11 @@ def test_precision_resolution():
 @pytest.mark.gpu
 def test_bf16_autocast_on_cuda():
     samples = make_samples(8)
-    batches = sft_micro_batches(samples, packing=True, pad_id=0, micro_batch_size=4)
+    batches = sft_micro_batches(samples, layout="varlen", packing=True, micro_batch_size=4)
     model = build_tiny_model(_tok(), TinyModelSpec(seed=0)).cuda()
     opt = build_optimizer(model, lr=1e-3)
-    fp32 = TrainEngine(model=model, loss_fn=next_token_loss, optimizer=opt, precision="fp32")
-    engine = TrainEngine(model=model, loss_fn=next_token_loss, optimizer=opt)
+    fp32 = TrainStep(model=model, loss_fn=next_token_loss, optimizer=opt, precision="fp32")
+    engine = TrainStep(model=model, loss_fn=next_token_loss, optimizer=opt)
     assert engine.precision == "bf16"  # auto on a bf16-capable GPU
     ref = fp32.evaluate([batches])["eval/loss"]
     got = engine.evaluate([batches])["eval/loss"]
@@ -251,3 +245,59 @@ def test_metrics_logger_resume_keeps_rows_up_to_checkpoint(tmp_path):
     with MetricsLogger(tmp_path, console=False) as lg:  # a fresh run starts a new file
         lg.log({"train/loss": float("nan")}, 1)
     assert read_jsonl(tmp_path / "metrics.jsonl")[0]["train/loss"] is None
+
+
+def _quadratic_step(max_nonfinite: int = 3) -> tuple[TrainStep, torch.nn.Parameter]:
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    model = torch.nn.Module()
+    model.w = w
+    opt = torch.optim.SGD([w], lr=0.5)
+    return TrainStep(model=model, optimizer=opt, grad_clip=0.0, device="cpu", max_nonfinite=max_nonfinite), w
+
+
+def test_loss_sum_contract_and_metric_denominators():
+    """Two micro-batches: loss_sum = sum_i x_i * w^2 over their units; the step's gradient is the sum of the
+    gradients divided by the total count (3 + 1 units), and each metric by its own total denominator."""
+    from relayrl.training.step import LossOutput
+
+    step, w = _quadratic_step()
+    units = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])]
+
+    def loss_fn(model, x):
+        loss_sum = (x[:, None] * model.w**2).sum()
+        return LossOutput(
+            loss_sum=loss_sum,
+            count=float(len(x)),
+            metrics={"x": x.sum(), "rows": 1.0},
+            metric_counts={"rows": 1.0},
+        )
+
+    out = step.step(units, loss_fn)
+    # L = (1+2+3+4) * (w0^2 + w1^2) / 4 = 2.5 * 5 = 12.5; dL/dw = 2.5 * 2w = [5, 10]; SGD lr 0.5
+    assert out.count == 4 and out.loss == pytest.approx(12.5, rel=1e-12)
+    assert out.metrics == {"x": pytest.approx(10 / 4), "rows": pytest.approx(2 / 2)}
+    torch.testing.assert_close(w.detach(), torch.tensor([1.0 - 2.5, 2.0 - 5.0]))
+    assert out.grad_norm == pytest.approx(math.hypot(5.0, 10.0), rel=1e-6) and not out.skipped
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run():
+    """A NaN loss or gradient: no update (weights unchanged), counted; a finite step resets the streak;
+    `max_nonfinite` in a row raises NonFiniteError naming what to do."""
+    from relayrl.training.step import LossOutput, NonFiniteError
+
+    step, w = _quadratic_step(max_nonfinite=2)
+    bad = {"v": float("nan")}
+
+    def loss_fn(model, scale):
+        return LossOutput(loss_sum=(model.w**2).sum() * scale, count=1.0)
+
+    before = w.detach().clone()
+    out = step.step([bad["v"]], loss_fn)
+    assert out.skipped and step.nonfinite_total == 1
+    assert torch.equal(w.detach(), before) and w.grad is None
+    good = step.step([1.0], loss_fn)
+    assert not good.skipped and not torch.equal(w.detach(), before) and step.nonfinite_in_a_row == 0
+    step.step([float("inf")], loss_fn)
+    with pytest.raises(NonFiniteError, match="2 optimizer steps in a row had a non-finite"):
+        step.step([float("nan")], loss_fn)
+    assert step.nonfinite_total == 3

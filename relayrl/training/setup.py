@@ -1,55 +1,71 @@
-"""Recipe set-up shared by SFT, RM, DPO and KTO: component configs -> the training-loop core's parts.
+"""Recipe set-up shared by every trainer and worker: component configs -> the training core's parts.
 
     device = resolve_device(cfg.train.device); seed_everything(cfg.train.seed)
     run_dir = run_dir_of(cfg.train, "sft")                       train.output_dir or runs/<command>
     total = total_steps_of(cfg.train, len(train_samples))
-    engine = build_engine(model, cfg.optim, total, device, loss_fn)   AdamW + schedule + clipping
+    step = build_train_step(model, cfg.optim, total, loss_fn, precision=...)   AdamW + schedule + clipping
     ckpt = build_checkpoint_manager(cfg.ckpt, run_dir)           <run_dir>/checkpoints, rotation
     logger = build_logger(cfg.logger, run_dir, total_steps=total, config=to_dict(cfg))
     resume_if_asked(trainer, cfg.ckpt)                           ckpt.resume: auto / none / path
 
 Only plain config components go in (never a whole command config), so every recipe calls the same code.
+`resolve_device` and `seed_everything` are the ONE device / seeding path (RL workers use them too).
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from relayrl.config.components import CkptConfig, LoggerConfig, OptimConfig, TrainConfig
-from relayrl.trainers.checkpoint import CheckpointManager
-from relayrl.trainers.core import LossFn, TrainEngine, Trainer, build_optimizer, build_scheduler
-from relayrl.trainers.logging import MetricsLogger
+from relayrl.config.components import CkptConfig, LoggerConfig, OptimConfig
+from relayrl.training.checkpoint import CheckpointManager
+from relayrl.training.logging import MetricsLogger
+from relayrl.training.loop import Trainer
+from relayrl.training.optim import build_optim
+from relayrl.training.rng import seed_everything
+from relayrl.training.step import LossFn, TrainStep, resolve_precision
 
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+__all__ = [
+    "build_checkpoint_manager",
+    "build_logger",
+    "build_train_step",
+    "compute_precision",
+    "resolve_device",
+    "resume_if_asked",
+    "run_dir_of",
+    "seed_everything",
+    "total_steps_of",
+]
 
 
 def resolve_device(name: str) -> torch.device:
-    """ "auto" -> cuda when available else cpu; "cuda" without a GPU is an error."""
+    """ "auto" -> cuda when available else cpu; "cuda" without a GPU is an error naming the fix."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(
             "train.device=cuda but no CUDA device is available; use --train.device cpu or auto"
         )
     return torch.device(name)
 
 
-def run_dir_of(train: TrainConfig, command: str) -> Path:
+def compute_precision(model_dtype: str, device: torch.device) -> str:
+    """The TrainStep precision for `model.dtype`: fp32 on CPU; on CUDA "fp32" keeps fp32 compute, anything
+    else (auto, bf16, fp16) computes in bf16 autocast (fp16 autocast would need loss scaling). The trained
+    weights and optimizer states are fp32 masters either way."""
+    if device.type != "cuda" or model_dtype == "fp32":
+        return "fp32"
+    return resolve_precision("auto", device)
+
+
+def run_dir_of(train: Any, command: str) -> Path:
     """train.output_dir, or runs/<command> when empty."""
     return Path(train.output_dir or f"runs/{command}")
 
 
-def total_steps_of(train: TrainConfig, num_samples: int) -> int:
+def total_steps_of(train: Any, num_samples: int) -> int:
     """train.max_steps when > 0 (wrapping over epochs as needed), else epochs x (num_samples // batch_size)."""
     if train.max_steps > 0:
         return train.max_steps
@@ -84,28 +100,24 @@ def build_logger(
     )
 
 
-def build_engine(
-    model: torch.nn.Module, optim: OptimConfig, total_steps: int, device: torch.device, loss_fn: LossFn
-) -> TrainEngine:
-    """TrainEngine from an OptimConfig (AdamW + schedule + clipping); precision auto (bf16 autocast on GPU)."""
-    o = optim
-    optimizer = build_optimizer(
-        model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.adam_betas), eps=o.eps
-    )
-    scheduler = build_scheduler(
-        optimizer,
-        total_steps=total_steps,
-        warmup_steps=o.warmup_steps,
-        warmup_ratio=o.warmup_ratio,
-        schedule=o.scheduler,
-        min_lr_ratio=o.min_lr_ratio,
-    )
-    return TrainEngine(
+def build_train_step(
+    model: torch.nn.Module,
+    optim: OptimConfig,
+    total_steps: int,
+    loss_fn: LossFn | None = None,
+    *,
+    precision: str = "auto",
+    device: torch.device | None = None,
+) -> TrainStep:
+    """TrainStep from an OptimConfig: AdamW (fused on CUDA) + schedule + clipping, at `precision`."""
+    optimizer, scheduler = build_optim(model, optim, total_steps)
+    return TrainStep(
         model=model,
         loss_fn=loss_fn,
         optimizer=optimizer,
         scheduler=scheduler,
-        grad_clip=o.max_grad_norm,
+        grad_clip=optim.max_grad_norm,
+        precision=precision,
         device=device,
     )
 

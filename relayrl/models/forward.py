@@ -1,0 +1,427 @@
+"""One model forward for every trainer: hidden states and per-token log-probs of variable-length sequences,
+with attention cost linear in the micro-batch (no dense [N, N] mask is ever built).
+
+Data. A micro-batch is a list of S token sequences, each a 1-D LongTensor (lengths L_i >= 1, N = sum L_i).
+Every result is FLAT, one row per real token in the order of the sequences:
+
+    hidden = forward_hidden(model, seqs, layout)              # [N, H]  last hidden state (after the final norm)
+    logp, ent = token_logprobs(model, seqs, layout, temperature=0.7, entropy=True)   # [N] float32 each
+    v = token_values(critic, seqs, layout)                    # [N] float32  value head on every token
+    per_seq = split_flat(logp, lengths); rows = to_padded(logp, lengths, width)      # [B, T] callers
+
+Token alignment: logp[j] = log pi(token j | the earlier tokens of its own sequence) under
+softmax(logits / temperature); it is scored by the hidden state of token j - 1 of the same sequence, so the
+first token of every sequence has no prefix and gets logp = 0 and entropy = 0. `token_values` is NOT
+shifted: v[j] is the value head on token j's own hidden state (the caller shifts, as for any critic).
+
+Layouts (pick one with `choose_layout`, apply it once with `prepare_model`, cut rows with
+`plan_micro_batches`):
+
+    varlen  the S sequences concatenated into ONE [1, N] row, position ids restarting at 0 per sequence,
+            cu_seqlens int32 [S + 1] and the longest length passed to the model as the FlashAttention
+            kwargs (cu_seq_lens_q/k, max_length_q/k). They reach our attention function, registered in
+            transformers' AttentionInterface as "relayrl_varlen", which calls
+            torch.nn.attention.varlen.varlen_attn (flash, causal = window_size (-1, 0)): cost sum L_i^2,
+            no padding, no mask. Its mask function returns None inside `forward_hidden`, so transformers
+            builds no mask. Outside `forward_hidden` (HF generate, a plain `model(...)` call) both functions
+            hand over to sdpa, so a switched model still behaves exactly like an sdpa model there.
+            Flash kernels take fp16 / bf16 only: under autocast q/k/v are cast to the autocast dtype (as
+            sdpa is); float32 q/k/v outside autocast, and CPU tensors, run each sequence through causal
+            sdpa on its own instead (exact, same cost order, one launch per sequence: logged once).
+    padded  one right-padded [S, T_max] row per sequence, attention_mask=None and plain causal sdpa (or
+            eager): padding sits at the end, so no real token ever attends to it, and transformers' sdpa
+            path passes is_causal=True with no mask. Cost S * T_max^2, hence `plan_micro_batches` puts
+            rows of similar length together (sorted by length, rows * longest <= budget).
+
+How the choice is made: "varlen" on a CUDA device when torch has `varlen_attn` and the architecture can
+take it (transformers can switch its attention function, no sliding window, no logit soft-capping), else
+"padded"; the choice is logged once per process (logger "relayrl.models.forward"). The native rollout
+engine (relayrl/rollout/native_model.py) calls the projection and norm modules itself with its own
+attention, so switching the attention function does not touch it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+from collections.abc import Sequence
+from itertools import accumulate, pairwise
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from relayrl.data.packing import plan_token_budget
+from relayrl.models.logprobs import token_logprobs as head_logprobs
+
+try:  # torch >= 2.10, CUDA (flash) only
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("varlen", "padded")
+ATTN_NAME = "relayrl_varlen"
+"""Name of our attention function in transformers' AttentionInterface / AttentionMaskInterface."""
+
+_IN_VARLEN_FORWARD = contextvars.ContextVar("relayrl_in_varlen_forward", default=False)
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
+
+
+# ---------------------------------------------------------------- the attention function and its mask
+
+
+@functools.cache
+def _kernel_params() -> frozenset[str]:
+    """Keyword names of this torch's varlen_attn: torch 2.13 takes enable_gqa, 2.11 does not (then K/V are
+    expanded to every query head); causality is window_size=(-1, 0) (an older is_causal flag is used if
+    present); the default scale 1/sqrt(D) is folded into q when there is no `scale`."""
+    return frozenset(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else frozenset()
+
+
+def _compute_dtype(q: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return q.dtype
+
+
+def _kernel_usable(q: Tensor) -> bool:
+    return _varlen_attn is not None and q.is_cuda and _compute_dtype(q) in (torch.float16, torch.bfloat16)
+
+
+def _kernel(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale: float | None
+) -> Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] through the flash varlen kernel (causal)."""
+    params = _kernel_params()
+    dtype = _compute_dtype(q)
+    if scale is not None and "scale" not in params:
+        q = q * (scale * q.shape[-1] ** 0.5)  # the kernel applies 1/sqrt(D)
+    q, k, v = (x.to(dtype).contiguous() for x in (q, k, v))
+    extra: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "scale" in params:
+        extra["scale"] = scale
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # query head h reads KV head h // group, as transformers' repeat_kv does
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
+
+
+def _per_sequence(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scale: float | None) -> Tensor:
+    """Exact fallback: causal sdpa over each sequence alone. query [1, Hq, N, D] -> [1, N, Hq, D]."""
+    if query.is_cuda:
+        _log_once(
+            logging.WARNING,
+            f"varlen attention: {query.dtype} q/k/v outside autocast (flash kernels take fp16/bf16 only), so "
+            "each sequence runs through sdpa on its own; use bf16 autocast or a bf16 model for the varlen kernel",
+        )
+    bounds = cu.tolist()
+    gqa = key.shape[1] != query.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        for s, e in pairwise(bounds)
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _check_call(module: Any, query: Tensor, dropout: float, kwargs: dict[str, Any]) -> None:
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported or dropout:
+        raise ValueError(
+            f"{ATTN_NAME} attention supports plain causal attention only; {type(module).__name__} asked for "
+            f"{unsupported or f'dropout={dropout}'}: use the 'padded' layout for this model"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_NAME} attention expects one packed [1, N] row, got batch {query.shape[0]}")
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> ([1, N, Hq, D], None).
+
+    With `cu_seq_lens_q` in kwargs (a `forward_hidden` varlen call): causal attention inside each
+    sequence of the packed row. Without it: transformers' sdpa function with the mask it was given.
+    """
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is None:
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    _check_call(module, query, dropout, kwargs)
+    if not _kernel_usable(query):
+        return _per_sequence(query, key, value, cu_q, scaling), None
+    cu_k = kwargs.get("cu_seq_lens_k", cu_q)
+    max_q = int(kwargs["max_length_q"])
+    max_k = int(kwargs.get("max_length_k", max_q))
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
+    return _kernel(q, k, v, cu_q, cu_k, max_q, max_k, scaling).unsqueeze(0), None
+
+
+def _varlen_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """transformers mask function: no mask inside `forward_hidden`'s varlen call, sdpa's mask elsewhere."""
+    if _IN_VARLEN_FORWARD.get():
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
+@functools.cache
+def _register() -> None:
+    AttentionInterface.register(ATTN_NAME, varlen_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _varlen_mask)
+
+
+# ---------------------------------------------------------------- choosing and applying a layout
+
+
+def _hf(model: Any) -> Any:
+    """The transformers model under a peft wrapper."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _architecture_blocker(hf: Any) -> str | None:
+    """Why this model cannot take our attention function (None when it can)."""
+    cfg = hf.config
+    can_set = getattr(type(hf), "_can_set_attn_implementation", None)
+    if can_set is None or not can_set():
+        return f"{type(hf).__name__} cannot switch its attention function"
+    if getattr(cfg, "sliding_window", None) is not None or "sliding_attention" in (
+        getattr(cfg, "layer_types", None) or ()
+    ):
+        return "sliding-window attention"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    return None
+
+
+def choose_layout(model: Any, device: torch.device | str) -> str:
+    """ "varlen" on CUDA when torch has varlen_attn and the architecture can take it, else "padded"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        blocker = f"{device.type} device"
+    elif _varlen_attn is None:
+        blocker = f"torch {torch.__version__} has no varlen_attn"
+    else:
+        blocker = _architecture_blocker(_hf(model))
+    if blocker is None:
+        _log_once(logging.INFO, "attention layout: varlen (torch varlen_attn, cu_seqlens)")
+        return "varlen"
+    _log_once(logging.INFO, f"attention layout: padded (length-bucketed, causal, no mask): {blocker}")
+    return "padded"
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _set_attention(hf: Any, name: str) -> None:
+    if hf.config._attn_implementation == name:
+        return
+    hf.set_attn_implementation(name)
+    if hf.config._attn_implementation != name:
+        raise RuntimeError(f"{type(hf).__name__} did not switch its attention implementation to {name!r}")
+
+
+def prepare_model(model: Any, layout: str) -> Any:
+    """Make `model` (or the model under a peft wrapper) ready for `layout`; returns `model`.
+
+    varlen: register our attention and mask functions (once) and switch the model to them. padded: keep
+    sdpa or eager, switch anything else (our varlen, flash, flex) to sdpa.
+    """
+    _check_layout(layout)
+    hf = _hf(model)
+    if layout == "varlen":
+        blocker = _architecture_blocker(hf)
+        if blocker is not None:
+            raise ValueError(f"layout 'varlen' does not fit this model ({blocker}); use 'padded'")
+        _register()
+        _set_attention(hf, ATTN_NAME)
+    elif hf.config._attn_implementation not in ("sdpa", "eager"):
+        _set_attention(hf, "sdpa")
+    return model
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int, layout: str) -> list[list[int]]:
+    """Row indices of each micro-batch (every index exactly once; ascending inside a bin).
+
+    varlen: bins of at most `budget` real tokens, first-fit-decreasing (relayrl.data.packing).
+    padded: rows sorted by length (descending, stable), cut into consecutive runs with
+    rows * longest <= budget, so rows of similar length share a bin and padding stays small.
+    Either way a row longer than the budget gets a bin of its own.
+    """
+    _check_layout(layout)
+    if budget <= 0:
+        raise ValueError(f"token budget must be > 0, got {budget}")
+    if layout == "varlen":
+        return plan_token_budget(lengths, budget)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    for i in order:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return [sorted(b) for b in bins]
+
+
+# ---------------------------------------------------------------- forwards
+
+
+def _lengths(seqs: Sequence[Tensor]) -> list[int]:
+    if len(seqs) == 0:
+        raise ValueError("forward needs at least one sequence")
+    for i, s in enumerate(seqs):
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(f"sequence {i} must be a non-empty 1-D token tensor, got shape {tuple(s.shape)}")
+    return [int(s.numel()) for s in seqs]
+
+
+def _varlen_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
+    device = ids.device
+    starts = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
+    counts = torch.tensor(lengths)
+    positions = torch.arange(ids.numel()) - torch.repeat_interleave(starts[:-1].long(), counts)
+    cu = starts.to(device)
+    max_len = max(lengths)
+    token = _IN_VARLEN_FORWARD.set(True)
+    try:
+        out = trunk(
+            input_ids=ids[None],
+            position_ids=positions.to(device)[None],
+            attention_mask=None,
+            use_cache=False,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=max_len,
+            max_length_k=max_len,
+        )
+    finally:
+        _IN_VARLEN_FORWARD.reset(token)
+    return out.last_hidden_state[0]
+
+
+def _padded_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
+    rows = torch.nn.utils.rnn.pad_sequence(list(ids.split(lengths)), batch_first=True)
+    real = (
+        torch.arange(rows.shape[1], device=ids.device)[None]
+        < torch.tensor(lengths, device=ids.device)[:, None]
+    )
+    hidden = trunk(input_ids=rows, attention_mask=None, use_cache=False).last_hidden_state
+    return hidden[real]
+
+
+def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
+    """Last hidden states [N, H] (after the final norm) of every real token, flattened in order of `seqs`.
+
+    Works for causal LMs and value-head models (the trunk is `hf.<base_model_prefix>`), under peft too.
+    Differentiable. The varlen layout needs `prepare_model(model, "varlen")` first.
+    """
+    _check_layout(layout)
+    lengths = _lengths(seqs)
+    hf = _hf(model)
+    if layout == "varlen" and hf.config._attn_implementation != ATTN_NAME:
+        raise ValueError(
+            f"layout 'varlen' needs the model switched to {ATTN_NAME!r} attention (it uses "
+            f"{hf.config._attn_implementation!r}): call prepare_model(model, 'varlen') once after loading"
+        )
+    trunk = getattr(hf, hf.base_model_prefix)
+    device = next(hf.parameters()).device
+    ids = torch.cat(list(seqs)).to(device=device, dtype=torch.long)
+    if layout == "varlen":
+        return _varlen_hidden(trunk, ids, lengths)
+    return _padded_hidden(trunk, ids, lengths)
+
+
+def token_logprobs(
+    model: Any,
+    seqs: Sequence[Tensor],
+    layout: str,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(logp [N] float32, entropy [N] float32 or None) of every token given its sequence's earlier tokens.
+
+    logp[j] = log softmax(lm_head(h[j-1]) / temperature)[token j], h[j-1] the hidden state of the previous
+    token of the same sequence; entropy[j] that distribution's entropy. The first token of each sequence
+    gets 0 for both. Through relayrl.models.logprobs (chunked: no [N, V] float32 logits).
+    """
+    hf = _hf(model)
+    head = hf.get_output_embeddings()
+    if head is None:
+        raise ValueError(
+            f"{type(hf).__name__} has no output embedding (LM head): token_logprobs needs a causal LM"
+        )
+    lengths = _lengths(seqs)
+    hidden = forward_hidden(model, seqs, layout)
+    tokens = torch.cat(list(seqs)).to(device=hidden.device, dtype=torch.long)
+    first = torch.zeros(tokens.numel(), dtype=torch.bool, device=hidden.device)
+    first[torch.tensor([0, *accumulate(lengths[:-1])], device=hidden.device)] = True
+    # row j scores token j + 1; the last token of a sequence scores nothing (ignore_index -> logp 0)
+    targets = torch.cat([tokens[1:].masked_fill(first[1:], -100), tokens.new_full((1,), -100)])
+    lp, ent = head_logprobs(
+        hidden, head.weight, targets, bias=head.bias, temperature=temperature, with_entropy=entropy
+    )
+    logp = F.pad(lp[:-1], (1, 0))
+    if ent is not None:
+        ent = F.pad(ent[:-1], (1, 0)).masked_fill(first, 0.0)
+    return logp, ent
+
+
+def token_values(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
+    """Value head (`score`, hidden -> 1) on every token's own hidden state: [N] float32, not shifted."""
+    hf = _hf(model)
+    return hf.score(forward_hidden(model, seqs, layout)).squeeze(-1).float()
+
+
+# ---------------------------------------------------------------- flat <-> per-sequence helpers
+
+
+def split_flat(flat: Tensor, lengths: Sequence[int]) -> list[Tensor]:
+    """[N, ...] -> one [L_i, ...] tensor per sequence (views)."""
+    if flat.shape[0] != sum(lengths):
+        raise ValueError(f"flat has {flat.shape[0]} rows but the lengths sum to {sum(lengths)}")
+    return list(flat.split(list(lengths)))
+
+
+def to_padded(flat: Tensor, lengths: Sequence[int], width: int) -> Tensor:
+    """[N, ...] -> [S, width, ...]: row i holds sequence i's values at columns [0, L_i), zeros elsewhere.
+
+    Differentiable w.r.t. `flat`.
+    """
+    if flat.shape[0] != sum(lengths):
+        raise ValueError(f"flat has {flat.shape[0]} rows but the lengths sum to {sum(lengths)}")
+    if lengths and width < max(lengths):
+        raise ValueError(f"width {width} is shorter than the longest sequence ({max(lengths)})")
+    counts = torch.tensor(list(lengths), device=flat.device)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    cols = torch.arange(flat.shape[0], device=flat.device) - torch.repeat_interleave(starts, counts)
+    out = flat.new_zeros((len(lengths), width, *flat.shape[1:]))
+    return out.index_put((rows, cols), flat)

@@ -1,0 +1,114 @@
+"""Optimizer and learning-rate schedule builders shared by every trainer and worker.
+
+    opt, sched = build_optim(model, optim_cfg, total_steps)      AdamW (fused on CUDA) + warmup/decay schedule
+    build_optimizer(model, lr=..., weight_decay=..., betas=..., eps=...)   the pieces, for tests and benches
+    build_scheduler(opt, total_steps=..., warmup_steps=..., schedule=..., min_lr_ratio=...)
+
+AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter. The optimizer
+holds the model's own (fp32 master) parameters, so its states are fp32 whatever the compute precision.
+Schedule: linear warmup, then cosine / linear / constant down to `min_lr_ratio` (`lr_factor` has the formula).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or name.endswith(".bias") or "norm" in name.lower():
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters of `model` (see `param_groups`); fused on CUDA, foreach on CPU."""
+    groups = param_groups(model, weight_decay)
+    if not groups:
+        raise ValueError(
+            "the model has no trainable parameters (all requires_grad=False): nothing to optimize"
+        )
+    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_cuda or None)
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based).
+
+    Warmup: (step + 1) / warmup_steps for step < warmup_steps. Then with progress p = (step - warmup) /
+    max(1, total - warmup) in [0, 1]: cosine m + (1 - m)(1 + cos(pi p)) / 2; linear m + (1 - m)(1 - p);
+    constant 1; where m = min_lr_ratio.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    p = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    if schedule == "linear":
+        return min_lr_ratio + (1 - min_lr_ratio) * (1 - p)
+    if schedule == "constant":
+        return 1.0
+    raise ValueError(f"optim.scheduler must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+    schedule: str = "cosine",
+    min_lr_ratio: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR following `lr_factor`; warmup_steps wins over warmup_ratio * total_steps when > 0.
+
+    Call `scheduler.step()` once per optimizer step (TrainStep does).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.scheduler must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    warmup = warmup_steps if warmup_steps > 0 else round(warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        return lr_factor(
+            step, total_steps=total_steps, warmup_steps=warmup, schedule=schedule, min_lr_ratio=min_lr_ratio
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_optim(model: torch.nn.Module, optim: Any, total_steps: int) -> tuple[torch.optim.AdamW, Any]:
+    """(AdamW, LambdaLR) from an OptimConfig (lr, weight_decay, adam_betas, eps, scheduler, warmup_*,
+    min_lr_ratio) for `total_steps` optimizer steps."""
+    opt = build_optimizer(
+        model, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.adam_betas), eps=optim.eps
+    )
+    sched = build_scheduler(
+        opt,
+        total_steps=max(1, total_steps),
+        warmup_steps=optim.warmup_steps,
+        warmup_ratio=optim.warmup_ratio,
+        schedule=optim.scheduler,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    return opt, sched

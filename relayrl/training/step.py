@@ -1,0 +1,263 @@
+"""The train step: ONE implementation of "forward/backward every micro-batch, normalise, clip, update" for SFT,
+the RL policy, the critic, and the RM / DPO / KTO losses to come.
+
+    step = TrainStep(model=model, optimizer=opt, scheduler=sched, grad_clip=1.0, precision="auto")
+    out = step.step(micro_batches, loss_fn)        -> StepOutput(loss, count, grad_norm, lr, tokens, metrics,
+                                                                 skipped)
+    evals = step.evaluate(batches, loss_fn)         -> {"eval/loss": ..., "eval/<metric>": ...}
+
+The loss contract (`LossFn`): `loss_fn(model, micro_batch) -> LossOutput(loss_sum, count, metrics,
+metric_counts)`: the SUM of per-unit losses of the micro-batch and the number of units in it (target tokens
+for SFT, action tokens or sequences for RL aggregations, pairs for DPO). One optimizer step's update is the
+gradient of
+
+    L = sum over every micro-batch i (and every rank) of loss_sum_i  /  sum over i (and ranks) of count_i
+
+The step back-propagates each raw `loss_sum_i`, then multiplies the accumulated gradients by 1 / global
+count once: the update does not depend on how the step is split into micro-batches (tested), and no count
+is needed before the forward passes. Under torch.distributed the count is all-reduced and the gradients
+(averaged over ranks by DDP/FSDP) are multiplied by world_size / global count. Metrics are sums too, each
+divided by its own global denominator (`metric_counts[name]`, default the loss count).
+
+Precision: the model's parameters are the fp32 master weights (the optimizer and its states are fp32);
+with precision "bf16" (the default on a CUDA card that supports it) the forward runs under bf16 autocast,
+so matmuls run in bf16 and gradients land in fp32 on the master weights. CPU trains in fp32.
+
+Non-finite guard: when the summed loss or the gradient norm is NaN / inf, the optimizer and the scheduler
+do not step (the gradients are dropped), `StepOutput.skipped` is True and the step is counted; after
+`max_nonfinite` consecutive skips a `NonFiniteError` says so (the caller keeps its last good checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "bf16")
+MAX_NONFINITE = 3
+"""Consecutive optimizer steps with a non-finite loss or gradient before `NonFiniteError`."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LossOutput:
+    """What a loss function returns for one micro-batch."""
+
+    loss_sum: torch.Tensor
+    """0-dim, differentiable: the SUM of per-unit losses in this micro-batch."""
+    count: float | torch.Tensor
+    """Number of units in this micro-batch (its share of the step's denominator); a float or 0-dim tensor."""
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    """Per-micro-batch SUMS; each is divided by the step's total of its denominator (`metric_counts`)."""
+    metric_counts: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    """Denominator share of a metric when it is not `count` (e.g. a token metric of a per-sequence loss)."""
+
+
+class LossFn(Protocol):
+    """The pluggable loss: a function of the model's outputs on one micro-batch."""
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> LossOutput: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class StepOutput:
+    """Result of one optimizer step."""
+
+    loss: float
+    """sum(loss_sum) / sum(count) over the step (this rank's micro-batches)."""
+    count: float
+    """Total units in the step (this rank)."""
+    grad_norm: float
+    """Global gradient norm before clipping (after normalisation)."""
+    lr: float
+    """Learning rate used for this step (first param group)."""
+    tokens: int
+    """Input tokens processed (from the micro-batches' `num_tokens`), for tokens/s."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Loss metrics, each divided by its step total denominator."""
+    skipped: bool = False
+    """True when the update was dropped because the loss or a gradient was not finite."""
+
+
+class NonFiniteError(RuntimeError):
+    """Raised after `max_nonfinite` consecutive optimizer steps with a non-finite loss or gradient."""
+
+
+def move_to(batch: Any, device: torch.device | str) -> Any:
+    """Move every tensor in a (slotted) dataclass / dict / list / tensor to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if is_dataclass(batch) and not isinstance(batch, type):
+        return replace(
+            batch, **{f.name: move_to(getattr(batch, f.name), device) for f in fields(batch) if f.init}
+        )
+    if isinstance(batch, dict):
+        return {k: move_to(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(move_to(v, device) for v in batch)
+    return batch
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """ "auto" -> "bf16" on a CUDA device that supports it, else "fp32"; bf16 on CPU is refused."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "bf16" and device.type != "cuda":
+        raise ValueError("bf16 mixed precision needs a CUDA device; use fp32 (or auto) on CPU")
+    return precision
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for precision "bf16", else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class _Sums:
+    """Running sums of a step's loss, count and metrics, kept as tensors (one host sync at the end)."""
+
+    def __init__(self) -> None:
+        self.loss: Any = 0.0
+        self.count: Any = 0.0
+        self.metrics: dict[str, Any] = {}
+        self.counts: dict[str, Any] = {}
+
+    def add(self, out: LossOutput) -> None:
+        self.loss = self.loss + out.loss_sum.detach().double()
+        self.count = self.count + _f64(out.count)
+        for k, v in out.metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + _f64(v)
+            self.counts[k] = self.counts.get(k, 0.0) + _f64(out.metric_counts.get(k, out.count))
+
+    def result(self) -> tuple[float, float, dict[str, float]]:
+        count = float(self.count)
+        loss = float(self.loss) / count if count > 0 else math.nan
+        metrics = {k: float(v) / max(float(self.counts[k]), 1e-12) for k, v in self.metrics.items()}
+        return loss, count, metrics
+
+
+def _f64(x: float | torch.Tensor) -> Any:
+    return x.detach().double() if isinstance(x, torch.Tensor) else float(x)
+
+
+class TrainStep:
+    """One optimizer step over a list of micro-batches, and the eval loop. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        loss_fn: LossFn | None = None,
+        grad_clip: float = 1.0,
+        precision: str = "auto",
+        device: torch.device | str | None = None,
+        max_nonfinite: int = MAX_NONFINITE,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.grad_clip = grad_clip
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.precision = resolve_precision(precision, self.device)
+        self.max_nonfinite = max_nonfinite
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.precision, self.device)
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def step(self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None) -> StepOutput:
+        """Forward/backward every micro-batch, normalise by the global count, clip, step optimizer + schedule."""
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise ValueError("TrainStep.step needs a loss_fn (given here or to the constructor)")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums, tokens = _Sums(), 0
+        for mb in micro_batches:
+            tokens += int(getattr(mb, "num_tokens", 0))
+            with self.autocast():
+                out = loss_fn(self.model, move_to(mb, self.device))
+            out.loss_sum.backward()
+            sums.add(out)
+        loss, count, metrics = sums.result()
+        global_count, scale = self._global_scale(count)
+        params = [p for p in self._params() if p.grad is not None]
+        if params:
+            torch._foreach_mul_([p.grad for p in params], scale)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        skipped = not (math.isfinite(grad_norm) and (count == 0 or math.isfinite(loss)))
+        if skipped:
+            self._count_nonfinite(loss, grad_norm)
+        else:
+            self.nonfinite_in_a_row = 0
+            if global_count > 0:
+                self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(
+            loss=loss,
+            count=count,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens=tokens,
+            metrics=metrics,
+            skipped=skipped,
+        )
+
+    def _count_nonfinite(self, loss: float, grad_norm: float) -> None:
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        if self.nonfinite_in_a_row >= self.max_nonfinite:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss ({loss}) or gradient "
+                f"norm ({grad_norm}); their updates were skipped. Lower optim.lr, check the data / rewards for "
+                "NaN, or resume from the last checkpoint"
+            )
+
+    def _global_scale(self, count: float) -> tuple[float, float]:
+        """(global count, gradient multiplier): 1 / count locally; world / global count under DDP/FSDP."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor([count], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            total = float(t.item())
+            return total, dist.get_world_size() / max(total, 1e-12)
+        return count, 1.0 / max(count, 1e-12)
+
+    @torch.no_grad()
+    def evaluate(
+        self, batches: Iterable[Sequence[Any]], loss_fn: LossFn | None = None, prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Unit-weighted eval loss (and metrics) over every micro-batch: {prefix/loss, prefix/count, ...}."""
+        loss_fn = loss_fn or self.loss_fn
+        was_training = self.model.training
+        self.model.eval()
+        sums = _Sums()
+        for step_batches in batches:
+            for mb in step_batches:
+                with self.autocast():
+                    sums.add(loss_fn(self.model, move_to(mb, self.device)))
+        self.model.train(was_training)
+        loss, count, metrics = sums.result()
+        return {
+            f"{prefix}/loss": loss,
+            f"{prefix}/count": count,
+            **{f"{prefix}/{k}": v for k, v in metrics.items()},
+        }

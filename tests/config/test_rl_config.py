@@ -1,0 +1,178 @@
+"""`relayrl rl`'s config: parsing is torch-free, train.* lists only what RL reads, None off-policy bounds,
+and every accepted-but-ineffective value is a ConfigError or exactly one one-line ConfigWarning."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from relayrl.config import ConfigError, ConfigWarning, format_help, parse_cli
+from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig
+from relayrl.trainers.rl_build import validate_rl_config
+
+BASE = ["--model.name_or_path", "some/model", "--train.max_steps", "2"]
+
+
+def test_parsing_an_rl_config_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from relayrl.config import parse_cli\n"
+        "from relayrl.config.rl import RLConfig, resolve_algo\n"
+        "cfg = parse_cli(RLConfig, ['--algo.preset', 'ppo', '--algo.off_policy', 'icepop', '--train.max_steps', '3'])\n"
+        "a = resolve_algo(cfg.algo)\n"
+        "assert (a.advantage, a.kl_mode, a.kl_estimator, cfg.train.max_steps) == ('gae', 'reward', 'k1', 3)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_rl_train_config_holds_only_what_rl_reads():
+    names = [f.name for f in dataclasses.fields(RLTrainConfig)]
+    assert names == ["seed", "max_steps", "log_every", "device", "output_dir"]
+    text = format_help(RLConfig, prog="relayrl rl")
+    for gone in (
+        "batch_size",
+        "micro_batch_size",
+        "max_tokens_per_micro_batch",
+        "epochs",
+        "eval_every",
+        "packing",
+    ):
+        assert f"--train.{gone}" not in text
+    assert "--train.max_steps" in text and "--algo.epochs" in text
+    with pytest.raises(ConfigError, match="batch_size"):
+        parse_cli(RLConfig, [*BASE, "--train.batch_size", "8"])
+    with pytest.raises(ConfigError, match=r"train.log_every: 0 is invalid"):
+        parse_cli(RLConfig, [*BASE, "--train.log_every", "0"])
+
+
+def test_off_policy_bounds_default_to_the_method_own():
+    a = AlgoConfig()
+    assert (a.off_policy, a.off_policy_low, a.off_policy_high) == ("none", None, None)
+    a = parse_cli(RLConfig, ["--algo.off_policy", "tis", "--algo.off_policy_high", "3"]).algo
+    assert (a.off_policy_low, a.off_policy_high) == (None, 3.0)
+
+
+def _validate(argv: list[str]) -> list[str]:
+    """validate_rl_config on the parsed flags; the ConfigWarning messages it issued."""
+    cfg = parse_cli(RLConfig, [*BASE, *argv])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_rl_config(cfg)
+        validate_rl_config(cfg)  # idempotent: a resolved config warns the same way again
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert len(msgs) % 2 == 0 and msgs[: len(msgs) // 2] == msgs[len(msgs) // 2 :]
+    return msgs[: len(msgs) // 2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (
+            ["--critic.lr", "1e-3"],
+            "critic.lr has no effect: algo.advantage='group_norm' trains no critic (estimators with one: gae)",
+        ),
+        (
+            ["--algo.value_clip", "0.3"],
+            "algo.value_clip has no effect: algo.advantage='group_norm' trains no critic",
+        ),
+        (
+            [
+                "--algo.preset",
+                "grpo",
+                "--critic.epochs",
+                "2",
+                "--critic.model_path",
+                "m",
+                "--algo.value_clip",
+                "0.1",
+            ],
+            "critic.model_path, critic.epochs, algo.value_clip have no effect: algo.advantage='group_norm'",
+        ),
+        (
+            ["--algo.kl_estimator", "k2"],
+            "algo.kl_estimator has no effect: algo.kl_mode='none' computes no KL",
+        ),
+        (
+            ["--algo.kl_controller", "adaptive"],
+            "algo.kl_controller has no effect: algo.kl_mode='none' keeps the KL",
+        ),
+        (
+            ["--algo.kl_mode", "monitor", "--algo.kl_target", "1", "--algo.kl_horizon", "50"],
+            "algo.kl_target, algo.kl_horizon have no effect: algo.kl_mode='monitor' keeps the KL out",
+        ),
+        (
+            ["--algo.kl_mode", "reward", "--algo.kl_coef", "0.1", "--algo.kl_target", "1"],
+            "algo.kl_target has no effect: only the adaptive KL controller reads them",
+        ),
+        (
+            ["--algo.off_policy_low", "0.3"],
+            "algo.off_policy_low has no effect: algo.off_policy='none' uses no",
+        ),
+        (
+            ["--filter.min_mean", "0.1", "--filter.max_refills", "5"],
+            "filter.min_mean, filter.max_refills have no effect: dynamic filtering is off (filter.enabled=false)",
+        ),
+        (
+            ["--eval.n_samples", "4", "--eval.temperature", "1.0"],
+            "eval.n_samples, eval.temperature have no effect: evaluation is off (eval.every=0)",
+        ),
+        (
+            ["--reward.overlong_penalty", "0.5"],
+            "reward.overlong_penalty has no effect: the overlong penalty is off",
+        ),
+    ],
+)
+def test_ineffective_value_warns_once_naming_the_fields(argv, want):
+    msgs = _validate(argv)
+    assert len(msgs) == 1 and msgs[0].startswith(want) and "\n" not in msgs[0], msgs
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--algo.preset", "ppo", "--critic.lr", "1e-3", "--algo.value_clip", "0.3", "--algo.kl_coef", "0.05"],
+        [
+            "--algo.kl_mode",
+            "loss",
+            "--algo.kl_coef",
+            "0.1",
+            "--algo.kl_controller",
+            "adaptive",
+            "--algo.kl_target",
+            "1",
+        ],
+        ["--algo.kl_mode", "monitor", "--algo.kl_estimator", "k1"],
+        ["--algo.preset", "grpo", "--algo.kl_mode", "none"],  # the preset's estimator is not the user's
+        ["--algo.off_policy", "icepop", "--algo.off_policy_low", "0.3", "--algo.off_policy_high", "4"],
+        ["--filter.enabled", "--filter.max_mean", "0.9"],
+        ["--eval.every", "2", "--eval.n_samples", "4", "--eval.temperature", "1.0"],
+        ["--reward.overlong_buffer", "4", "--reward.overlong_penalty", "0.5"],
+    ],
+)
+def test_effective_values_do_not_warn(argv):
+    assert _validate(argv) == []
+
+
+@pytest.mark.parametrize("mode", ["none", "monitor"])
+def test_kl_coef_without_a_kl_term_is_an_error(mode):
+    cfg = parse_cli(RLConfig, [*BASE, "--algo.kl_mode", mode, "--algo.kl_coef", "0.1"])
+    with pytest.raises(
+        ConfigError, match=rf"algo.kl_coef: 0.1 has no effect with algo.kl_mode='{mode}'.*reward or loss"
+    ):
+        validate_rl_config(cfg)
+
+
+def test_drop_sample_is_rejected_for_group_estimators():
+    cfg = parse_cli(RLConfig, [*BASE, "--rollout.failure_policy", "drop_sample"])
+    with pytest.raises(ConfigError, match="choose one of drop_group, zero_reward, raise"):
+        validate_rl_config(cfg)
+    cfg = parse_cli(
+        RLConfig, [*BASE, "--rollout.failure_policy", "drop_sample", "--algo.advantage", "reinforce"]
+    )
+    validate_rl_config(cfg)
