@@ -25,12 +25,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = ROOT / "tests" / "trainers" / "data" / "digit_reward.py"
 RESULTS = ROOT / "bench" / "results" / "rl_step.json"
-PARTS = ("generation", "experience", "update", "sync", "step")
+PARTS = ("generation", "experience", "update", "sync", "engine_refresh", "step")
 
 SHAPES = {
     # name: (Qwen2Config overrides, dtype, prompts per step, samples per prompt, max new tokens, micro-batch
-    # tokens). Packed micro-batches build a block-causal mask over all their tokens, so short sequences want a
-    # small token budget (the demo uses 512) and long ones a larger one.
+    # tokens). Micro-batches run per-sequence attention (varlen on a GPU, length buckets on a CPU), so the
+    # budget only bounds activation memory.
     "tiny": (
         dict(
             hidden_size=128,
@@ -43,7 +43,7 @@ SHAPES = {
         32,
         8,
         6,
-        512,
+        4096,
     ),
     "qwen0.5b": (
         dict(
@@ -58,9 +58,14 @@ SHAPES = {
         64,
         8,
         256,
-        4096,
+        16384,
     ),
 }
+# the same body with the char tokenizer's ~100-token vocabulary: random weights then end samples at EOS
+SHAPES["qwen0.5b-char"] = (
+    {k: v for k, v in SHAPES["qwen0.5b"][0].items() if k != "vocab_size"},
+    *SHAPES["qwen0.5b"][1:],
+)
 
 
 def build_model(shape: str, folder: Path) -> Path:
@@ -114,7 +119,7 @@ def run(device: str, shape: str, steps: int) -> dict:
         result = run_rl(cfg)
         wall = time.perf_counter() - t0
     hist = result.history[1:] if len(result.history) > 1 else result.history
-    mean = {p: statistics.mean(h[f"timing/{p}"] for h in hist) for p in PARTS}
+    mean = {p: statistics.mean(h.get(f"timing/{p}", 0.0) for h in hist) for p in PARTS}
     gen_tokens = statistics.mean(h["rollout/response_len"] * h["rollout/samples"] for h in hist)
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),

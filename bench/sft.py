@@ -1,7 +1,7 @@
 """SFT training throughput of the shared training core (tokens/s, MFU), by attention layout.
 
 Every layout trains on the SAME optimizer steps (same samples per step, lengths uniform in [min, max]) through
-the real `TrainStep` (fp32 master weights, bf16 autocast on a GPU, fused AdamW, clipping) and the SFT loss
+the real `TrainStep` (bf16 compute weights over fp32 master weights on a GPU, fused AdamW, clipping) and the SFT loss
 (chunked log-probs), so the only difference is how a step's samples run through the model:
 
     auto      what `relayrl sft` does: relayrl.models.forward.choose_layout (varlen on a GPU: one packed row
@@ -38,10 +38,12 @@ from pathlib import Path
 
 import torch
 
+from relayrl.config.components import OptimConfig
 from relayrl.models.forward import choose_layout, prepare_model
 from relayrl.trainers.sft import SFTBatch, next_token_loss, sft_micro_batches
-from relayrl.training.optim import build_optimizer
-from relayrl.training.step import LossOutput, TrainStep, resolve_precision
+from relayrl.training.precision import resolve_precision
+from relayrl.training.setup import build_train_step
+from relayrl.training.step import LossOutput
 
 SHAPES = {
     # name: Qwen2Config overrides (vocab 0 = the tiny char tokenizer's)
@@ -154,10 +156,9 @@ def run_all(args: argparse.Namespace, device: torch.device) -> tuple[list[dict],
     for name, m in models.items():
         prepare_model(m, auto_layout if name == "auto" else "padded")
     steps = make_steps(args, vocab=models[args.layouts[0]].config.vocab_size)
+    optim = OptimConfig(lr=1e-5, warmup_steps=0, scheduler="constant", max_grad_norm=1.0)
     train = {
-        name: TrainStep(
-            model=m, optimizer=build_optimizer(m, lr=1e-5), grad_clip=1.0, precision=precision, device=device
-        )
+        name: build_train_step(m, optim, len(steps), precision=precision, device=device)
         for name, m in models.items()
     }
     acc = {

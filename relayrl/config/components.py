@@ -51,8 +51,10 @@ class ModelConfig:
     """Hugging Face Hub id or local folder of an AutoModelForCausalLM (required by commands that load one)."""
     tokenizer_name_or_path: str | None = None
     """Tokenizer folder or Hub id; None uses name_or_path."""
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Weight dtype when loading (training on GPU still autocasts to bf16)."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Compute dtype. Trained weights and optimizer states are always fp32 (master weights); on a GPU, auto /
+    bf16 / fp16 train under bf16 autocast and hold frozen copies (the rollout engine's weights, the reference
+    model, served models) in bf16 (fp16 for fp16); fp32 computes in fp32. auto = bf16 on a GPU, fp32 on a CPU."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel; flash_attention_2 needs the flash-attn package and a GPU."""
     gradient_checkpointing: bool = False

@@ -25,7 +25,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """ "fp32" / "bf16" / "fp16" -> the torch dtype."""
+    """ "fp32" / "bf16" / "fp16" -> the torch dtype; "auto" -> bf16 when a CUDA device is present, else fp32."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {name!r}")
     return DTYPES[name]

@@ -14,7 +14,7 @@ get logp = 0 and no gradient; other targets must lie in [0, V). Outputs are floa
 inputs). `from_logits` accepts -inf logits (banned tokens: p = 0, entropy and gradients stay finite).
 
 Memory. Tokens are processed in chunks of `chunk_size` rows (default: as many rows as fit 2**24 float32
-logits = 64 MiB on CPU, i.e. 524 rows for V = 32k; 4x that on CUDA). Both functions are `torch.autograd.Function`s: the forward
+logits = 64 MiB on CPU, i.e. 524 rows for V = 32k; 8x that on CUDA). Both functions are `torch.autograd.Function`s: the forward
 keeps only the inputs and one float32 logsumexp (and entropy) per token; the backward recomputes each
 chunk's logits, forms the logit gradient (onehot - p) * g_logp - p (log p + H) * g_ent for that chunk and
 contracts it with weight / hidden immediately. Peak extra memory is therefore O(chunk_size * V), never
@@ -36,7 +36,7 @@ def _auto_chunk(chunk_size: int | None, vocab: int, device: torch.device) -> int
                 f"chunk_size must be >= 1 (got {chunk_size}); None picks one from the vocab size"
             )
         return chunk_size
-    budget = CHUNK_ELEMENTS * (4 if device.type == "cuda" else 1)
+    budget = CHUNK_ELEMENTS * (8 if device.type == "cuda" else 1)
     return max(1, budget // vocab)
 
 
@@ -92,24 +92,26 @@ class _HeadLogprobs(torch.autograd.Function):
         tgt, valid = _targets(targets, ignore_index)
         n = hidden.shape[0]
         acc = _acc_dtype(weight.dtype)
+        w_c = _compute_weight(weight, hidden.device)
         logp = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
         ent = hidden.new_empty(n if with_entropy else 0, dtype=acc)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            z = _head_logits(hidden[s:e], weight, bias, temperature)
+            z = _head_logits(hidden[s:e], w_c, bias, temperature)
             lp, ls, en = _fwd_chunk(z, tgt[s:e], valid[s:e], with_entropy)
             logp[s:e], lse[s:e] = lp, ls
             if en is not None:
                 ent[s:e] = en
             del z
-        ctx.save_for_backward(hidden, weight, bias, tgt, valid, lse, ent)
+        ctx.save_for_backward(hidden, weight, w_c if w_c is not weight else None, bias, tgt, valid, lse, ent)
         ctx.cfg = (temperature, chunk, with_entropy)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, tgt, valid, lse, ent = ctx.saved_tensors
+        hidden, weight, w_c, bias, tgt, valid, lse, ent = ctx.saved_tensors
+        w_c = weight if w_c is None else w_c
         temperature, chunk, with_entropy = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g_hidden = torch.zeros_like(hidden) if need_h else None
@@ -123,7 +125,7 @@ class _HeadLogprobs(torch.autograd.Function):
         use_ent = with_entropy and g_ent is not None
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
-            z = _head_logits(hidden[s:e], weight, bias, temperature)
+            z = _head_logits(hidden[s:e], w_c, bias, temperature)
             gz = _bwd_chunk(
                 z,
                 tgt[s:e],
@@ -134,12 +136,15 @@ class _HeadLogprobs(torch.autograd.Function):
                 g_ent[s:e].to(lse.dtype) if use_ent else None,
             )
             del z
-            gz.div_(temperature)
-            gz_c = gz.to(weight.dtype)
+            if temperature != 1.0:
+                gz.div_(temperature)
+            gz_c = gz.to(w_c.dtype)
             if g_hidden is not None:
-                g_hidden[s:e] = (gz_c @ weight).to(hidden.dtype)
-            if g_weight is not None:
+                g_hidden[s:e] = (gz_c @ w_c).to(hidden.dtype)
+            if g_weight is not None and w_c is weight:
                 g_weight.addmm_(gz_c.t(), hidden[s:e].to(weight.dtype))
+            elif g_weight is not None:  # bf16 matmul (as autocast would), accumulated into the fp32 gradient
+                g_weight.add_(gz_c.t() @ hidden[s:e].to(w_c.dtype))
             if g_bias is not None:
                 g_bias += gz.sum(dim=0)
             del gz, gz_c  # free this chunk before the next one is formed
@@ -166,11 +171,22 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _compute_weight(weight: Tensor, device: torch.device) -> Tensor:
+    """The LM head in the autocast dtype when CUDA autocast is on (cast once per call: the head matmuls then
+    run in bf16 like every other matmul of the step, logits and their softmax stay float32), else itself."""
+    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        if weight.dtype != dtype and weight.is_floating_point():
+            return weight.to(dtype)
+    return weight
+
+
 def _head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     z = h.to(weight.dtype) @ weight.t()
     if bias is not None:
         z = z + bias
-    return z.to(_acc_dtype(z.dtype)).div_(temperature)
+    z = z.to(_acc_dtype(z.dtype))
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def token_logprobs(

@@ -210,7 +210,7 @@ def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, st
         rollout=RolloutConfig(
             prompts_per_step=32, n_samples=8, temperature=1.0, max_new_tokens=6, max_len=64
         ),
-        algo=AlgoConfig(advantage="group_norm", policy_loss="ppo", micro_batch_tokens=512, kl_mode="monitor"),
+        algo=AlgoConfig(advantage="group_norm", policy_loss="ppo", kl_mode="monitor"),
         filter=FilterConfig(enabled=True, max_refills=2),
         eval=EvalConfig(every=max(1, steps // 8)),
     )

@@ -92,7 +92,8 @@ class Trainer:
         """Restore from `path` or the checkpoint manager's latest; False when there is none."""
         if self.ckpt is None or (path is None and self.ckpt.latest() is None):
             return False
-        loaded = self.ckpt.load(path, models=self.models, **self._optim_state())
+        with self.train_step.full_precision():  # weights load into the fp32 masters
+            loaded = self.ckpt.load(path, models=self.models, **self._optim_state())
         self.sampler.load_state_dict(loaded.extra["data"])
         self.step = loaded.step
         self.tokens_seen = int(loaded.trainer_state.get("tokens_seen", 0))
@@ -107,6 +108,11 @@ class Trainer:
             "nonfinite_skips": self.train_step.nonfinite_total,
             "metrics": metrics,
         }
+        with self.train_step.full_precision():  # checkpoints hold the exact fp32 weights
+            return self._save(state, metrics)
+
+    def _save(self, state: dict[str, Any], metrics: dict[str, float]) -> Any:
+        assert self.ckpt is not None
         return self.ckpt.save(
             self.step,
             models=self.models,

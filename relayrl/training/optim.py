@@ -17,12 +17,15 @@ from typing import Any
 import torch
 
 SCHEDULES = ("cosine", "linear", "constant")
+NamedParams = list[tuple[str, torch.nn.Parameter]]
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter."""
+def param_groups(model: torch.nn.Module | NamedParams, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter.
+    `model` is a module or (name, parameter) pairs (e.g. MasterWeights.named_params())."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+    for name, p in named:
         if not p.requires_grad:
             continue
         if p.ndim < 2 or name.endswith(".bias") or "norm" in name.lower():
@@ -34,7 +37,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_optimizer(
-    model: torch.nn.Module,
+    model: torch.nn.Module | NamedParams,
     *,
     lr: float,
     weight_decay: float = 0.0,
@@ -97,7 +100,9 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_optim(model: torch.nn.Module, optim: Any, total_steps: int) -> tuple[torch.optim.AdamW, Any]:
+def build_optim(
+    model: torch.nn.Module | NamedParams, optim: Any, total_steps: int
+) -> tuple[torch.optim.AdamW, Any]:
     """(AdamW, LambdaLR) from an OptimConfig (lr, weight_decay, adam_betas, eps, scheduler, warmup_*,
     min_lr_ratio) for `total_steps` optimizer steps."""
     opt = build_optimizer(

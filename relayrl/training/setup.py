@@ -24,8 +24,9 @@ from relayrl.training.checkpoint import CheckpointManager
 from relayrl.training.logging import MetricsLogger
 from relayrl.training.loop import Trainer
 from relayrl.training.optim import build_optim
+from relayrl.training.precision import MasterWeights, resolve_precision
 from relayrl.training.rng import seed_everything
-from relayrl.training.step import LossFn, TrainStep, resolve_precision
+from relayrl.training.step import LossFn, TrainStep
 
 __all__ = [
     "build_checkpoint_manager",
@@ -109,9 +110,14 @@ def build_train_step(
     precision: str = "auto",
     device: torch.device | None = None,
 ) -> TrainStep:
-    """TrainStep from an OptimConfig: AdamW (fused on CUDA) + schedule + clipping, at `precision`."""
-    optimizer, scheduler = build_optim(model, optim, total_steps)
+    """TrainStep from an OptimConfig: AdamW (fused on CUDA) + schedule + clipping, at `precision`. With
+    "bf16" the module is converted to bf16 compute weights and the optimizer holds their fp32 masters."""
+    device = device if device is not None else next(model.parameters()).device
+    precision = resolve_precision(precision, device)
+    master = MasterWeights(model, torch.bfloat16) if precision == "bf16" else None
+    optimizer, scheduler = build_optim(master.named_params() if master else model, optim, total_steps)
     return TrainStep(
+        master=master,
         model=model,
         loss_fn=loss_fn,
         optimizer=optimizer,

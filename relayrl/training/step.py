@@ -19,9 +19,11 @@ is needed before the forward passes. Under torch.distributed the count is all-re
 (averaged over ranks by DDP/FSDP) are multiplied by world_size / global count. Metrics are sums too, each
 divided by its own global denominator (`metric_counts[name]`, default the loss count).
 
-Precision: the model's parameters are the fp32 master weights (the optimizer and its states are fp32);
-with precision "bf16" (the default on a CUDA card that supports it) the forward runs under bf16 autocast,
-so matmuls run in bf16 and gradients land in fp32 on the master weights. CPU trains in fp32.
+Precision (relayrl/training/precision.py): with precision "bf16" (the default on a CUDA card that supports it)
+the module computes with bf16 weights (under bf16 autocast for any fp32 leftovers) while the optimizer holds
+fp32 master weights (`MasterWeights`): each bf16 gradient is added into its master's fp32 gradient as it is
+produced, AdamW updates the masters (fp32 states), and the new weights are cast back into the module after
+every step. CPU trains in fp32 (no masters: the module's weights are the fp32 weights).
 
 Non-finite guard: when the summed loss or the gradient norm is NaN / inf, the optimizer and the scheduler
 do not step (the gradients are dropped), `StepOutput.skipped` is True and the step is counted; after
@@ -32,13 +34,27 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
-PRECISIONS = ("auto", "fp32", "bf16")
+from relayrl.training.precision import PRECISIONS, MasterWeights, autocast, resolve_precision
+
+__all__ = [
+    "PRECISIONS",
+    "LossFn",
+    "LossOutput",
+    "NonFiniteError",
+    "StepOutput",
+    "TrainStep",
+    "autocast",
+    "move_to",
+    "resolve_precision",
+]
+
 MAX_NONFINITE = 3
 """Consecutive optimizer steps with a non-finite loss or gradient before `NonFiniteError`."""
 
@@ -102,24 +118,6 @@ def move_to(batch: Any, device: torch.device | str) -> Any:
     return batch
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """ "auto" -> "bf16" on a CUDA device that supports it, else "fp32"; bf16 on CPU is refused."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "bf16" and device.type != "cuda":
-        raise ValueError("bf16 mixed precision needs a CUDA device; use fp32 (or auto) on CPU")
-    return precision
-
-
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast for precision "bf16", else nothing."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 class _Sums:
     """Running sums of a step's loss, count and metrics, kept as tensors (one host sync at the end)."""
 
@@ -161,8 +159,11 @@ class TrainStep:
         precision: str = "auto",
         device: torch.device | str | None = None,
         max_nonfinite: int = MAX_NONFINITE,
+        master: MasterWeights | None = None,
     ):
         self.model = model
+        self.master = master
+        self.last_refresh_s = 0.0
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loss_fn = loss_fn
@@ -208,6 +209,7 @@ class TrainStep:
             self.nonfinite_in_a_row = 0
             if global_count > 0:
                 self.optimizer.step()
+                self._refresh()
             if self.scheduler is not None:
                 self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -220,6 +222,20 @@ class TrainStep:
             metrics=metrics,
             skipped=skipped,
         )
+
+    def _refresh(self) -> None:
+        """Cast the updated fp32 masters into the module's compute weights (timed, device-synchronised)."""
+        if self.master is None:
+            return
+        t0 = time.perf_counter()
+        self.master.refresh()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_refresh_s = time.perf_counter() - t0
+
+    def full_precision(self) -> contextlib.AbstractContextManager:
+        """A block in which the module holds the exact fp32 weights (save / load checkpoints inside it)."""
+        return self.master.full_precision() if self.master is not None else contextlib.nullcontext()
 
     def _count_nonfinite(self, loss: float, grad_norm: float) -> None:
         self.nonfinite_in_a_row += 1

@@ -8,7 +8,7 @@
 
 The critic is an `AutoModelForSequenceClassification` value-head model (relayrl.models.value_head), initialised
 from `critic.model_path` (default: the policy's path) with a zero head, so V starts at 0. Like the policy it
-keeps fp32 master weights and computes in bf16 on a GPU.
+keeps fp32 master weights and computes with bf16 weights on a GPU (relayrl/training/precision.py).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class CriticWorker:
 
     def save(self, folder: str) -> None:
         path = Path(folder)
-        self.model.save_pretrained(path)
+        with self.train.full_precision():
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         state = {
             "optimizer": self.train.optimizer.state_dict(),
@@ -128,7 +129,8 @@ class CriticWorker:
         from relayrl.training.checkpoint import load_weights_into
 
         path = Path(folder)
-        load_weights_into(self.model, path)
+        with self.train.full_precision():
+            load_weights_into(self.model, path)
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         self.train.optimizer.load_state_dict(state["optimizer"])
         self.train.scheduler.load_state_dict(state["scheduler"])

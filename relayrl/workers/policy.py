@@ -1,7 +1,8 @@
 """PolicyWorker: the actor. Owns the policy model (fp32 master weights), its TrainStep (optimizer, schedule,
 mixed precision), the policy objective, optional EMA, and the rollout engine + agent executor colocated with
-it. The engine runs on `EngineWeights`: the policy module itself when dtypes match (CPU, fp32), else a bf16
-copy refreshed on the device after every update.
+it. The engine runs on `EngineWeights`: the policy module itself when its compute weights have the engine's
+dtype (fp32 on a CPU; on a GPU the bf16 compute weights that TrainStep refreshes from the fp32 masters after
+every optimizer step), else its own copy refreshed on the device by `sync`.
 
 Methods (called by the controller through a RoleHandle, in-process or on a Ray actor):
 
@@ -99,9 +100,10 @@ class PolicyWorker:
             self.model, spec.optim, opt_steps, precision=precision, device=self.device
         )
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
-        self.ema = (
-            {k: v.detach().clone() for k, v in self.model.state_dict().items()} if spec.ema > 0 else None
-        )
+        self.ema = None
+        if spec.ema > 0:
+            with self.train.full_precision():  # the EMA tracks the fp32 weights
+                self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.weights = EngineWeights(self.model, dtype=inference_dtype(spec.model, self.device))
         self.engine = build_engine_for(spec.rollout, spec.eval, self.weights.model, self.tokenizer)
         self.executor = build_executor(
@@ -214,7 +216,7 @@ class PolicyWorker:
         if self.ema is None:
             return
         d = self.spec.ema
-        with torch.no_grad():
+        with torch.no_grad(), self.train.full_precision():
             for k, v in self.model.state_dict().items():
                 if v.is_floating_point():
                     self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
@@ -223,19 +225,22 @@ class PolicyWorker:
     def sync(self) -> dict[str, float]:
         """New weights to the engine: cast-copy into its buffers (or nothing when it runs on the policy's own
         parameters); the engine then drops weight-dependent caches."""
-        seconds = self.weights.refresh()
+        seconds = self.train.last_refresh_s + self.weights.refresh()
         self.engine.load_weights(None)
         return {"timing/engine_refresh": seconds}
 
     def weight_canary(self) -> float:
-        """max |engine weight - trainer weight (cast)|: 0 when the engine runs on the trained weights."""
-        return self.weights.max_abs_diff()
+        """max |engine weight - trained fp32 weight cast to the engine's dtype| over every parameter: 0 when
+        the engine generates from exactly the weights the optimizer produced."""
+        master = self.train.master.max_abs_diff() if self.train.master is not None else 0.0
+        return max(master, self.weights.max_abs_diff())
 
     # ----------------------------------------------------------------------------------------- state
     def save(self, folder: str) -> None:
         """Model (HF folder, + tokenizer) and worker_state.pt (optimizer, scheduler, EMA, this process's RNG)."""
         path = Path(folder)
-        self.model.save_pretrained(path)
+        with self.train.full_precision():
+            self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         state = {
             "optimizer": self.train.optimizer.state_dict(),
@@ -251,7 +256,8 @@ class PolicyWorker:
         from relayrl.training.checkpoint import load_weights_into
 
         path = Path(folder)
-        load_weights_into(self.model, path)
+        with self.train.full_precision():
+            load_weights_into(self.model, path)
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         self.train.optimizer.load_state_dict(state["optimizer"])
         self.train.scheduler.load_state_dict(state["scheduler"])
@@ -263,13 +269,14 @@ class PolicyWorker:
     def export(self, folder: str) -> str:
         """Save the final HF model (EMA weights when EMA is on) and tokenizer; returns the folder."""
         path = Path(folder)
-        if self.ema is not None:
-            current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.model.load_state_dict(self.ema)
-            self.model.save_pretrained(path)
-            self.model.load_state_dict(current)
-        else:
-            self.model.save_pretrained(path)
+        with self.train.full_precision():
+            if self.ema is not None:
+                current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                self.model.load_state_dict(self.ema)
+                self.model.save_pretrained(path)
+                self.model.load_state_dict(current)
+            else:
+                self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         return str(path)
 

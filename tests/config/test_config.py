@@ -166,11 +166,11 @@ def test_literal_choices_listed():
     )
     with pytest.raises(
         ConfigError,
-        match=r"model.dtype: 'float32' is not a valid choice; choose one of: 'fp32', 'bf16', 'fp16'",
+        match=r"model.dtype: 'float32' is not a valid choice; choose one of: 'auto', 'fp32', 'bf16', 'fp16'",
     ):
         from_dict(Cmd, {"model": {"dtype": "float32"}})
     with pytest.raises(
-        ConfigError, match=r"^dtype: 'int8' is invalid; expected one of 'fp32', 'bf16', 'fp16'$"
+        ConfigError, match=r"^dtype: 'int8' is invalid; expected one of 'auto', 'fp32', 'bf16', 'fp16'$"
     ):
         ModelConfig(dtype="int8")  # type: ignore[arg-type]
 

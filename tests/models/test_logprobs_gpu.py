@@ -51,3 +51,33 @@ def test_cuda_bf16_matches_naive_and_memory():
         assert err < max(2 * err_naive, 1e-3), (err, err_naive)
     # grad_w in bf16 (62 MiB) + 2 fp32 chunk buffers of 62.5 MiB + bf16 chunk temporaries (31 MiB each)
     assert peak_mib < 320
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_autocast_fp32_master_head_runs_in_bf16():
+    """Mixed precision: fp32 master LM head under bf16 autocast. The head matmuls run in bf16 (as autocast
+    runs every other matmul), log-probs / softmax stay fp32, gradients land in fp32 on the master weight, and
+    the result is as close to the fp32 truth as plain bf16 autocast autograd."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    N, H, V = 2048, 512, 32000
+    h = (torch.randn(N, H, device=dev) * 0.5).requires_grad_(True)
+    w = (torch.randn(V, H, device=dev) * 0.03).requires_grad_(True)
+    tgt = torch.randint(0, V, (N,), device=dev)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logp, _ = token_logprobs(h, w, tgt)
+    logp.sum().backward()
+    assert logp.dtype == torch.float32 and w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+    g_h, g_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = torch.log_softmax((h @ w.t()).float(), -1).gather(-1, tgt[:, None]).squeeze(-1)
+    ref.sum().backward()
+    h32, w32 = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    truth = torch.log_softmax(h32 @ w32.t(), -1).gather(-1, tgt[:, None]).squeeze(-1)
+    truth.sum().backward()
+    assert float((logp - truth).abs().max()) <= 2 * float((ref - truth).abs().max()) + 1e-3
+    for got, auto, t in ((g_h, h.grad, h32.grad), (g_w, w.grad, w32.grad)):
+        err = float((got - t).norm() / t.norm())
+        err_auto = float((auto - t).norm() / t.norm())
+        assert err < max(2 * err_auto, 1e-3), (err, err_auto)

@@ -43,6 +43,8 @@ def _argv(model, data, out, *extra):
         "1",
         "--logger.progress_bar",
         "false",
+        "--train.device",
+        "cpu",  # these tests assume CPU numerics (fp32), also on a machine with a GPU
         *extra,
     ]
 

@@ -218,19 +218,25 @@ def test_precision_resolution():
 
 @pytest.mark.gpu
 def test_bf16_autocast_on_cuda():
+    """On a GPU the step computes under bf16 autocast over fp32 master weights (varlen attention): the loss is
+    within bf16 rounding of the fp32 step's, gradients land in fp32, the optimizer states are fp32."""
+    from relayrl.models.forward import prepare_model
+
     samples = make_samples(8)
     batches = sft_micro_batches(samples, layout="varlen", packing=True, micro_batch_size=4)
     model = build_tiny_model(_tok(), TinyModelSpec(seed=0)).cuda()
+    prepare_model(model, "varlen")
     opt = build_optimizer(model, lr=1e-3)
     fp32 = TrainStep(model=model, loss_fn=next_token_loss, optimizer=opt, precision="fp32")
     engine = TrainStep(model=model, loss_fn=next_token_loss, optimizer=opt)
     assert engine.precision == "bf16"  # auto on a bf16-capable GPU
     ref = fp32.evaluate([batches])["eval/loss"]
     got = engine.evaluate([batches])["eval/loss"]
-    assert abs(got - ref) < 0.05 * ref  # bf16 matmuls: ~3 significant digits
+    assert abs(got - ref) < 0.02 * ref  # bf16 matmuls: ~3 significant digits
     out = engine.step(batches)
-    assert abs(out.loss - ref) < 0.05 * ref
-    assert all(p.dtype == torch.float32 and p.grad is not None for p in model.parameters())
+    assert abs(out.loss - ref) < 0.02 * ref and not out.skipped
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
 
 
 def test_metrics_logger_resume_keeps_rows_up_to_checkpoint(tmp_path):
