@@ -92,11 +92,12 @@ def build_model(shape: str, folder: Path) -> Path:
     return folder
 
 
-def run(device: str, shape: str, steps: int) -> dict:
+def run(device: str, shape: str, steps: int, micro_tokens_override: int = 0) -> dict:
     from relayrl.config.rl import tiny_cpu_config
     from relayrl.trainers.rl import run_rl
 
     _, dtype, prompts, n, new_tokens, micro_tokens = SHAPES[shape]
+    micro_tokens = micro_tokens_override or micro_tokens
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(shape, Path(tmp) / "model")
         cfg = tiny_cpu_config(str(model), str(Path(tmp) / "run"), steps=steps, reward=str(REWARD))
@@ -146,8 +147,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     parser.add_argument("--steps", type=int, default=6, help="steps to run (the first is not timed)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="override the shape's token budget")
     args = parser.parse_args()
-    row = run(args.device, args.shape, args.steps)
+    row = run(args.device, args.shape, args.steps, args.micro_batch_tokens)
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
         f"<= {row['max_new_tokens']} new tokens, mean of {row['steps_timed']} steps"

@@ -302,18 +302,26 @@ def _lengths(seqs: Sequence[Tensor]) -> list[int]:
     return [int(s.numel()) for s in seqs]
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device` without stalling the GPU: staged through pinned memory and copied
+    asynchronously (a copy from pageable memory would wait for every queued kernel first)."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _varlen_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
     device = ids.device
     starts = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
     counts = torch.tensor(lengths)
-    positions = torch.arange(ids.numel()) - torch.repeat_interleave(starts[:-1].long(), counts)
-    cu = starts.to(device)
+    positions = torch.arange(int(starts[-1])) - torch.repeat_interleave(starts[:-1].long(), counts)
+    cu = to_device(starts, device)
     max_len = max(lengths)
     token = _IN_VARLEN_FORWARD.set(True)
     try:
         out = trunk(
             input_ids=ids[None],
-            position_ids=positions.to(device)[None],
+            position_ids=to_device(positions, device)[None],
             attention_mask=None,
             use_cache=False,
             cu_seq_lens_q=cu,
@@ -352,7 +360,7 @@ def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
         )
     trunk = getattr(hf, hf.base_model_prefix)
     device = next(hf.parameters()).device
-    ids = torch.cat(list(seqs)).to(device=device, dtype=torch.long)
+    ids = to_device(torch.cat(list(seqs)).long(), device)
     if layout == "varlen":
         return _varlen_hidden(trunk, ids, lengths)
     return _padded_hidden(trunk, ids, lengths)
@@ -380,13 +388,25 @@ def token_logprobs(
         )
     lengths = _lengths(seqs)
     hidden = forward_hidden(model, seqs, layout)
-    tokens = torch.cat(list(seqs)).to(device=hidden.device, dtype=torch.long)
-    first = torch.zeros(tokens.numel(), dtype=torch.bool, device=hidden.device)
-    first[torch.tensor([0, *accumulate(lengths[:-1])], device=hidden.device)] = True
+    tokens = torch.cat(list(seqs)).long()
+    vocab = head.weight.shape[0]
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):  # checked on the host
+        raise ValueError(
+            f"token ids must lie in [0, {vocab}); got [{int(tokens.min())}, {int(tokens.max())}]"
+        )
+    first = torch.zeros(tokens.numel(), dtype=torch.bool, device=tokens.device)
+    first[torch.tensor([0, *accumulate(lengths[:-1])], device=tokens.device)] = True
     # row j scores token j + 1; the last token of a sequence scores nothing (ignore_index -> logp 0)
     targets = torch.cat([tokens[1:].masked_fill(first[1:], -100), tokens.new_full((1,), -100)])
+    targets, first = to_device(targets, hidden.device), to_device(first, hidden.device)
     lp, ent = head_logprobs(
-        hidden, head.weight, targets, bias=head.bias, temperature=temperature, with_entropy=entropy
+        hidden,
+        head.weight,
+        targets,
+        bias=head.bias,
+        temperature=temperature,
+        with_entropy=entropy,
+        check_targets=False,
     )
     logp = F.pad(lp[:-1], (1, 0))
     if ent is not None:
@@ -419,9 +439,9 @@ def to_padded(flat: Tensor, lengths: Sequence[int], width: int) -> Tensor:
         raise ValueError(f"flat has {flat.shape[0]} rows but the lengths sum to {sum(lengths)}")
     if lengths and width < max(lengths):
         raise ValueError(f"width {width} is shorter than the longest sequence ({max(lengths)})")
-    counts = torch.tensor(list(lengths), device=flat.device)
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=flat.device), counts)
+    counts = torch.tensor(list(lengths))  # index math on the host, one async copy each
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), counts)
     starts = torch.cumsum(counts, 0) - counts
-    cols = torch.arange(flat.shape[0], device=flat.device) - torch.repeat_interleave(starts, counts)
+    cols = torch.arange(flat.shape[0]) - torch.repeat_interleave(starts, counts)
     out = flat.new_zeros((len(lengths), width, *flat.shape[1:]))
-    return out.index_put((rows, cols), flat)
+    return out.index_put((to_device(rows, flat.device), to_device(cols, flat.device)), flat)

@@ -24,10 +24,11 @@ from relayrl.config.components import LoraConfig, ModelConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """ "fp32" / "bf16" / "fp16" -> the torch dtype; "auto" -> bf16 when a CUDA device is present, else fp32."""
+def torch_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
+    """ "fp32" / "bf16" / "fp16" -> the torch dtype; "auto" -> bf16 for a model placed on a CUDA device, else
+    fp32 (a CPU model stays fp32 on a machine that also has a GPU)."""
     if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
     if name not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {name!r}")
     return DTYPES[name]
@@ -119,10 +120,11 @@ def quantization_config(cfg: ModelConfig) -> Any:
     )
 
 
-def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    """from_pretrained keyword arguments shared by causal LMs and value-head models."""
+def model_kwargs(cfg: ModelConfig, device: torch.device | str | None = None) -> dict[str, Any]:
+    """from_pretrained keyword arguments shared by causal LMs and value-head models (`device`: where the model
+    will live, for dtype auto)."""
     kwargs: dict[str, Any] = {
-        "dtype": torch_dtype(cfg.dtype),
+        "dtype": torch_dtype(cfg.dtype, device),
         "attn_implementation": cfg.attn_implementation,
         "trust_remote_code": cfg.trust_remote_code,
     }
@@ -193,7 +195,7 @@ def load_causal_lm(cfg: ModelConfig, *, device: torch.device | str | None = None
 
     source = resolve_source(cfg.name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs(cfg))
+        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs(cfg, device))
     except OSError as err:
         raise _hub_error(err, source, "model.name_or_path") from err
     if device is not None and not cfg.load_in_4bit:

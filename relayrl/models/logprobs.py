@@ -199,6 +199,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     ignore_index: int = -100,
+    check_targets: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of `targets` (and entropy) under softmax((hidden @ weight.T + bias) / temperature), chunked.
 
@@ -213,7 +214,8 @@ def token_logprobs(
         raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got {tuple(weight.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    _check_targets(targets, weight.shape[0], ignore_index)
+    if check_targets:  # (reads the targets on the host: callers that checked them already skip the sync)
+        _check_targets(targets, weight.shape[0], ignore_index)
     chunk = _auto_chunk(chunk_size, weight.shape[0], hidden.device)
     shape = targets.shape
     logp, ent = _HeadLogprobs.apply(

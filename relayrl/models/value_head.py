@@ -59,7 +59,7 @@ def build_value_model(
         raise ValueError(f"value head init must be 'zeros' or 'normal', got {init!r}")
     source = resolve_source(cfg.name_or_path)
     existing = _is_value_folder(source)
-    kwargs = model_kwargs(cfg)
+    kwargs = model_kwargs(cfg, device)
     try:
         hf_config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
         hf_config.num_labels = 1

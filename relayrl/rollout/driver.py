@@ -161,11 +161,17 @@ class ThreadedEngine(ABC):
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
-                target=self._run, name=f"relayrl-{self._name}-engine", daemon=True
+                target=self._run,
+                args=(torch.get_num_threads(),),
+                name=f"relayrl-{self._name}-engine",
+                daemon=True,
             )
             self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, num_threads: int) -> None:
+        # A new thread's OpenMP/MKL pools start from OMP_NUM_THREADS (default: every core), not from the
+        # caller's torch.set_num_threads: adopt the caller's count (on a busy CPU, extra threads stall).
+        torch.set_num_threads(num_threads)
         while True:
             with self._cond:
                 idle = not self._busy()

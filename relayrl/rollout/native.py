@@ -44,6 +44,7 @@ Guarantees
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 import time
@@ -86,7 +87,7 @@ class NativeEngine(ThreadedEngine):
         sync_every: int = 16,
         cuda_graphs: bool | None = None,
         graph_batch_sizes: tuple[int, ...] | None = None,
-        kv_bucket: int = 256,
+        kv_bucket: int | None = None,
         max_stop_ids: int = 8,
         eos_token_id: int | list[int] | None = None,
         seed: int | None = None,
@@ -96,7 +97,8 @@ class NativeEngine(ThreadedEngine):
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
         prefill batch; `sync_every`: decode steps between host syncs; `cuda_graphs`: capture decode
         (default: on CUDA); `graph_batch_sizes`: captured batch sizes (default powers of two and
-        max_slots); `kv_bucket`: attention length granularity of the graphs; `eos_token_id`: stop ids for
+        max_slots); `kv_bucket`: attention length granularity (default 256 with CUDA graphs, one graph per
+        bucket; 16 eager, where attention cost follows the longest sequence); `eos_token_id`: stop ids for
         every request (default the tokenizer's EOS; [] for none); `seed`: source of unseeded requests'
         seeds (None: fresh); `decode_attention`: "sdpa" | "math" | "auto" (sdpa on CUDA)."""
         super().__init__(name="native")
@@ -116,7 +118,9 @@ class NativeEngine(ThreadedEngine):
             raise ValueError("NativeEngine(cuda_graphs=True) needs the model on a CUDA device")
         sizes = graph_batch_sizes or tuple(2**i for i in range(max_slots.bit_length()) if 2**i < max_slots)
         self.graph_batch_sizes = tuple(sorted({min(s, max_slots) for s in sizes} | {max_slots}))
-        self.kv_buckets = _kv_buckets(kv_bucket, self.max_seq_len)
+        self.kv_buckets = _kv_buckets(
+            kv_bucket or (256 if self.cuda_graphs else 16), self.max_seq_len, self.cuda_graphs
+        )
         self._rng = random.Random(seed)
         self._waiting: deque[Pending] = deque()
         self._running: set[_Running] = set()
@@ -266,9 +270,7 @@ class NativeEngine(ThreadedEngine):
         last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
         st.assign(slot_idx, settings)
         logits = self.runner.prefill(ids.to(self.device), last, st.k_cache, st.v_cache, slot_idx, row_idx)
-        st.advance(
-            slot_idx, logits[row_idx], st.pos[slot_idx] + 1, _mode(r.pending.request.params for r in batch)
-        )
+        st.advance(slot_idx, logits[row_idx], _mode(r.pending.request.params for r in batch))
         self.prefill_count += len(batch)
         self.prefill_tokens += sum(run.prompt_len for run in batch)
         self.prefill_batches += 1
@@ -281,13 +283,8 @@ class NativeEngine(ThreadedEngine):
         stops = sorted(set(self.eos_ids) | set(params.stop_token_ids))
         stops += [-1] * (self.max_stop_ids - len(stops))
         # pos starts at prompt_len - 1 so that advance() places the first sampled token at prompt_len
-        return [params.temperature, params.top_p], [
-            max(params.top_k, 0),
-            seed,
-            params.max_new_tokens,
-            prompt_len - 1,
-            *stops,
-        ]
+        last = min(prompt_len + params.max_new_tokens, self.max_seq_len) - 1
+        return [params.temperature, params.top_p], [max(params.top_k, 0), seed, last, prompt_len - 1, *stops]
 
     # ---- decode ---------------------------------------------------------------------------------------
     def _steps_before_sync(self) -> int:
@@ -303,7 +300,7 @@ class NativeEngine(ThreadedEngine):
 
     def _decode_once(self, bs: int, kv_needed: int, mode: str) -> None:
         # eager runs use the same padded (bs, kv_len) shapes as the graphs, so CPU tests cover them
-        kv_len = next(b for b in self.kv_buckets if b >= kv_needed)
+        kv_len = self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_needed)]
         if self.graphs is not None:
             self.graphs.run((bs, kv_len, mode))
         else:
@@ -312,27 +309,28 @@ class NativeEngine(ThreadedEngine):
 
     def _decode_step(self, bs: int, kv_len: int, mode: str) -> None:
         st = self.state
-        rows = st.rows[:bs]
-        logits = self.runner.decode(st.cur_tok[:bs], st.pos[:bs], st.k_cache, st.v_cache, kv_len, rows)
-        st.advance(rows, logits, st.pos[:bs] + 1, mode)
+        logits = self.runner.decode(
+            st.cur_tok[:bs], st.pos[:bs], st.k_cache, st.v_cache, kv_len, st.rows[:bs]
+        )
+        st.advance(slice(0, bs), logits, mode)
 
     # ---- retire ---------------------------------------------------------------------------------------
     def _retire(self) -> None:
         st = self.state
         taken = sorted(self._slot_owner)
         idx = torch.tensor(taken, device=self.device)
-        flags = torch.stack([st.done[idx].long(), st.stopped[idx].long(), st.gen[idx]]).cpu()
+        flags = torch.stack([st.done[idx].long(), st.stopped[idx].long(), st.pos[idx]]).cpu()
         finished = [(s, int(flags[1, i]), int(flags[2, i])) for i, s in enumerate(taken) if flags[0, i]]
         if not finished:
             return
         fidx = torch.tensor([s for s, _, _ in finished], device=self.device)
         toks, lps = st.tokens[fidx].cpu(), st.logprobs[fidx].cpu()
-        for i, (s, stopped, gen) in enumerate(finished):
+        for i, (s, stopped, pos) in enumerate(finished):
             run = self._slot_owner.pop(s)
-            a = run.prompt_len
+            a = run.prompt_len  # a done slot's pos is its last token's: tokens a..pos
             run.out[s] = Completion(
-                token_ids=toks[i, a : a + gen].tolist(),
-                logprobs=lps[i, a : a + gen].tolist(),
+                token_ids=toks[i, a : pos + 1].tolist(),
+                logprobs=lps[i, a : pos + 1].tolist(),
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
             )
             heapq.heappush(self._free, s)
@@ -351,13 +349,14 @@ class NativeEngine(ThreadedEngine):
         self._running.discard(run)
 
 
-def _kv_buckets(step: int, max_len: int) -> tuple[int, ...]:
-    """Attention lengths the graphs are captured for: multiples of `step` up to 8 steps, then doubling,
-    always ending at max_len (256, 512, ..., 2048, 4096, 8192, ... for step 256)."""
+def _kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:
+    """Attention lengths decode runs with: multiples of `step`, always ending at max_len. With `doubling`
+    (each is a CUDA graph to capture) only up to 8 steps, then doubling (256, 512, ..., 2048, 4096, 8192, ...
+    for step 256)."""
     buckets, b = [], step
     while b < max_len:
         buckets.append(b)
-        b = b + step if b < 8 * step else 2 * b
+        b = 2 * b if doubling and b >= 8 * step else b + step
     return (*buckets, max_len)
 
 

@@ -47,11 +47,15 @@ def _norm_fn(module: torch.nn.Module):
     if type(module).__name__ not in _PLAIN_RMSNORMS or not hasattr(module, "variance_epsilon"):
         return module
     weight, eps = module.weight, float(module.variance_epsilon)
+    shape = tuple(weight.shape)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return weight * F.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
 
-    return norm
+    def norm_fp32(x: torch.Tensor) -> torch.Tensor:  # the same products, the weight inside: one call
+        return F.rms_norm(x, shape, weight, eps)
+
+    return norm_fp32 if weight.dtype == torch.float32 else norm
 
 
 class DecoderRunner:
@@ -80,6 +84,7 @@ class DecoderRunner:
         self.max_len = max_len
         self.cos, self.sin = self._rope_table(max_len)
         self.kv_positions = torch.arange(max_len, device=self.device)
+        self.kv_heads = torch.arange(self.n_kv, device=self.device)
         self.norms = [
             (_norm_fn(layer.input_layernorm), _norm_fn(layer.post_attention_layernorm))
             for layer in self.layers
@@ -96,14 +101,17 @@ class DecoderRunner:
         self.decode_attention = decode_attention
 
     def _rope_table(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [max_len, head_dim] as HF computes them (fp32, then cast to the model dtype)."""
+        """cos/sin [max_len, head_dim] as HF computes them (fp32, then cast to the model dtype), sin's first
+        half negated (see _rope)."""
         rot = self.body.rotary_emb
         inv_freq = rot.inv_freq.float().to(self.device)
         pos = torch.arange(max_len, device=self.device, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = float(getattr(rot, "attention_scaling", 1.0))
-        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+        cos, sin = (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # signed for _rope's roll
 
     def cache_shape(self, slots: int) -> tuple[int, int, int, int, int]:
         """[layers, slots, kv_heads, max_len, head_dim]."""
@@ -141,8 +149,8 @@ class DecoderRunner:
             q, k, v = self._qkv(li, norm1(x), (b, t))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            k_cache[li, slot_idx, :, :t] = k[row_idx]
-            v_cache[li, slot_idx, :, :t] = v[row_idx]
+            k_cache[li, :, :, :t].index_copy_(0, slot_idx, k.index_select(0, row_idx))
+            v_cache[li, :, :, :t].index_copy_(0, slot_idx, v.index_select(0, row_idx))
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
             )
@@ -160,39 +168,52 @@ class DecoderRunner:
         rows: torch.Tensor,
     ) -> torch.Tensor:
         """One token for slots [0, bs) (rows = arange(bs)); returns logits [bs, V]."""
-        bs = tok.shape[0]
+        bs, hkv, d = tok.shape[0], self.n_kv, self.head_dim
         x = self.body.embed_tokens(tok)  # [bs, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [bs, 1, D]
-        # additive mask [bs, 1, 1, kv_len], built once for all layers (fp32 for math, model dtype for sdpa)
-        hidden = self.kv_positions[None, None, None, :kv_len] > pos[:, None, None, None]
-        mask_dtype = torch.float32 if self.decode_attention == "math" else self.dtype
-        mask = torch.zeros(hidden.shape, dtype=mask_dtype, device=hidden.device).masked_fill_(
-            hidden, float("-inf")
-        )
+        # where each new K/V row goes in a layer's cache viewed as [slots * Hkv * max_len, D]; built once
+        dst = ((rows[:, None] * hkv + self.kv_heads) * self.max_len + pos[:, None]).view(-1)
+        mask = self._decode_mask(pos, kv_len)  # built once for all layers
         for li, layer in enumerate(self.layers):
             attn, (norm1, norm2) = layer.self_attn, self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (bs,))
             qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # one rotary pass for q and k
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            kc, vc = k_cache[li], v_cache[li]
-            kc[rows, :, pos] = k
-            vc[rows, :, pos] = v
-            o = self._attend(
-                q.view(bs, self.n_kv, self.group, self.head_dim),
-                kc[:bs, :, :kv_len],
-                vc[:bs, :, :kv_len],
-                mask,
-            )
+            k_cache[li].view(-1, d).index_copy_(0, dst, k.reshape(-1, d))
+            v_cache[li].view(-1, d).index_copy_(0, dst, v.reshape(-1, d))
+            o = self._attend(q, k_cache[li, :bs, :, :kv_len], v_cache[li, :bs, :, :kv_len], mask)
             x = x + attn.o_proj(o.reshape(bs, -1))
             x = x + layer.mlp(norm2(x))
         return self._logits(x)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [bs, Hkv, G, D] over k/v [bs, Hkv, T, D] with additive mask [bs, 1, 1, T]."""
+    def _decode_mask(self, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Additive mask hiding cache positions > pos: [bs, 1, 1, T] in the model dtype for sdpa, [bs * Hkv,
+        1, T] fp32 for math (baddbmm's bias over the G query heads of a KV head)."""
+        hidden = self.kv_positions[None, None, None, :kv_len] > pos[:, None, None, None]
         if self.decode_attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale + mask
-        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+            return torch.zeros(hidden.shape, dtype=self.dtype, device=hidden.device).masked_fill_(
+                hidden, float("-inf")
+            )
+        mask = torch.zeros((pos.shape[0], self.n_kv, 1, kv_len), dtype=torch.float32, device=pos.device)
+        return mask.masked_fill_(hidden, float("-inf")).view(-1, 1, kv_len)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [bs, H, D] over k/v [bs, Hkv, T, D] (the G = H / Hkv query heads of a KV head ride as the
+        query length); returns [bs, H, D]."""
+        bs, hkv, t, d = k.shape
+        if self.decode_attention == "sdpa":
+            o = F.scaled_dot_product_attention(
+                q.view(bs, hkv, self.group, d), k, v, attn_mask=mask, scale=self.scale
+            )
+            return o.reshape(bs, -1, d)  # sdpa may return a transposed (non-contiguous) layout
+        # math: 3-D batched matmuls over (slot, KV head), scale and mask fused into the first
+        q3, k3, v3 = q.reshape(bs * hkv, self.group, d), k.view(bs * hkv, t, d), v.view(bs * hkv, t, d)
+        if q.dtype == torch.float32:
+            scores = torch.baddbmm(mask, q3, k3.transpose(1, 2), alpha=self.scale)
+        else:  # low precision: scale and mask in fp32, as the fp32 path
+            scores = torch.bmm(q3, k3.transpose(1, 2)).float() * self.scale + mask
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.bmm(probs, v3).view(bs, -1, d)
 
 
 def check_supported(model: torch.nn.Module, max_len: int) -> None:

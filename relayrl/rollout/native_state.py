@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from relayrl.rollout.native_model import DecoderRunner
-from relayrl.rollout.sampling import sample_tokens
+from relayrl.rollout.sampling import sample_tokens, uniform
 
 log = logging.getLogger(__name__)
 
@@ -31,55 +31,57 @@ class SlotState:
         self.v_cache = torch.zeros(runner.cache_shape(slots), dtype=runner.dtype, device=dev)
         self.tokens = torch.zeros((slots, self.max_len + 1), dtype=long, device=dev)
         self.logprobs = torch.zeros((slots, self.max_len + 1), dtype=torch.float32, device=dev)
+        self.uniforms = torch.zeros((slots, self.max_len + 1), dtype=torch.float32, device=dev)
+        """The uniform that samples each position: sampling.uniform(seed, position), filled at admission."""
         self.cur_tok = torch.zeros(slots, dtype=long, device=dev)
         self.pos = torch.zeros(slots, dtype=long, device=dev)
-        self.gen = torch.zeros(slots, dtype=long, device=dev)
-        self.max_new = torch.ones(slots, dtype=long, device=dev)
+        self.last = torch.zeros(slots, dtype=long, device=dev)
+        """Position of the last token a slot may sample (max_new_tokens and max_len both counted)."""
         self.done = torch.ones(slots, dtype=torch.bool, device=dev)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.temp = torch.ones(slots, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(slots, dtype=long, device=dev)
-        self.seed = torch.zeros(slots, dtype=long, device=dev)
         self.stop_ids = torch.full((slots, max_stop_ids), -1, dtype=long, device=dev)
         self.rows = torch.arange(slots, device=dev)
 
     def snapshot_tensors(self) -> list[torch.Tensor]:
         """The progress tensors a step mutates (besides K/V and token buffers)."""
-        return [self.cur_tok, self.pos, self.gen, self.done, self.stopped]
+        return [self.cur_tok, self.pos, self.done, self.stopped]
 
     def assign(self, idx: torch.Tensor, settings: list[tuple[list[float], list[int]]]) -> None:
-        """Start slots `idx` with (floats [temp, top_p], ints [top_k, seed, max_new, pos, *stop_ids])."""
+        """Start slots `idx` with (floats [temp, top_p], ints [top_k, seed, last, pos, *stop_ids]); pos is
+        the position before the first token to sample (the prompt's last)."""
         dev = self.rows.device
         f = torch.tensor([s[0] for s in settings], dtype=torch.float32).to(dev)
         i = torch.tensor([s[1] for s in settings], dtype=torch.long).to(dev)
         self.temp[idx], self.top_p[idx] = f[:, 0], f[:, 1]
-        self.top_k[idx], self.seed[idx], self.max_new[idx], self.pos[idx] = i[:, 0], i[:, 1], i[:, 2], i[:, 3]
+        self.top_k[idx], self.last[idx], self.pos[idx] = i[:, 0], i[:, 2], i[:, 3]
+        span = max(s[1][2] for s in settings) + 1  # positions these slots can reach
+        self.uniforms[idx, :span] = uniform(i[:, 1:2], torch.arange(span, device=dev)[None, :])
         self.stop_ids[idx] = i[:, 4:]
         self.done[idx] = False
         self.stopped[idx] = False
-        self.gen[idx] = 0
 
-    def advance(self, idx: torch.Tensor, logits: torch.Tensor, new_pos: torch.Tensor, mode: str) -> None:
-        """Sample the token at `new_pos` for slots `idx` from `logits` [len(idx), V], record it, update flags.
+    def advance(self, idx: torch.Tensor | slice, logits: torch.Tensor, mode: str) -> None:
+        """Sample the token at pos + 1 for slots `idx` (ids, or a slice: views instead of gathers, as decode
+        uses) from `logits` [n, V], record it, update flags.
 
-        Slots already done are frozen (pos, cur_tok, gen, flags unchanged); their token write lands at
-        pos + 1 <= max_len, past their end, inside the max_len + 1 wide buffers.
+        Slots already done keep pos and flags (cur_tok takes the sample, which nothing reads); their token
+        write lands at pos + 1 <= max_len, past their end, inside the max_len + 1 wide buffers.
         """
+        rows = self.rows[idx]
         live = ~self.done[idx]
-        tok, lp = sample_tokens(
-            logits, self.temp[idx], self.top_p[idx], self.top_k[idx], self.seed[idx], new_pos, mode
-        )
-        self.tokens[idx, new_pos] = tok
-        self.logprobs[idx, new_pos] = lp
-        gen = self.gen[idx] + live.long()
-        is_stop = (tok[:, None] == self.stop_ids[idx]).any(-1)
-        at_limit = (gen >= self.max_new[idx]) | (new_pos + 1 >= self.max_len)
-        self.stopped[idx] = self.stopped[idx] | (live & is_stop)
-        self.done[idx] = self.done[idx] | (live & (is_stop | at_limit))
-        self.pos[idx] = torch.where(live, new_pos, self.pos[idx])
-        self.cur_tok[idx] = torch.where(live, tok, self.cur_tok[idx])
-        self.gen[idx] = gen
+        new_pos = self.pos[idx] + 1
+        u = self.uniforms[rows, new_pos]
+        tok, lp = sample_tokens(logits, self.temp[idx], self.top_p[idx], self.top_k[idx], u, mode)
+        self.tokens[rows, new_pos] = tok
+        self.logprobs[rows, new_pos] = lp
+        stop = live & (tok[:, None] == self.stop_ids[idx]).any(-1)
+        self.stopped[idx] |= stop
+        self.done[idx] |= live & (stop | (new_pos >= self.last[idx]))
+        self.pos[idx] += live
+        self.cur_tok[idx] = tok
 
 
 def _param_ptrs(model: torch.nn.Module) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """Token sampling on the device, with counter-based randomness (no generator state, no host sync).
 
-    tok, logprob = sample_tokens(logits[B, V], temperature[B], top_p[B], top_k[B], seed[B], counter[B], mode)
+    u = uniform(seed[B], counter[B])      # or precomputed: the native engine fills a table at admission
+    tok, logprob = sample_tokens(logits[B, V], temperature[B], top_p[B], top_k[B], u, mode)
 
 Randomness: each row draws ONE uniform u = hash(seed, counter) (a 32-bit integer hash evaluated with
 int64 tensor ops, 24-bit resolution) and picks the token by inverse CDF: the first token whose cumulative
@@ -67,22 +68,19 @@ def sample_tokens(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
-    seed: torch.Tensor,
-    counter: torch.Tensor,
+    u: torch.Tensor,
     mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; returns (token [B] int64, logprob [B] float32). See module doc."""
+    """Sample one token per row with its uniform u [B] (`uniform(seed, counter)`); returns (token [B] int64,
+    logprob [B] float32). See module doc."""
     logits = logits.float()
-    greedy = temperature <= 0
     argmax = logits.argmax(-1)
     if mode == "greedy":
-        tok = argmax
         logp = torch.log_softmax(logits, -1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / t[:, None], -1)
+        return argmax, logp.gather(-1, argmax[:, None]).squeeze(-1)
+    greedy = temperature <= 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], -1)
     probs = logp.exp()
-    u = uniform(seed, counter)
     tok = _inverse_cdf(probs, u)
     if mode == "truncate":
         sorted_p, order = probs.sort(-1, descending=True)

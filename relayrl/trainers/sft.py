@@ -118,11 +118,12 @@ class SFTBatch:
 def next_token_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
     """Summed token cross-entropy: loss_sum = sum over target tokens t of -log p(x_t | x_<t of the same
     sample); count = number of target tokens."""
-    from relayrl.models.forward import token_logprobs
+    from relayrl.models.forward import to_device, token_logprobs
 
     logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
-    mask = torch.cat(batch.targets).to(logp.device)
-    mask[torch.tensor(_first_positions(batch.input_ids), device=logp.device)] = False
+    mask = torch.cat(batch.targets)
+    mask[torch.tensor(_first_positions(batch.input_ids))] = False
+    mask = to_device(mask, logp.device)
     loss_sum = -torch.where(mask, logp, 0.0).sum()
     return LossOutput(loss_sum=loss_sum, count=mask.sum().float())
 

@@ -106,7 +106,9 @@ class NonFiniteError(RuntimeError):
 def move_to(batch: Any, device: torch.device | str) -> Any:
     """Move every tensor in a (slotted) dataclass / dict / list / tensor to `device`."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        if torch.device(device).type == "cuda" and batch.device.type == "cpu":
+            return batch.pin_memory().to(device, non_blocking=True)  # pageable copies would stall the GPU
+        return batch.to(device)
     if is_dataclass(batch) and not isinstance(batch, type):
         return replace(
             batch, **{f.name: move_to(getattr(batch, f.name), device) for f in fields(batch) if f.init}

@@ -22,7 +22,7 @@ from torch import Tensor
 from relayrl.algorithms.objective import ValueObjective, ValueTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.rl import AlgoConfig, CriticConfig
-from relayrl.models.forward import choose_layout, prepare_model
+from relayrl.models.forward import choose_layout, prepare_model, to_device
 from relayrl.training.rng import capture_rng_state, restore_rng_state
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
 from relayrl.training.step import LossOutput
@@ -104,9 +104,9 @@ class CriticWorker:
         dev = v.device
         terms = ValueTerms(
             values=v,
-            old_values=micro.values.to(dev),
-            returns=micro.returns.to(dev),
-            action_mask=micro.tokens.action_mask.to(dev),
+            old_values=to_device(micro.values, dev),
+            returns=to_device(micro.returns, dev),
+            action_mask=to_device(micro.tokens.action_mask, dev),
         )
         o = self.objective(terms)
         return LossOutput(

@@ -62,7 +62,7 @@ def critic_values(critic: torch.nn.Module, batch: SequenceBatch, rows: list[int]
     hf = critic.get_base_model() if hasattr(critic, "get_base_model") else critic
     v = hf.score(hidden).squeeze(-1).float()  # [N]: the value of each token's state (its prefix included)
     shifted = torch.zeros_like(v)
-    starts = torch.tensor([0, *lengths], device=v.device).cumsum(0)[:-1]
+    starts = forward.to_device(torch.tensor([0, *lengths]).cumsum(0)[:-1], v.device)
     shifted[1:] = v[:-1]
     shifted[starts] = 0.0  # a sequence's first token has no prefix
     return forward.to_padded(shifted, lengths, width)

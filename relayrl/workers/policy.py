@@ -36,7 +36,7 @@ from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.distributed.weights import EngineWeights
-from relayrl.models.forward import choose_layout, prepare_model
+from relayrl.models.forward import choose_layout, prepare_model, to_device
 from relayrl.rollout.base import SamplingParams
 from relayrl.training.rng import capture_rng_state, restore_rng_state
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
@@ -196,7 +196,7 @@ class PolicyWorker:
         )
 
         def on(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x.to(dev, non_blocking=True)
+            return None if x is None else to_device(x, dev)
 
         terms = PolicyTerms(
             logprobs=lp,

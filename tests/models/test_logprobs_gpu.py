@@ -76,7 +76,8 @@ def test_cuda_autocast_fp32_master_head_runs_in_bf16():
     h32, w32 = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     truth = torch.log_softmax(h32 @ w32.t(), -1).gather(-1, tgt[:, None]).squeeze(-1)
     truth.sum().backward()
-    assert float((logp - truth).abs().max()) <= 2 * float((ref - truth).abs().max()) + 1e-3
+    err, err_auto = float((logp - truth).abs().mean()), float((ref - truth).abs().mean())
+    assert err <= 2 * err_auto + 1e-3, (err, err_auto)
     for got, auto, t in ((g_h, h.grad, h32.grad), (g_w, w.grad, w32.grad)):
         err = float((got - t).norm() / t.norm())
         err_auto = float((auto - t).norm() / t.norm())

@@ -56,8 +56,7 @@ def _rows(logits, n, **settings):
         temperature=torch.full((b,), settings.get("temperature", 1.0)),
         top_p=torch.full((b,), settings.get("top_p", 1.0)),
         top_k=torch.full((b,), settings.get("top_k", 0), dtype=torch.long),
-        seed=torch.arange(b, dtype=torch.long) * 2654435761 % (2**31),
-        counter=torch.full((b,), 5, dtype=torch.long),
+        u=uniform(torch.arange(b, dtype=torch.long) * 2654435761 % (2**31), torch.full((b,), 5)),
     )
 
 
