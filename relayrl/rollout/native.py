@@ -5,10 +5,12 @@ Design
 ------
 Slots. The engine owns `max_slots` sequence slots. Per slot, on the device: the KV cache
 [layers, slots, kv_heads, max_len, head_dim] (native_model.DecoderRunner), the sequence buffers
-tokens/logprobs [slots, max_len + 1], and small state vectors cur_tok, pos (position of cur_tok), gen
-(tokens generated), done, stopped, plus the sampling settings temp, top_p, top_k, seed, max_new and
-stop_ids [slots, max_stop_ids] (-1 padded). The host mirrors only what it can compute without reading
-the device: which slots are taken, each slot's admission step (so upper bounds of pos / gen).
+tokens/logprobs [slots, max_len + 1], the uniforms that sample each position [slots, max_len + 1]
+(filled at admission from the slot's seed, sampling.uniform), and small state vectors cur_tok, pos
+(position of cur_tok), last (position of the last token allowed: max_new_tokens and max_len), done,
+stopped, plus the sampling settings temp, top_p, top_k and stop_ids [slots, max_stop_ids] (-1 padded).
+The host mirrors only what it can compute without reading the device: which slots are taken, each slot's
+admission step (so upper bounds of pos).
 
 A round (one call of `_step` on the driver thread, driver.py):
   1. admit: pop waiting requests while n free slots exist (lowest slot ids first, so decode batches stay
@@ -18,13 +20,14 @@ A round (one call of `_step` on the driver thread, driver.py):
   2. decode k steps without looking at the device: k = min(sync_every, fewest steps until some slot must
      hit a length limit). A step runs slots [0, bs) with bs the smallest captured batch size covering the
      highest taken slot and attends over kv_len = the smallest length bucket covering the longest
-     sequence. Finished or free slots inside [0, bs) keep running harmlessly (their state is frozen by
-     `done`; their writes land past their ends).
-  3. sync once: read done/stopped/gen, copy finished rows to the host, resolve futures, free slots.
+     sequence (buckets of 256 with CUDA graphs, one graph each; of 16 eager, so CPU attention cost
+     follows the real lengths). Finished or free slots inside [0, bs) keep running harmlessly (pos and
+     flags are frozen by `done`; their writes land past their ends).
+  3. sync once: read done/stopped/pos, copy finished rows to the host, resolve futures, free slots.
 So the host syncs once per k tokens (not per token); stop tokens are detected on the device.
 
 Step (`_decode_step(bs, kv_len, mode)`): forward -> `sampling.sample_tokens` -> record token and
-log-prob -> update done/stopped/pos/gen with `torch.where`, all with static shapes. On CUDA it is captured
+log-prob -> update done/stopped/pos in place, all with static shapes. On CUDA it is captured
 as one CUDA graph per (bs, kv_len bucket, sampling mode) at start-up (mode "sample") or on first use
 (other modes); replay costs one launch. `load_weights(None)` re-captures if a parameter's storage moved
 (graphs hold raw pointers); in-place updates (optimizer steps, `load_weights(named)`) need nothing.
@@ -299,7 +302,7 @@ class NativeEngine(ThreadedEngine):
         return max(1, steps)
 
     def _decode_once(self, bs: int, kv_needed: int, mode: str) -> None:
-        # eager runs use the same padded (bs, kv_len) shapes as the graphs, so CPU tests cover them
+        # eager runs pad like the graphs (finer buckets by default), so CPU tests cover the padded shapes
         kv_len = self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_needed)]
         if self.graphs is not None:
             self.graphs.run((bs, kv_len, mode))
@@ -319,18 +322,21 @@ class NativeEngine(ThreadedEngine):
         st = self.state
         taken = sorted(self._slot_owner)
         idx = torch.tensor(taken, device=self.device)
-        flags = torch.stack([st.done[idx].long(), st.stopped[idx].long(), st.pos[idx]]).cpu()
-        finished = [(s, int(flags[1, i]), int(flags[2, i])) for i, s in enumerate(taken) if flags[0, i]]
+        flags = torch.stack([st.done[idx].long(), st.stopped[idx].long(), st.pos[idx]]).tolist()
+        finished = [(s, stopped, pos) for s, done, stopped, pos in zip(taken, *flags, strict=True) if done]
         if not finished:
             return
+        # one copy of the rows' generated span (a done slot's pos is its last token's: tokens prompt_len..pos)
         fidx = torch.tensor([s for s, _, _ in finished], device=self.device)
-        toks, lps = st.tokens[fidx].cpu(), st.logprobs[fidx].cpu()
+        lo = min(self._slot_owner[s].prompt_len for s, _, _ in finished)
+        hi = max(pos for _, _, pos in finished) + 1
+        toks, lps = st.tokens[fidx, lo:hi].tolist(), st.logprobs[fidx, lo:hi].tolist()
         for i, (s, stopped, pos) in enumerate(finished):
             run = self._slot_owner.pop(s)
-            a = run.prompt_len  # a done slot's pos is its last token's: tokens a..pos
+            a, b = run.prompt_len - lo, pos + 1 - lo
             run.out[s] = Completion(
-                token_ids=toks[i, a : pos + 1].tolist(),
-                logprobs=lps[i, a : pos + 1].tolist(),
+                token_ids=toks[i][a:b],
+                logprobs=lps[i][a:b],
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
             )
             heapq.heappush(self._free, s)

@@ -3,8 +3,10 @@
 `DecoderRunner` reads the policy's modules IN PLACE (embed_tokens, every layer's input/post-attention
 RMSNorm, q/k/v/o projections, optional per-head q_norm/k_norm (Qwen3), MLP, final norm, lm_head): it calls
 the same `nn.Module`s, so there is no copy and nothing to sync, and LoRA-wrapped projections work. Only
-attention, rotary embedding and the cache are ours; plain HF RMSNorms are evaluated by one fused
-`F.rms_norm` over the module's own weight (same math, fewer kernels per decode step):
+attention, rotary embedding and the cache are ours. Plain modules are evaluated by direct functional calls
+over their own live parameters (same math, fewer kernels and no module-call overhead per decode step, which
+dominates a small model on a CPU): HF RMSNorms by one `F.rms_norm`, `nn.Linear` by `F.linear`, the gated
+SiLU MLP by three of them with the product in place; anything else (LoRA layers, other MLPs) is called:
 
     k_cache, v_cache: [layers, slots, kv_heads, max_len, head_dim] (model dtype)
     prefill(ids[B, T] right-padded, last[B], caches, slot_idx[M], row_idx[M]) -> logits[B, V] at last[b]
@@ -12,10 +14,11 @@ attention, rotary embedding and the cache are ours; plain HF RMSNorms are evalua
         right for the real tokens); row row_idx[m]'s K/V go to slot slot_idx[m] positions [0, T) (several
         slots may take the same row: the n samples of a prompt share one prefill).
     decode(tok[bs], pos[bs], caches, kv_len) -> logits[bs, V]
-        slots [0, bs): writes K/V of `tok` at `pos`, attends over cache positions [0, kv_len) masked to
-        <= pos. GQA without repeating K/V: the G query heads of a KV head ride as SDPA's query length,
-        q[bs, kv_heads, G, D] x K[bs, kv_heads, kv_len, D]. Static shapes for fixed (bs, kv_len), so the
-        caller can capture it in a CUDA graph.
+        slots [0, bs): writes K/V of `tok` at `pos` (one index_copy_ per layer and cache), attends over
+        cache positions [0, kv_len) masked to <= pos. GQA without repeating K/V: the G query heads of a KV
+        head ride as the query length, q[bs * kv_heads, G, D] x K[bs * kv_heads, kv_len, D] (sdpa: the
+        same as 4-D SDPA; math, CPU's default: baddbmm with the scale and mask fused, softmax, bmm).
+        Static shapes for fixed (bs, kv_len), so the caller can capture it in a CUDA graph.
 
 Supported: decoder-only models laid out like Llama (model.model.{embed_tokens, layers, norm, rotary_emb},
 model.lm_head) with default or scaled rotary (the HF module's own inv_freq and attention_scaling are used)
@@ -58,6 +61,40 @@ def _norm_fn(module: torch.nn.Module):
     return norm_fp32 if weight.dtype == torch.float32 else norm
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _linear_fn(module: torch.nn.Module):
+    """F.linear over a plain nn.Linear's live weight and bias (no module-call overhead per decode step);
+    other modules (LoRA-wrapped projections) and hooked ones are called as they are."""
+    if type(module) is not torch.nn.Linear or _hooked(module):
+        return module
+    return lambda x: F.linear(x, module.weight, module.bias)
+
+
+_PLAIN_MLPS = {f"{name}MLP" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
+
+
+def _mlp_fn(mlp: torch.nn.Module):
+    """down(silu(gate(x)) * up(x)) over a plain HF gated MLP's live Linears, the product in place; other MLP
+    modules are called as they are."""
+    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = type(getattr(mlp, "act_fn", None)).__name__
+    if type(mlp).__name__ not in _PLAIN_MLPS or act not in ("SiLUActivation", "SiLU") or _hooked(mlp):
+        return mlp
+    if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs):
+        return mlp
+    gate, up, down = (_linear_fn(p) for p in projs)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(gate(x))
+        h *= up(x)
+        return down(h)
+
+    return forward
+
+
 class DecoderRunner:
     """Prefill and decode forwards over an HF causal LM's live modules (see module doc)."""
 
@@ -90,6 +127,11 @@ class DecoderRunner:
             for layer in self.layers
         ]
         self.final_norm = _norm_fn(self.body.norm)
+        self.projs = [
+            tuple(_linear_fn(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            for layer in self.layers
+        ]
+        self.mlps = [_mlp_fn(layer.mlp) for layer in self.layers]
         self.qk_norms = [
             (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
             if getattr(layer.self_attn, "q_norm", None) is not None
@@ -119,10 +161,10 @@ class DecoderRunner:
 
     def _qkv(self, li: int, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms)."""
-        attn = self.layers[li].self_attn
-        q = attn.q_proj(h).view(*shape, self.n_heads, self.head_dim)
-        k = attn.k_proj(h).view(*shape, self.n_kv, self.head_dim)
-        v = attn.v_proj(h).view(*shape, self.n_kv, self.head_dim)
+        q_proj, k_proj, v_proj, _ = self.projs[li]
+        q = q_proj(h).view(*shape, self.n_heads, self.head_dim)
+        k = k_proj(h).view(*shape, self.n_kv, self.head_dim)
+        v = v_proj(h).view(*shape, self.n_kv, self.head_dim)
         if self.qk_norms[li] is not None:
             q_norm, k_norm = self.qk_norms[li]
             q, k = q_norm(q), k_norm(k)
@@ -171,19 +213,23 @@ class DecoderRunner:
         bs, hkv, d = tok.shape[0], self.n_kv, self.head_dim
         x = self.body.embed_tokens(tok)  # [bs, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [bs, 1, D]
-        # where each new K/V row goes in a layer's cache viewed as [slots * Hkv * max_len, D]; built once
+        # built once for all layers: where each new K/V row goes in the cache viewed as [layers, slots * Hkv *
+        # max_len, D]; the attended K/V as [layers, bs * Hkv, kv_len, D] views; the mask
         dst = ((rows[:, None] * hkv + self.kv_heads) * self.max_len + pos[:, None]).view(-1)
-        mask = self._decode_mask(pos, kv_len)  # built once for all layers
-        for li, layer in enumerate(self.layers):
-            attn, (norm1, norm2) = layer.self_attn, self.norms[li]
+        n_layers = len(self.layers)
+        k_rows, v_rows = k_cache.view(n_layers, -1, d), v_cache.view(n_layers, -1, d)
+        k_att = k_cache[:, :bs, :, :kv_len].view(n_layers, bs * hkv, kv_len, d)  # views (see the writes)
+        v_att = v_cache[:, :bs, :, :kv_len].view(n_layers, bs * hkv, kv_len, d)
+        mask = self._decode_mask(pos, kv_len)
+        for li in range(n_layers):
+            norm1, norm2 = self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (bs,))
             qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # one rotary pass for q and k
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            k_cache[li].view(-1, d).index_copy_(0, dst, k.reshape(-1, d))
-            v_cache[li].view(-1, d).index_copy_(0, dst, v.reshape(-1, d))
-            o = self._attend(q, k_cache[li, :bs, :, :kv_len], v_cache[li, :bs, :, :kv_len], mask)
-            x = x + attn.o_proj(o.reshape(bs, -1))
-            x = x + layer.mlp(norm2(x))
+            k_rows[li].index_copy_(0, dst, k.reshape(-1, d))
+            v_rows[li].index_copy_(0, dst, v.reshape(-1, d))
+            x = x + self.projs[li][3](self._attend(q, k_att[li], v_att[li], mask).view(bs, -1))
+            x = x + self.mlps[li](norm2(x))
         return self._logits(x)
 
     def _decode_mask(self, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -198,22 +244,22 @@ class DecoderRunner:
         return mask.masked_fill_(hidden, float("-inf")).view(-1, 1, kv_len)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [bs, H, D] over k/v [bs, Hkv, T, D] (the G = H / Hkv query heads of a KV head ride as the
+        """q [bs, H, D] over k/v [bs * Hkv, T, D] (the G = H / Hkv query heads of a KV head ride as the
         query length); returns [bs, H, D]."""
-        bs, hkv, t, d = k.shape
+        bs, (n, t, d) = q.shape[0], k.shape
         if self.decode_attention == "sdpa":
-            o = F.scaled_dot_product_attention(
-                q.view(bs, hkv, self.group, d), k, v, attn_mask=mask, scale=self.scale
-            )
+            k, v = k.view(bs, n // bs, t, d), v.view(bs, n // bs, t, d)
+            q4 = q.view(bs, n // bs, self.group, d)
+            o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=self.scale)
             return o.reshape(bs, -1, d)  # sdpa may return a transposed (non-contiguous) layout
         # math: 3-D batched matmuls over (slot, KV head), scale and mask fused into the first
-        q3, k3, v3 = q.reshape(bs * hkv, self.group, d), k.view(bs * hkv, t, d), v.view(bs * hkv, t, d)
+        q3 = q.reshape(n, self.group, d)
         if q.dtype == torch.float32:
-            scores = torch.baddbmm(mask, q3, k3.transpose(1, 2), alpha=self.scale)
+            probs = torch.softmax(torch.baddbmm(mask, q3, k.transpose(1, 2), alpha=self.scale), dim=-1)
         else:  # low precision: scale and mask in fp32, as the fp32 path
-            scores = torch.bmm(q3, k3.transpose(1, 2)).float() * self.scale + mask
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.bmm(probs, v3).view(bs, -1, d)
+            scores = torch.bmm(q3, k.transpose(1, 2)).float() * self.scale + mask
+            probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.bmm(probs, v).view(bs, -1, d)
 
 
 def check_supported(model: torch.nn.Module, max_len: int) -> None:

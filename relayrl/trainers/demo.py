@@ -75,7 +75,7 @@ class DemoConfig:
     """Rows (disjoint from SFT, RL and eval rows) for the SFT stopping rule."""
     sft_lr: float = 2e-3
     """SFT peak learning rate."""
-    rl_steps: int = 300
+    rl_steps: int = 600
     """RL steps (32 prompts x 8 samples each)."""
     rl_lr: float = 1e-4
     """RL learning rate."""

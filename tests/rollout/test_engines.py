@@ -111,6 +111,45 @@ def test_native_seeded_sample_independent_of_batch(lively_model, tiny_tokenizer,
     assert [c.token_ids for c in alone.completions] == [c.token_ids for c in mixed.completions]
 
 
+def test_native_samples_follow_the_counter_based_uniforms(lively_model, tiny_tokenizer, prompts):
+    """Token at position p of sample j = inverse CDF of softmax(logits / T) at u = uniform(mix_seed(seed, j),
+    p), the logits from a teacher-forced forward: the engine's per-slot uniform table is that hash."""
+    from relayrl.rollout.sampling import mix_seed, sample_tokens, uniform
+
+    engine = _engine("native", lively_model, tiny_tokenizer)
+    res = generate_all(engine, [_req(prompts[0], n=2, max_new_tokens=10, temperature=0.8, seed=5)])[0]
+    engine.close()
+    for j, c in enumerate(res.completions):
+        ids = torch.tensor([prompts[0] + c.token_ids])
+        with torch.no_grad():
+            logits = lively_model(ids).logits[0, len(prompts[0]) - 1 : -1]
+        positions = torch.arange(len(prompts[0]), ids.shape[1])
+        n = len(c.token_ids)
+        tok, _ = sample_tokens(
+            logits,
+            torch.full((n,), 0.8),
+            torch.ones(n),
+            torch.zeros(n, dtype=torch.long),
+            uniform(torch.full((n,), mix_seed(5, j)), positions),
+            "sample",
+        )
+        assert tok.tolist() == c.token_ids
+
+
+def test_native_kv_bucket_only_pads(lively_model, tiny_tokenizer, prompts):
+    """Eager decode attends over fine length buckets by default; graph-sized buckets (padding to 64) give
+    the same samples and log-probs (the padding is masked)."""
+    reqs = [_req(p, str(i), n=2, max_new_tokens=12, seed=i) for i, p in enumerate(prompts)]
+    out = {}
+    for bucket in (None, 64):
+        engine = _engine("native", lively_model, tiny_tokenizer, kv_bucket=bucket)
+        out[bucket] = [c for r in generate_all(engine, reqs) for c in r.completions]
+        engine.close()
+    assert [c.token_ids for c in out[None]] == [c.token_ids for c in out[64]]
+    for a, b in zip(out[None], out[64], strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ENGINES)
 def test_stop_tokens_and_length_limits(name, lively_model, tiny_tokenizer, prompts):
     p = prompts[1]  # 24 tokens
@@ -291,6 +330,17 @@ def test_native_runs_peft_lora_model_in_place(lively_model, tiny_tokenizer, prom
             input_ids=ids, do_sample=False, max_new_tokens=10, eos_token_id=EOS, pad_token_id=0
         )
     assert got == ref[0, len(prompts[1]) :].tolist() != base[0, len(prompts[1]) :].tolist()
+
+
+def test_native_calls_hooked_modules(lively_model, tiny_tokenizer, prompts):
+    """Plain Linears and MLPs run as direct functional calls; one with a forward hook is called as a module,
+    so its hook fires on every prefill and decode step."""
+    shapes = []
+    lively_model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: shapes.append(o.shape))
+    engine = _engine("native", lively_model, tiny_tokenizer)
+    generate_all(engine, [_req(prompts[0], temperature=0, max_new_tokens=5)])
+    engine.close()
+    assert len(shapes) == 5  # 1 prefill + 4 decode steps
 
 
 def test_cancelled_request_frees_its_slots(lively_model, tiny_tokenizer, prompts):
