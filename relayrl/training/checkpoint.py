@@ -238,16 +238,31 @@ class CheckpointManager:
             )
         for name, model in (models or {}).items():
             load_weights_into(model, path / name)
-        optim = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
+        optim = load_state(path / "optim.pt")
         for name, opt in (optimizers or {}).items():
             opt.load_state_dict(optim["optimizers"][name])
         for name, sched in (schedulers or {}).items():
             sched.load_state_dict(optim["schedulers"][name])
         if restore_rng:
-            restore_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=False))
-        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+            restore_rng_state(load_state(path / "rng.pt"))
+        extra = load_state(path / "extra.pt")
         state = json.loads((path / "trainer_state.json").read_text())
         return LoadedCheckpoint(path=path, step=int(state["step"]), trainer_state=state, extra=extra)
+
+
+def load_state(path: str | Path) -> Any:
+    """torch.load of a state file with weights_only=True: tensors and plain Python types only. A file that
+    carries pickled objects is refused (unpickling a checkpoint made by someone else could run their code)."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds pickled Python objects, not only tensors and plain types; refusing to load it "
+            "(unpickling could run code). relayrl writes state that loads with weights_only=True: resume "
+            "from a checkpoint written by relayrl"
+        ) from err
 
 
 def _read_safetensors_folder(folder: Path, stem: str) -> dict[str, torch.Tensor]:

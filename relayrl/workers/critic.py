@@ -126,12 +126,12 @@ class CriticWorker:
         torch.save(state, path / STATE_FILE)
 
     def load(self, folder: str) -> None:
-        from relayrl.training.checkpoint import load_weights_into
+        from relayrl.training.checkpoint import load_state, load_weights_into
 
         path = Path(folder)
         with self.train.full_precision():
             load_weights_into(self.model, path)
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        state = load_state(path / STATE_FILE)
         self.train.optimizer.load_state_dict(state["optimizer"])
         self.train.scheduler.load_state_dict(state["scheduler"])
         restore_rng_state(state["rng"])

@@ -160,3 +160,23 @@ def test_state_dict_format_resumes_exactly(tmp_path, tiny_model, tiny_tokenizer)
     mgr.load(models={"model": other}, restore_rng=False)
     for p, q in zip(tiny_model.parameters(), other.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+class _Payload:
+    """A pickled object (what an untrusted checkpoint could carry)."""
+
+
+def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
+    """State files load with weights_only=True; one carrying a pickled object fails with a message naming the
+    file and why, instead of running its code."""
+    import pytest
+
+    from relayrl.training.checkpoint import CheckpointManager, load_state
+
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    path = mgr.save(1, models={}, trainer_state={"x": 1}, extra={"data": {"epoch": 0, "position": 4}})
+    assert load_state(path / "extra.pt") == {"data": {"epoch": 0, "position": 4}}
+    assert mgr.load(path).extra["data"]["position"] == 4
+    torch.save({"data": _Payload()}, path / "extra.pt")
+    with pytest.raises(ValueError, match=r"extra\.pt holds pickled Python objects.*refusing to load it"):
+        mgr.load(path)
