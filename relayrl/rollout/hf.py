@@ -19,7 +19,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from relayrl.rollout.base import Completion, FinishReason, SamplingParams
-from relayrl.rollout.driver import Pending, ThreadedEngine, load_named_tensors
+from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
 
 
 def default_eos_ids(
@@ -48,10 +48,12 @@ class HFEngine(ThreadedEngine):
         max_seq_len: int | None = None,
         max_batch: int = 64,
         eos_token_id: int | list[int] | None = None,
+        driver: str | None = None,
     ) -> None:
         """`max_seq_len`: total (prompt + generated) length limit, default the model's
-        max_position_embeddings; `max_batch`: most rows (samples) per `generate` call."""
-        super().__init__(name="hf")
+        max_position_embeddings; `max_batch`: most rows (samples) per `generate` call; `driver`: "thread" |
+        "loop" (default: thread on CUDA, loop elsewhere; driver.py)."""
+        super().__init__(name="hf", driver=driver or default_driver(next(model.parameters()).device))
         self.model = model
         self.max_seq_len = int(max_seq_len or getattr(model.config, "max_position_embeddings", 2048))
         self.max_batch = max_batch

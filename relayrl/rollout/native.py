@@ -12,7 +12,7 @@ stopped, plus the sampling settings temp, top_p, top_k and stop_ids [slots, max_
 The host mirrors only what it can compute without reading the device: which slots are taken, each slot's
 admission step (so upper bounds of pos).
 
-A round (one call of `_step` on the driver thread, driver.py):
+A round (one call of `_step` by the driver, driver.py: a thread on CUDA, the callers' event loops on CPU):
   1. admit: pop waiting requests while n free slots exist (lowest slot ids first, so decode batches stay
      short); right-pad their prompts into prefill batches of <= max_prefill_tokens padded tokens; ONE
      prefill per prompt writes its K/V into all n slots of the request; each slot samples its first token
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
-from relayrl.rollout.driver import Pending, ThreadedEngine, load_named_tensors
+from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_state import GraphCache, SlotState
@@ -95,6 +95,7 @@ class NativeEngine(ThreadedEngine):
         eos_token_id: int | list[int] | None = None,
         seed: int | None = None,
         decode_attention: str = "auto",
+        driver: str | None = None,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -103,8 +104,9 @@ class NativeEngine(ThreadedEngine):
         max_slots); `kv_bucket`: attention length granularity (default 256 with CUDA graphs, one graph per
         bucket; 16 eager, where attention cost follows the longest sequence); `eos_token_id`: stop ids for
         every request (default the tokenizer's EOS; [] for none); `seed`: source of unseeded requests'
-        seeds (None: fresh); `decode_attention`: "sdpa" | "math" | "auto" (sdpa on CUDA)."""
-        super().__init__(name="native")
+        seeds (None: fresh); `decode_attention`: "sdpa" | "math" | "auto" (sdpa on CUDA); `driver`: who runs
+        the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py)."""
+        super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
         self.model = model

@@ -53,7 +53,9 @@ def build_optimizer(
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     if on_cuda:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)  # CPU default: a loop per tensor
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=betas, eps=eps, foreach=True
+    )  # CPU default: a loop per tensor
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> float:

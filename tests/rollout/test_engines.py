@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from relayrl.rollout import FinishReason, GenerationRequest, SamplingParams, build_engine, generate_all
 
 ENGINES = ["native", "hf"]
+DRIVERS = ["loop", "thread"]  # CPU's default first; "thread" is CUDA's
 pytestmark = pytest.mark.timeout(60)
 EOS = 1  # the tiny tokenizer's <|im_end|>
 
@@ -236,9 +238,10 @@ def test_load_weights_named_copies_in_place(name, lively_model, tiny_tokenizer, 
     engine.close()
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("name", ENGINES)
-def test_sleep_wake_up_round_trip(name, lively_model, tiny_tokenizer, prompts):
-    engine = _engine(name, lively_model, tiny_tokenizer)
+def test_sleep_wake_up_round_trip(name, driver, lively_model, tiny_tokenizer, prompts):
+    engine = _engine(name, lively_model, tiny_tokenizer, driver=driver)
     req = _req(prompts[2], n=2, max_new_tokens=10, seed=5)
     before = generate_all(engine, [req])[0]
     engine.sleep()
@@ -250,8 +253,9 @@ def test_sleep_wake_up_round_trip(name, lively_model, tiny_tokenizer, prompts):
     assert [c.token_ids for c in after.completions] == [c.token_ids for c in before.completions]
 
 
-def test_requests_wait_while_asleep_and_close_aborts(lively_model, tiny_tokenizer, prompts):
-    engine = _engine("native", lively_model, tiny_tokenizer)
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_requests_wait_while_asleep_and_close_aborts(driver, lively_model, tiny_tokenizer, prompts):
+    engine = _engine("native", lively_model, tiny_tokenizer, driver=driver)
     engine.sleep()
 
     async def run():
@@ -271,6 +275,49 @@ def test_requests_wait_while_asleep_and_close_aborts(lively_model, tiny_tokenize
     assert [c.finish_reason for c in aborted.completions] == [FinishReason.ABORT] * 2
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_failing_round_fails_its_callers(driver, lively_model, tiny_tokenizer, prompts, monkeypatch):
+    engine = _engine("native", lively_model, tiny_tokenizer, driver=driver)
+
+    def broken(*args):
+        raise RuntimeError("decode blew up")
+
+    monkeypatch.setattr(engine.runner, "decode", broken)
+    with pytest.raises(RuntimeError, match="decode blew up"):
+        generate_all(engine, [_req(p, max_new_tokens=4) for p in prompts[:2]])
+    monkeypatch.undo()
+    res = generate_all(engine, [_req(prompts[0], temperature=0, max_new_tokens=4)])[0]  # still serves
+    engine.close()
+    assert res.completions[0].token_ids == _hf_greedy(lively_model, prompts[0], 4)
+
+
+def test_loop_driver_serves_a_loop_while_another_blocks(lively_model, tiny_tokenizer, prompts):
+    """Each event loop with requests in flight runs its own driver: loop A drives, then blocks its thread;
+    a request from loop B (another thread) still completes, and A's completes once A runs again."""
+    engine = _engine("native", lively_model, tiny_tokenizer, driver="loop")
+    b_done = threading.Event()
+    a_submitted = threading.Event()
+
+    async def loop_a():
+        task = asyncio.ensure_future(engine.generate(_req(prompts[1], temperature=0, max_new_tokens=30)))
+        await asyncio.sleep(0)  # A's driver starts and takes the request
+        a_submitted.set()
+        assert b_done.wait(30)  # blocks loop A's thread until B is served
+        return await task
+
+    def run_b():
+        a_submitted.wait(30)
+        asyncio.run(engine.generate(_req(prompts[0], temperature=0, max_new_tokens=5)))
+        b_done.set()
+
+    b = threading.Thread(target=run_b)
+    b.start()
+    res_a = asyncio.run(loop_a())
+    b.join()
+    engine.close()
+    assert res_a.completions[0].token_ids == _hf_greedy(lively_model, prompts[1], 30)
+
+
 def test_native_validation_errors(lively_model, tiny_tokenizer):
     engine = _engine("native", lively_model, tiny_tokenizer, max_slots=2)
     with pytest.raises(ValueError, match="n=3 exceeds the engine's max_slots=2"):
@@ -278,6 +325,8 @@ def test_native_validation_errors(lively_model, tiny_tokenizer):
     with pytest.raises(ValueError, match=r"prompt ids \[500\] outside the vocabulary"):
         generate_all(engine, [_req([5, 500])])
     engine.close()
+    with pytest.raises(ValueError, match=r"driver must be one of \('thread', 'loop'\)"):
+        _engine("native", lively_model, tiny_tokenizer, driver="process")
     with pytest.raises(RuntimeError, match="closed"):
         generate_all(engine, [_req([5, 6])])
 
@@ -343,8 +392,11 @@ def test_native_calls_hooked_modules(lively_model, tiny_tokenizer, prompts):
     assert len(shapes) == 5  # 1 prefill + 4 decode steps
 
 
-def test_cancelled_request_frees_its_slots(lively_model, tiny_tokenizer, prompts):
-    engine = _engine("native", lively_model, tiny_tokenizer, max_slots=2, sync_every=1, max_seq_len=200)
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_cancelled_request_frees_its_slots(driver, lively_model, tiny_tokenizer, prompts):
+    engine = _engine(
+        "native", lively_model, tiny_tokenizer, max_slots=2, sync_every=1, max_seq_len=200, driver=driver
+    )
 
     async def run():
         slow = asyncio.ensure_future(engine.generate(_req(prompts[0], n=2, max_new_tokens=190, seed=1)))
@@ -360,14 +412,15 @@ def test_cancelled_request_frees_its_slots(lively_model, tiny_tokenizer, prompts
     assert [c.token_ids for c in res.completions] == [_hf_greedy(lively_model, prompts[2], 5)] * 2
 
 
-def test_burst_of_requests_starts_as_one_batch(lively_model, tiny_tokenizer, prompts):
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_burst_of_requests_starts_as_one_batch(driver, lively_model, tiny_tokenizer, prompts):
     """generate_all's concurrent submissions are coalesced: one generate call / one prefill batch."""
     reqs = [_req(p, temperature=0.5, max_new_tokens=4) for p in prompts]
-    hf = _engine("hf", lively_model, tiny_tokenizer)
+    hf = _engine("hf", lively_model, tiny_tokenizer, driver=driver)
     generate_all(hf, reqs)
     assert hf.generate_calls == 1
     hf.close()
-    native = _engine("native", lively_model, tiny_tokenizer)
+    native = _engine("native", lively_model, tiny_tokenizer, driver=driver)
     generate_all(native, reqs)
     assert (native.prefill_batches, native.prefill_count) == (1, 5)
     native.close()
