@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
+from relayrl.models.forward import to_device
 from relayrl.training.precision import PRECISIONS, MasterWeights, autocast, resolve_precision
 
 __all__ = [
@@ -106,9 +107,7 @@ class NonFiniteError(RuntimeError):
 def move_to(batch: Any, device: torch.device | str) -> Any:
     """Move every tensor in a (slotted) dataclass / dict / list / tensor to `device`."""
     if isinstance(batch, torch.Tensor):
-        if torch.device(device).type == "cuda" and batch.device.type == "cpu":
-            return batch.pin_memory().to(device, non_blocking=True)  # pageable copies would stall the GPU
-        return batch.to(device)
+        return to_device(batch, torch.device(device))  # pinned + async: a pageable copy stalls the GPU
     if is_dataclass(batch) and not isinstance(batch, type):
         return replace(
             batch, **{f.name: move_to(getattr(batch, f.name), device) for f in fields(batch) if f.init}
