@@ -308,16 +308,73 @@ class EvalConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DistConfig:
-    """Execution mode: the same worker classes run in-process or as Ray actors."""
+    """Execution and placement: every role in this process (local), or Ray actors with data-parallel,
+    FSDP2-sharded roles (ray). Role sizes and colocation use OpenRLHF's terms (docs/distributed.md)."""
 
     mode: str = "local"
-    """local (every role in this process) or ray (roles as Ray actors in a placement group)."""
+    """local (every role in this process, one rank each) or ray (each role a group of Ray actors)."""
     ray_address: str = ""
-    """Ray cluster address; empty starts a local cluster."""
+    """Ray cluster address (e.g. HEAD_IP:6379 after `ray start --head`); empty starts a local cluster."""
     num_cpus: int = 2
     """CPUs of the local Ray cluster started when no address is given."""
-    num_gpus_per_role: float = 0.0
-    """GPUs per role actor (0 on CPU)."""
+    gpus: Literal["auto", "yes", "no"] = "auto"
+    """auto (use GPUs when the Ray cluster has them), yes, no. Without GPUs every rank is a CPU process
+    (gloo) and the *_num_gpus_per_node values count processes."""
+    policy_num_nodes: int = 1
+    """Nodes of the policy (actor) role."""
+    policy_num_gpus_per_node: int = 1
+    """Ranks of the policy role per node (one GPU each): the policy is sharded over nodes x this."""
+    ref_num_nodes: int = 1
+    """Nodes of the reference role."""
+    ref_num_gpus_per_node: int = 1
+    """Ranks of the reference role per node."""
+    critic_num_nodes: int = 1
+    """Nodes of the critic role."""
+    critic_num_gpus_per_node: int = 1
+    """Ranks of the critic role per node."""
+    colocate_policy_ref: bool = False
+    """Reference ranks share the policy's GPUs (same sizes required), as OpenRLHF's --colocate_actor_ref."""
+    colocate_critic_reward: bool = False
+    """The reward role shares the critic's first GPU, as OpenRLHF's --colocate_critic_reward (rule-based and
+    remote rewards need no GPU: then it only places the reward actor beside the critic)."""
+    colocate_all: bool = False
+    """Every role on the policy's GPUs (reference and critic need the policy's sizes), as OpenRLHF's
+    --colocate_all_models; the engine sleeps while the models train."""
+    offload: bool = False
+    """FSDP2 CPU offload of the trained roles' parameters, gradients and optimizer states (the optimizer
+    step runs on the CPU): for models that do not fit the GPUs' memory otherwise."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered weights after its forward (ZeRO-3); False keeps them until the backward
+    (ZeRO-2-like: faster, more memory)."""
+    engine_sleep: Literal["auto", "yes", "no"] = "auto"
+    """The rollout engine frees its KV cache while the policy trains and re-allocates it before the next
+    rollout: auto (on when the engine shares its GPU with training, i.e. on a GPU), yes, no."""
+    offload_optimizer_in_rollout: bool = False
+    """Move the policy's optimizer states to CPU memory during rollout (back before the update)."""
+    timeout_s: float = 600.0
+    """Bound on every collective and on waiting for a role: a dead or stuck rank stops the run with an error
+    naming the role, rank and host within this time."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "policy_num_nodes",
+            "policy_num_gpus_per_node",
+            "ref_num_nodes",
+            "ref_num_gpus_per_node",
+            "critic_num_nodes",
+            "critic_num_gpus_per_node",
+        ):
+            if getattr(self, name) < 1:
+                raise invalid(name, getattr(self, name), "an int >= 1")
+        if self.timeout_s <= 0:
+            raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
+        check_choices(self)
+
+    def ranks(self, role: str) -> int:
+        """Ranks of `role` (policy / ref / critic) in ray mode; 1 in local mode."""
+        if self.mode != "ray":
+            return 1
+        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,29 +1,50 @@
-"""Launch role workers in-process (`local`) or as Ray actors (`ray`): the same worker classes either way.
+"""Launch role workers in-process (`local`) or as groups of Ray actors (`ray`): the same worker classes either way.
 
-    launcher = build_launcher(dist_cfg, num_roles=3)     # LocalLauncher or RayLauncher
-    policy = launcher.spawn("policy", PolicyWorker, spec)  # -> RoleHandle
-    trajs = policy.call("rollout", prompts, step)          # a plain method call, or ray.get(actor.m.remote())
-    futs = [h.submit("logprobs", batch) for h in handles]  # start several roles at once ...
-    results = launcher.wait(futs)                          # ... and collect them
+    launcher = build_launcher(dist_cfg, {"policy": 2, "reward": 1, "reference": 2})   # role -> ranks
+    policy = launcher.spawn("policy", PolicyWorker, spec)   # -> RoleHandle over the role's ranks
+    trajs = policy.call("rollout", prompts, seed)            # every rank runs it; results merged
+    futs = [h.submit("logprobs", batch) for h in handles]   # start several roles at once ...
+    results = launcher.wait(futs)                           # ... and collect them
     launcher.shutdown()
 
-`RoleHandle` is the only seam the trainer sees: `call(method, *args)` runs a worker method and returns its
-result; `submit` starts it and `wait` collects it, so independent roles (reference, critic, reward) run in
-parallel under Ray and sequentially in-process with the same trainer code.
+`RoleHandle` is the only seam the trainer sees. `call(method, *args)` runs the method on EVERY rank of the role
+with the same arguments (big ones are put in Ray's object store once); each rank takes its own share of the
+work (relayrl.distributed.group: contiguous balanced shares), and the per-rank results are merged as the
+worker method declares with `@merged(...)` (rank 0's result by default, "concat" for per-rank pieces of a
+batch). Local mode is the 1-rank case of the same protocol.
 
-Ray placement: one placement group with one bundle per role (PACK strategy); each role actor is pinned to
-its bundle. The rollout engine is colocated with the policy by construction: the policy worker owns it, so
-it reads the policy's weights in place in both modes. Without `ray_address` a local Ray cluster is started
-with `num_cpus` CPUs (no dashboard) and shut down by `shutdown()`; a cluster we did not start is left alone.
+Ray placement (OpenRLHF's model): each role with a model is a group of `num_nodes x num_gpus_per_node` rank
+actors, one per placement-group bundle ({GPU: 1, CPU: c}, PACK strategy, so a group fills a node before the
+next). Colocated roles share a placement group: their rank i actors sit on the same bundle, each asking for a
+fraction of its GPU (1 / roles sharing it). The rule-based / remote reward role is one actor without a GPU.
+The ranks of a role join one torch.distributed group (NCCL with GPUs, gloo without): rank 0 reports its node's
+IP and a free port, every rank then calls `init_process_group` with it and builds its worker, which shards its
+model with FSDP2. Without `ray_address` a local Ray cluster is started (`num_cpus` CPUs, no dashboard) and shut
+down by `shutdown()`; a cluster we did not start is left running (our actors and placement groups are removed).
+
+Failures: a rank that raises or dies (killed, out of memory) makes `call` / `wait` raise `RoleError` naming the
+role, rank, host and the original error as soon as Ray reports it; when some ranks of a call are done and
+others are still running `timeout_s` later (a peer stuck in a collective; collectives time out after the same
+bound), `RoleError` names the stragglers. The caller stops the run; its last complete checkpoint stays.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from relayrl.config.rl import DistConfig
+from relayrl.distributed.group import GroupSpec, join_group, leave_group, merge_results
+
+PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
+"""Environment variables of the driver that Ray actors inherit (when set)."""
+
+
+class RoleError(RuntimeError):
+    """A rank of a role failed, died or stalled (the message names role, rank, host and the cause)."""
 
 
 class RoleHandle(Protocol):
@@ -32,7 +53,7 @@ class RoleHandle(Protocol):
     name: str
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run `method` and return its result."""
+        """Run `method` and return its (merged) result."""
         ...
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -48,11 +69,12 @@ class _Done:
 
 
 class LocalRole:
-    """A worker instance in this process."""
+    """A worker instance in this process (one rank)."""
 
     def __init__(self, name: str, instance: Any) -> None:
         self.name = name
         self.instance = instance
+        self.world = 1
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.instance, method)(*args, **kwargs)
@@ -76,34 +98,178 @@ class LocalLauncher:
         return None
 
 
-class RayRole:
-    """A worker running as a Ray actor."""
+# ================================================================================================ ray
 
-    def __init__(self, name: str, actor: Any) -> None:
-        self.name = name
-        self.actor = actor
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+class RankHost:
+    """The Ray actor hosting one rank of a role: joins the role's process group, then builds and runs the
+    worker. Keeps worker classes free of Ray."""
+
+    def __init__(self, role: str, rank: int) -> None:
+        self.role, self.rank = role, rank
+        self.worker: Any = None
+
+    def endpoint(self) -> tuple[str, int, str]:
+        """(node IP, a free TCP port on it, host name): the rendezvous of the role's group (rank 0)."""
         import ray
 
-        return ray.get(self.submit(method, *args, **kwargs))
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port, socket.gethostname()
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.actor, method).remote(*args, **kwargs)
+    def start(self, group: GroupSpec, cls: type, args: tuple, kwargs: dict) -> str:
+        join_group(group)
+        self.worker = cls(*args, **kwargs)
+        return socket.gethostname()
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def stop(self) -> None:
+        close = getattr(self.worker, "close", None)
+        if callable(close):
+            close()
+        leave_group()
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Outstanding per-rank calls of one role (what `RayRole.submit` returns)."""
+
+    role: RayRole
+    method: str
+    refs: list[Any]
+
+
+class RayRole:
+    """A role as a group of Ray actors, one per rank (see module doc)."""
+
+    def __init__(self, name: str, cls: type, actors: list[Any], hosts: list[str], timeout_s: float) -> None:
+        self.name, self.cls, self.actors, self.hosts = name, cls, actors, hosts
+        self.world = len(actors)
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.collect(self.submit(method, *args, **kwargs))
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> _Pending:
+        import ray
+
+        if self.world > 1:  # one copy in the object store, not one per rank
+            args = tuple(ray.put(a) if _big(a) else a for a in args)
+            kwargs = {k: ray.put(v) if _big(v) else v for k, v in kwargs.items()}
+        refs = [a.run.remote(method, *args, **kwargs) for a in self.actors]  # top-level refs are resolved
+        return _Pending(self, method, refs)
+
+    def collect(self, p: _Pending) -> Any:
+        results = _gather(self.name, p.method, p.refs, self.hosts, self.timeout_s)
+        return merge_results(self.cls, p.method, results)
+
+
+def _big(x: Any) -> bool:
+    return not isinstance(x, int | float | str | bool | type(None))
+
+
+def _label(role: str, rank: int, hosts: list[str], world: int) -> str:
+    host = hosts[rank] if rank < len(hosts) else "?"
+    return f"{role} rank {rank}/{world} on host {host}"
+
+
+def _cause(err: BaseException) -> str:
+    """The original error of a Ray exception, as one line."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = getattr(err, "cause", None)
+        if cause is not None and not isinstance(cause, ray.exceptions.RayTaskError):
+            return f"{type(cause).__name__}: {cause}".splitlines()[0]
+        return str(err).strip().splitlines()[-1]
+    if isinstance(err, ray.exceptions.RayActorError):
+        return "the process died (killed, out of memory, or crashed); see the Ray logs of that worker"
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def _gather(role: str, method: str, refs: list[Any], hosts: list[str], timeout_s: float) -> list[Any]:
+    """Every rank's result, raising RoleError on the first failure (see module doc)."""
+    import ray
+
+    index = {r: i for i, r in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    first_done: float | None = None
+    while pending:
+        wait = None if first_done is None else max(0.0, first_done + timeout_s - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+        if not ready:
+            late = sorted(index[r] for r in pending)
+            raise RoleError(
+                f"{role}.{method}: ranks {late} of {len(refs)} still running {timeout_s:.0f} s after the others "
+                f"finished (a peer stuck or dead; dist.timeout_s bounds this): "
+                + "; ".join(_label(role, i, hosts, len(refs)) for i in late)
+            )
+        for r in ready:
+            i = index[r]
+            try:
+                results[i] = ray.get(r)
+            except Exception as e:  # named and re-raised
+                raise RoleError(f"{_label(role, i, hosts, len(refs))} failed in {method}: {_cause(e)}") from e
+        first_done = first_done if first_done is not None else time.monotonic()
+    return results
+
+
+@dataclass(slots=True)
+class _Pool:
+    """A placement group shared by the roles colocated on it."""
+
+    bundles: int
+    roles: list[str] = field(default_factory=list)
+    pg: Any = None
+
+
+COLOCATABLE = ("policy", "reference", "critic")
+"""Roles that hold a model (and GPUs); `reward` (rule-based / remote) is a single CPU actor."""
+
+
+def plan_pools(cfg: DistConfig, roles: dict[str, int]) -> dict[str, str]:
+    """role -> name of the placement group it sits in (see module doc); checks colocated sizes."""
+    where: dict[str, str] = {}
+    for role in roles:
+        if role == "reward":
+            where[role] = "reward"
+            if cfg.colocate_critic_reward and "critic" in roles:
+                where[role] = "critic"
+            if cfg.colocate_all:
+                where[role] = "policy"
+        elif (role == "reference" and (cfg.colocate_policy_ref or cfg.colocate_all)) or (
+            role == "critic" and cfg.colocate_all
+        ):
+            where[role] = "policy"
+        else:
+            where[role] = role
+    for role, pool in where.items():
+        if role in COLOCATABLE and pool != role and roles[role] != roles[pool]:
+            raise ValueError(
+                f"dist: {role} is colocated with {pool} but has {roles[role]} ranks against {roles[pool]}: "
+                f"colocated roles need the same nodes x gpus_per_node"
+            )
+    return where
 
 
 class RayLauncher:
-    """Roles as Ray actors in one placement group (one bundle per role)."""
+    """Roles as groups of Ray actors in placement groups (see module doc)."""
 
     mode = "ray"
 
-    def __init__(self, cfg: DistConfig, num_roles: int) -> None:
+    def __init__(self, cfg: DistConfig, roles: dict[str, int]) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
+        self.cfg = cfg
         self._started = False
+        self._actors: list[Any] = []
         if not ray.is_initialized():
-            env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM") if k in os.environ}
+            env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
             kwargs: dict[str, Any] = {
                 "include_dashboard": False,
                 "log_to_driver": True,
@@ -114,35 +280,82 @@ class RayLauncher:
             else:
                 ray.init(num_cpus=cfg.num_cpus, **kwargs)
                 self._started = True
-        total = float(ray.cluster_resources().get("CPU", 1.0))
-        self.cpus_per_role = min(1.0, total / max(1, num_roles))
-        self.gpus_per_role = cfg.num_gpus_per_role
-        bundle: dict[str, float] = {"CPU": self.cpus_per_role}
-        if self.gpus_per_role:
-            bundle["GPU"] = self.gpus_per_role
-        self.pg = placement_group([dict(bundle) for _ in range(num_roles)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
-        self._next_bundle = 0
-        self.num_roles = num_roles
+        resources = ray.cluster_resources()
+        self.use_gpus = cfg.gpus == "yes" or (cfg.gpus == "auto" and resources.get("GPU", 0) > 0)
+        self.roles = roles
+        self.where = plan_pools(cfg, roles)
+        actors = sum(roles.values())
+        self.cpu_per_actor = min(1.0, float(resources.get("CPU", 1.0)) / max(1, actors))
+        self.pools: dict[str, _Pool] = {}
+        for role, pool in self.where.items():
+            p = self.pools.setdefault(pool, _Pool(bundles=roles.get(pool, roles[role])))
+            p.roles.append(role)
+        for p in self.pools.values():
+            gpu = self.use_gpus and any(r in COLOCATABLE for r in p.roles)
+            bundle: dict[str, float] = {"CPU": self.cpu_per_actor * len(p.roles)}
+            if gpu:
+                bundle["GPU"] = 1.0
+            p.pg = placement_group([dict(bundle) for _ in range(p.bundles)], strategy="PACK")
+        for p in self.pools.values():
+            try:
+                ray.get(p.pg.ready(), timeout=cfg.timeout_s)
+            except ray.exceptions.GetTimeoutError as e:
+                raise RoleError(
+                    f"dist: the Ray cluster cannot place {p.bundles} bundle(s) for {'+'.join(p.roles)} within "
+                    f"{cfg.timeout_s:.0f} s (cluster resources: {resources}); lower the *_num_gpus_per_node / "
+                    "*_num_nodes values or add nodes"
+                ) from e
+
+    def _gpu_share(self, role: str) -> float:
+        pool = self.pools[self.where[role]]
+        if not self.use_gpus or role not in COLOCATABLE:
+            return 0.0
+        return 1.0 / sum(1 for r in pool.roles if r in COLOCATABLE)
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayRole:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if self._next_bundle >= self.num_roles:
-            raise RuntimeError(f"RayLauncher was sized for {self.num_roles} roles; cannot spawn {name!r}")
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=self._next_bundle
-        )
-        self._next_bundle += 1
-        remote_cls = ray.remote(num_cpus=self.cpus_per_role, num_gpus=self.gpus_per_role)(cls)
-        actor = remote_cls.options(scheduling_strategy=strategy, name=None).remote(*args, **kwargs)
-        return RayRole(name, actor)
+        if name not in self.roles:
+            raise RuntimeError(
+                f"RayLauncher was planned for roles {sorted(self.roles)}; cannot spawn {name!r}"
+            )
+        world = self.roles[name]
+        pool = self.pools[self.where[name]]
+        host_cls = ray.remote(RankHost)
+        actors = []
+        for rank in range(world):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pool.pg, placement_group_bundle_index=rank
+            )
+            actor = host_cls.options(
+                num_cpus=self.cpu_per_actor,
+                num_gpus=self._gpu_share(name),
+                scheduling_strategy=strategy,
+                max_concurrency=1,
+            ).remote(name, rank)
+            actors.append(actor)
+        self._actors += actors
+        addr, port, host0 = _gather(
+            name, "endpoint", [actors[0].endpoint.remote()], ["?"], self.cfg.timeout_s
+        )[0]
+        backend = "nccl" if self.use_gpus and name in COLOCATABLE else "gloo"
+        refs = [
+            a.start.remote(
+                GroupSpec(
+                    rank=r, world=world, addr=addr, port=port, backend=backend, timeout_s=self.cfg.timeout_s
+                ),
+                cls,
+                args,
+                kwargs,
+            )
+            for r, a in enumerate(actors)
+        ]
+        hosts = _gather(name, "start", refs, [host0] * world, self.cfg.timeout_s)
+        return RayRole(name, cls, actors, hosts, self.cfg.timeout_s)
 
     def wait(self, tokens: list[Any]) -> list[Any]:
-        import ray
-
-        return list(ray.get(list(tokens)))
+        return [t.role.collect(t) for t in tokens]
 
     def shutdown(self) -> None:
         import ray
@@ -151,19 +364,23 @@ class RayLauncher:
         if not ray.is_initialized():
             return
         try:
-            remove_placement_group(self.pg)
+            for a in self._actors:
+                ray.kill(a)
+            for p in self.pools.values():
+                remove_placement_group(p.pg)
         finally:
+            self._actors = []
             if self._started:
                 ray.shutdown()
 
 
 Launcher = LocalLauncher | RayLauncher
 
-LAUNCHERS = {"local": lambda cfg, n: LocalLauncher(), "ray": RayLauncher}
+LAUNCHERS = {"local": lambda cfg, roles: LocalLauncher(), "ray": RayLauncher}
 
 
-def build_launcher(cfg: DistConfig, num_roles: int) -> Launcher:
-    """The launcher for `cfg.mode`; a clear error lists the modes."""
+def build_launcher(cfg: DistConfig, roles: dict[str, int]) -> Launcher:
+    """The launcher for `cfg.mode` sized for `roles` (role -> ranks); a clear error lists the modes."""
     if cfg.mode not in LAUNCHERS:
         raise ValueError(f"dist.mode: unknown execution mode {cfg.mode!r}; choose one of {sorted(LAUNCHERS)}")
-    return LAUNCHERS[cfg.mode](cfg, num_roles)
+    return LAUNCHERS[cfg.mode](cfg, roles)

@@ -13,7 +13,13 @@ Two cases, decided once at construction:
   policy (LoRA adapters included) whose parameters are held in `dtype`; buffers (e.g. rotary inv_freq) keep
   their dtype. `refresh` copies every parameter with `Tensor.copy_` (a cast on the device, no host round
   trip, no serialisation, storage addresses unchanged, so CUDA graphs captured over them stay valid).
-Multi-GPU refresh from FSDP shards (all-gather into these buffers) builds on this seam.
+- gather (the trainer is sharded with FSDP2 over its ranks, relayrl.distributed.fsdp): `model` is a full
+  replica made BEFORE the trainer is sharded (so every rank's engine holds the whole model in `dtype`);
+  `refresh` all-gathers each trained parameter from its shards, cast to `dtype` before the gather, and
+  copies it into the replica's buffer: one parameter in flight at a time (bounded extra memory), on the
+  device, every rank at once (it is a collective: all ranks call `refresh` and `max_abs_diff` together).
+Only parameters that train (requires_grad) are refreshed: frozen ones (a LoRA run's base weights) were
+copied at construction and never change.
 """
 
 from __future__ import annotations
@@ -27,13 +33,24 @@ import torch
 class EngineWeights:
     """The engine-side weights of a trained module (see module doc)."""
 
-    def __init__(self, source: torch.nn.Module, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        source: torch.nn.Module,
+        *,
+        dtype: torch.dtype,
+        gather: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         self.source = source
+        self.dtype = dtype
+        self.gather = gather
         params = list(source.parameters())
-        self.shared = all(p.dtype == dtype for p in params)
+        self.shared = not gather and all(p.dtype == dtype for p in params)
+        self.trained = {n for n, p in source.named_parameters() if p.requires_grad}
         if self.shared:
             self.model = source
             self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self._targets: dict[str, torch.Tensor] = {}
             return
         grads = [p.grad for p in params]
         for p in params:
@@ -46,9 +63,14 @@ class EngineWeights:
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-            p.data = p.data.to(dtype)
+            p.data = p.data.to(device=device, dtype=dtype)
+        if device is not None:
+            self.model.to(device)  # buffers (rotary tables) too
+        self._targets = {n: p.data for n, p in self.model.named_parameters()}
         src = dict(source.named_parameters())
-        self._pairs = [(src[n].data, p.data) for n, p in self.model.named_parameters()]
+        self._pairs = (
+            [] if gather else [(src[n].data, self._targets[n]) for n in self._targets if n in self.trained]
+        )
 
     @torch.no_grad()
     def refresh(self) -> float:
@@ -57,9 +79,16 @@ class EngineWeights:
         if self.shared:
             return 0.0
         t0 = time.perf_counter()
-        for s, d in self._pairs:
-            d.copy_(s)
-        if self._pairs and self._pairs[0][1].is_cuda:
+        if self.gather:
+            from relayrl.distributed.fsdp import full_tensors
+
+            for name, full in full_tensors(self.source, self.dtype, self.trained):
+                self._targets[name].copy_(full)
+        else:
+            for s, d in self._pairs:
+                d.copy_(s)
+        first = next(iter(self._targets.values()), None)
+        if first is not None and first.is_cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -68,4 +97,11 @@ class EngineWeights:
         """max |engine weight - trainer weight cast to the engine dtype| over every parameter (0 = in sync)."""
         if self.shared:
             return 0.0
-        return max((float((d - s.to(d.dtype)).abs().max()) for s, d in self._pairs), default=0.0)
+        if self.gather:
+            from relayrl.distributed.fsdp import full_tensors
+
+            pairs = ((full, self._targets[n]) for n, full in full_tensors(self.source, self.dtype))
+        else:
+            src = dict(self.source.named_parameters())
+            pairs = ((src[n].data, d) for n, d in self._targets.items())
+        return max((float((d - s.to(d.dtype)).abs().max()) for s, d in pairs), default=0.0)

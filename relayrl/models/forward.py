@@ -46,6 +46,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Sequence
 from itertools import accumulate, pairwise
 from typing import Any
@@ -331,7 +332,7 @@ def _varlen_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
         )
     finally:
         _IN_VARLEN_FORWARD.reset(token)
-    return out.last_hidden_state[0]
+    return out[0]
 
 
 def _padded_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
@@ -340,7 +341,7 @@ def _padded_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
         torch.arange(rows.shape[1], device=ids.device)[None]
         < torch.tensor(lengths, device=ids.device)[:, None]
     )
-    hidden = trunk(input_ids=rows, attention_mask=None, use_cache=False).last_hidden_state
+    hidden = trunk(input_ids=rows, attention_mask=None, use_cache=False)
     return hidden[real]
 
 
@@ -358,12 +359,44 @@ def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
             f"layout 'varlen' needs the model switched to {ATTN_NAME!r} attention (it uses "
             f"{hf.config._attn_implementation!r}): call prepare_model(model, 'varlen') once after loading"
         )
-    trunk = getattr(hf, hf.base_model_prefix)
     device = next(hf.parameters()).device
     ids = to_device(torch.cat(list(seqs)).long(), device)
+    trunk = _Trunk(hf)
     if layout == "varlen":
         return _varlen_hidden(trunk, ids, lengths)
     return _padded_hidden(trunk, ids, lengths)
+
+
+class _Trunk:
+    """Calls the decoder trunk (`hf.<base_model_prefix>`) and returns its last hidden states [B, T, H].
+
+    A model sharded with FSDP2 (relayrl.distributed.fsdp) has the transformers model as its root unit, whose
+    forward hooks gather the root weights (embeddings, norm, heads) and schedule the gradient reduction; so
+    for it the whole model runs (a causal LM computes the logits of one position only: logits_to_keep=1) and
+    the trunk's output is taken from a forward hook. Unsharded models call the trunk directly."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+        self.trunk = getattr(hf, hf.base_model_prefix)
+        self.root = _is_fsdp_root(hf)
+
+    def __call__(self, **kwargs: Any) -> Tensor:
+        if not self.root:
+            return self.trunk(**kwargs).last_hidden_state
+        seen: list[Tensor] = []
+        handle = self.trunk.register_forward_hook(lambda m, a, out: seen.append(out.last_hidden_state))
+        try:
+            if self.hf.get_output_embeddings() is not None:
+                kwargs["logits_to_keep"] = 1
+            self.hf(**kwargs)
+        finally:
+            handle.remove()
+        return seen[-1]
+
+
+def _is_fsdp_root(hf: Any) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(hf, fsdp.FSDPModule)
 
 
 def token_logprobs(

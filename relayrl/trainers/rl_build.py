@@ -306,9 +306,16 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
         ema=cfg.ema,
         task_name=cfg.task.name,
         step_timeout=cfg.reward.timeout_s,
+        dist=cfg.dist,
         **run,
     )
-    launcher = build_launcher(cfg.dist, num_roles=2 + int(want_ref) + int(want_critic))
+    d = cfg.dist
+    sizes = {"policy": d.ranks("policy"), "reward": 1}
+    if want_ref:
+        sizes["reference"] = d.ranks("ref")
+    if want_critic:
+        sizes["critic"] = d.ranks("critic")
+    launcher = build_launcher(d, sizes)
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)
         reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
@@ -318,13 +325,20 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
                 model=cfg.model,
                 micro_batch_tokens=algo.micro_batch_tokens,
                 temperature=cfg.rollout.temperature,
+                dist=cfg.dist,
                 **run,
             )
             reference = launcher.spawn("reference", ReferenceWorker, ref_spec)
         critic = None
         if want_critic:
             critic_spec = CriticSpec(
-                model=cfg.model, optim=cfg.optim, critic=cfg.critic, algo=algo, total_steps=total_steps, **run
+                model=cfg.model,
+                optim=cfg.optim,
+                critic=cfg.critic,
+                algo=algo,
+                total_steps=total_steps,
+                dist=cfg.dist,
+                **run,
             )
             critic = launcher.spawn("critic", CriticWorker, critic_spec)
         policy.call("info")  # surfaces a worker's construction error here, in both modes

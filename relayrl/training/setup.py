@@ -109,12 +109,15 @@ def build_train_step(
     *,
     precision: str = "auto",
     device: torch.device | None = None,
+    sharded: bool = False,
 ) -> TrainStep:
     """TrainStep from an OptimConfig: AdamW (fused on CUDA) + schedule + clipping, at `precision`. With
-    "bf16" the module is converted to bf16 compute weights and the optimizer holds their fp32 masters."""
+    "bf16" the module is converted to bf16 compute weights and the optimizer holds their fp32 masters;
+    `sharded` (FSDP2, relayrl.distributed.fsdp): the sharded fp32 parameters are the masters and FSDP's
+    mixed-precision policy casts them for compute, so no MasterWeights."""
     device = device if device is not None else next(model.parameters()).device
     precision = resolve_precision(precision, device)
-    master = MasterWeights(model, torch.bfloat16) if precision == "bf16" else None
+    master = MasterWeights(model, torch.bfloat16) if precision == "bf16" and not sharded else None
     optimizer, scheduler = build_optim(master.named_params() if master else model, optim, total_steps)
     return TrainStep(
         master=master,

@@ -16,8 +16,10 @@ gradient of
 The step back-propagates each raw `loss_sum_i`, then multiplies the accumulated gradients by 1 / global
 count once: the update does not depend on how the step is split into micro-batches (tested), and no count
 is needed before the forward passes. Under torch.distributed the count is all-reduced and the gradients
-(averaged over ranks by DDP/FSDP) are multiplied by world_size / global count. Metrics are sums too, each
-divided by its own global denominator (`metric_counts[name]`, default the loss count).
+(averaged over ranks by FSDP) are multiplied by world_size / global count. Metrics are sums too, each
+divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks.
+Ranks run the same number of forward passes (FSDP gathers weights in each, a collective): a rank with fewer
+micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric).
 
 Precision (relayrl/training/precision.py): with precision "bf16" (the default on a CUDA card that supports it)
 the module computes with bf16 weights (under bf16 autocast for any fp32 leftovers) while the optimizer holds
@@ -85,15 +87,15 @@ class StepOutput:
     """Result of one optimizer step."""
 
     loss: float
-    """sum(loss_sum) / sum(count) over the step (this rank's micro-batches)."""
+    """sum(loss_sum) / sum(count) over the step (every micro-batch of every rank)."""
     count: float
-    """Total units in the step (this rank)."""
+    """Total units in the step (every rank)."""
     grad_norm: float
     """Global gradient norm before clipping (after normalisation)."""
     lr: float
     """Learning rate used for this step (first param group)."""
     tokens: int
-    """Input tokens processed (from the micro-batches' `num_tokens`), for tokens/s."""
+    """Input tokens processed by this rank (from the micro-batches' `num_tokens`), for tokens/s."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Loss metrics, each divided by its step total denominator."""
     skipped: bool = False
@@ -128,18 +130,67 @@ class _Sums:
         self.metrics: dict[str, Any] = {}
         self.counts: dict[str, Any] = {}
 
-    def add(self, out: LossOutput) -> None:
-        self.loss = self.loss + out.loss_sum.detach().double()
-        self.count = self.count + _f64(out.count)
+    def add(self, out: LossOutput, weight: float = 1.0) -> None:
+        """Add a micro-batch's sums (weight 0: a padding pass, which adds its metric names only)."""
+        self.loss = self.loss + out.loss_sum.detach().double() * weight
+        self.count = self.count + _f64(out.count) * weight
         for k, v in out.metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0.0) + _f64(v)
-            self.counts[k] = self.counts.get(k, 0.0) + _f64(out.metric_counts.get(k, out.count))
+            self.metrics[k] = self.metrics.get(k, 0.0) + _f64(v) * weight
+            self.counts[k] = self.counts.get(k, 0.0) + _f64(out.metric_counts.get(k, out.count)) * weight
 
     def result(self) -> tuple[float, float, dict[str, float]]:
-        count = float(self.count)
-        loss = float(self.loss) / count if count > 0 else math.nan
-        metrics = {k: float(v) / max(float(self.counts[k]), 1e-12) for k, v in self.metrics.items()}
+        """(loss, count, metrics) over every micro-batch of every rank (one all-reduce under a group)."""
+        keys = sorted(self.metrics)
+        flat = _sum_over_ranks(
+            [float(self.loss), float(self.count)]
+            + [float(self.metrics[k]) for k in keys]
+            + [float(self.counts[k]) for k in keys]
+        )
+        loss_sum, count = flat[0], flat[1]
+        loss = loss_sum / count if count > 0 else math.nan
+        m, c = flat[2 : 2 + len(keys)], flat[2 + len(keys) :]
+        metrics = {k: v / max(n, 1e-12) for k, v, n in zip(keys, m, c, strict=True)}
         return loss, count, metrics
+
+
+def _group() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    if not _group():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def _max_over_ranks(n: int) -> int:
+    if not _group():
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=_comm_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def padded_passes(micro_batches: Sequence[Any], num_real: int | None) -> list[tuple[Any, float]]:
+    """(micro-batch, weight) for every pass: the same number of passes on every rank (FSDP gathers weights
+    in each forward, a collective, so ranks must run equally many); extra passes repeat the last micro-batch
+    with weight 0. `num_real`: the first num_real micro-batches count (default all)."""
+    real = len(micro_batches) if num_real is None else num_real
+    passes = _max_over_ranks(len(micro_batches))
+    if passes and not micro_batches:
+        raise ValueError(
+            "this rank has no micro-batch while others have some: pass a padding micro-batch with num_real=0"
+        )
+    return [(micro_batches[min(i, len(micro_batches) - 1)], 1.0 if i < real else 0.0) for i in range(passes)]
 
 
 def _f64(x: float | torch.Tensor) -> Any:
@@ -181,34 +232,39 @@ class TrainStep:
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def step(self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None) -> StepOutput:
-        """Forward/backward every micro-batch, normalise by the global count, clip, step optimizer + schedule."""
+    def step(
+        self, micro_batches: Sequence[Any], loss_fn: LossFn | None = None, *, num_real: int | None = None
+    ) -> StepOutput:
+        """Forward/backward every micro-batch, normalise by the global count, clip, step optimizer + schedule.
+
+        Under a process group every rank calls this together; the ranks' micro-batch lists may differ in
+        length (padding passes even them out) and `num_real` < len marks trailing padding micro-batches
+        (a rank whose share of the step is empty passes one, with num_real=0)."""
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
             raise ValueError("TrainStep.step needs a loss_fn (given here or to the constructor)")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums, tokens = _Sums(), 0
-        for mb in micro_batches:
-            tokens += int(getattr(mb, "num_tokens", 0))
+        for mb, weight in padded_passes(micro_batches, num_real):
+            tokens += int(getattr(mb, "num_tokens", 0)) if weight else 0
             with self.autocast():
                 out = loss_fn(self.model, move_to(mb, self.device))
-            out.loss_sum.backward()
-            sums.add(out)
+            (out.loss_sum if weight else out.loss_sum * 0.0).backward()
+            sums.add(out, weight)
         loss, count, metrics = sums.result()
-        global_count, scale = self._global_scale(count)
+        scale = (torch.distributed.get_world_size() if _group() else 1.0) / max(count, 1e-12)
         params = [p for p in self._params() if p.grad is not None]
         if params:
             torch._foreach_mul_([p.grad for p in params], scale)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        grad_norm = self._clip(params)
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = not (math.isfinite(grad_norm) and (count == 0 or math.isfinite(loss)))
         if skipped:
             self._count_nonfinite(loss, grad_norm)
         else:
             self.nonfinite_in_a_row = 0
-            if global_count > 0:
+            if count > 0:
                 self.optimizer.step()
                 self._refresh()
             if self.scheduler is not None:
@@ -223,6 +279,20 @@ class TrainStep:
             metrics=metrics,
             skipped=skipped,
         )
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+        """Clip to grad_clip (<= 0: no clipping); returns the global norm before clipping (FSDP: over every
+        shard of every rank)."""
+        if not params:
+            return 0.0
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: reduce the partial norms
+        if full is not None:
+            norm = full()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
+        return float(norm)
 
     def _refresh(self) -> None:
         """Cast the updated fp32 masters into the module's compute weights (timed, device-synchronised)."""
@@ -248,16 +318,6 @@ class TrainStep:
                 "NaN, or resume from the last checkpoint"
             )
 
-    def _global_scale(self, count: float) -> tuple[float, float]:
-        """(global count, gradient multiplier): 1 / count locally; world / global count under DDP/FSDP."""
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            t = torch.tensor([count], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t)
-            total = float(t.item())
-            return total, dist.get_world_size() / max(total, 1e-12)
-        return count, 1.0 / max(count, 1e-12)
-
     @torch.no_grad()
     def evaluate(
         self, batches: Iterable[Sequence[Any]], loss_fn: LossFn | None = None, prefix: str = "eval"
@@ -267,10 +327,10 @@ class TrainStep:
         was_training = self.model.training
         self.model.eval()
         sums = _Sums()
-        for step_batches in batches:
-            for mb in step_batches:
-                with self.autocast():
-                    sums.add(loss_fn(self.model, move_to(mb, self.device)))
+        flat = [mb for step_batches in batches for mb in step_batches]
+        for mb, weight in padded_passes(flat, None):
+            with self.autocast():
+                sums.add(loss_fn(self.model, move_to(mb, self.device)), weight)
         self.model.train(was_training)
         loss, count, metrics = sums.result()
         return {

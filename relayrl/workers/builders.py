@@ -53,12 +53,15 @@ def build_trainable(model: ModelConfig, device: torch.device) -> tuple[torch.nn.
     return load_causal_lm(replace(model, dtype="fp32"), device=device, lora=True), tokenizer
 
 
-def build_frozen(model: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """A frozen causal LM in the inference dtype, without adapters (the reference policy)."""
+def build_frozen(
+    model: ModelConfig, device: torch.device, like: torch.device | None = None
+) -> torch.nn.Module:
+    """A frozen causal LM on `device` in the inference dtype of device `like` (default `device`), without
+    adapters (the reference policy; a sharded one is loaded on the CPU first)."""
     from relayrl.models.loading import load_causal_lm
 
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-        inference_dtype(model, device)
+        inference_dtype(model, like or device)
     ]
     m = load_causal_lm(replace(model, dtype=dtype, gradient_checkpointing=False), device=device, lora=False)
     m.eval()

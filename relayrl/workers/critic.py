@@ -21,16 +21,15 @@ from torch import Tensor
 
 from relayrl.algorithms.objective import ValueObjective, ValueTerms
 from relayrl.config.components import ModelConfig, OptimConfig
-from relayrl.config.rl import AlgoConfig, CriticConfig
+from relayrl.config.rl import AlgoConfig, CriticConfig, DistConfig
+from relayrl.distributed.group import in_group, merged
 from relayrl.models.forward import choose_layout, prepare_model, to_device
-from relayrl.training.rng import capture_rng_state, restore_rng_state
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
-from relayrl.training.step import LossOutput
+from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, SequenceBatch, split_rows
 from relayrl.workers.builders import setup_process
-from relayrl.workers.model_ops import critic_values, micro_batches
-
-STATE_FILE = "worker_state.pt"
+from relayrl.workers.model_ops import critic_values, micro_batches, my_rows, on_my_rows
+from relayrl.workers.trained import RoleState, shard_if_grouped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,6 +47,8 @@ class CriticSpec:
     seed: int = 0
     device: str = "auto"
     total_steps: int = 1
+    dist: DistConfig | None = None
+    """Sharding options when the role runs on several ranks (ray mode)."""
 
 
 class CriticWorker:
@@ -55,33 +56,59 @@ class CriticWorker:
 
     def __init__(self, spec: CriticSpec) -> None:
         from relayrl.models.loading import load_tokenizer
-        from relayrl.models.value_head import build_value_model
 
         setup_process(spec.seed + 1)
         self.spec = spec
         self.device = resolve_device(spec.device)
-        m = replace(spec.model, name_or_path=spec.critic.model_path or spec.model.name_or_path, dtype="fp32")
-        self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or spec.model.name_or_path)
-        self.model = build_value_model(
-            m, init="zeros", pad_token_id=self.tokenizer.pad_token_id, device=self.device
-        )
+        m = spec.model
+        self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or m.name_or_path)
+        grouped = in_group()
+        self.model = self._build(torch.device("cpu") if grouped else self.device)
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
         steps = spec.total_steps * spec.critic.epochs * max(1, spec.algo.mini_batches)
         precision = compute_precision(spec.model.dtype, self.device)
+        shard_if_grouped(self.model, spec.dist, self.device, precision)
         optim = replace(spec.optim, lr=spec.critic.lr)
-        self.train = build_train_step(self.model, optim, steps, precision=precision, device=self.device)
+        self.train = build_train_step(
+            self.model, optim, steps, precision=precision, device=self.device, sharded=grouped
+        )
         self.objective = ValueObjective(clip_eps=spec.algo.value_clip or None)
+        self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
 
+    def _build(self, device: torch.device) -> torch.nn.Module:
+        from relayrl.models.value_head import build_value_model
+
+        m = replace(
+            self.spec.model,
+            name_or_path=self.spec.critic.model_path or self.spec.model.name_or_path,
+            dtype="fp32",
+        )
+        return build_value_model(m, init="zeros", pad_token_id=self.tokenizer.pad_token_id, device=device)
+
+    def _full_weights(self, folder: Path) -> dict[str, Tensor]:
+        from relayrl.training.checkpoint import load_weights_into
+
+        cpu = self._build(torch.device("cpu"))
+        load_weights_into(cpu, folder)
+        return cpu.state_dict()
+
+    @merged("concat")
     @torch.no_grad()
     def values(self, batch: SequenceBatch) -> Tensor:
-        """V(x_<t) [B, T] (float32, CPU), 0 off the action mask."""
+        """V(x_<t) [B, T] (float32, CPU), 0 off the action mask; under N ranks each computes its rows."""
         self.model.eval()
+        return on_my_rows(batch, self._values)
+
+    def _values(self, batch: SequenceBatch) -> Tensor:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for rows in micro_batches(batch, self.spec.algo.micro_batch_tokens, self.layout):
+        for rows, weight in padded_passes(
+            micro_batches(batch, self.spec.algo.micro_batch_tokens, self.layout), None
+        ):
             with self.train.autocast():
                 v = critic_values(self.model, batch, rows, self.layout)
-            out[rows, : v.shape[1]] = v.float().cpu()
+            if weight:
+                out[rows, : v.shape[1]] = v.float().cpu()
         return out * batch.action_mask
 
     def update(self, exp: Experience) -> dict[str, float]:
@@ -90,9 +117,14 @@ class CriticWorker:
         steps = 0
         for _ in range(self.spec.critic.epochs):
             for rows in split_rows(len(exp.rewards), self.spec.algo.mini_batches):
-                mb = exp.select(rows)
+                mine = my_rows(exp.tokens.select(rows))
+                mb = exp.select([rows[i] for i in mine] or rows[:1])  # no rows here: a padding pass
                 groups = micro_batches(mb.tokens, self.spec.algo.micro_batch_tokens, self.layout)
-                out = self.train.step(groups, lambda model, r, mb=mb: self._loss(model, mb, r))
+                out = self.train.step(
+                    groups,
+                    lambda model, r, mb=mb: self._loss(model, mb, r),
+                    num_real=len(groups) if mine else 0,
+                )
                 for k, v in {**out.metrics, "loss": out.loss, "grad_norm": out.grad_norm}.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
@@ -114,24 +146,9 @@ class CriticWorker:
         )
 
     def save(self, folder: str) -> None:
-        path = Path(folder)
-        with self.train.full_precision():
-            self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        state = {
-            "optimizer": self.train.optimizer.state_dict(),
-            "scheduler": self.train.scheduler.state_dict(),
-            "rng": capture_rng_state(),
-        }
-        torch.save(state, path / STATE_FILE)
+        """Model, optimizer, schedule, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
+        self.state.save(folder, {})
 
     def load(self, folder: str) -> None:
-        from relayrl.training.checkpoint import load_state, load_weights_into
-
-        path = Path(folder)
-        with self.train.full_precision():
-            load_weights_into(self.model, path)
-        state = load_state(path / STATE_FILE)
-        self.train.optimizer.load_state_dict(state["optimizer"])
-        self.train.scheduler.load_state_dict(state["scheduler"])
-        restore_rng_state(state["rng"])
+        """Restore everything `save` wrote (from a checkpoint of any rank count)."""
+        self.state.load(folder)

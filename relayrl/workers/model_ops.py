@@ -18,10 +18,14 @@ Log-probs go through relayrl.models.logprobs (hidden states x lm_head in chunks)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from relayrl.distributed.group import my_share
 from relayrl.models import forward
+from relayrl.training.step import padded_passes
 from relayrl.workers.base import SequenceBatch
 
 
@@ -73,10 +77,28 @@ def masked_logprobs(
     model: torch.nn.Module, batch: SequenceBatch, budget: int, temperature: float, layout: str, autocast
 ) -> Tensor:
     """Log-probs [B, T] (float32, CPU) of the whole batch, micro-batched by `budget`; 0 off the action mask.
-    `autocast` is a context-manager factory (the role's compute precision)."""
+    `autocast` is a context-manager factory (the role's compute precision). Under a process group every rank
+    runs the same number of forwards (padding passes; their results are dropped)."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-    for rows in micro_batches(batch, budget, layout):
+    for rows, weight in padded_passes(micro_batches(batch, budget, layout), None):
         with autocast():
             lp, _ = token_logprobs(model, batch, rows, layout, temperature=temperature)
-        out[rows, : lp.shape[1]] = lp.float().cpu()
+        if weight:
+            out[rows, : lp.shape[1]] = lp.float().cpu()
     return out * batch.action_mask
+
+
+def my_rows(batch: SequenceBatch) -> list[int]:
+    """This rank's rows of `batch`: a contiguous share balanced by token count (all rows on one rank)."""
+    return list(my_share(batch.lengths))
+
+
+def on_my_rows(batch: SequenceBatch, fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
+    """`fn` on this rank's rows -> [rows, T] at the batch's full width T (so the ranks' pieces concatenate
+    along dim 0 into [B, T]). A rank without rows (fewer rows than ranks) runs `fn` on row 0 to keep the
+    ranks' collectives in step, and returns an empty [0, T]."""
+    rows = my_rows(batch)
+    piece = fn(batch.select(rows or [0]))
+    out = torch.zeros((len(rows), batch.input_ids.shape[1]), dtype=piece.dtype)
+    out[:, : piece.shape[1]] = piece[: len(rows)]
+    return out

@@ -34,11 +34,12 @@ from torch import Tensor
 from relayrl.agents.base import PromptSample, Trajectory
 from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
-from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
+from relayrl.config.rl import AlgoConfig, DistConfig, EvalConfig, RolloutConfig
+from relayrl.distributed.group import in_group, merged, my_share, world
 from relayrl.distributed.weights import EngineWeights
 from relayrl.models.forward import choose_layout, prepare_model, to_device
 from relayrl.rollout.base import SamplingParams
-from relayrl.training.rng import capture_rng_state, restore_rng_state
+from relayrl.training.optim import move_optimizer_state
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, split_rows
@@ -50,9 +51,8 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
-from relayrl.workers.model_ops import masked_logprobs, micro_batches, token_logprobs
-
-STATE_FILE = "worker_state.pt"
+from relayrl.workers.model_ops import masked_logprobs, micro_batches, my_rows, on_my_rows, token_logprobs
+from relayrl.workers.trained import RoleState, shard_if_grouped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,6 +81,8 @@ class PolicySpec:
     """Built-in multi-turn task driving a `multi` agent."""
     step_timeout: float = 60.0
     """Timeout of one agent environment step."""
+    dist: DistConfig | None = None
+    """Sharding and memory options when the role runs on several ranks (ray mode); None: defaults."""
 
 
 class PolicyWorker:
@@ -90,21 +92,40 @@ class PolicyWorker:
         setup_process(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
-        self.model, self.tokenizer = build_trainable(spec.model, self.device)
+        grouped = in_group()
+        # N ranks: load on the CPU, copy the engine's full replica, then shard (FSDP moves each layer's shard
+        # to the device), so no rank ever holds the full fp32 model on its GPU
+        self.model, self.tokenizer = build_trainable(
+            spec.model, torch.device("cpu") if grouped else self.device
+        )
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
         a = spec.algo
         opt_steps = spec.total_steps * max(1, a.epochs * a.mini_batches)
         precision = compute_precision(spec.model.dtype, self.device)
+        engine_dtype = inference_dtype(spec.model, self.device)
+        if grouped:
+            if spec.ema > 0:
+                raise ValueError(
+                    "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
+                )
+            self.weights = EngineWeights(self.model, dtype=engine_dtype, gather=True, device=self.device)
+            shard_if_grouped(self.model, spec.dist, self.device, precision)
         self.train = build_train_step(
-            self.model, spec.optim, opt_steps, precision=precision, device=self.device
+            self.model, spec.optim, opt_steps, precision=precision, device=self.device, sharded=grouped
         )
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
         self.ema = None
         if spec.ema > 0:
             with self.train.full_precision():  # the EMA tracks the fp32 weights
                 self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.weights = EngineWeights(self.model, dtype=inference_dtype(spec.model, self.device))
+        if not grouped:
+            self.weights = EngineWeights(self.model, dtype=engine_dtype)
+        self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
+        sleep = spec.dist.engine_sleep if spec.dist else "auto"
+        self.engine_sleep = sleep == "yes" or (sleep == "auto" and self.device.type == "cuda")
+        self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
+        self._asleep = False
         self.engine = build_engine_for(spec.rollout, spec.eval, self.weights.model, self.tokenizer)
         self.executor = build_executor(
             spec.rollout,
@@ -131,11 +152,18 @@ class PolicyWorker:
             seed=seed,
         )
 
+    @merged("concat")
     def rollout(self, samples: list[PromptSample], seed: int, eval: bool = False) -> list[Trajectory]:
         """n trajectories per prompt, grouped (a prompt's samples are contiguous). Request seeds derive from
-        `seed` and the prompt's dataset index, so a resumed run samples exactly what the original did."""
+        `seed` and the prompt's dataset index, so a resumed run samples exactly what the original did. Under
+        N ranks each rank's engine generates a contiguous share of the prompts (balanced by expected tokens:
+        prompt + max_new_tokens), and the shares concatenate back in order."""
         self.model.eval()
         base = self.sampling_params(eval=eval)
+        budget = self.spec.rollout.max_new_tokens
+        samples = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
+        if self.offload_optimizer:
+            move_optimizer_state(self.train.optimizer, torch.device("cpu"))
 
         async def run() -> list[list[Trajectory]]:
             jobs = [
@@ -149,17 +177,22 @@ class PolicyWorker:
         return [t for g in groups for t in g]
 
     # ----------------------------------------------------------------------------------------- experience
+    @merged("concat")
     @torch.no_grad()
     def logprobs(self, batch: Any) -> Tensor:
-        """log pi_old(x_t | x_<t) [B, T] under the sampling temperature (0 where not an action)."""
+        """log pi_old(x_t | x_<t) [B, T] under the sampling temperature (0 where not an action); under N ranks
+        each rank computes its share of the rows."""
         self.model.eval()
-        return masked_logprobs(
-            self.model,
+        return on_my_rows(
             batch,
-            self.spec.algo.micro_batch_tokens,
-            self.spec.rollout.temperature,
-            self.layout,
-            self.train.autocast,
+            lambda sub: masked_logprobs(
+                self.model,
+                sub,
+                self.spec.algo.micro_batch_tokens,
+                self.spec.rollout.temperature,
+                self.layout,
+                self.train.autocast,
+            ),
         )
 
     # ----------------------------------------------------------------------------------------- update
@@ -168,6 +201,7 @@ class PolicyWorker:
         a = self.spec.algo
         sums: dict[str, float] = {}
         steps = 0
+        self._prepare_update()
         for _ in range(a.epochs):
             for rows in split_rows(len(exp.rewards), a.mini_batches):
                 for k, v in self._optimizer_step(exp.select(rows), kl_coef).items():
@@ -180,13 +214,25 @@ class PolicyWorker:
         return out
 
     def _optimizer_step(self, mb: Experience, kl_coef: float) -> dict[str, float]:
-        groups = micro_batches(mb.tokens, self.spec.algo.micro_batch_tokens, self.layout)
+        """One optimizer step on the mini-batch: this rank's share of its rows (all of them on one rank)."""
+        rows = my_rows(mb.tokens)
+        part = mb.select(rows or [0])  # a rank without rows runs a padding pass (weight 0)
+        groups = micro_batches(part.tokens, self.spec.algo.micro_batch_tokens, self.layout)
 
-        def loss_fn(model: torch.nn.Module, rows: list[int]) -> LossOutput:
-            return self._loss(model, mb, rows, kl_coef)
+        def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
+            return self._loss(model, part, r, kl_coef)
 
-        out = self.train.step(groups, loss_fn)
+        out = self.train.step(groups, loss_fn, num_real=len(groups) if rows else 0)
         return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
+
+    def _prepare_update(self) -> None:
+        """Before training: the engine frees its KV cache (engine_sleep) and offloaded optimizer states
+        come back to the device."""
+        if self.engine_sleep and not self._asleep:
+            self.engine.sleep()
+            self._asleep = True
+        if self.offload_optimizer:
+            move_optimizer_state(self.train.optimizer, self.device)
 
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int], kl_coef: float) -> LossOutput:
         micro = mb.select(rows)
@@ -226,9 +272,13 @@ class PolicyWorker:
         """New weights to the engine: cast-copy into its buffers (or nothing when it runs on the policy's own
         parameters); the engine then drops weight-dependent caches."""
         seconds = self.train.last_refresh_s + self.weights.refresh()
+        if self._asleep:
+            self.engine.wake_up()
+            self._asleep = False
         self.engine.load_weights(None)
         return {"timing/engine_refresh": seconds}
 
+    @merged("max")
     def weight_canary(self) -> float:
         """max |engine weight - trained fp32 weight cast to the engine's dtype| over every parameter: 0 when
         the engine generates from exactly the weights the optimizer produced."""
@@ -237,46 +287,34 @@ class PolicyWorker:
 
     # ----------------------------------------------------------------------------------------- state
     def save(self, folder: str) -> None:
-        """Model (HF folder, + tokenizer) and worker_state.pt (optimizer, scheduler, EMA, this process's RNG)."""
-        path = Path(folder)
-        with self.train.full_precision():
-            self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        state = {
-            "optimizer": self.train.optimizer.state_dict(),
-            "scheduler": self.train.scheduler.state_dict(),
-            "ema": self.ema,
-            "rng": capture_rng_state(),
-            "nonfinite_skips": self.train.nonfinite_total,
-        }
-        torch.save(state, path / STATE_FILE)
+        """Model, optimizer, schedule, EMA, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
+        self.state.save(folder, {"ema": self.ema})
 
     def load(self, folder: str) -> None:
-        """Restore everything `save` wrote, in place."""
-        from relayrl.training.checkpoint import load_state, load_weights_into
-
-        path = Path(folder)
-        with self.train.full_precision():
-            load_weights_into(self.model, path)
-        state = load_state(path / STATE_FILE)
-        self.train.optimizer.load_state_dict(state["optimizer"])
-        self.train.scheduler.load_state_dict(state["scheduler"])
-        self.ema = state["ema"]
-        self.train.nonfinite_total = int(state.get("nonfinite_skips", 0))
-        restore_rng_state(state["rng"])
+        """Restore everything `save` wrote, in place (from a checkpoint of any rank count)."""
+        state = self.state.load(folder)
+        self.ema = state.get("ema")
         self.sync()
+
+    def _full_weights(self, folder: Path) -> dict[str, Tensor]:
+        """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
+        this one, loaded from the folder): how a full checkpoint reaches the shards."""
+        from relayrl.training.checkpoint import load_weights_into
+
+        cpu, _ = build_trainable(self.spec.model, torch.device("cpu"))
+        load_weights_into(cpu, folder)
+        return cpu.state_dict()
 
     def export(self, folder: str) -> str:
         """Save the final HF model (EMA weights when EMA is on) and tokenizer; returns the folder."""
         path = Path(folder)
+        if self.ema is None:
+            return self.state.export(path)
         with self.train.full_precision():
-            if self.ema is not None:
-                current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-                self.model.load_state_dict(self.ema)
-                self.model.save_pretrained(path)
-                self.model.load_state_dict(current)
-            else:
-                self.model.save_pretrained(path)
+            current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.model.load_state_dict(self.ema)
+            self.model.save_pretrained(path)
+            self.model.load_state_dict(current)
         self.tokenizer.save_pretrained(path)
         return str(path)
 
@@ -288,7 +326,10 @@ class PolicyWorker:
             "params": sum(p.numel() for p in self.model.parameters()),
             "layout": self.layout,
             "precision": self.train.precision,
-            "engine_weights": "shared" if self.weights.shared else "copy",
+            "engine_weights": "shared"
+            if self.weights.shared
+            else ("gathered" if self.weights.gather else "copy"),
+            "ranks": world(),
         }
 
     def close(self) -> None:

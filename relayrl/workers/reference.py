@@ -11,15 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from relayrl.config.components import ModelConfig
+from relayrl.config.rl import DistConfig
+from relayrl.distributed.fsdp import ShardSpec, hf_model, is_sharded, shard_model
+from relayrl.distributed.group import in_group, merged
 from relayrl.models.forward import choose_layout, prepare_model
 from relayrl.training.setup import compute_precision, resolve_device
 from relayrl.training.step import autocast
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_frozen, setup_process
-from relayrl.workers.model_ops import masked_logprobs
+from relayrl.workers.model_ops import masked_logprobs, on_my_rows
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +38,8 @@ class ReferenceSpec:
     """The sampling temperature."""
     seed: int = 0
     device: str = "auto"
+    dist: DistConfig | None = None
+    """Sharding options when the role runs on several ranks (ray mode)."""
 
 
 class ReferenceWorker:
@@ -43,18 +49,34 @@ class ReferenceWorker:
         setup_process(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
-        self.model = build_frozen(spec.model, self.device)
+        grouped = in_group()
+        self.model = build_frozen(
+            spec.model, torch.device("cpu") if grouped else self.device, like=self.device
+        )
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
         self.precision = compute_precision(spec.model.dtype, self.device)
+        if grouped:  # sharded for inference: held in the inference dtype, gathered layer by layer
+            d = spec.dist or DistConfig()
+            shard_model(
+                self.model,
+                ShardSpec(device=self.device, offload=d.offload, reshard_after_forward=True),
+            )
 
+    @merged("concat")
     def logprobs(self, batch: SequenceBatch) -> Tensor:
-        """Reference log-probs [B, T] (float32, CPU)."""
-        return masked_logprobs(
-            self.model,
+        """Reference log-probs [B, T] (float32, CPU); under N ranks each rank computes its share of rows."""
+        out = on_my_rows(
             batch,
-            self.spec.micro_batch_tokens,
-            self.spec.temperature,
-            self.layout,
-            lambda: autocast(self.precision, self.device),
+            lambda sub: masked_logprobs(
+                self.model,
+                sub,
+                self.spec.micro_batch_tokens,
+                self.spec.temperature,
+                self.layout,
+                lambda: autocast(self.precision, self.device),
+            ),
         )
+        if is_sharded(self.model):
+            hf_model(self.model).reshard()  # the root unit stays gathered after an inference forward
+        return out

@@ -1,0 +1,108 @@
+"""FSDP2 sharding of a role's model over its process group (torch.distributed.fsdp.fully_shard).
+
+    model = shard_model(model, ShardSpec(device=dev, compute_dtype=torch.bfloat16, offload=False))
+    is_sharded(model)                    True once `shard_model` ran (the model's weights are DTensors)
+    full_tensors(model)                  (name, full tensor) per parameter, gathered one at a time
+
+Layout: every decoder layer (the classes in the transformers model's `_no_split_modules`) is one FSDP unit,
+and the transformers model itself (embeddings, final norm, LM / value head, tied or not) is the root unit.
+The root must be the module whose forward runs: relayrl.models.forward calls the transformers model (not its
+trunk) when the model is sharded, so FSDP's hooks gather and reshard the weights around every forward and
+reduce-scatter the gradients in backward. Under peft the root is the base transformers model (inside the
+PeftModel), so the LoRA adapters are sharded with the layer that holds them.
+
+Precision: the sharded parameters are the fp32 master weights (what AdamW updates, what checkpoints hold);
+`compute_dtype` (bf16 on a GPU) is FSDP's MixedPrecisionPolicy param dtype, the weights are all-gathered in it
+and gradients are reduced in fp32. On a CPU (gloo) everything stays fp32. `offload` keeps the sharded
+parameters, gradients and optimizer states in CPU memory (CPUOffloadPolicy; the optimizer step runs on CPU).
+`reshard_after_forward` frees the gathered weights after each layer's forward (ZeRO-3); False keeps them
+for the backward (ZeRO-2-like: faster, more memory).
+
+Gradient averaging: FSDP averages the reduced gradients over ranks; TrainStep then multiplies them by
+world / (global unit count), which makes the update equal to the 1-rank update on the same global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardSpec:
+    """How to shard one model."""
+
+    device: torch.device
+    """The rank's device (cuda:i or cpu)."""
+    compute_dtype: torch.dtype | None = None
+    """Dtype the weights are gathered and computed in (None: the stored dtype, fp32)."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer states on the CPU (CPUOffloadPolicy)."""
+    reshard_after_forward: bool = True
+    """Free gathered layer weights after each forward (ZeRO-3); False keeps them until backward."""
+
+
+def hf_model(model: Any) -> Any:
+    """The transformers model under a peft wrapper (the FSDP root)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def layer_classes(hf: Any) -> set[str]:
+    """Class names of the decoder layers (`_no_split_modules` of the transformers model)."""
+    names = set(getattr(hf, "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(
+            f"{type(hf).__name__} does not declare its decoder layer classes (_no_split_modules): "
+            "relayrl cannot shard it with FSDP2; run this role on one rank"
+        )
+    return names
+
+
+def shard_model(model: Any, spec: ShardSpec) -> Any:
+    """Shard `model` in place over the default process group (see module doc); returns `model`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    hf = hf_model(model)
+    mesh = init_device_mesh(spec.device.type, (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=spec.device.type == "cuda") if spec.offload else OffloadPolicy()
+    names = layer_classes(hf)
+    layers = [m for m in hf.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(hf).__name__}: no module of the classes {sorted(names)} found to shard")
+    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=spec.reshard_after_forward, **kw)
+    fully_shard(hf, **kw)
+    return model
+
+
+def is_sharded(model: Any) -> bool:
+    """True when `model` (or the transformers model under its peft wrapper) was sharded by `shard_model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(hf_model(model), FSDPModule)
+
+
+@torch.no_grad()
+def full_tensors(
+    model: Any, dtype: torch.dtype | None = None, names: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter (or of those in `names`), all-gathered one at a time (bounded
+    extra memory: one parameter), cast to `dtype` BEFORE the gather (a bf16 gather moves half the bytes of
+    fp32). Every rank must iterate the whole sequence with the same `names` (each item is a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if names is not None and name not in names:
+            continue
+        t = p.data
+        if isinstance(t, DTensor):
+            yield name, (t if dtype is None else t.to(dtype)).full_tensor()
+        else:
+            yield name, (t if dtype is None else t.to(dtype))

@@ -1,0 +1,172 @@
+"""One role's process group and each rank's share of the work (data parallelism).
+
+A trainable role (policy, critic) or a sharded frozen one (reference) runs as N processes, one per GPU (or CPU
+process), that form ONE torch.distributed process group (NCCL on GPU, gloo on CPU). Ray starts the processes
+(relayrl.distributed.launch); this module only joins them and splits work among them.
+
+    join_group(GroupSpec(rank=r, world=n, addr=..., port=..., backend="gloo", timeout_s=600))
+    rank(), world()                          0 and 1 outside a group (local mode): the same code runs there
+    shares(weights, world)                   contiguous, balanced split of items into `world` ranges
+    my_share(weights)                        this rank's range of `shares`
+    max_over_ranks(n) / sum_over_ranks(xs)   small all-reduces (a count of passes, metric sums)
+
+Why contiguous shares: results come back in rank order, so concatenating them restores the input order (the
+n samples of a prompt stay contiguous, as the group advantage estimators expect). Shares are balanced by a
+weight per item (expected tokens), every rank gets at least one item when there are at least `world` items,
+and every rank computes the same split from the same inputs, so no coordination is needed.
+
+Collective timeouts: `timeout_s` bounds every collective, so a rank that died makes the others raise within
+that time instead of hanging (the launcher then names the role, rank and host).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(kw_only=True, slots=True)
+class GroupSpec:
+    """Where this process sits in its role's process group."""
+
+    rank: int
+    """This process's rank in [0, world)."""
+    world: int
+    """Number of processes of the role."""
+    addr: str
+    """Rank 0's host (the rendezvous address)."""
+    port: int
+    """A free TCP port on rank 0's host."""
+    backend: str = "gloo"
+    """gloo (CPU) or nccl (GPU)."""
+    timeout_s: float = 600.0
+    """Bound on every collective: a dead peer makes the others fail within this time, never hang."""
+
+
+def join_group(spec: GroupSpec) -> None:
+    """Initialise torch.distributed for this process (no-op for a 1-process role)."""
+    if spec.world <= 1 or dist.is_initialized():
+        return
+    if spec.backend == "nccl":
+        torch.cuda.set_device(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    dist.init_process_group(
+        backend=spec.backend,
+        init_method=f"tcp://{spec.addr}:{spec.port}",
+        rank=spec.rank,
+        world_size=spec.world,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+
+
+def leave_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def in_group() -> bool:
+    """True when this process is one rank of a multi-process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if in_group() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if in_group() else 1
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def max_over_ranks(n: int) -> int:
+    """max of `n` over the ranks (`n` itself outside a group)."""
+    if not in_group():
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise sum of `values` over the ranks, in float64 (`values` itself outside a group)."""
+    if not in_group() or not values:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def shares(weights: Sequence[float], parts: int) -> list[range]:
+    """Split items 0..len-1 into `parts` contiguous ranges of nearly equal total weight.
+
+    Every range is non-empty when len(weights) >= parts (trailing ones are empty otherwise). Deterministic.
+    """
+    n = len(weights)
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    prefix = list(accumulate(max(0.0, float(w)) for w in weights))
+    total = prefix[-1] if prefix else 0.0
+    bounds = [0]
+    for k in range(1, parts):
+        if n >= parts:
+            lo, hi = bounds[-1] + 1, n - (parts - k)  # leave >= 1 item for each later rank
+        else:
+            lo = hi = min(k, n)
+        cut = bisect_left(prefix, total * k / parts) + 1 if total > 0 else round(n * k / parts)
+        bounds.append(min(max(cut, lo), hi))
+    bounds.append(n)
+    return [range(a, b) for a, b in pairwise(bounds)]
+
+
+def my_share(weights: Sequence[float]) -> range:
+    """This rank's range of `shares(weights, world())`."""
+    return shares(weights, world())[rank()]
+
+
+MERGE_ATTR = "__relayrl_merge__"
+
+
+def merged(how: str):
+    """Declare how the per-rank results of a worker method combine into the caller's one result:
+
+    "first"  rank 0's result (the default for undecorated methods: metrics that are already global,
+             facts, None)
+    "concat" the ranks' results in rank order: lists are concatenated, tensors joined along dim 0
+    "max"    the maximum (e.g. the weight canary)
+    """
+    if how not in MERGES:
+        raise ValueError(f"merge must be one of {sorted(MERGES)}, got {how!r}")
+
+    def mark(fn):
+        setattr(fn, MERGE_ATTR, how)
+        return fn
+
+    return mark
+
+
+def _concat(results: list) -> object:
+    if isinstance(results[0], torch.Tensor):
+        return torch.cat(results, 0)
+    return [x for r in results for x in r]
+
+
+MERGES = {"first": lambda rs: rs[0], "concat": _concat, "max": max}
+
+
+def merge_results(cls: type, method: str, results: list) -> object:
+    """Combine the ranks' results of `cls.method` as its `merged` declaration says."""
+    how = getattr(getattr(cls, method, None), MERGE_ATTR, "first")
+    return MERGES[how](results)
