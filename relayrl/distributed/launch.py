@@ -227,8 +227,9 @@ class _Pool:
     pg: Any = None
 
 
-COLOCATABLE = ("policy", "reference", "critic")
-"""Roles that hold a model (and GPUs); `reward` (rule-based / remote) is a single CPU actor."""
+MODEL_FREE = ("reward",)
+"""Roles without a model (rule-based / remote rewards): one CPU actor, no GPU. Every other role (policy,
+reference, critic, an SFT / RM model, ...) holds a model: one GPU per rank."""
 
 
 def plan_pools(cfg: DistConfig, roles: dict[str, int]) -> dict[str, str]:
@@ -248,7 +249,7 @@ def plan_pools(cfg: DistConfig, roles: dict[str, int]) -> dict[str, str]:
         else:
             where[role] = role
     for role, pool in where.items():
-        if role in COLOCATABLE and pool != role and roles[role] != roles[pool]:
+        if role not in MODEL_FREE and pool != role and roles[role] != roles[pool]:
             raise ValueError(
                 f"dist: {role} is colocated with {pool} but has {roles[role]} ranks against {roles[pool]}: "
                 f"colocated roles need the same nodes x gpus_per_node"
@@ -291,7 +292,7 @@ class RayLauncher:
             p = self.pools.setdefault(pool, _Pool(bundles=roles.get(pool, roles[role])))
             p.roles.append(role)
         for p in self.pools.values():
-            gpu = self.use_gpus and any(r in COLOCATABLE for r in p.roles)
+            gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
             bundle: dict[str, float] = {"CPU": self.cpu_per_actor * len(p.roles)}
             if gpu:
                 bundle["GPU"] = 1.0
@@ -308,9 +309,9 @@ class RayLauncher:
 
     def _gpu_share(self, role: str) -> float:
         pool = self.pools[self.where[role]]
-        if not self.use_gpus or role not in COLOCATABLE:
+        if not self.use_gpus or role in MODEL_FREE:
             return 0.0
-        return 1.0 / sum(1 for r in pool.roles if r in COLOCATABLE)
+        return 1.0 / sum(1 for r in pool.roles if r not in MODEL_FREE)
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayRole:
         import ray
@@ -339,7 +340,7 @@ class RayLauncher:
         addr, port, host0 = _gather(
             name, "endpoint", [actors[0].endpoint.remote()], ["?"], self.cfg.timeout_s
         )[0]
-        backend = "nccl" if self.use_gpus and name in COLOCATABLE else "gloo"
+        backend = "nccl" if self.use_gpus and name not in MODEL_FREE else "gloo"
         refs = [
             a.start.remote(
                 GroupSpec(

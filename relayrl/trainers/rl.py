@@ -48,6 +48,7 @@ from relayrl.trainers.rl_support import (
     reward_norm,
 )
 from relayrl.workers.base import Experience, collate
+from relayrl.workers.trained import WorkerFolder
 
 log = logging.getLogger("relayrl.rl")
 
@@ -75,16 +76,6 @@ class RLResult:
     """0 done, 1 error, 130 / 143 interrupted."""
     message: str = ""
     """Why the run stopped early, if it did."""
-
-
-class _WorkerFolder:
-    """Lets CheckpointManager.save write a worker's state: `save_pretrained(path)` -> worker.save(path)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def save_pretrained(self, path: str | Path) -> None:
-        self.handle.call("save", str(path))
 
 
 class _Skip(Exception):
@@ -394,9 +385,9 @@ class RLTrainer:
     # =========================================================================================== checkpoints
     def save_checkpoint(self, metrics: dict[str, float]) -> Path:
         """policy/ (+ critic/) folders, controller state (sampler, KL controller, reward norm, counters), RNG."""
-        models = {"policy": _WorkerFolder(self.roles.policy)}
+        models = {"policy": WorkerFolder(self.roles.policy)}
         if self.roles.critic is not None:
-            models["critic"] = _WorkerFolder(self.roles.critic)
+            models["critic"] = WorkerFolder(self.roles.critic)
         metric = metrics.get(self.cfg.ckpt.best_metric)
         extra = {
             "sampler": self.sampler.state_dict(),

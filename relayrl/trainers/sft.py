@@ -26,7 +26,7 @@ Programmatic use (the demo): `result = run_sft(cfg)`; `result.model`, `result.me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,21 +36,18 @@ from relayrl.config.base import check_choices, run_command, save_yaml, to_dict
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
+    DataParallelConfig,
     LoggerConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,
 )
 from relayrl.data.packing import chunk_by_count
-from relayrl.models.forward import choose_layout, prepare_model
-from relayrl.training.loop import LoopSettings, Trainer
+from relayrl.training.loop import LoopSettings
 from relayrl.training.sampler import ResumableSampler
 from relayrl.training.setup import (
     build_checkpoint_manager,
     build_logger,
-    build_train_step,
-    compute_precision,
-    resolve_device,
     resume_if_asked,
     run_dir_of,
     seed_everything,
@@ -77,6 +74,8 @@ class SFTConfig:
     """Metrics sinks."""
     mode: Literal["response", "multiturn", "pretrain"] = "response"
     """Which tokens carry loss: response (the answer only), multiturn (every assistant turn), pretrain (all)."""
+    dist: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """Data parallelism: one process, or Ray ranks with FSDP2 shards."""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -87,7 +86,7 @@ class SFTResult:
     """What `run_sft` returns."""
 
     model: Any
-    """The trained model (in memory, on the training device)."""
+    """The trained model (in memory, on the training device); None with dist.mode=ray (see final_model)."""
     tokenizer: Any
     """Its tokenizer."""
     run_dir: Path
@@ -97,7 +96,10 @@ class SFTResult:
     history: list[dict[str, float]]
     """Every metrics row of this process."""
     checkpoint: Path | None
-    """The last checkpoint folder written (its `model/` sub-folder loads with from_pretrained)."""
+    """The last checkpoint folder written (its `model/` sub-folder loads with from_pretrained on one rank;
+    on N ranks it holds DCP shards: use `final_model`)."""
+    final_model: Path | None = None
+    """dist.mode=ray: the HF folder of the trained model (run folder / final), exported by rank 0."""
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -203,59 +205,105 @@ def _load_data(cfg: SFTConfig, tokenizer: Any) -> tuple[list, list]:
     return train, evals
 
 
-def run_sft(cfg: SFTConfig) -> SFTResult:
-    """Train per `cfg`; writes the run folder; returns the model, metrics and paths."""
-    from relayrl.models.loading import load_model_and_tokenizer
+def _settings(cfg: SFTConfig, total: int) -> LoopSettings:
+    return LoopSettings(
+        total_steps=total,
+        eval_every=cfg.train.eval_every,
+        save_every=cfg.ckpt.save_every,
+        best_metric=cfg.ckpt.best_metric,
+        log_every=cfg.train.log_every,
+    )
 
-    device = resolve_device(cfg.train.device)
+
+def _total_steps(cfg: SFTConfig, num_samples: int) -> int:
+    total = total_steps_of(cfg.train, num_samples)
+    if total <= 0:
+        raise ValueError(
+            f"no optimizer step to run: {num_samples} training samples < train.batch_size "
+            f"{cfg.train.batch_size}; lower train.batch_size or set train.max_steps"
+        )
+    return total
+
+
+def run_sft(cfg: SFTConfig) -> SFTResult:
+    """Train per `cfg`; writes the run folder; returns the model, metrics and paths.
+
+    One code path for one process and for N ranks: this process reads the data and runs the loop (sampler,
+    eval cadence, logging, checkpoints: relayrl.training.loop via RemoteTrainer); the model lives in a
+    ModelWorker role (relayrl.workers.trained), in this process (dist.mode=local) or as
+    `dist.num_nodes x dist.num_gpus_per_node` Ray ranks holding FSDP2 shards (dist.mode=ray). Each optimizer
+    step's micro-batches go to the role; each rank trains on its share, gradients are reduced over all
+    ranks and the loss is normalised by the global target-token count, so the update equals the
+    one-process update on the same global batch. With N ranks the model is also exported to <run>/final."""
+    from relayrl.config.rl import DistConfig
+    from relayrl.distributed.launch import build_launcher
+    from relayrl.models.loading import load_tokenizer
+    from relayrl.workers.trained import ModelSpec, ModelWorker, RemoteTrainer
+
+    d = cfg.dist
     seed_everything(cfg.train.seed)
     run_dir = run_dir_of(cfg.train, "sft")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_yaml(cfg, run_dir / "config.yaml")
-    # the trained weights are fp32 masters; model.dtype picks the compute precision (bf16 autocast on a GPU)
-    model, tokenizer = load_model_and_tokenizer(replace(cfg.model, dtype="fp32"), device=device)
-    layout = choose_layout(model, device)
-    prepare_model(model, layout)
-    train_samples, eval_samples = _load_data(cfg, tokenizer)
-    total = total_steps_of(cfg.train, len(train_samples))
-    if total <= 0:
-        raise ValueError(
-            f"no optimizer step to run: {len(train_samples)} training samples < train.batch_size "
-            f"{cfg.train.batch_size}; lower train.batch_size or set train.max_steps"
-        )
-    precision = compute_precision(cfg.model.dtype, device)
-    step = build_train_step(model, cfg.optim, total, next_token_loss, precision=precision, device=device)
-    trainer = Trainer(
-        train_step=step,
-        sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
-        collate=make_sft_collate(train_samples, cfg.train, layout),
-        settings=LoopSettings(
-            total_steps=total,
-            eval_every=cfg.train.eval_every,
-            save_every=cfg.ckpt.save_every,
-            best_metric=cfg.ckpt.best_metric,
-            log_every=cfg.train.log_every,
-        ),
-        ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
-        eval_batches=eval_batches_fn(eval_samples, cfg.train, layout) if eval_samples else None,
-        tokenizer=tokenizer,
+    m = cfg.model
+    tokenizer = load_tokenizer(
+        m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
     )
-    resumed = resume_if_asked(trainer, cfg.ckpt)
-    with build_logger(
-        cfg.logger, run_dir, total_steps=total, config=to_dict(cfg), start_step=trainer.step
-    ) as logger:
-        trainer.logger = logger
-        if resumed:
-            print(f"resumed from step {trainer.step} ({run_dir / 'checkpoints'})")
-        result = trainer.fit()
-    last = result.history[-1] if result.history else {}
+    train_samples, eval_samples = _load_data(cfg, tokenizer)
+    total = _total_steps(cfg, len(train_samples))
+    dist = DistConfig(
+        mode=d.mode,
+        ray_address=d.ray_address,
+        num_cpus=d.num_cpus,
+        gpus=d.gpus,
+        policy_num_nodes=d.num_nodes,
+        policy_num_gpus_per_node=d.num_gpus_per_node,
+        offload=d.offload,
+        reshard_after_forward=d.reshard_after_forward,
+        timeout_s=d.timeout_s,
+    )
+    launcher = build_launcher(dist, {"model": d.ranks})
+    try:
+        spec = ModelSpec(
+            model=m,
+            optim=cfg.optim,
+            total_steps=total,
+            loss_fn=next_token_loss,
+            seed=cfg.train.seed,
+            device=cfg.train.device,
+            dist=dist,
+        )
+        handle = launcher.spawn("model", ModelWorker, spec)
+        layout = handle.call("info")["layout"]
+        trainer = RemoteTrainer(
+            handle,
+            sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
+            collate=make_sft_collate(train_samples, cfg.train, layout),
+            settings=_settings(cfg, total),
+            ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
+            eval_batches=eval_batches_fn(eval_samples, cfg.train, layout) if eval_samples else None,
+            tokenizer=tokenizer,
+        )
+        resumed = resume_if_asked(trainer, cfg.ckpt)
+        with build_logger(
+            cfg.logger, run_dir, total_steps=total, config=to_dict(cfg), start_step=trainer.step
+        ) as logger:
+            trainer.logger = logger
+            if resumed:
+                print(f"resumed from step {trainer.step} ({run_dir / 'checkpoints'})")
+            fit = trainer.fit()
+        local = getattr(handle, "instance", None)
+        final = None if local is not None else Path(handle.call("export", str(run_dir / "final")))
+    finally:
+        launcher.shutdown()
     return SFTResult(
-        model=model,
+        model=local.model if local is not None else None,
         tokenizer=tokenizer,
         run_dir=run_dir,
-        metrics=last,
-        history=result.history,
-        checkpoint=result.last_checkpoint,
+        metrics=fit.history[-1] if fit.history else {},
+        history=fit.history,
+        checkpoint=fit.last_checkpoint,
+        final_model=final,
     )
 
 
@@ -270,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"sft done: {result.metrics.get('step', 0)} steps, train loss {loss:.4f}{tail}; run folder {result.run_dir}"
         )
+        if result.final_model is not None:
+            print(f"sft: final model in {result.final_model}")
         return 0
 
     return run_command(SFTConfig, argv, "relayrl sft", go, description=__doc__.split("\n")[0])

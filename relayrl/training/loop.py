@@ -93,12 +93,20 @@ class Trainer:
         if self.ckpt is None or (path is None and self.ckpt.latest() is None):
             return False
         with self.train_step.full_precision():  # weights load into the fp32 masters
-            loaded = self.ckpt.load(path, models=self.models, **self._optim_state())
+            loaded = self.ckpt.load(path, models=self._loaded_models(), **self._optim_state())
+        self._after_load(loaded.path)
         self.sampler.load_state_dict(loaded.extra["data"])
         self.step = loaded.step
         self.tokens_seen = int(loaded.trainer_state.get("tokens_seen", 0))
         self.train_step.nonfinite_total = int(loaded.trainer_state.get("nonfinite_skips", 0))
         return True
+
+    def _loaded_models(self) -> dict[str, Any]:
+        """The models `CheckpointManager.load` restores in place (a remote loop loads them itself)."""
+        return self.models
+
+    def _after_load(self, path: Any) -> None:
+        """Hook after the checkpoint at `path` was loaded (a remote loop loads its workers here)."""
 
     def save(self, metrics: dict[str, float]) -> Any:
         assert self.ckpt is not None

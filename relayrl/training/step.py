@@ -320,15 +320,21 @@ class TrainStep:
 
     @torch.no_grad()
     def evaluate(
-        self, batches: Iterable[Sequence[Any]], loss_fn: LossFn | None = None, prefix: str = "eval"
+        self,
+        batches: Iterable[Sequence[Any]],
+        loss_fn: LossFn | None = None,
+        prefix: str = "eval",
+        *,
+        num_real: int | None = None,
     ) -> dict[str, float]:
-        """Unit-weighted eval loss (and metrics) over every micro-batch: {prefix/loss, prefix/count, ...}."""
+        """Unit-weighted eval loss (and metrics) over every micro-batch (of every rank): {prefix/loss,
+        prefix/count, ...}. `num_real`: as in `step`, over the flattened micro-batches."""
         loss_fn = loss_fn or self.loss_fn
         was_training = self.model.training
         self.model.eval()
         sums = _Sums()
         flat = [mb for step_batches in batches for mb in step_batches]
-        for mb, weight in padded_passes(flat, None):
+        for mb, weight in padded_passes(flat, num_real):
             with self.autocast():
                 sums.add(loss_fn(self.model, move_to(mb, self.device)), weight)
         self.model.train(was_training)

@@ -11,16 +11,32 @@ role runs on one rank (plain module, HF-folder checkpoints) or on N ranks (FSDP2
 
 worker_state.pt always holds the schedule, counters and (1 rank) optimizer state and RNG; the role adds its own
 `extra` entries (e.g. the policy's EMA). Under N ranks the RNG of each rank is in rng/rank_<r>.pt.
+
+`ModelWorker(ModelSpec)` is the generic trained-model role of the one-model recipes (SFT now; RM / DPO / KTO
+on the same seam): the recipe's loop runs on the driver and sends each optimizer step's micro-batches; every
+rank trains on its share (contiguous, balanced by tokens) with the recipe's loss function:
+
+    info() -> {"layout", "precision", "ranks", "params"}      layout: what the driver's collate must build
+    step(micro_batches) -> (StepOutput, nonfinite_total)       one optimizer step over every rank's share
+    evaluate(batches) -> {"eval/loss", ...}                    over every rank's share
+    save(folder) / load(folder) / export(folder)               RoleState
+
+On the driver, `RemoteTrainer` is relayrl.training.loop.Trainer with the step, eval and checkpoint state
+delegated to such a role (`RemoteStep`, `WorkerFolder`): the loop, sampler, logging, checkpoint atomicity and
+rotation stay the single-process ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.rl import DistConfig
 from relayrl.distributed.checkpoint import (
     export_full,
@@ -30,9 +46,10 @@ from relayrl.distributed.checkpoint import (
     save_sharded,
 )
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
-from relayrl.distributed.group import in_group, rank
+from relayrl.distributed.group import in_group, my_share, rank, world
+from relayrl.training.loop import Trainer
 from relayrl.training.rng import capture_rng_state, restore_rng_state
-from relayrl.training.step import TrainStep
+from relayrl.training.step import LossFn, StepOutput, TrainStep
 
 STATE_FILE = "worker_state.pt"
 
@@ -145,3 +162,147 @@ class RoleState:
         """An HF folder with `weights` (a full state dict of this model), from rank 0 only."""
         self.model.save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSpec:
+    """What a one-model recipe's trained role reads."""
+
+    model: ModelConfig
+    """Weights, compute dtype, LoRA."""
+    optim: OptimConfig
+    """Optimizer and schedule."""
+    total_steps: int
+    """Optimizer steps of the run (the schedule's length)."""
+    loss_fn: LossFn
+    """The recipe's loss (a module-level function: it travels to Ray actors by reference)."""
+    seed: int = 0
+    device: str = "auto"
+    dist: DistConfig | None = None
+    """Sharding options when the role runs on several ranks."""
+
+
+def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
+    """(this rank's micro-batches, how many are real): a contiguous share balanced by tokens; a rank left
+    without one runs the first micro-batch as a padding pass."""
+    mine = [micro_batches[i] for i in my_share([getattr(m, "num_tokens", 1) for m in micro_batches])]
+    return (mine, len(mine)) if mine or not micro_batches else ([micro_batches[0]], 0)
+
+
+class ModelWorker:
+    """A trained model of a one-model recipe (see module doc)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from dataclasses import replace
+
+        from relayrl.models.forward import choose_layout, prepare_model
+        from relayrl.models.loading import load_model_and_tokenizer
+        from relayrl.training.rng import seed_everything
+        from relayrl.training.setup import build_train_step, compute_precision, resolve_device
+
+        seed_everything(spec.seed)
+        self.spec = spec
+        self.device = resolve_device(spec.device)
+        grouped = in_group()
+        load_on = torch.device("cpu") if grouped else self.device
+        self.model, self.tokenizer = load_model_and_tokenizer(
+            replace(spec.model, dtype="fp32"), device=load_on
+        )
+        self.layout = choose_layout(self.model, self.device)
+        prepare_model(self.model, self.layout)
+        precision = compute_precision(spec.model.dtype, self.device)
+        shard_if_grouped(self.model, spec.dist, self.device, precision)
+        self.train = build_train_step(
+            self.model,
+            spec.optim,
+            spec.total_steps,
+            spec.loss_fn,
+            precision=precision,
+            device=self.device,
+            sharded=grouped,
+        )
+        self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
+
+    def _full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        from dataclasses import replace
+
+        from relayrl.models.loading import load_model_and_tokenizer
+        from relayrl.training.checkpoint import load_weights_into
+
+        cpu, _ = load_model_and_tokenizer(replace(self.spec.model, dtype="fp32"), device=torch.device("cpu"))
+        load_weights_into(cpu, folder)
+        return cpu.state_dict()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "precision": self.train.precision,
+            "ranks": world(),
+            "params": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    def step(self, micro_batches: list[Any]) -> tuple[StepOutput, int]:
+        mine, real = _share(micro_batches)
+        out = self.train.step(mine, num_real=real)
+        out.tokens = sum(
+            int(getattr(m, "num_tokens", 0)) for m in micro_batches
+        )  # the step's, not this rank's
+        return out, self.train.nonfinite_total
+
+    def evaluate(self, batches: list[list[Any]]) -> dict[str, float]:
+        mine, real = _share([mb for step in batches for mb in step])
+        return self.train.evaluate([mine], num_real=real)
+
+    def save(self, folder: str) -> None:
+        self.state.save(folder, {})
+
+    def load(self, folder: str) -> None:
+        self.state.load(folder)
+
+    def export(self, folder: str) -> str:
+        return self.state.export(folder)
+
+
+class WorkerFolder:
+    """Lets CheckpointManager.save write a worker's state: `save_pretrained(path)` -> worker.save(path)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.handle.call("save", str(path))
+
+
+class RemoteStep:
+    """TrainStep's face on the driver for a ModelWorker role: step / evaluate run on the role's ranks."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.nonfinite_total = 0
+
+    def step(self, micro_batches: list[Any]) -> StepOutput:
+        out, self.nonfinite_total = self.handle.call("step", micro_batches)
+        return out
+
+    def evaluate(self, batches: Any) -> dict[str, float]:
+        return self.handle.call("evaluate", [list(b) for b in batches])
+
+    def full_precision(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the workers save and load their exact weights themselves
+
+
+class RemoteTrainer(Trainer):
+    """The fit loop on the driver, training a ModelWorker role (see module doc)."""
+
+    def __init__(self, handle: Any, **kwargs: Any) -> None:
+        super().__init__(train_step=RemoteStep(handle), models={"model": WorkerFolder(handle)}, **kwargs)
+        self.handle = handle
+
+    def _optim_state(self) -> dict[str, Any]:
+        return {"optimizers": {}, "schedulers": {}}
+
+    def _loaded_models(self) -> dict[str, Any]:
+        return {}
+
+    def _after_load(self, path: Any) -> None:
+        self.handle.call("load", str(Path(path) / "model"))
