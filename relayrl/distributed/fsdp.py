@@ -103,6 +103,29 @@ def full_tensors(
             continue
         t = p.data
         if isinstance(t, DTensor):
-            yield name, (t if dtype is None else t.to(dtype)).full_tensor()
+            local = t.to_local()
+            target = _mesh_device(t)
+            if local.device != target or (dtype is not None and local.dtype != dtype):
+                # cast before the gather; a CPU-offloaded shard travels to the GPU first (NCCL needs it)
+                local = local.to(device=target, dtype=dtype or local.dtype)
+                t = DTensor.from_local(
+                    local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+                )
+            yield name, t.full_tensor()
         else:
             yield name, (t if dtype is None else t.to(dtype))
+
+
+def _mesh_device(t: Any) -> torch.device:
+    kind = t.device_mesh.device_type
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def compute_device(model: Any) -> torch.device | None:
+    """Where a sharded model computes (its mesh's device: a CPU-offloaded model stores its shards on the CPU
+    but gathers them on the GPU); None for a model that is not sharded."""
+    for p in hf_model(model).parameters():
+        if getattr(p, "device_mesh", None) is not None:
+            return _mesh_device(p)
+        return None
+    return None

@@ -52,18 +52,16 @@ class EngineWeights:
             self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             self._targets: dict[str, torch.Tensor] = {}
             return
-        grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None  # not copied
-        try:
-            self.model = copy.deepcopy(source)
-        finally:
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
+        # the structure is deep-copied, each parameter is made directly in `dtype` on `device` (memo): no
+        # second full-precision copy of the model ever exists
+        memo: dict[int, object] = {
+            id(p): torch.nn.Parameter(
+                p.detach().to(device=device or p.device, dtype=dtype), requires_grad=False
+            )
+            for p in params
+        }
+        self.model = copy.deepcopy(source, memo)
         self.model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-            p.data = p.data.to(device=device, dtype=dtype)
         if device is not None:
             self.model.to(device)  # buffers (rotary tables) too
         self._targets = {n: p.data for n, p in self.model.named_parameters()}

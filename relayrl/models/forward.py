@@ -359,9 +359,9 @@ def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
             f"layout 'varlen' needs the model switched to {ATTN_NAME!r} attention (it uses "
             f"{hf.config._attn_implementation!r}): call prepare_model(model, 'varlen') once after loading"
         )
-    device = next(hf.parameters()).device
-    ids = to_device(torch.cat(list(seqs)).long(), device)
     trunk = _Trunk(hf)
+    device = _input_device(hf, trunk.root)
+    ids = to_device(torch.cat(list(seqs)).long(), device)
     if layout == "varlen":
         return _varlen_hidden(trunk, ids, lengths)
     return _padded_hidden(trunk, ids, lengths)
@@ -392,6 +392,16 @@ class _Trunk:
         finally:
             handle.remove()
         return seen[-1]
+
+
+def _input_device(hf: Any, sharded: bool) -> torch.device:
+    """Where the inputs go: the parameters' device, or for a sharded model its mesh's device (a CPU-offloaded
+    model keeps its shards on the CPU and computes on the GPU)."""
+    p = next(hf.parameters())
+    mesh = getattr(p, "device_mesh", None) if sharded else None
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return p.device
 
 
 def _is_fsdp_root(hf: Any) -> bool:

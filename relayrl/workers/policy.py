@@ -164,6 +164,8 @@ class PolicyWorker:
         samples = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
         if self.offload_optimizer:
             move_optimizer_state(self.train.optimizer, torch.device("cpu"))
+        if self.device.type == "cuda" and not eval:
+            torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
 
         async def run() -> list[list[Trajectory]]:
             jobs = [
@@ -211,6 +213,8 @@ class PolicyWorker:
         out = {f"train/{k}": v / steps for k, v in sums.items()}
         out["train/lr"] = float(self.train.scheduler.get_last_lr()[0])
         out["train/nonfinite_skips"] = float(self.train.nonfinite_total)
+        if self.device.type == "cuda":  # rank 0's peak since this step's rollout began (ranks are alike)
+            out["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     def _optimizer_step(self, mb: Experience, kl_coef: float) -> dict[str, float]:
