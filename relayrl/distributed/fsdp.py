@@ -129,3 +129,39 @@ def compute_device(model: Any) -> torch.device | None:
             return _mesh_device(p)
         return None
     return None
+
+
+def _units(model: Any) -> list[tuple[str, Any]]:
+    """(prefix, FSDP module) of every FSDP unit of the sharded model, deepest first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return sorted(units, key=lambda nm: -nm[0].count("."))
+
+
+@torch.no_grad()
+def unit_tensors(model: Any, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter (or of those in `names`), gathered one FSDP unit (a decoder
+    layer; then the root) at a time through FSDP's own all-gather (`unshard`: one collective per unit, in the
+    mixed-precision param dtype, e.g. bf16), valid until the next item of another unit. Every rank must
+    iterate the whole sequence with the same `names`."""
+    owner: dict[str, Any] = {}
+    for prefix, unit in _units(model):
+        for n, _ in unit.named_parameters(prefix=prefix):
+            owner.setdefault(n, unit)
+    wanted = [n for n, _ in model.named_parameters() if names is None or n in names]
+    by_unit: dict[int, list[str]] = {}
+    units = {}
+    for n in wanted:
+        u = owner[n]
+        by_unit.setdefault(id(u), []).append(n)
+        units[id(u)] = u
+    for uid, unit_names in by_unit.items():
+        unit = units[uid]
+        unit.unshard()
+        try:
+            params = dict(model.named_parameters())
+            for n in unit_names:
+                yield n, params[n].data
+        finally:
+            unit.reshard()

@@ -15,9 +15,10 @@ Two cases, decided once at construction:
   trip, no serialisation, storage addresses unchanged, so CUDA graphs captured over them stay valid).
 - gather (the trainer is sharded with FSDP2 over its ranks, relayrl.distributed.fsdp): `model` is a full
   replica made BEFORE the trainer is sharded (so every rank's engine holds the whole model in `dtype`);
-  `refresh` all-gathers each trained parameter from its shards, cast to `dtype` before the gather, and
-  copies it into the replica's buffer: one parameter in flight at a time (bounded extra memory), on the
-  device, every rank at once (it is a collective: all ranks call `refresh` and `max_abs_diff` together).
+  `refresh` gathers the shards one FSDP unit (decoder layer) at a time with FSDP's own all-gather, in the
+  mixed-precision param dtype (bf16 on a GPU: half the bytes of fp32), and copies each parameter into the
+  replica's buffer: one layer in flight at a time (bounded extra memory), on the device, every rank at once
+  (a collective: all ranks call `refresh` and `max_abs_diff` together).
 Only parameters that train (requires_grad) are refreshed: frozen ones (a LoRA run's base weights) were
 copied at construction and never change.
 """
@@ -78,9 +79,9 @@ class EngineWeights:
             return 0.0
         t0 = time.perf_counter()
         if self.gather:
-            from relayrl.distributed.fsdp import full_tensors
+            from relayrl.distributed.fsdp import unit_tensors
 
-            for name, full in full_tensors(self.source, self.dtype, self.trained):
+            for name, full in unit_tensors(self.source, self.trained):
                 self._targets[name].copy_(full)
         else:
             for s, d in self._pairs:

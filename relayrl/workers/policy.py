@@ -123,7 +123,7 @@ class PolicyWorker:
             self.weights = EngineWeights(self.model, dtype=engine_dtype)
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
         sleep = spec.dist.engine_sleep if spec.dist else "auto"
-        self.engine_sleep = sleep == "yes" or (sleep == "auto" and self.device.type == "cuda")
+        self.engine_sleep = sleep == "yes"
         self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
         self._asleep = False
         self.engine = build_engine_for(spec.rollout, spec.eval, self.weights.model, self.tokenizer)
