@@ -23,6 +23,7 @@ Prints a table and writes bench/results/scale.json (entries keyed by kind/shape/
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -221,6 +222,8 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+            gc.collect()  # the 1-GPU run lives in this process: give its cached GPU memory back
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     base = rows[0]
     for r in rows:
         t, t0 = (

@@ -110,6 +110,7 @@ def build_train_step(
     precision: str = "auto",
     device: torch.device | None = None,
     sharded: bool = False,
+    defer_grad_sync: bool = False,
 ) -> TrainStep:
     """TrainStep from an OptimConfig: AdamW (fused on CUDA) + schedule + clipping, at `precision`. With
     "bf16" the module is converted to bf16 compute weights and the optimizer holds their fp32 masters;
@@ -128,6 +129,7 @@ def build_train_step(
         grad_clip=optim.max_grad_norm,
         precision=precision,
         device=device,
+        defer_grad_sync=sharded and defer_grad_sync,
     )
 
 

@@ -212,8 +212,13 @@ class TrainStep:
         device: torch.device | str | None = None,
         max_nonfinite: int = MAX_NONFINITE,
         master: MasterWeights | None = None,
+        defer_grad_sync: bool = False,
     ):
         self.model = model
+        self._fsdp = next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None)
+        self.defer_grad_sync = defer_grad_sync
+        """FSDP: reduce-scatter the gradients once, after the step's last micro-batch (gradients accumulate
+        unsharded in fp32 until then: + 4 bytes per parameter per rank) instead of after every micro-batch."""
         self.master = master
         self.last_refresh_s = 0.0
         self.optimizer = optimizer
@@ -246,8 +251,11 @@ class TrainStep:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums, tokens = _Sums(), 0
-        for mb, weight in padded_passes(micro_batches, num_real):
+        passes = padded_passes(micro_batches, num_real)
+        for i, (mb, weight) in enumerate(passes):
             tokens += int(getattr(mb, "num_tokens", 0)) if weight else 0
+            if self._fsdp is not None and self.defer_grad_sync:
+                self._fsdp.set_requires_gradient_sync(i == len(passes) - 1)
             with self.autocast():
                 out = loss_fn(self.model, move_to(mb, self.device))
             (out.loss_sum if weight else out.loss_sum * 0.0).backward()

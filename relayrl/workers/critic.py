@@ -29,7 +29,7 @@ from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, SequenceBatch, split_rows
 from relayrl.workers.builders import setup_process
 from relayrl.workers.model_ops import critic_values, micro_batches, my_rows, on_my_rows
-from relayrl.workers.trained import RoleState, shard_if_grouped
+from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,7 +71,13 @@ class CriticWorker:
         shard_if_grouped(self.model, spec.dist, self.device, precision)
         optim = replace(spec.optim, lr=spec.critic.lr)
         self.train = build_train_step(
-            self.model, optim, steps, precision=precision, device=self.device, sharded=grouped
+            self.model,
+            optim,
+            steps,
+            precision=precision,
+            device=self.device,
+            sharded=grouped,
+            defer_grad_sync=defer_sync(spec.dist),
         )
         self.objective = ValueObjective(clip_eps=spec.algo.value_clip or None)
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)

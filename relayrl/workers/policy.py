@@ -52,7 +52,7 @@ from relayrl.workers.builders import (
     setup_process,
 )
 from relayrl.workers.model_ops import masked_logprobs, micro_batches, my_rows, on_my_rows, token_logprobs
-from relayrl.workers.trained import RoleState, shard_if_grouped
+from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,7 +112,13 @@ class PolicyWorker:
             self.weights = EngineWeights(self.model, dtype=engine_dtype, gather=True, device=self.device)
             shard_if_grouped(self.model, spec.dist, self.device, precision)
         self.train = build_train_step(
-            self.model, spec.optim, opt_steps, precision=precision, device=self.device, sharded=grouped
+            self.model,
+            spec.optim,
+            opt_steps,
+            precision=precision,
+            device=self.device,
+            sharded=grouped,
+            defer_grad_sync=defer_sync(spec.dist),
         )
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
         self.ema = None

@@ -69,6 +69,12 @@ def shard_if_grouped(model: Any, dist: DistConfig | None, device: torch.device, 
     return True
 
 
+def defer_sync(dist: DistConfig | None) -> bool:
+    """Reduce gradients once per optimizer step (faster) unless parameters are offloaded to the CPU (then
+    the unsharded fp32 gradients would have to fit the GPU)."""
+    return not (dist is not None and dist.offload)
+
+
 def _optimizer_names(model: torch.nn.Module, train: TrainStep) -> list[str]:
     """Module names of the optimizer's parameters, in the optimizer's order."""
     if train.master is not None:
@@ -220,6 +226,7 @@ class ModelWorker:
             precision=precision,
             device=self.device,
             sharded=grouped,
+            defer_grad_sync=defer_sync(spec.dist),
         )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
 
