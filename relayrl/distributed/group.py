@@ -56,8 +56,10 @@ def join_group(spec: GroupSpec) -> None:
         return
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    # NCCL for CUDA tensors plus gloo for CPU ones (CPU-offloaded shards reduce their gradient norm on the CPU)
+    backend = "cpu:gloo,cuda:nccl" if spec.backend == "nccl" else spec.backend
     dist.init_process_group(
-        backend=spec.backend,
+        backend=backend,
         init_method=f"tcp://{spec.addr}:{spec.port}",
         rank=spec.rank,
         world_size=spec.world,

@@ -159,7 +159,7 @@ def _group() -> bool:
 
 
 def _comm_device() -> torch.device:
-    if torch.distributed.get_backend() == "nccl":
+    if "nccl" in torch.distributed.get_backend():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
