@@ -23,9 +23,12 @@ model with FSDP2. Without `ray_address` a local Ray cluster is started (`num_cpu
 down by `shutdown()`; a cluster we did not start is left running (our actors and placement groups are removed).
 
 Failures: a rank that raises or dies (killed, out of memory) makes `call` / `wait` raise `RoleError` naming the
-role, rank, host and the original error as soon as Ray reports it; when some ranks of a call are done and
-others are still running `timeout_s` later (a peer stuck in a collective; collectives time out after the same
-bound), `RoleError` names the stragglers. The caller stops the run; its last complete checkpoint stays.
+role, rank, host and the original error. When one rank fails, its peers usually fail too (their collectives
+break); the launcher waits up to GRACE_S for their outcomes and names the culprit first: a rank that died,
+else one that raised its own error, else ranks still running while the others' collectives failed or timed
+out (a stuck rank), then the peers' errors. When some ranks of a call are done and others are still running
+`timeout_s` later, `RoleError` names the stragglers. The caller stops the run; its last complete checkpoint
+stays loadable.
 """
 
 from __future__ import annotations
@@ -190,31 +193,81 @@ def _cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
+GRACE_S = 3.0
+"""After a rank's call fails, how long to wait for the other ranks' outcomes before naming the culprit."""
+
+_COLLECTIVE_ERRORS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "watchdog")
+
+
+def _is_secondary(err: BaseException) -> bool:
+    """A failure caused by a peer: a collective that broke or timed out because another rank died or hung."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        return False
+    text = _cause(err).lower()
+    return any(k in text for k in _COLLECTIVE_ERRORS)
+
+
+def _blame(
+    role: str, method: str, failed: dict[int, BaseException], running: list[int], hosts: list[str], world: int
+) -> RoleError:
+    """One error naming the likely culprit first: a rank that died, else one that raised its own error, else
+    ranks still running while their peers' collectives failed (stuck), then the others' errors."""
+    import ray
+
+    died = [i for i, e in failed.items() if isinstance(e, ray.exceptions.RayActorError)]
+    own = [i for i, e in failed.items() if i not in died and not _is_secondary(e)]
+    secondary = [i for i in failed if i not in died and i not in own]
+    parts = [f"{_label(role, i, hosts, world)} failed in {method}: {_cause(failed[i])}" for i in died + own]
+    if not parts and running:
+        parts.append(
+            f"{'; '.join(_label(role, i, hosts, world) for i in running)} still running while its peers' "
+            f"collectives failed (stuck or too slow: dist.timeout_s bounds a collective)"
+        )
+    tail = [f"{_label(role, i, hosts, world)}: {_cause(failed[i])}" for i in secondary]
+    if not parts:
+        parts, tail = tail[:1], tail[1:]
+    msg = "; ".join(parts) + (f" (then {'; '.join(tail)})" if tail else "")
+    first = failed[(died + own + secondary)[0]]
+    err = RoleError(msg)
+    err.__cause__ = first
+    return err
+
+
 def _gather(role: str, method: str, refs: list[Any], hosts: list[str], timeout_s: float) -> list[Any]:
-    """Every rank's result, raising RoleError on the first failure (see module doc)."""
+    """Every rank's result; on failure a RoleError naming the culprit rank (see module doc and `_blame`)."""
     import ray
 
     index = {r: i for i, r in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
+    failed: dict[int, BaseException] = {}
     pending = list(refs)
     first_done: float | None = None
+    first_failed: float | None = None
     while pending:
-        wait = None if first_done is None else max(0.0, first_done + timeout_s - time.monotonic())
+        deadlines = [t + d for t, d in ((first_done, timeout_s), (first_failed, GRACE_S)) if t is not None]
+        wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
         if not ready:
-            late = sorted(index[r] for r in pending)
+            running = sorted(index[r] for r in pending)
+            if failed:
+                raise _blame(role, method, failed, running, hosts, len(refs))
             raise RoleError(
-                f"{role}.{method}: ranks {late} of {len(refs)} still running {timeout_s:.0f} s after the others "
-                f"finished (a peer stuck or dead; dist.timeout_s bounds this): "
-                + "; ".join(_label(role, i, hosts, len(refs)) for i in late)
+                f"{role}.{method}: ranks {running} of {len(refs)} still running {timeout_s:.0f} s after the "
+                f"others finished (a peer stuck or dead; dist.timeout_s bounds this): "
+                + "; ".join(_label(role, i, hosts, len(refs)) for i in running)
             )
         for r in ready:
             i = index[r]
             try:
                 results[i] = ray.get(r)
-            except Exception as e:  # named and re-raised
-                raise RoleError(f"{_label(role, i, hosts, len(refs))} failed in {method}: {_cause(e)}") from e
+            except Exception as e:  # collected, then named by _blame
+                failed[i] = e
+                first_failed = first_failed if first_failed is not None else time.monotonic()
         first_done = first_done if first_done is not None else time.monotonic()
+    if failed:
+        raise _blame(role, method, failed, [], hosts, len(refs))
     return results
 
 
@@ -286,7 +339,10 @@ class RayLauncher:
         self.roles = roles
         self.where = plan_pools(cfg, roles)
         actors = sum(roles.values())
-        self.cpu_per_actor = min(1.0, float(resources.get("CPU", 1.0)) / max(1, actors))
+        # every CPU of the cluster shared among the actors (Ray sets each actor's OMP / torch threads from
+        # it: a GPU rank with 1 CPU would run its CPU work, e.g. an offloaded optimizer step, on one thread)
+        cpus = float(resources.get("CPU", 1.0))
+        self.cpu_per_actor = cpus / actors if cpus < actors else float(int(cpus // actors))
         self.pools: dict[str, _Pool] = {}
         for role, pool in self.where.items():
             p = self.pools.setdefault(pool, _Pool(bundles=roles.get(pool, roles[role])))
