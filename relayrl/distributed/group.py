@@ -127,7 +127,14 @@ def shares(weights: Sequence[float], parts: int) -> list[range]:
             lo, hi = bounds[-1] + 1, n - (parts - k)  # leave >= 1 item for each later rank
         else:
             lo = hi = min(k, n)
-        cut = bisect_left(prefix, total * k / parts) + 1 if total > 0 else round(n * k / parts)
+        if total > 0:
+            target = total * k / parts
+            cut = bisect_left(prefix, target) + 1  # includes the item that crosses the target ...
+            before = prefix[cut - 2] if cut >= 2 else 0.0
+            if cut > 1 and target - before < prefix[min(cut, n) - 1] - target:
+                cut -= 1  # ... unless leaving it out lands nearer
+        else:
+            cut = round(n * k / parts)
         bounds.append(min(max(cut, lo), hi))
     bounds.append(n)
     return [range(a, b) for a, b in pairwise(bounds)]

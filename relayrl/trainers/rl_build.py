@@ -137,6 +137,48 @@ def _check_values(cfg: RLConfig) -> None:
         )
     if not 0.0 <= cfg.ema < 1.0:
         raise ConfigError(f"ema: {cfg.ema} is invalid; expected a decay in [0, 1) (0 = off)", field="ema")
+    if cfg.ema > 0 and cfg.dist.ranks("policy") > 1:
+        raise ConfigError(
+            f"ema: an EMA of a policy sharded over {cfg.dist.ranks('policy')} ranks is not supported yet; set ema 0 "
+            "or run the policy on one rank",
+            field="ema",
+        )
+    _validate_placement(cfg)
+
+
+_PLACEMENT = (
+    "policy_num_nodes",
+    "policy_num_gpus_per_node",
+    "ref_num_nodes",
+    "ref_num_gpus_per_node",
+    "critic_num_nodes",
+    "critic_num_gpus_per_node",
+    "colocate_policy_ref",
+    "colocate_critic_reward",
+    "colocate_all",
+    "offload",
+    "offload_optimizer_in_rollout",
+)
+
+
+def _validate_placement(cfg: RLConfig) -> None:
+    """Colocated roles need the policy's sizes (they share its GPUs one to one)."""
+    d, a = cfg.dist, cfg.algo
+    if d.mode != "ray":
+        return
+    pairs = []
+    if (d.colocate_policy_ref or d.colocate_all) and needs_reference(a.kl_mode):
+        pairs.append(("ref", "colocate_all" if d.colocate_all else "colocate_policy_ref"))
+    if d.colocate_all and needs_critic(a.advantage):
+        pairs.append(("critic", "colocate_all"))
+    for role, flag in pairs:
+        if d.ranks(role) != d.ranks("policy"):
+            raise ConfigError(
+                f"dist.{flag}: the {role} role ({d.ranks(role)} ranks) must have the policy's size "
+                f"({d.ranks('policy')} ranks) to share its GPUs; set --dist.{role}_num_nodes / "
+                f"--dist.{role}_num_gpus_per_node to the policy's values",
+                field=f"dist.{flag}",
+            )
 
 
 def _changed(obj: Any, names: Any, prefix: str) -> list[str]:
@@ -200,6 +242,23 @@ def _warn_ineffective(cfg: RLConfig, raw: AlgoConfig) -> None:
             _changed(cfg.reward, ("overlong_penalty",), "reward"),
             cfg.reward.overlong_buffer == 0,
             "the overlong penalty is off (reward.overlong_buffer=0)",
+        ),
+        (
+            _changed(cfg.dist, _PLACEMENT, "dist"),
+            cfg.dist.mode == "local",
+            "dist.mode=local runs every role in this process on one rank (placement applies with dist.mode=ray)",
+        ),
+        (
+            _changed(
+                cfg.dist, ("critic_num_nodes", "critic_num_gpus_per_node", "colocate_critic_reward"), "dist"
+            ),
+            cfg.dist.mode == "ray" and not needs_critic(a.advantage),
+            f"algo.advantage={a.advantage!r} trains no critic",
+        ),
+        (
+            _changed(cfg.dist, ("ref_num_nodes", "ref_num_gpus_per_node", "colocate_policy_ref"), "dist"),
+            cfg.dist.mode == "ray" and not needs_reference(a.kl_mode),
+            f"algo.kl_mode={a.kl_mode!r} needs no reference model",
         ),
     ]
     for fields, ineffective, why in checks:

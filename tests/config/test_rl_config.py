@@ -176,3 +176,30 @@ def test_drop_sample_is_rejected_for_group_estimators():
         RLConfig, [*BASE, "--rollout.failure_policy", "drop_sample", "--algo.advantage", "reinforce"]
     )
     validate_rl_config(cfg)
+
+
+def test_dist_placement_in_local_mode_warns_and_in_ray_mode_does_not():
+    (msg,) = _validate(["--dist.policy_num_gpus_per_node", "2", "--dist.offload", "true"])
+    assert "dist.policy_num_gpus_per_node, dist.offload have no effect" in msg and "dist.mode=local" in msg
+    assert _validate(["--dist.mode", "ray", "--dist.policy_num_gpus_per_node", "2"]) == []
+    (msg,) = _validate(["--dist.mode", "ray", "--dist.critic_num_gpus_per_node", "2"])
+    assert "dist.critic_num_gpus_per_node has no effect" in msg and "trains no critic" in msg
+
+
+def test_colocated_roles_need_the_policy_size_and_ema_one_rank():
+    ray2 = ["--dist.mode", "ray", "--dist.policy_num_gpus_per_node", "2"]
+    kl = ["--algo.kl_mode", "loss", "--algo.kl_coef", "0.1"]
+    cfg = parse_cli(RLConfig, [*BASE, *ray2, *kl, "--dist.colocate_policy_ref", "true"])
+    with pytest.raises(
+        ConfigError, match=r"dist.colocate_policy_ref: the ref role \(1 ranks\) must have the policy"
+    ):
+        validate_rl_config(cfg)
+    ok = parse_cli(
+        RLConfig, [*BASE, *ray2, *kl, "--dist.colocate_all", "true", "--dist.ref_num_gpus_per_node", "2"]
+    )
+    validate_rl_config(ok)
+    cfg = parse_cli(RLConfig, [*BASE, *ray2, "--ema", "0.99"])
+    with pytest.raises(ConfigError, match="ema: an EMA of a policy sharded over 2 ranks"):
+        validate_rl_config(cfg)
+    with pytest.raises(ConfigError, match=r"dist\.policy_num_gpus_per_node: 0 is invalid"):
+        parse_cli(RLConfig, [*BASE, "--dist.policy_num_gpus_per_node", "0"])
