@@ -121,10 +121,13 @@ class RankHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port, socket.gethostname()
 
-    def start(self, group: GroupSpec, cls: type, args: tuple, kwargs: dict) -> str:
+    def start(self, group: GroupSpec, cls: type, args: tuple, kwargs: dict) -> tuple[str, str]:
+        """Join the group and build the worker; returns (host name, Ray node id)."""
+        import ray
+
         join_group(group)
         self.worker = cls(*args, **kwargs)
-        return socket.gethostname()
+        return socket.gethostname(), ray.get_runtime_context().get_node_id()
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
@@ -148,8 +151,12 @@ class _Pending:
 class RayRole:
     """A role as a group of Ray actors, one per rank (see module doc)."""
 
-    def __init__(self, name: str, cls: type, actors: list[Any], hosts: list[str], timeout_s: float) -> None:
+    def __init__(
+        self, name: str, cls: type, actors: list[Any], hosts: list[str], timeout_s: float, nodes: list[str]
+    ) -> None:
         self.name, self.cls, self.actors, self.hosts = name, cls, actors, hosts
+        self.nodes = nodes
+        """The Ray node id of each rank."""
         self.world = len(actors)
         self.timeout_s = timeout_s
 
@@ -310,6 +317,19 @@ def plan_pools(cfg: DistConfig, roles: dict[str, int]) -> dict[str, str]:
     return where
 
 
+def _cpu_share(actors: int) -> float:
+    """CPUs per actor such that the actors pack onto the nodes (a fraction when CPUs are scarce, whole CPUs
+    otherwise, which Ray turns into each actor's thread count)."""
+    import math
+
+    import ray
+
+    cpus = [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")]
+    cpus = [c for c in cpus if c > 0] or [1.0]
+    share = min(cpus) / math.ceil(actors / len(cpus))
+    return share if share < 1 else float(int(share))
+
+
 class RayLauncher:
     """Roles as groups of Ray actors in placement groups (see module doc)."""
 
@@ -341,8 +361,7 @@ class RayLauncher:
         actors = sum(roles.values())
         # every CPU of the cluster shared among the actors (Ray sets each actor's OMP / torch threads from
         # it: a GPU rank with 1 CPU would run its CPU work, e.g. an offloaded optimizer step, on one thread)
-        cpus = float(resources.get("CPU", 1.0))
-        self.cpu_per_actor = cpus / actors if cpus < actors else float(int(cpus // actors))
+        self.cpu_per_actor = _cpu_share(actors)
         self.pools: dict[str, _Pool] = {}
         for role, pool in self.where.items():
             p = self.pools.setdefault(pool, _Pool(bundles=roles.get(pool, roles[role])))
@@ -408,8 +427,10 @@ class RayLauncher:
             )
             for r, a in enumerate(actors)
         ]
-        hosts = _gather(name, "start", refs, [host0] * world, self.cfg.timeout_s)
-        return RayRole(name, cls, actors, hosts, self.cfg.timeout_s)
+        placed = _gather(name, "start", refs, [host0] * world, self.cfg.timeout_s)
+        return RayRole(
+            name, cls, actors, [h for h, _ in placed], self.cfg.timeout_s, nodes=[n for _, n in placed]
+        )
 
     def wait(self, tokens: list[Any]) -> list[Any]:
         return [t.role.collect(t) for t in tokens]
