@@ -272,6 +272,7 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
             seed=cfg.train.seed,
             device=cfg.train.device,
             dist=dist,
+            hf_format=cfg.ckpt.save_hf_model,
         )
         handle = launcher.spawn("model", ModelWorker, spec)
         layout = handle.call("info")["layout"]

@@ -143,7 +143,7 @@ class CheckpointManager:
         try:
             tmp.mkdir()
             for name, model in models.items():
-                if self.hf_format:
+                if self.hf_format or not hasattr(model, "state_dict"):  # a worker writes its own format
                     model.save_pretrained(tmp / name)
                 else:
                     (tmp / name).mkdir()

@@ -47,6 +47,7 @@ from relayrl.distributed.checkpoint import (
 )
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, my_share, rank, world
+from relayrl.training.checkpoint import WEIGHTS_FILE
 from relayrl.training.loop import Trainer
 from relayrl.training.rng import capture_rng_state, restore_rng_state
 from relayrl.training.step import LossFn, StepOutput, TrainStep
@@ -92,9 +93,12 @@ class RoleState:
         train: TrainStep,
         tokenizer: Any,
         full_weights: Callable[[Path], dict[str, torch.Tensor]],
+        hf_format: bool = True,
     ) -> None:
         self.model, self.train, self.tokenizer = model, train, tokenizer
         self.full_weights = full_weights
+        self.hf_format = hf_format
+        """1 rank: an HF folder (save_pretrained), or False: a plain state dict (weights.pt)."""
 
     @property
     def sharded(self) -> bool:
@@ -117,7 +121,10 @@ class RoleState:
             torch.distributed.barrier()
             return
         with self.train.full_precision():
-            self.model.save_pretrained(path)
+            if self.hf_format:
+                self.model.save_pretrained(path)
+            else:
+                torch.save(self.model.state_dict(), path / WEIGHTS_FILE)
         self.tokenizer.save_pretrained(path)
         state["optimizer"] = self.train.optimizer.state_dict()
         state["rng"] = capture_rng_state()
@@ -186,6 +193,8 @@ class ModelSpec:
     device: str = "auto"
     dist: DistConfig | None = None
     """Sharding options when the role runs on several ranks."""
+    hf_format: bool = True
+    """Checkpoint weights as an HF folder (False: a plain state dict; 1 rank only, N ranks write DCP)."""
 
 
 def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
@@ -228,7 +237,7 @@ class ModelWorker:
             sharded=grouped,
             defer_grad_sync=defer_sync(spec.dist),
         )
-        self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
+        self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights, spec.hf_format)
 
     def _full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         from dataclasses import replace

@@ -258,12 +258,12 @@ def test_uneven_and_empty_shares_equal_one_rank(ray_cluster):
     try:
         policy = launcher.spawn("policy", Probe)
         results = {}
-        for n in (3, 1):  # 3 sequences: 2 + 1 rows; 1 sequence: rank 1's share is empty
+        for n in (3, 1):  # 3 sequences: 1 + 2 rows (lengths 7 | 12, 5); 1 sequence: rank 1's share is empty
             policy.call("build")  # a fresh model and optimizer from the same seed
             results[n] = policy.call("steps_all", _seqs(n), 2)
     finally:
         launcher.shutdown()
-    assert [r["rows"] for r in results[3]] == [2, 1]
+    assert [r["rows"] for r in results[3]] == [1, 2]
     assert [r["rows"] for r in results[1]] == [1, 0]
     for n, ranks in results.items():
         _assert_same(ranks, _one_rank(_seqs(n), 2))
