@@ -306,6 +306,12 @@ class EvalConfig:
     """A sample counts as correct for pass@k when its score is above this."""
 
 
+ROLE_SIZE_FIELDS = tuple(
+    f"{role}_{what}" for role in ("policy", "ref", "critic") for what in ("num_nodes", "num_gpus_per_node")
+)
+"""The DistConfig fields that size the model roles (nodes x ranks per node)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class DistConfig:
     """Execution and placement: every role in this process (local), or Ray actors with data-parallel,
@@ -357,14 +363,7 @@ class DistConfig:
     naming the role, rank and host within this time."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "policy_num_nodes",
-            "policy_num_gpus_per_node",
-            "ref_num_nodes",
-            "ref_num_gpus_per_node",
-            "critic_num_nodes",
-            "critic_num_gpus_per_node",
-        ):
+        for name in ROLE_SIZE_FIELDS:
             if getattr(self, name) < 1:
                 raise invalid(name, getattr(self, name), "an int >= 1")
         if self.timeout_s <= 0:

@@ -39,7 +39,7 @@ from relayrl.algorithms.registry import (
     needs_reference,
 )
 from relayrl.config.base import ConfigError, ConfigWarning
-from relayrl.config.rl import AlgoConfig, RLConfig, resolve_algo
+from relayrl.config.rl import ROLE_SIZE_FIELDS, AlgoConfig, RLConfig, resolve_algo
 from relayrl.distributed.launch import LAUNCHERS, RoleHandle, build_launcher
 
 
@@ -147,12 +147,7 @@ def _check_values(cfg: RLConfig) -> None:
 
 
 _PLACEMENT = (
-    "policy_num_nodes",
-    "policy_num_gpus_per_node",
-    "ref_num_nodes",
-    "ref_num_gpus_per_node",
-    "critic_num_nodes",
-    "critic_num_gpus_per_node",
+    *ROLE_SIZE_FIELDS,
     "colocate_policy_ref",
     "colocate_critic_reward",
     "colocate_all",
