@@ -345,7 +345,7 @@ class DistConfig:
     remote rewards need no GPU: then it only places the reward actor beside the critic)."""
     colocate_all: bool = False
     """Every role on the policy's GPUs (reference and critic need the policy's sizes), as OpenRLHF's
-    --colocate_all_models; the engine sleeps while the models train."""
+    --colocate_all_models (add --dist.engine_sleep yes to free the KV cache during updates)."""
     offload: bool = False
     """FSDP2 CPU offload of the trained roles' parameters, gradients and optimizer states (the optimizer
     step runs on the CPU): for models that do not fit the GPUs' memory otherwise."""
