@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(len(n) for n in COMMANDS)
-    lines = ["usage: relayrl <command> [--help] [options]", "", "commands:"]
+    lines = ["usage: relayrl <command> [--help] [options]    (relayrl --version)", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {desc}" for name, (_, desc) in COMMANDS.items()]
     lines += ["", "Run `relayrl <command> --help` for a command's options."]
     return "\n".join(lines)
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version", "version"):
+        from relayrl import __version__
+
+        print(f"relayrl {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

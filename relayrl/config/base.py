@@ -536,7 +536,7 @@ def run_command(
     presets: Mapping[str, Callable[[], T]] | None = None,
 ) -> int:
     """A command's `main`: parse the config; on `ConfigError` print it to stderr and return 2; on --help
-    return 0; else return `fn(cfg)` (None -> 0)."""
+    return 0; else return `fn(cfg)` (None -> 0) behind the error boundary (`error_boundary`)."""
     try:
         cfg = parse_cli(cls, argv, prog, description, default=default, presets=presets)
     except ConfigError as e:
@@ -545,4 +545,35 @@ def run_command(
         return 2
     except SystemExit as e:
         return int(e.code or 0)
-    return int(fn(cfg) or 0)
+    return error_boundary(prog, lambda: fn(cfg))
+
+
+DEBUG_ENV = "RELAYRL_DEBUG"
+"""Set to 1 to get the full traceback of a failing command instead of its one-line error."""
+
+_PLAIN = (ValueError, RuntimeError, OSError, ImportError, KeyError, TypeError)
+
+
+def error_boundary(prog: str, body: Callable[[], int | None]) -> int:
+    """Run a command's body; any error becomes ONE line on stderr, `<prog>: error: <message>`, and exit code 1
+    (2 for a ConfigError, 130 for Ctrl-C); the traceback only with RELAYRL_DEBUG=1. The messages of relayrl's
+    own errors name the file, row, key or field and what to do."""
+    import os
+
+    try:
+        return int(body() or 0)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        text = str(e).strip() or type(e).__name__
+        if not isinstance(e, _PLAIN) or type(e) in (KeyError, TypeError):
+            text = f"{type(e).__name__}: {text}"
+        print(f"{prog}: error: {text}", file=sys.stderr)
+        print(f"{prog}: (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1

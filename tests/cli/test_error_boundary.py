@@ -1,0 +1,44 @@
+"""Every command fails with ONE line on stderr naming the problem (exit 1; 2 for config errors), the traceback
+only with RELAYRL_DEBUG=1; `relayrl --version`."""
+
+from __future__ import annotations
+
+import pytest
+
+from relayrl import __version__
+from relayrl.cli import main as cli_main
+
+
+def _sft(model, data, out):
+    return ["sft", "--model.name_or_path", str(model), "--data.datasets", str(data), "--train.device", "cpu",
+            "--train.output_dir", str(out), "--logger.progress_bar", "false"]  # fmt: skip
+
+
+def test_a_data_error_is_one_line_and_exit_1(tiny_model_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RELAYRL_DEBUG", raising=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "1+1=", "output": "2"}\n{"broken\n')
+    assert cli_main(_sft(tiny_model_path, bad, tmp_path / "run")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[0].startswith(f"relayrl sft: error: {bad}, line 2: invalid JSON"), err
+    assert "--data.skip_malformed true" in err[0]
+    assert err[1] == "relayrl sft: (set RELAYRL_DEBUG=1 for the traceback)" and len(err) == 2
+
+
+def test_debug_env_shows_the_traceback(tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAYRL_DEBUG", "1")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{nope\n")
+    with pytest.raises(ValueError, match="line 1: invalid JSON"):
+        cli_main(_sft(tiny_model_path, bad, tmp_path / "run"))
+
+
+def test_config_error_is_exit_2(capsys):
+    assert cli_main(["sft", "--optim.lr", "-1"]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    assert cli_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"relayrl {__version__}"
