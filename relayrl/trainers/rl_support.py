@@ -3,8 +3,6 @@ and the builders of the checkpoint manager and reward normaliser."""
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +10,18 @@ from typing import Any
 
 from relayrl.agents.base import Trajectory
 from relayrl.config.rl import RLConfig
+from relayrl.training.signals import SignalFlag
+
+__all__ = [
+    "SignalFlag",
+    "Timer",
+    "add",
+    "as_dict",
+    "checkpoint_manager",
+    "due",
+    "failure_counts",
+    "reward_norm",
+]
 
 
 class Timer:
@@ -28,35 +38,6 @@ class Timer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing/{k}": v for k, v in self.seconds.items()}
-
-
-class SignalFlag:
-    """SIGINT / SIGTERM set `signum` (the loop then checkpoints and exits); a second signal interrupts."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(
-            f"\nrelayrl rl: signal {signum}: finishing this step, then writing a checkpoint", file=sys.stderr
-        )
-
-    @contextmanager
-    def installed(self):
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
 
 
 def add(total: dict[str, float], more: dict[str, float]) -> None:

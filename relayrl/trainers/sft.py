@@ -25,6 +25,7 @@ Programmatic use (the demo): `result = run_sft(cfg)`; `result.model`, `result.me
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from relayrl.training.setup import (
     seed_everything,
     total_steps_of,
 )
+from relayrl.training.signals import SignalFlag
 from relayrl.training.step import LossOutput
 
 
@@ -99,7 +101,14 @@ class SFTResult:
     """The last checkpoint folder written (its `model/` sub-folder loads with from_pretrained on one rank;
     on N ranks it holds DCP shards: use `final_model`)."""
     final_model: Path | None = None
-    """dist.mode=ray: the HF folder of the trained model (run folder / final), exported by rank 0."""
+    """The HF folder of the trained model (<run folder>/final; on N ranks exported by rank 0); None when the
+    run was stopped by a signal (its last checkpoint holds the state)."""
+    exit_code: int = 0
+    """0 done; 130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint."""
+    steps: int = 0
+    """Optimizer steps completed (including those of a resumed run)."""
+    already_complete: bool = False
+    """The run folder's checkpoint had already reached the step total: nothing was trained."""
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -286,15 +295,22 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
             tokenizer=tokenizer,
         )
         resumed = resume_if_asked(trainer, cfg.ckpt)
-        with build_logger(
-            cfg.logger, run_dir, total_steps=total, config=to_dict(cfg), start_step=trainer.step
-        ) as logger:
+        done_before = resumed and trainer.step >= total
+        stop = SignalFlag("relayrl sft")
+        with (
+            build_logger(
+                cfg.logger, run_dir, total_steps=total, config=to_dict(cfg), start_step=trainer.step
+            ) as logger,
+            stop.installed(),
+        ):
             trainer.logger = logger
             if resumed:
                 print(f"resumed from step {trainer.step} ({run_dir / 'checkpoints'})")
-            fit = trainer.fit()
+            fit = trainer.fit(stop)
+        final = None
+        if fit.stopped_by is None:
+            final = Path(handle.call("export", str(run_dir / "final")))
         local = getattr(handle, "instance", None)
-        final = None if local is not None else Path(handle.call("export", str(run_dir / "final")))
     finally:
         launcher.shutdown()
     return SFTResult(
@@ -305,6 +321,9 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
         history=fit.history,
         checkpoint=fit.last_checkpoint,
         final_model=final,
+        exit_code=stop.exit_code(),
+        steps=trainer.step,
+        already_complete=done_before,
     )
 
 
@@ -313,14 +332,26 @@ def main(argv: list[str] | None = None) -> int:
 
     def go(cfg: SFTConfig) -> int:
         result = run_sft(cfg)
+        if result.exit_code:
+            print(
+                f"relayrl sft: stopped at step {result.steps} by a signal; checkpoint {result.checkpoint}. "
+                "Rerun the same command to continue.",
+                file=sys.stderr,
+            )
+            return result.exit_code
+        if result.already_complete:
+            print(
+                f"relayrl sft: already complete at step {result.steps} (the run's step total); raise "
+                f"--train.max_steps (or --train.epochs) to continue; final model in {result.final_model}"
+            )
+            return 0
         loss = result.metrics.get("train/loss", float("nan"))
         eval_loss = result.metrics.get("eval/loss")
         tail = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
         print(
             f"sft done: {result.metrics.get('step', 0)} steps, train loss {loss:.4f}{tail}; run folder {result.run_dir}"
         )
-        if result.final_model is not None:
-            print(f"sft: final model in {result.final_model}")
+        print(f"relayrl sft: final model in {result.final_model}")
         return 0
 
     return run_command(SFTConfig, argv, "relayrl sft", go, description=__doc__.split("\n")[0])

@@ -54,6 +54,8 @@ class FitResult:
     """Every logged metrics row of this process (with "step")."""
     last_checkpoint: Any = None
     """Path of the last checkpoint written (None if none)."""
+    stopped_by: int | None = None
+    """The signal that stopped the loop early (after a checkpoint), None when it ran to the end."""
 
 
 class Trainer:
@@ -131,12 +133,20 @@ class Trainer:
             **self._optim_state(),
         )
 
-    def fit(self) -> FitResult:
-        """Run until `settings.total_steps` optimizer steps are done (continuing after `resume`)."""
+    def fit(self, stop: Any = None) -> FitResult:
+        """Run until `settings.total_steps` optimizer steps are done (continuing after `resume`). `stop`: an
+        object whose `signum` becomes non-None on SIGINT / SIGTERM (relayrl.training.signals.SignalFlag):
+        the loop then finishes the step, writes a checkpoint and returns with `stopped_by` set."""
         s = self.settings
         history: list[dict[str, float]] = []
         last_ckpt = None
         while self.step < s.total_steps:
+            if stop is not None and stop.signum is not None:
+                if self.ckpt is not None and history:
+                    last_ckpt = self.save(history[-1])
+                return FitResult(
+                    step=self.step, history=history, last_checkpoint=last_ckpt, stopped_by=stop.signum
+                )
             t0 = time.perf_counter()
             out = self.train_step.step(self.collate(self.sampler.next_indices()))
             dt = time.perf_counter() - t0
