@@ -236,7 +236,11 @@ class CkptConfig:
     best_mode: Literal["min", "max"] = "min"
     """Whether a lower (min) or higher (max) best_metric is better."""
     resume: str = "auto"
-    """auto = continue from the run folder's latest checkpoint if any; none = start fresh; or a checkpoint path."""
+    """auto = continue from the run folder's latest checkpoint if any; none = start fresh (refused when the
+    run folder already holds a run, unless overwrite); or a checkpoint path."""
+    overwrite: bool = False
+    """With resume none (or a checkpoint path) in a run folder that already holds a run: move that run aside
+    to <folder>.old-<time> and start in an empty folder (never mix two runs' files)."""
     save_hf_model: bool = True
     """Write an HF-format model folder (from_pretrained loads it) in every checkpoint."""
 

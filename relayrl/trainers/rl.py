@@ -95,12 +95,12 @@ class RLTrainer:
             validate_rl_config,
         )
         from relayrl.training.sampler import ResumableSampler
+        from relayrl.training.setup import prepare_run_dir
         from relayrl.workers.builders import exact_on_policy, setup_process
 
         validate_rl_config(cfg)
         self.cfg = cfg
-        self.run_dir = Path(cfg.train.output_dir or "runs/rl")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = prepare_run_dir(Path(cfg.train.output_dir or "runs/rl"), cfg.ckpt, "relayrl rl")
         save_yaml(cfg, self.run_dir / "config.yaml")
         setup_process(cfg.train.seed)
         m = cfg.model
@@ -340,9 +340,12 @@ class RLTrainer:
             result.final_model = Path(self.roles.policy.call("export", str(self.run_dir / "final")))
 
     def _build_logger(self) -> Any:
-        from relayrl.training.logging import MetricsLogger
+        from relayrl.trainers.rl_report import SAMPLES_FILE
+        from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 
         lg = self.cfg.logger
+        # a resumed run replays the steps after its checkpoint: their samples (like their metrics) go
+        keep_rows_up_to(self.run_dir / SAMPLES_FILE, self.step)
         return MetricsLogger(
             self.run_dir,
             total_steps=self.cfg.train.max_steps,

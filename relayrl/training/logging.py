@@ -19,6 +19,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        _keep_rows_up_to(self.path, start_step)
+        keep_rows_up_to(self.path, start_step)
         self._file = self.path.open("a")
         self._tb = None
         self._wandb = None
@@ -191,16 +192,25 @@ class MetricsLogger:
         self.close()
 
 
-def _keep_rows_up_to(path: Path, step: int) -> None:
-    """Rewrite `path` (atomically) with only its rows of step <= `step`; remove it when `step` is 0."""
+def keep_rows_up_to(path: Path, step: int) -> None:
+    """Rewrite a JSONL file of {"step": ...} rows (atomically) with only its rows of step <= `step`; remove it
+    when `step` is 0. A torn line (a crash mid-write) is dropped with a warning naming the file and line."""
     if not path.is_file():
         return
     if step <= 0:
         path.unlink()
         return
-    kept = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
+    kept = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            warnings.warn(f"{path}, line {n}: not a complete JSON row (torn write?); dropped", stacklevel=2)
+            continue
+        if row_step <= step:
+            kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)

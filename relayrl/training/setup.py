@@ -61,6 +61,35 @@ def compute_precision(model_dtype: str, device: torch.device) -> str:
     return resolve_precision("auto", device)
 
 
+def prepare_run_dir(run_dir: Path, ckpt: CkptConfig, prog: str) -> Path:
+    """The run folder, ready for a run that starts per `ckpt.resume`: created when missing; an error naming
+    the folder when it is a file, or when it holds another run (checkpoints or metrics) and this run does
+    not continue it (resume none or a checkpoint path) -- unless ckpt.overwrite, which moves the old run aside
+    to <folder>.old-<YYYYmmdd-HHMMSS> first. Two runs' metrics, samples and checkpoints are never mixed."""
+    import time
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(
+            f"train.output_dir {run_dir} is a file, not a folder; choose another --train.output_dir"
+        )
+    holds_run = run_dir.is_dir() and (
+        (run_dir / "metrics.jsonl").is_file()
+        or any(p.name.startswith(("step_", "latest")) for p in (run_dir / "checkpoints").glob("*"))
+    )
+    if holds_run and ckpt.resume != "auto":
+        if not ckpt.overwrite:
+            raise ValueError(
+                f"{prog}: {run_dir} already holds a run (checkpoints / metrics.jsonl) and --ckpt.resume "
+                f"{ckpt.resume} starts another one there; continue it with --ckpt.resume auto, choose another "
+                "--train.output_dir, or pass --ckpt.overwrite true to move the old run aside"
+            )
+        aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        print(f"{prog}: moved the previous run in {run_dir} aside to {aside}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def run_dir_of(train: Any, command: str) -> Path:
     """train.output_dir, or runs/<command> when empty."""
     return Path(train.output_dir or f"runs/{command}")

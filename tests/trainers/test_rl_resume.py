@@ -62,6 +62,9 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_model_path, tmp_
     assert first.exit_code == 128 + signal.SIGINT
     assert first.steps == 2 and first.final_model is None
     assert (tmp_path / "split/checkpoints/latest").read_text().strip() == "step_2"
+    # as if the interrupted run had logged step 3 before dying without a checkpoint (and torn a line)
+    with (tmp_path / "split/samples.jsonl").open("a") as f:
+        f.write('{"step": 3, "prompt": "stale", "response": "", "reward": 0}\n{"step": 3, "pro')
     second = RLTrainer(_cfg(tiny_model_path, tmp_path / "split")).fit()
     assert second.exit_code == 0 and second.steps == STEPS
 
@@ -69,6 +72,8 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_model_path, tmp_
     b = _stable(read_jsonl(tmp_path / "split/metrics.jsonl"))
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b  # bit-exact: same samples, same losses, same KL coefficient, same lr
+    sa, sb = read_jsonl(tmp_path / "full/samples.jsonl"), read_jsonl(tmp_path / "split/samples.jsonl")
+    assert sa == sb  # the replayed step's samples appear once, the stale and torn rows are gone
     for name in ("final/model.safetensors", "checkpoints/step_4/critic/model.safetensors"):
         wa, wb = load_file(tmp_path / "full" / name), load_file(tmp_path / "split" / name)
         assert wa.keys() == wb.keys()

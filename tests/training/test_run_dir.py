@@ -1,0 +1,62 @@
+"""Run-folder safety: a fresh start never mixes with an old run in the same folder (refused, or the old run
+moved aside with --ckpt.overwrite); an output folder that is a file is named; a torn JSONL row is dropped with a
+warning on resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relayrl.cli import main as cli_main
+from relayrl.training.logging import keep_rows_up_to, read_jsonl
+
+
+def _sft(model, data, out, *extra):
+    return ["sft", "--model.name_or_path", str(model), "--data.datasets", str(data), "--train.device", "cpu",
+            "--train.batch_size", "4", "--train.micro_batch_size", "4", "--train.output_dir", str(out),
+            "--train.max_steps", "2", "--logger.progress_bar", "false", *extra]  # fmt: skip
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"input": f"{a}+1=", "output": str(a + 1)}) + "\n" for a in range(40)))
+    return path
+
+
+def test_a_fresh_start_in_a_used_folder_is_refused_or_moves_the_old_run_aside(
+    tiny_model_path, data, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    assert cli_main(_sft(tiny_model_path, data, out)) == 0
+    before = read_jsonl(out / "metrics.jsonl")
+    capsys.readouterr()
+    assert cli_main(_sft(tiny_model_path, data, out, "--ckpt.resume", "none")) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"{out} already holds a run" in err and "--ckpt.resume auto" in err and "--ckpt.overwrite true" in err
+    )
+    assert read_jsonl(out / "metrics.jsonl") == before  # untouched
+    assert (
+        cli_main(_sft(tiny_model_path, data, out, "--ckpt.resume", "none", "--ckpt.overwrite", "true")) == 0
+    )
+    (aside,) = list(tmp_path.glob("run.old-*"))
+    assert f"moved the previous run in {out} aside to {aside}" in capsys.readouterr().out
+    assert read_jsonl(aside / "metrics.jsonl") == before
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]  # a new file, not appended
+
+
+def test_output_dir_that_is_a_file(tiny_model_path, data, tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert cli_main(_sft(tiny_model_path, data, f)) == 1
+    assert f"train.output_dir {f} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_torn_row_is_dropped_with_a_warning(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"step": 3, "x"')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl, line 3: not a complete JSON row"):
+        keep_rows_up_to(path, 5)
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
