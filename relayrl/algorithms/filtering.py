@@ -53,6 +53,8 @@ def dynamic_filter(
     metrics = {
         "groups_kept": float((~drop).sum()),
         "groups_dropped": float(drop.sum()),
+        "groups_zero_var": float(zero_var.sum()),
+        "groups_out_of_range": float((out_of_range & ~zero_var).sum()),
         "zero_var_frac": float(zero_var.sum()) / n,
         "out_of_range_frac": float((out_of_range & ~zero_var).sum()) / n,
     }

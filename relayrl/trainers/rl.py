@@ -78,6 +78,19 @@ class RLResult:
     """Why the run stopped early, if it did."""
 
 
+def _filter_fractions(counts: dict[str, float]) -> dict[str, float]:
+    """Per-round fractions summed over refill rounds -> fractions of every group generated this step (<= 1):
+    filter/zero_var_frac and filter/out_of_range_frac from the summed group counts; filter/refills = rounds - 1."""
+    out = dict(counts)
+    seen = out.get("filter/groups_kept", 0.0) + out.get("filter/groups_dropped", 0.0)
+    for what in ("zero_var", "out_of_range"):
+        if f"filter/{what}_frac" in out:
+            out[f"filter/{what}_frac"] = out.get(f"filter/groups_{what}", 0.0) / max(seen, 1.0)
+    if "filter/rounds" in out:
+        out["filter/refills"] = out["filter/rounds"] - 1.0
+    return out
+
+
 class _Skip(Exception):
     """Nothing to train this step (every trajectory failed or every group was filtered)."""
 
@@ -188,7 +201,7 @@ class RLTrainer:
                 f"{counts.get('filter/groups_dropped', 0):.0f} groups filtered out (filter.max_refills="
                 f"{f.max_refills}); counts: {counts}" + (f". Last error: {last_error}" if last_error else "")
             )
-        return kept, {**counts, **rollout_metrics(kept)}
+        return kept, {**_filter_fractions(counts), **rollout_metrics(kept)}
 
     def _draw_prompts(self, need: int, drawn: dict[int, int]) -> list[PromptSample]:
         """The next `need` prompts. A prompt drawn twice in one step (a dataset smaller than a step) gets a

@@ -38,6 +38,11 @@ class RLProgress(ConsoleProgress):
             value = _scalar(metrics[key]) if key in metrics else None
             if value is not None and math.isfinite(value):
                 parts.append(f"{label} {fmt.format(value)}")
+        dropped = metrics.get("filter/groups_dropped")
+        if dropped:  # dynamic filtering: how many groups went, how many refill rounds it took
+            parts.append(
+                f"filtered {_scalar(dropped):.0f} groups, {_scalar(metrics.get('filter/refills', 0)):.0f} refills"
+            )
         return "  ".join(parts)
 
 

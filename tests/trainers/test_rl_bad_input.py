@@ -23,6 +23,10 @@ REWARD_FUNCS = {
     ),
     "wrong_length": "def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * (len(queries) + 1)\n",
     "constant": "def reward_func(queries, prompts, labels, **kw):\n    return [1.0] * len(queries)\n",
+    "mostly_constant": (  # every group zero-variance except those whose prompt has a 7 in it
+        "def reward_func(queries, prompts, labels, **kw):\n"
+        "    return [float(i % 2) if '7' in p else 1.0 for i, p in enumerate(prompts)]\n"
+    ),
 }
 
 
@@ -152,3 +156,19 @@ def test_unknown_algorithm_name_fails_before_any_work(tiny_model_path, tmp_path,
     assert code == 2
     assert "algo.advantage" in err and "'grpo_typo'" in err and "group_norm" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(90)
+def test_filter_fractions_stay_fractions_over_refill_rounds(tiny_model_path, tmp_path):
+    """Refill rounds add up group counts, and the fractions are taken of every group generated in the step, so
+    they never exceed 1 (summing per-round fractions did); the refills are counted."""
+    out = tmp_path / "run"
+    argv = _argv(tiny_model_path, out, "--reward.source", _reward(tmp_path, "mostly_constant"))
+    assert main([*argv, "--filter.enabled", "true", "--filter.max_refills", "3"]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert any(r["filter/refills"] >= 1 for r in rows)
+    for r in rows:
+        seen = r["filter/groups_kept"] + r["filter/groups_dropped"]
+        assert 0.0 <= r["filter/zero_var_frac"] <= 1.0
+        assert r["filter/zero_var_frac"] == pytest.approx(r["filter/groups_zero_var"] / seen)
+        assert r["filter/refills"] == r["filter/rounds"] - 1
