@@ -290,6 +290,7 @@ class RLTrainer:
         from relayrl.trainers.rl_report import RLProgress, plot_curves
 
         resumed = self.resume()
+        self._start_step = self.step
         logger = self._build_logger()
         bar = self.cfg.logger.progress_bar
         progress = RLProgress(self.cfg.train.max_steps, enabled=bar, print_every=1, start_step=self.step)
@@ -346,6 +347,14 @@ class RLTrainer:
             print(f"relayrl rl: {result.message}; checkpoint written at step {self.step}", file=sys.stderr)
         elif self.skipped >= MAX_SKIPPED_STEPS:
             result.exit_code = 1
+        elif not result.history and self.step > self._start_step:
+            # every step of this run was skipped (fewer than MAX_SKIPPED_STEPS of them): the "final model"
+            # would be the starting one; say so instead of exporting it as a result
+            result.exit_code = 1
+            result.message = (
+                f"no update was made: all {self.step - self._start_step} step(s) of this run were skipped "
+                f"(last: {result.message or 'nothing to train'}); the model is unchanged, no final model written"
+            )
         else:
             latest = self.ckpt.latest()
             if latest is None or latest.name != f"step_{self.step}":

@@ -172,3 +172,16 @@ def test_filter_fractions_stay_fractions_over_refill_rounds(tiny_model_path, tmp
         assert 0.0 <= r["filter/zero_var_frac"] <= 1.0
         assert r["filter/zero_var_frac"] == pytest.approx(r["filter/groups_zero_var"] / seen)
         assert r["filter/refills"] == r["filter/rounds"] - 1
+
+
+@pytest.mark.timeout(60)
+def test_a_run_where_every_step_was_skipped_exits_1_without_a_final_model(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = _argv(
+        tiny_model_path, out, "--reward.source", _reward(tmp_path, "raises"), "--train.max_steps", "2"
+    )
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "no update was made: all 2 step(s) of this run were skipped" in err
+    assert "reward server exploded" in err
+    assert not (out / "final").exists()
