@@ -187,18 +187,35 @@ def build_prompt_data(
     """RL prompts (train, eval): templated, tokenized, label and datasource filled, `index` = position in
     its list (stable under the same config). Prompts longer than max_len tokens are dropped and counted."""
     train_rows, eval_rows, stats = select_rows(cfg)
+    for st in stats:
+        st.no_label = 0
+    by_source = {(st.source, st.split): st for st in stats}
+    origin: dict[int, tuple[str, str]] = {}
 
-    def fn(row: RawRow, ds: str) -> tuple[PromptSample, int]:
-        prompt = build_prompt(row, tokenizer, cfg)
-        ids = encode(tokenizer, prompt.text)
-        label = row.data.get(cfg.label_key)
-        sample = PromptSample(
-            index=0, prompt=prompt.text, prompt_ids=ids, label=label, datasource=ds, messages=prompt.messages
-        )
-        return sample, len(ids)
+    def for_split(split: str) -> Callable[[RawRow, str], tuple[PromptSample, int]]:
+        def fn(row: RawRow, ds: str) -> tuple[PromptSample, int]:
+            prompt = build_prompt(row, tokenizer, cfg)
+            ids = encode(tokenizer, prompt.text)
+            label = row.data.get(cfg.label_key)
+            sample = PromptSample(
+                index=0,
+                prompt=prompt.text,
+                prompt_ids=ids,
+                label=label,
+                datasource=ds,
+                messages=prompt.messages,
+            )
+            origin[id(sample)] = (row.source, split)
+            return sample, len(ids)
 
-    train = _convert(train_rows, "train", stats, cfg, fn, log)
-    evals = _convert(eval_rows, "eval", stats, cfg, fn, log)
+        return fn
+
+    train = _convert(train_rows, "train", stats, cfg, for_split("train"), log)
+    evals = _convert(eval_rows, "eval", stats, cfg, for_split("eval"), log)
+    for samples in (train, evals):  # kept prompts without a label, per source
+        for smp in samples:
+            if smp.label is None:
+                by_source[origin[id(smp)]].no_label += 1
     for samples in (train, evals):
         for i, s in enumerate(samples):
             s.index = i

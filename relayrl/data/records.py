@@ -75,10 +75,13 @@ class LoadStats:
     """Selected rows dropped because they exceed data.max_len tokens."""
     skipped_malformed: int = 0
     """Selected rows skipped as malformed (only with data.skip_malformed)."""
+    no_label: int | None = None
+    """RL prompts: kept rows without a label (data.label_key missing or null); None for data without labels."""
 
     def line(self) -> str:
         """One summary line, e.g. 'data[train] a.jsonl: read 100, used 100, kept 97, dropped_too_long 2, ...'."""
+        tail = f", no_label {self.no_label}" if self.no_label is not None else ""
         return (
             f"data[{self.split}] {self.source}: read {self.rows_read}, used {self.rows_used}, kept {self.kept}, "
-            f"dropped_too_long {self.dropped_too_long}, skipped_malformed {self.skipped_malformed}"
+            f"dropped_too_long {self.dropped_too_long}, skipped_malformed {self.skipped_malformed}{tail}"
         )

@@ -105,6 +105,7 @@ class RLTrainer:
             build_kl_controller,
             build_prompts,
             build_roles,
+            check_labels,
             validate_rl_config,
         )
         from relayrl.training.sampler import ResumableSampler
@@ -122,6 +123,7 @@ class RLTrainer:
             m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
         )
         self.prompts = build_prompts(cfg, self.run_dir, tokenizer)
+        check_labels(cfg, self.prompts)
         self.sampler = ResumableSampler(len(self.prompts.train), 1, seed=cfg.train.seed, shuffle=True)
         self.kl_ctl = build_kl_controller(cfg)
         self.reward_norm = reward_norm(cfg)

@@ -320,6 +320,42 @@ def build_prompts(cfg: RLConfig, run_dir: Path, tokenizer: Any) -> Prompts:
     return Prompts(train=list(train), eval=list(evals), stats=list(stats))
 
 
+def reads_labels(func: Any) -> bool:
+    """True when a Python reward function reads its `labels` argument (a load of that name in its code)."""
+    import dis
+
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    return any(i.opname.startswith("LOAD") and i.argval == "labels" for i in dis.get_instructions(code))
+
+
+def check_labels(cfg: RLConfig, prompts: Prompts) -> None:
+    """Every training prompt lacks a label: an error when the reward function reads labels (it would score
+    every sample against None and train on a constant), a loud warning when relayrl cannot tell (a remote or
+    model reward). Some prompts without a label are counted in the data summary (no_label)."""
+    missing = sum(p.label is None for p in prompts.train)
+    if not prompts.train or missing < len(prompts.train) or cfg.task.name:
+        return
+    src = cfg.reward.source
+    where = f"data.label_key={cfg.data.label_key!r}"
+    if src.endswith(".py"):
+        from relayrl.agents.rewards.func import load_reward_func
+
+        if reads_labels(load_reward_func(src)):
+            raise ValueError(
+                f"none of the {missing} training prompts has a label ({where} is missing or null in every row) but "
+                f"the reward function in {src} reads `labels`: every sample would be scored against None. Set "
+                "--data.label_key to the column holding the answers, or use a reward that does not need labels"
+            )
+        return
+    warnings.warn(
+        f"none of the {missing} training prompts has a label ({where}); the reward {src or 'source'} receives "
+        "None as every label",
+        stacklevel=2,
+    )
+
+
 # ------------------------------------------------------------------------------------------------ roles
 @dataclass(kw_only=True)
 class Roles:

@@ -14,6 +14,8 @@ import pytest
 from relayrl.trainers.rl import main
 from relayrl.training.logging import read_jsonl
 
+DATA = Path(__file__).parent / "data"
+
 REWARD_FUNCS = {
     "raises": "def reward_func(queries, prompts, labels, **kw):\n    raise RuntimeError('reward server exploded')\n",
     "half_nan": (
@@ -185,3 +187,27 @@ def test_a_run_where_every_step_was_skipped_exits_1_without_a_final_model(tiny_m
     assert "no update was made: all 2 step(s) of this run were skipped" in err
     assert "reward server exploded" in err
     assert not (out / "final").exists()
+
+
+@pytest.mark.timeout(60)
+def test_prompts_without_labels_and_a_reward_that_reads_labels_stop_before_training(
+    tiny_model_path, tmp_path, capsys
+):
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(f'{{"prompt": "{a}+1="}}\n' for a in range(20)))  # no "label" column
+    exact = tmp_path / "exact.py"
+    exact.write_text(
+        "def reward_func(queries, prompts, labels, **kw):\n"
+        "    return [float(q[len(p):].strip() == str(l)) for q, p, l in zip(queries, prompts, labels)]\n"
+    )
+    base = ["--model.name_or_path", str(tiny_model_path), "--data.datasets", str(rows), "--data.input_key",
+            "prompt", "--train.max_steps", "1", "--rollout.prompts_per_step", "2", "--rollout.n_samples", "2",
+            "--rollout.max_new_tokens", "4", "--logger.progress_bar", "false"]  # fmt: skip
+    assert main([*base, "--train.output_dir", str(tmp_path / "a"), "--reward.source", str(exact)]) == 1
+    captured = capsys.readouterr()
+    assert "no_label 20" in captured.out  # the data summary counts them
+    assert "none of the 20 training prompts has a label" in captured.err and "reads `labels`" in captured.err
+    assert not (tmp_path / "a/metrics.jsonl").exists()
+    # a reward that does not read labels trains as before
+    digits = str(DATA / "digit_reward.py")
+    assert main([*base, "--train.output_dir", str(tmp_path / "b"), "--reward.source", digits]) == 0
