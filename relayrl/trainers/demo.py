@@ -81,6 +81,9 @@ class DemoConfig:
     """RL learning rate."""
     rl_rows: int = 3000
     """Distinct training prompts available to RL (disjoint from the SFT and eval rows)."""
+    rl_filter: bool = True
+    """Dynamic filtering of zero-variance groups in RL (a toy-sized demo whose groups are all alike turns it
+    off, else every step is filtered and the run reports that it made no update)."""
     eval_rows: int = 500
     """Held-out prompts for the accuracy measurements."""
     control: bool = False
@@ -211,7 +214,7 @@ def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, st
             prompts_per_step=32, n_samples=8, temperature=1.0, max_new_tokens=6, max_len=64
         ),
         algo=AlgoConfig(advantage="group_norm", policy_loss="ppo", kl_mode="monitor"),
-        filter=FilterConfig(enabled=True, max_refills=2),
+        filter=FilterConfig(enabled=cfg.rl_filter, max_refills=2),
         eval=EvalConfig(every=max(1, steps // 8)),
     )
 

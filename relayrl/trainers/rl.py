@@ -201,7 +201,8 @@ class RLTrainer:
                 f"step {self.step}: nothing to train: {counts.get('rollout/failed', 0):.0f} of "
                 f"{counts.get('rollout/generated', 0):.0f} samples failed, "
                 f"{counts.get('filter/groups_dropped', 0):.0f} groups filtered out (filter.max_refills="
-                f"{f.max_refills}); counts: {counts}" + (f". Last error: {last_error}" if last_error else "")
+                f"{f.max_refills}); counts: {_filter_fractions(counts)}"
+                + (f". Last error: {last_error}" if last_error else "")
             )
         return kept, {**_filter_fractions(counts), **rollout_metrics(kept)}
 

@@ -30,7 +30,7 @@ def test_demo_writes_summary_plot_and_model(tmp_path, capsys):
         "--sft_steps",
         "4",
     ]
-    argv += ["--rl_steps", "2", "--eval_rows", "16", "--rl_rows", "64"]
+    argv += ["--rl_steps", "2", "--eval_rows", "16", "--rl_rows", "64", "--rl_filter", "false"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
