@@ -207,7 +207,14 @@ def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, st
         train=RLTrainConfig(
             seed=cfg.seed, max_steps=steps, log_every=50, device=cfg.device, output_dir=str(out)
         ),
-        ckpt=CkptConfig(save_every=0, keep_last=1, resume="none", best_metric="eval/pass@1", best_mode="max"),
+        ckpt=CkptConfig(
+            save_every=0,
+            keep_last=1,
+            resume="none",
+            overwrite=True,
+            best_metric="eval/pass@1",
+            best_mode="max",
+        ),
         logger=LoggerConfig(progress_bar=True),
         reward=RewardConfig(source=f"task:{cfg.task}"),
         rollout=RolloutConfig(
