@@ -19,6 +19,7 @@ case it is counted (`n_unreadable`).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import socket
@@ -92,11 +93,8 @@ def _read_file(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawR
             RawRow(data=d, source=source, file=str(path), row=i) for i, d in enumerate(table.to_pylist(), 1)
         ], 0
     if name.endswith(".csv"):
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            rows = [
-                RawRow(data=dict(d), source=source, file=str(path), row=i)
-                for i, d in enumerate(csv.DictReader(f), 1)
-            ]
+        reader = csv.DictReader(io.StringIO(_utf8(path), newline=""))
+        rows = [RawRow(data=dict(d), source=source, file=str(path), row=i) for i, d in enumerate(reader, 1)]
         return rows, 0
     raise DataError(f"{path}: unsupported file type; use one of {', '.join(FILE_SUFFIXES)}")
 
@@ -104,17 +102,24 @@ def _read_file(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawR
 def _read_jsonl(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRow], int]:
     rows: list[RawRow] = []
     bad = 0
-    with path.open(encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             try:
-                data = json.loads(line)
-                problem = (
-                    None if isinstance(data, dict) else f"expected a JSON object, got {type(data).__name__}"
-                )
-            except json.JSONDecodeError as e:
-                problem = f"invalid JSON ({e.msg} at column {e.colno})"
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                line, problem = "", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+            else:
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                    problem = (
+                        None
+                        if isinstance(data, dict)
+                        else f"expected a JSON object, got {type(data).__name__}"
+                    )
+                except json.JSONDecodeError as e:
+                    problem = f"invalid JSON ({e.msg} at column {e.colno})"
             if problem is not None:
                 if not skip_malformed:
                     raise MalformedRowError(None, None, problem, where=f"{path}, line {lineno}")
@@ -124,8 +129,20 @@ def _read_jsonl(path: Path, source: str, skip_malformed: bool) -> tuple[list[Raw
     return rows, bad
 
 
+def _utf8(path: Path) -> str:
+    """The file's text; a file that is not UTF-8 is a DataError naming the file, line and byte."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}, line {line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); re-save the file as UTF-8"
+        ) from None
+
+
 def _read_json(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRow], int]:
-    text = path.read_text(encoding="utf-8-sig")
+    text = _utf8(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -69,6 +69,26 @@ def test_bad_json_line_names_file_and_line_unless_skipped(tmp_path):
     assert [r.row for r in rows] == [1, 4] and bad == 2
 
 
+def test_invalid_utf8_names_file_and_line_and_jsonl_rows_can_be_skipped(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(
+        (json.dumps(ROWS[0]) + "\n").encode()
+        + b'{"input": "\xff\xfe"}\n'
+        + (json.dumps(ROWS[1]) + "\n").encode()
+    )
+    with pytest.raises(MalformedRowError, match=rf"^{p}, line 2: not valid UTF-8 \(byte 0xff at column 12\)"):
+        load_source(str(p))
+    rows, bad = load_source(str(p), skip_malformed=True)
+    assert [r.row for r in rows] == [1, 3] and bad == 1
+    for name, body in (("y.json", b'[{"input": "a"},\n {"input": "\xe9"}]'), ("z.csv", b"input\na\n\xe9\n")):
+        q = tmp_path / name
+        q.write_bytes(body)
+        with pytest.raises(
+            DataError, match=rf"^{q}, line \d: not valid UTF-8 \(byte 0xe9\); re-save the file as UTF-8"
+        ):
+            load_source(str(q))
+
+
 def test_missing_sources_fail_fast(tmp_path):
     with pytest.raises(DataError, match=r"'nope/x.jsonl' not found"):
         load_source("nope/x.jsonl")
