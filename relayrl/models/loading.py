@@ -72,6 +72,18 @@ def _hub_error(err: Exception, source: str, what: str) -> OSError:
     )
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "merges.txt",
+)
+"""Files of which a local model folder needs at least one to provide its tokenizer."""
+
+
 def load_tokenizer(
     name_or_path: str, *, trust_remote_code: bool = False, padding_side: str | None = None
 ) -> Any:
@@ -79,6 +91,13 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     source = resolve_source(name_or_path, "model.tokenizer_name_or_path")
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): set "
+            "--model.tokenizer_name_or_path to the folder or Hub id of the model's tokenizer (or save the "
+            "tokenizer into this folder with tokenizer.save_pretrained)"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:

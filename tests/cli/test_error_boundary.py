@@ -42,3 +42,21 @@ def test_config_error_is_exit_2(capsys):
 def test_version(capsys):
     assert cli_main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"relayrl {__version__}"
+
+
+@pytest.mark.parametrize("command", ["sft", "rl"])
+def test_model_folder_without_tokenizer_files_says_so(tiny_model_path, tmp_path, capsys, command):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_path, bare)
+    for f in bare.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            f.unlink()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input": "1+1=", "output": "2", "label": "2"}\n')
+    argv = [command, "--model.name_or_path", str(bare), "--data.datasets", str(data), "--train.output_dir",
+            str(tmp_path / "run"), "--train.max_steps", "1"]  # fmt: skip
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{bare} has no tokenizer files" in err and "--model.tokenizer_name_or_path" in err
