@@ -374,6 +374,17 @@ def _openrlhf_shim() -> None:
     sys.modules["openrlhf.utils.agent"] = shim
 
 
+def _user_line(err: BaseException, path: Path) -> int | None:
+    """The line of `path` where `err` was raised (the innermost frame in that file)."""
+    import traceback
+
+    target = str(path.resolve())
+    lines = [
+        f.lineno for f in traceback.extract_tb(err.__traceback__) if str(Path(f.filename).resolve()) == target
+    ]
+    return lines[-1] if lines else None
+
+
 def load_module_from_file(path: str | Path, prefix: str) -> types.ModuleType:
     """Import a user's Python file as a fresh module; errors name the path."""
     path = Path(path)
@@ -389,7 +400,8 @@ def load_module_from_file(path: str | Path, prefix: str) -> types.ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:  # SyntaxError, a failing import, a raise at module level: name the file
         del sys.modules[name]
-        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        line = e.lineno if isinstance(e, SyntaxError) else _user_line(e, path)
+        where = f" (line {line})" if line else ""
         raise ImportError(
             f"cannot load {prefix} file {str(path)!r}{where}: {type(e).__name__}: {e}; fix the file "
             "(try `python FILE` to see the full traceback)"

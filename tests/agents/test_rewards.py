@@ -143,6 +143,10 @@ def test_reward_file_errors_name_the_file(tmp_path):
     other.write_text("def score(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
     with pytest.raises(AttributeError, match=r"other\.py has no function `reward_func"):
         build_reward_source(str(other))
+    failing = tmp_path / "failing.py"
+    failing.write_text("import math\n\nimport not_a_module_anywhere\n")
+    with pytest.raises(ImportError, match=r"failing\.py' \(line 3\): ModuleNotFoundError: No module named"):
+        build_reward_source(str(failing))
 
 
 def test_task_reward_source(tiny_tokenizer):
