@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -215,8 +216,15 @@ class OpenAIServer:
             return list(prompt)
         raise RequestError("'prompt' must be one string or one list of token ids")
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.Response:
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await _json_object(request)
+        if body.get("top_logprobs") or (
+            not chat and isinstance(body.get("logprobs"), int) and body["logprobs"] > 1
+        ):
+            raise RequestError(
+                "top_logprobs is not supported: the engine returns the log-prob of each sampled token only; "
+                "ask for 'logprobs': true (chat) or 'logprobs': 1 (completions)"
+            )
         sid = request.headers.get("X-Session-Id") or body.get("session_id") or body.get("user") or None
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body)
         params = self._params(body, len(prompt_ids), sid)
@@ -258,7 +266,44 @@ class OpenAIServer:
             "prompt_token_ids": prompt_ids,
         }
         headers = {"X-Relayrl-History-Rewrite": "1"} if rewrite else {}
+        if body.get("stream"):
+            return await self._stream(request, payload, chat, headers)
         return web.json_response(payload, headers=headers)
+
+    async def _stream(
+        self, request: web.Request, payload: dict[str, Any], chat: bool, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """`stream: true`: the OpenAI server-sent-events format (a role chunk, one content chunk per choice,
+        a finish chunk with usage, then `data: [DONE]`). The chunks are sent once generation finished: the
+        protocol is honoured, the latency is not yet incremental."""
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+        await resp.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": payload["id"], "object": kind, "created": payload["created"], "model": payload["model"]}
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            await resp.write(f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n".encode())
+
+        for c in payload["choices"]:
+            i = c["index"]
+            if chat:
+                await send(
+                    [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                )
+                delta = {"content": c["message"]["content"]}
+                await send([{"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}])
+                await send([{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}])
+            else:
+                await send(
+                    [{"index": i, "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}]
+                )
+                await send([{"index": i, "text": "", "finish_reason": c["finish_reason"]}])
+        await send([], usage=payload["usage"])
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     def _choice(self, i: int, comp: Completion, params: SamplingParams, chat: bool, want_lp: bool) -> dict:
         stops = set(params.stop_token_ids)

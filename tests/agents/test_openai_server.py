@@ -207,3 +207,29 @@ def test_trace_with_an_aborted_call_fails():
         and log.counts == {"aborted": 1}
     )
     assert "aborted call(s) [2]" in bad.error
+
+
+def test_stream_true_yields_chunks_equal_to_the_plain_answer(served):
+    """The openai client with stream=True receives SSE chunks whose text is the non-streamed answer (same
+    seed), ending with usage; top_logprobs is refused with 400 saying why."""
+    _, client, _ = served
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "2+2="}], max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain and chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens >= 1
+    comp = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt="1+1=", max_tokens=4, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert (
+        comp
+        == client.completions.create(model="tiny", prompt="1+1=", max_tokens=4, temperature=0).choices[0].text
+    )
+    with pytest.raises(openai.BadRequestError, match="top_logprobs is not supported"):
+        client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
