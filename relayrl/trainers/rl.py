@@ -109,12 +109,13 @@ class RLTrainer:
             validate_rl_config,
         )
         from relayrl.training.sampler import ResumableSampler
-        from relayrl.training.setup import prepare_run_dir
+        from relayrl.training.setup import check_config_change, prepare_run_dir
         from relayrl.workers.builders import exact_on_policy, setup_process
 
         validate_rl_config(cfg)
         self.cfg = cfg
         self.run_dir = prepare_run_dir(Path(cfg.train.output_dir or "runs/rl"), cfg.ckpt, "relayrl rl")
+        check_config_change(self.run_dir, cfg, "relayrl rl")
         save_yaml(cfg, self.run_dir / "config.yaml")
         setup_process(cfg.train.seed)
         m = cfg.model

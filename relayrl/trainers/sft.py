@@ -49,6 +49,7 @@ from relayrl.training.sampler import ResumableSampler
 from relayrl.training.setup import (
     build_checkpoint_manager,
     build_logger,
+    check_config_change,
     prepare_run_dir,
     resume_if_asked,
     run_dir_of,
@@ -253,6 +254,7 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
     d = cfg.dist
     seed_everything(cfg.train.seed)
     run_dir = prepare_run_dir(run_dir_of(cfg.train, "sft"), cfg.ckpt, "relayrl sft")
+    check_config_change(run_dir, cfg, "relayrl sft")
     save_yaml(cfg, run_dir / "config.yaml")
     m = cfg.model
     tokenizer = load_tokenizer(

@@ -90,6 +90,69 @@ def prepare_run_dir(run_dir: Path, ckpt: CkptConfig, prog: str) -> Path:
     return run_dir
 
 
+RESUMABLE_FIELDS = (
+    "train.max_steps",
+    "train.epochs",
+    "train.log_every",
+    "train.eval_every",
+    "train.device",
+    "train.output_dir",
+    "eval.every",
+    "ckpt.",
+    "logger.",
+    "dist.",
+)
+"""Config fields (or prefixes) a run may change and still continue from its checkpoint: how long, how often,
+where it runs and logs. Anything else changes what the run computes and needs a new run."""
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_config_change(run_dir: Path, cfg: Any, prog: str) -> list[str]:
+    """Continuing a run (ckpt.resume auto with a checkpoint in `run_dir`): compare `cfg` with the run's saved
+    config.yaml. Changes of RESUMABLE_FIELDS are listed and allowed (a longer run says how its learning-rate
+    schedule changes); any other change is an error listing the fields and what to do. Returns the changes."""
+    import yaml
+
+    from relayrl.config.base import ConfigError, to_dict
+
+    saved_file = run_dir / "config.yaml"
+    ckpts = run_dir / "checkpoints"
+    if cfg.ckpt.resume != "auto" or not saved_file.is_file() or not (ckpts / "latest").is_file():
+        return []
+    try:
+        saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
+    except yaml.YAMLError:
+        return []
+    now = _flat(to_dict(cfg))
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if not changed:
+        return []
+    describe = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed]
+    blocking = [d for k, d in zip(changed, describe, strict=True) if not k.startswith(RESUMABLE_FIELDS)]
+    if blocking:
+        raise ConfigError(
+            f"{prog}: {run_dir} holds a run started with another config ({'; '.join(blocking)}); continuing it "
+            "would mix two setups. Drop those flags to continue the run, or start a new one with another "
+            "--train.output_dir (or --ckpt.resume none --ckpt.overwrite true to move this one aside)",
+            field=changed[0],
+        )
+    print(f"{prog}: continuing the run in {run_dir} with changed settings: {'; '.join(describe)}")
+    if "train.max_steps" in changed or "train.epochs" in changed:
+        print(
+            f"{prog}: the learning-rate schedule is recomputed for the new length: warm-up and decay now span the "
+            "new total number of steps, continuing from the current step"
+        )
+    return describe
+
+
 def run_dir_of(train: Any, command: str) -> Path:
     """train.output_dir, or runs/<command> when empty."""
     return Path(train.output_dir or f"runs/{command}")

@@ -60,3 +60,23 @@ def test_torn_row_is_dropped_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match=r"metrics.jsonl, line 3: not a complete JSON row"):
         keep_rows_up_to(path, 5)
     assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+
+
+def test_continuing_a_run_with_a_changed_config(tiny_model_path, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli_main(_sft(tiny_model_path, data, out)) == 0  # 2 steps
+    capsys.readouterr()
+    # what the run computes changed: refused, naming the field and both values, nothing trained
+    assert cli_main(_sft(tiny_model_path, data, out, "--optim.lr", "0.5")) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds a run started with another config (optim.lr 1e-05 -> 0.5)" in err
+    assert "--train.output_dir" in err and len(read_jsonl(out / "metrics.jsonl")) == 2
+    # only its length changed: allowed, said, and the schedule change explained
+    argv = _sft(tiny_model_path, data, out)
+    argv[argv.index("--train.max_steps") + 1] = "3"
+    assert cli_main(argv) == 0
+    said = capsys.readouterr().out
+    assert (
+        "changed settings: train.max_steps 2 -> 3" in said and "learning-rate schedule is recomputed" in said
+    )
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
