@@ -55,7 +55,8 @@ class RLTrainConfig:
     seed: int = 42
     """Seed for weights init (value head), prompt order, sampling and dropout."""
     max_steps: int = 0
-    """RL steps to run (each: rollout, experience, update, weight sync); required, >= 1."""
+    """RL steps to run (each: rollout, experience, update, weight sync); 0 = one pass over the training
+    prompts (ceil(prompts / rollout.prompts_per_step) steps)."""
     log_every: int = 1
     """Print a table of sampled completions every N steps (with logger.progress_bar); metrics and
     <run>/samples.jsonl are written every step."""
@@ -69,7 +70,7 @@ class RLTrainConfig:
         if self.log_every < 1:
             raise invalid("log_every", self.log_every, "an int >= 1")
         if self.max_steps < 0:
-            raise invalid("max_steps", self.max_steps, "an int >= 1 (the number of RL steps)")
+            raise invalid("max_steps", self.max_steps, "an int >= 0 (RL steps; 0 = one pass over the prompts)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -125,6 +125,13 @@ class RLTrainer:
         )
         self.prompts = build_prompts(cfg, self.run_dir, tokenizer)
         check_labels(cfg, self.prompts)
+        if cfg.train.max_steps == 0:  # one pass over the training prompts
+            steps = -(-len(self.prompts.train) // cfg.rollout.prompts_per_step)
+            cfg = self.cfg = replace(cfg, train=replace(cfg.train, max_steps=steps))
+            print(
+                f"relayrl rl: train.max_steps 0 = one pass over the {len(self.prompts.train)} training prompts: "
+                f"{steps} steps of {cfg.rollout.prompts_per_step} prompts"
+            )
         self.sampler = ResumableSampler(len(self.prompts.train), 1, seed=cfg.train.seed, shuffle=True)
         self.kl_ctl = build_kl_controller(cfg)
         self.reward_norm = reward_norm(cfg)

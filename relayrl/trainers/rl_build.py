@@ -125,11 +125,6 @@ def _check_values(cfg: RLConfig) -> None:
             f"objective); set --algo.kl_mode to {' or '.join(using)}, or kl_coef 0",
             field="algo.kl_coef",
         )
-    if cfg.train.max_steps < 1:
-        raise ConfigError(
-            "train.max_steps: RL needs the number of steps; set --train.max_steps N (>= 1)",
-            field="train.max_steps",
-        )
     if cfg.eval.n_samples > 1 and cfg.eval.temperature == 0:
         raise ConfigError(
             "eval.n_samples > 1 needs eval.temperature > 0 (greedy samples are identical)",

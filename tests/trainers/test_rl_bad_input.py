@@ -211,3 +211,15 @@ def test_prompts_without_labels_and_a_reward_that_reads_labels_stop_before_train
     # a reward that does not read labels trains as before
     digits = str(DATA / "digit_reward.py")
     assert main([*base, "--train.output_dir", str(tmp_path / "b"), "--reward.source", digits]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_max_steps_default_is_one_pass_over_the_prompts(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = _argv(
+        tiny_model_path, out, "--reward.source", str(DATA / "digit_reward.py"), "--task.train_rows", "10"
+    )
+    argv[argv.index("--train.max_steps") + 1] = "0"  # the default
+    assert main(argv) == 0
+    assert "one pass over the 10 training prompts: 3 steps of 4 prompts" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
