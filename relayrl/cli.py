@@ -27,6 +27,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def quiet_progress_bars() -> None:
+    """No per-file progress bars from transformers / huggingface_hub (weights loading, shard writing at every
+    checkpoint): relayrl's own progress line says what is happening. In this process only."""
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 def _usage() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: relayrl <command> [--help] [options]    (relayrl --version)", "", "commands:"]
@@ -49,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"relayrl: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    quiet_progress_bars()
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)

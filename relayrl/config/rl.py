@@ -70,7 +70,9 @@ class RLTrainConfig:
         if self.log_every < 1:
             raise invalid("log_every", self.log_every, "an int >= 1")
         if self.max_steps < 0:
-            raise invalid("max_steps", self.max_steps, "an int >= 0 (RL steps; 0 = one pass over the prompts)")
+            raise invalid(
+                "max_steps", self.max_steps, "an int >= 0 (RL steps; 0 = one pass over the prompts)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -108,9 +108,13 @@ class RankHost:
     """The Ray actor hosting one rank of a role: joins the role's process group, then builds and runs the
     worker. Keeps worker classes free of Ray."""
 
-    def __init__(self, role: str, rank: int) -> None:
+    def __init__(self, role: str, rank: int, quiet: bool = False) -> None:
         self.role, self.rank = role, rank
         self.worker: Any = None
+        if quiet:  # the driver silenced transformers' per-file progress bars: so do its workers
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
 
     def endpoint(self) -> tuple[str, int, str]:
         """(node IP, a free TCP port on it, host name): the rendezvous of the role's group (rank 0)."""
@@ -175,6 +179,13 @@ class RayRole:
     def collect(self, p: _Pending) -> Any:
         results = _gather(self.name, p.method, p.refs, self.hosts, self.timeout_s)
         return merge_results(self.cls, p.method, results)
+
+
+def _bars_off() -> bool:
+    import sys
+
+    logging_mod = sys.modules.get("transformers.utils.logging")
+    return logging_mod is not None and not logging_mod.is_progress_bar_enabled()
 
 
 def _big(x: Any) -> bool:
@@ -409,7 +420,7 @@ class RayLauncher:
                 num_gpus=self._gpu_share(name),
                 scheduling_strategy=strategy,
                 max_concurrency=1,
-            ).remote(name, rank)
+            ).remote(name, rank, _bars_off())
             actors.append(actor)
         self._actors += actors
         addr, port, host0 = _gather(

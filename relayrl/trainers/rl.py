@@ -141,13 +141,15 @@ class RLTrainer:
         info = self.roles.policy.call("info")
         self.pad_id = int(info["pad_id"])
         self.on_policy = exact_on_policy(cfg.algo)
-        log.info(
-            "policy: %s params, attention layout %s, precision %s, engine weights %s, old-log-prob pass %s",
-            f"{info['params']:,}",
-            info["layout"],
-            info["precision"],
-            info["engine_weights"],
-            "skipped (exactly on-policy)" if self.on_policy else "on",
+        a = self.cfg.algo
+        print(
+            f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
+            f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
+            f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
+            f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
+            f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
+            f"{'skipped (exactly on-policy)' if self.on_policy else 'on'}; run folder {self.run_dir}",
+            flush=True,
         )
         self.ckpt = checkpoint_manager(cfg, self.run_dir)
 

@@ -286,7 +286,14 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
             hf_format=cfg.ckpt.save_hf_model,
         )
         handle = launcher.spawn("model", ModelWorker, spec)
-        layout = handle.call("info")["layout"]
+        info = handle.call("info")
+        layout = info["layout"]
+        print(
+            f"relayrl sft: {cfg.mode} loss on {m.name_or_path} ({info['params'] / 1e6:.1f}M params, "
+            f"{info['precision']}, {layout} attention), {info['ranks']} rank(s), {total} steps of "
+            f"{cfg.train.batch_size} samples; run folder {run_dir}",
+            flush=True,
+        )
         trainer = RemoteTrainer(
             handle,
             sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
