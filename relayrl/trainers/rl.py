@@ -440,7 +440,7 @@ class RLTrainer:
         r = self.cfg.ckpt.resume
         if r == "none":
             return False
-        path = self.ckpt.latest() if r == "auto" else Path(r)
+        path = self.ckpt.resumable() if r == "auto" else Path(r)
         if path is None:
             return False
         if not (path / "trainer_state.json").is_file():

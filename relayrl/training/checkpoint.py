@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +163,7 @@ class CheckpointManager:
             torch.save(capture_rng_state(), tmp / "rng.pt")
             state = {**dict(trainer_state or {}), "step": step, "metric": metric}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+            write_manifest(tmp)  # last: sizes and checksums of everything above
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -208,6 +211,19 @@ class CheckpointManager:
             if p not in keep:
                 shutil.rmtree(p, ignore_errors=True)
 
+    def resumable(self) -> Path | None:
+        """The newest checkpoint that verifies against its manifest (`verify`); a damaged newer one is
+        skipped with a warning naming the file, so a run falls back to the previous complete checkpoint."""
+        for path in reversed(self.checkpoints()):
+            problem = verify(path)
+            if problem is None:
+                return path
+            warnings.warn(
+                f"checkpoint {path} is damaged ({problem}); falling back to the previous checkpoint",
+                stacklevel=2,
+            )
+        return None
+
     def best(self) -> Path | None:
         """The kept checkpoint with the best metric (None when no checkpoint has one)."""
         scored = [(m, p) for p in self.checkpoints() if (m := self._metric_of(p)) is not None]
@@ -231,10 +247,16 @@ class CheckpointManager:
         Models must have the same architecture as when saved; weights are copied into them (so optimizers
         built on their parameters stay valid). Optimizer and scheduler states are loaded after the weights.
         """
-        path = Path(path) if path is not None else self.latest()
+        path = Path(path) if path is not None else self.resumable()
         if path is None or not (path / "trainer_state.json").is_file():
             raise FileNotFoundError(
                 f"no complete checkpoint at {path or self.root}: expected a step_<N> folder with trainer_state.json"
+            )
+        problem = verify(path)
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint {path} is damaged ({problem}); resume from another one with --ckpt.resume "
+                f"{self.root}/step_<N>, or remove it and rerun to fall back to the previous one"
             )
         for name, model in (models or {}).items():
             load_weights_into(model, path / name)
@@ -248,6 +270,56 @@ class CheckpointManager:
         extra = load_state(path / "extra.pt")
         state = json.loads((path / "trainer_state.json").read_text())
         return LoadedCheckpoint(path=path, step=int(state["step"]), trainer_state=state, extra=extra)
+
+
+MANIFEST = "manifest.json"
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: {relative path: {"size", "crc32"}} of every file under `folder` (written last, so a
+    checkpoint is only as complete as its manifest says)."""
+    files = {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": _crc32(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps(files, indent=1, sort_keys=True))
+
+
+def verify(folder: Path) -> str | None:
+    """None when the checkpoint `folder` is intact; else what is wrong, naming the file: trainer_state.json
+    unreadable, or a file of the manifest missing, truncated or changed (a checkpoint without a manifest,
+    from before manifests, is only checked for its trainer_state.json)."""
+    state = folder / "trainer_state.json"
+    try:
+        json.loads(state.read_text())
+    except (OSError, ValueError) as e:
+        return f"{state}: unreadable ({type(e).__name__})"
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())
+    except ValueError:
+        return f"{manifest}: unreadable"
+    for rel, want in files.items():
+        f = folder / rel
+        if not f.is_file():
+            return f"{f}: missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f}: {size} bytes, {want['size']} when written"
+        if _crc32(f) != want["crc32"]:
+            return f"{f}: contents changed since written (checksum)"
+    return None
 
 
 def load_state(path: str | Path) -> Any:

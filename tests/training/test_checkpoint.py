@@ -171,12 +171,42 @@ def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
     file and why, instead of running its code."""
     import pytest
 
-    from relayrl.training.checkpoint import CheckpointManager, load_state
+    from relayrl.training.checkpoint import CheckpointManager, load_state, write_manifest
 
     mgr = CheckpointManager(tmp_path / "ckpt", keep_last=2)
     path = mgr.save(1, models={}, trainer_state={"x": 1}, extra={"data": {"epoch": 0, "position": 4}})
     assert load_state(path / "extra.pt") == {"data": {"epoch": 0, "position": 4}}
     assert mgr.load(path).extra["data"]["position"] == 4
     torch.save({"data": _Payload()}, path / "extra.pt")
+    with pytest.raises(ValueError, match=r"extra\.pt: \d+ bytes, \d+ when written"):
+        mgr.load(path)  # the manifest notices the changed file first
+    write_manifest(path)  # a crafted checkpoint with a consistent manifest: the loader still refuses
     with pytest.raises(ValueError, match=r"extra\.pt holds pickled Python objects.*refusing to load it"):
         mgr.load(path)
+
+
+def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
+    """A truncated file, a missing file or an empty trainer_state.json in the newest checkpoint: named, and
+    resume falls back to the previous complete checkpoint; loading that checkpoint explicitly is an error."""
+    import pytest
+
+    from relayrl.training.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(tmp_path / "ckpt", keep_last=3)
+    for step in (1, 2, 3):
+        mgr.save(step, models={}, trainer_state={"x": step}, extra={"data": {"position": step}})
+    step3, step2 = tmp_path / "ckpt/step_3", tmp_path / "ckpt/step_2"
+    (step3 / "rng.pt").write_bytes((step3 / "rng.pt").read_bytes()[:10])  # truncated
+    (step2 / "trainer_state.json").write_text("")  # empty
+    with pytest.warns(UserWarning) as caught:
+        assert mgr.resumable() == tmp_path / "ckpt/step_1"
+    said = [str(w.message) for w in caught]
+    assert any(f"{step3 / 'rng.pt'}: 10 bytes" in m and "falling back" in m for m in said), said
+    assert any(f"{step2 / 'trainer_state.json'}: unreadable" in m for m in said), said
+    with pytest.warns(UserWarning):
+        assert mgr.load().step == 1
+    with pytest.raises(ValueError, match=r"step_3 is damaged .*rng\.pt: 10 bytes"):
+        mgr.load(step3)
+    (step3 / "extra.pt").unlink()
+    with pytest.raises(ValueError, match=r"extra\.pt: missing"):
+        mgr.load(step3)
