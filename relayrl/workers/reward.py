@@ -83,6 +83,10 @@ class RewardWorker:
             _AgentRewards() if spec == AGENT else build_reward_source(spec, tokenizer=tokenizer, **options)
         )
         self.spec = spec
+        check = getattr(self.source, "check_reachable", None)
+        if callable(check):  # a remote reward: a wrong URL fails now, in seconds
+            for down in check():
+                print(f"relayrl: warning: remote reward server unreachable at start: {down}", flush=True)
 
     def score(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """Fill rewards in place and return the same list."""

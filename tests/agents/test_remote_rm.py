@@ -16,6 +16,7 @@ from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FailureLog
 from relayrl.agents.remote_rm import build_rm_app, start_app
 from relayrl.agents.rewards import LocalRewardModel, RemoteRewardSource
+from relayrl.agents.rewards.remote import RemoteRMError
 
 
 def _trajs(n: int) -> list[Trajectory]:
@@ -263,3 +264,23 @@ def test_serve_rm_cli_round_trip(tiny_rm_path, tiny_tokenizer, free_port):
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     assert f"listening on http://127.0.0.1:{port}/get_reward" in out
+
+
+def test_unreachable_servers_are_found_at_start(free_port, tiny_model_path, tmp_path, capsys):
+    """A wrong URL fails the run at start-up in seconds, naming the URL, instead of after a few steps."""
+    from relayrl.trainers.rl import main
+
+    url = f"http://127.0.0.1:{free_port()}/get_reward"
+    source = RemoteRewardSource([url], retries=0)
+    start = time.perf_counter()
+    with pytest.raises(
+        RemoteRMError, match=rf"no remote reward server is reachable: {url} \(ConnectionRefused"
+    ):
+        source.check_reachable()
+    assert time.perf_counter() - start < 6
+    argv = ["--model.name_or_path", str(tiny_model_path), "--task.name", "add2", "--task.train_rows", "8",
+            "--reward.source", url, "--train.output_dir", str(tmp_path / "run"), "--logger.progress_bar", "false"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "no remote reward server is reachable" in err and url in err
+    assert not (tmp_path / "run/metrics.jsonl").exists()

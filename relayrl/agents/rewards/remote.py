@@ -68,6 +68,30 @@ class RemoteRewardSource:
         """Failed attempts per URL."""
         self._rr = 0
 
+    def check_reachable(self, timeout: float = 5.0) -> list[str]:
+        """At start-up: open a TCP connection to each URL's host and port (no request is sent), so a wrong
+        URL or a server that is not up fails in seconds, not after a few training steps. Raises RemoteRMError
+        naming every URL when none is reachable; returns the unreachable ones otherwise (a partial outage is
+        survivable: requests fail over)."""
+        import socket
+        from urllib.parse import urlsplit
+
+        down = []
+        for url in self.urls:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                socket.create_connection((parts.hostname, port), timeout=timeout).close()
+            except OSError as e:
+                down.append(f"{url} ({type(e).__name__}: {e})")
+        if len(down) == len(self.urls):
+            raise RemoteRMError(
+                f"no remote reward server is reachable: {'; '.join(down)}. Start the server (e.g. relayrl "
+                "serve-rm) or fix --reward.source",
+                kind="unreachable",
+            )
+        return down
+
     async def score(self, trajs: list[Trajectory]) -> None:
         batches = chunks(pending(trajs), self.batch_size)
         if not batches:
