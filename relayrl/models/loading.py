@@ -50,7 +50,7 @@ def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
         )
     p = Path(name_or_path).expanduser()
     if p.is_dir():
-        return str(p)
+        return str(p.resolve())  # absolute: adapters saved from it name a base that loads from any folder
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or p.exists()
     if looks_local:
         raise FileNotFoundError(f"{what}={name_or_path!r}: no such folder (expected an HF model folder)")
@@ -234,36 +234,57 @@ def load_model_and_tokenizer(
     return load_causal_lm(cfg, device=device), tok
 
 
-def merge_lora(adapter_path: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> Path:
+def merge_lora(
+    adapter_path: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base: str | None = None
+) -> Path:
     """Merge a saved LoRA adapter folder into its base model and save a full HF folder (+ tokenizer).
 
-    The base model is the adapter's `base_model_name_or_path`; the tokenizer is copied from the adapter
-    folder when present, else from the base.
+    The base model is `base` when given, else the adapter's `base_model_name_or_path`; a local base that does
+    not exist is an error before anything loads (with the flag to pass). The tokenizer is copied from the
+    adapter folder when present, else from the base.
     """
-    from peft import AutoPeftModelForCausalLM
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     adapter_path, out_dir = Path(adapter_path), Path(out_dir)
-    if not (adapter_path / "adapter_config.json").is_file():
+    config = adapter_path / "adapter_config.json"
+    if not config.is_file():
         raise FileNotFoundError(f"{adapter_path} has no adapter_config.json: is it a LoRA adapter folder?")
-    model = AutoPeftModelForCausalLM.from_pretrained(adapter_path, dtype=torch_dtype(dtype))
+    named = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+    source = base or named
+    try:
+        source = resolve_source(source, "the adapter's base model")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"{e} (named in {config}{', run from ' + str(Path.cwd()) if not Path(source).is_absolute() else ''}); "
+            "pass the base model folder with --base PATH"
+        ) from None
+    base_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype))
+    model = PeftModel.from_pretrained(base_model, adapter_path)
     merged = model.merge_and_unload()
     merged.save_pretrained(out_dir)
-    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else None
-    if tok_source is None:
-        tok_source = model.peft_config["default"].base_model_name_or_path
+    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else source
     load_tokenizer(str(tok_source)).save_pretrained(out_dir)
     return out_dir
 
 
 def merge_lora_main(argv: list[str]) -> int:
-    """`relayrl merge-lora ADAPTER_DIR OUT_DIR [--dtype fp32|bf16|fp16]`."""
+    """`relayrl merge-lora ADAPTER_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--base PATH]`."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="relayrl merge-lora", description=merge_lora.__doc__)
     parser.add_argument("adapter_dir")
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--base", default=None, help="base model folder or Hub id (default: the adapter's)")
     args = parser.parse_args(argv)
-    out = merge_lora(args.adapter_dir, args.out_dir, dtype=args.dtype)
-    print(f"merged model written to {out}")
-    return 0
+    from relayrl.config.base import error_boundary
+
+    def go() -> int:
+        out = merge_lora(args.adapter_dir, args.out_dir, dtype=args.dtype, base=args.base)
+        print(f"merged model written to {out}")
+        return 0
+
+    return error_boundary("relayrl merge-lora", go)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -107,6 +109,26 @@ def test_lora_trains_adapters_only_and_merges(tmp_path, tiny_model_path):
     assert merge_lora_main([str(tmp_path / "adapter"), str(tmp_path / "merged2")]) == 0
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json"):
         merge_lora(tmp_path / "merged", tmp_path / "x")
+    # the adapter names its base by absolute path, so merging works from any folder; a base that moved is
+    # found with --base, and a missing one fails before anything loads, naming the flag
+    import json
+
+    named = json.loads((tmp_path / "adapter/adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(named).is_absolute()
+    cfg_file = tmp_path / "adapter/adapter_config.json"
+    cfg_file.write_text(
+        json.dumps({**json.loads(cfg_file.read_text()), "base_model_name_or_path": "./moved/base"})
+    )
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"no such folder.*adapter_config\.json.*pass the base model folder with --base",
+    ):
+        merge_lora(tmp_path / "adapter", tmp_path / "merged3")
+    out = merge_lora(tmp_path / "adapter", tmp_path / "merged3", base=str(tiny_model_path))
+    torch.testing.assert_close(
+        AutoModelForCausalLM.from_pretrained(out)(IDS).logits, expect, atol=1e-5, rtol=1e-5
+    )
+    assert merge_lora_main([str(tmp_path / "adapter"), str(tmp_path / "m4")]) == 1  # one-line error, exit 1
 
 
 def test_lora_all_linear(tiny_model_path):
