@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Supervised fine-tuning (response-only, multi-turn or pretrain loss).",
     ),
     "rl": ("relayrl.trainers.rl:main", "RL training: PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO."),
+    "eval": (
+        "relayrl.trainers.rl_eval:main",
+        "Evaluate a model (pass@k, reward) on a task or eval set, no training.",
+    ),
     "serve": ("relayrl.agents.openai_server:main", "OpenAI-compatible server over a rollout engine."),
     "serve-rm": ("relayrl.agents.remote_rm:serve_main", "Serve a local reward model over HTTP."),
     "merge-lora": ("relayrl.models.loading:merge_lora_main", "Merge a LoRA adapter into its base model."),

@@ -98,7 +98,7 @@ class _Skip(Exception):
 class RLTrainer:
     """Builds the run (config check, prompts, roles, logger, checkpoints) and runs the loop."""
 
-    def __init__(self, cfg: RLConfig) -> None:
+    def __init__(self, cfg: RLConfig, *, banner: bool = True) -> None:
         from relayrl.config.base import save_yaml
         from relayrl.models.loading import load_tokenizer, resolve_source
         from relayrl.trainers.rl_build import (
@@ -142,7 +142,8 @@ class RLTrainer:
         self.pad_id = int(info["pad_id"])
         self.on_policy = exact_on_policy(cfg.algo)
         a = self.cfg.algo
-        print(
+        print_banner = print if banner else (lambda *args, **kwargs: None)
+        print_banner(
             f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
             f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
             f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
