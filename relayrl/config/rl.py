@@ -45,7 +45,14 @@ from relayrl.algorithms.registry import (
     POLICY_LOSSES,
 )
 from relayrl.config.base import check_choices, invalid
-from relayrl.config.components import CkptConfig, DataConfig, LoggerConfig, ModelConfig, OptimConfig
+from relayrl.config.components import (
+    CkptConfig,
+    DataConfig,
+    DataParallelConfig,
+    LoggerConfig,
+    ModelConfig,
+    OptimConfig,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -372,6 +379,21 @@ class DistConfig:
         if self.timeout_s <= 0:
             raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
         check_choices(self)
+
+    @classmethod
+    def for_one_model(cls, d: DataParallelConfig) -> DistConfig:
+        """The placement of a one-model recipe (SFT; RM / DPO / KTO next): its model is the "policy"-sized role."""
+        return cls(
+            mode=d.mode,
+            ray_address=d.ray_address,
+            num_cpus=d.num_cpus,
+            gpus=d.gpus,
+            policy_num_nodes=d.num_nodes,
+            policy_num_gpus_per_node=d.num_gpus_per_node,
+            offload=d.offload,
+            reshard_after_forward=d.reshard_after_forward,
+            timeout_s=d.timeout_s,
+        )
 
     def ranks(self, role: str) -> int:
         """Ranks of `role` (policy / ref / critic) in ray mode; 1 in local mode."""

@@ -236,6 +236,33 @@ def _total_steps(cfg: SFTConfig, num_samples: int) -> int:
     return total
 
 
+def _model_role(cfg: SFTConfig, launcher: Any, dist: Any, total: int, run_dir: Path) -> tuple[Any, str]:
+    """Spawn the model role (ModelWorker with the SFT loss) and print the start-up banner; returns (handle,
+    attention layout the collate must build)."""
+    from relayrl.workers.trained import ModelSpec, ModelWorker
+
+    m = cfg.model
+    spec = ModelSpec(
+        model=m,
+        optim=cfg.optim,
+        total_steps=total,
+        loss_fn=next_token_loss,
+        seed=cfg.train.seed,
+        device=cfg.train.device,
+        dist=dist,
+        hf_format=cfg.ckpt.save_hf_model,
+    )
+    handle = launcher.spawn("model", ModelWorker, spec)
+    info = handle.call("info")
+    print(
+        f"relayrl sft: {cfg.mode} loss on {m.name_or_path} ({info['params'] / 1e6:.1f}M params, "
+        f"{info['precision']}, {info['layout']} attention), {info['ranks']} rank(s), {total} steps of "
+        f"{cfg.train.batch_size} samples; run folder {run_dir}",
+        flush=True,
+    )
+    return handle, info["layout"]
+
+
 def run_sft(cfg: SFTConfig) -> SFTResult:
     """Train per `cfg`; writes the run folder; returns the model, metrics and paths.
 
@@ -249,7 +276,7 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
     from relayrl.config.rl import DistConfig
     from relayrl.distributed.launch import build_launcher
     from relayrl.models.loading import load_tokenizer
-    from relayrl.workers.trained import ModelSpec, ModelWorker, RemoteTrainer
+    from relayrl.workers.trained import RemoteTrainer
 
     d = cfg.dist
     seed_everything(cfg.train.seed)
@@ -262,38 +289,10 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
     )
     train_samples, eval_samples = _load_data(cfg, tokenizer)
     total = _total_steps(cfg, len(train_samples))
-    dist = DistConfig(
-        mode=d.mode,
-        ray_address=d.ray_address,
-        num_cpus=d.num_cpus,
-        gpus=d.gpus,
-        policy_num_nodes=d.num_nodes,
-        policy_num_gpus_per_node=d.num_gpus_per_node,
-        offload=d.offload,
-        reshard_after_forward=d.reshard_after_forward,
-        timeout_s=d.timeout_s,
-    )
+    dist = DistConfig.for_one_model(d)
     launcher = build_launcher(dist, {"model": d.ranks})
     try:
-        spec = ModelSpec(
-            model=m,
-            optim=cfg.optim,
-            total_steps=total,
-            loss_fn=next_token_loss,
-            seed=cfg.train.seed,
-            device=cfg.train.device,
-            dist=dist,
-            hf_format=cfg.ckpt.save_hf_model,
-        )
-        handle = launcher.spawn("model", ModelWorker, spec)
-        info = handle.call("info")
-        layout = info["layout"]
-        print(
-            f"relayrl sft: {cfg.mode} loss on {m.name_or_path} ({info['params'] / 1e6:.1f}M params, "
-            f"{info['precision']}, {layout} attention), {info['ranks']} rank(s), {total} steps of "
-            f"{cfg.train.batch_size} samples; run folder {run_dir}",
-            flush=True,
-        )
+        handle, layout = _model_role(cfg, launcher, dist, total, run_dir)
         trainer = RemoteTrainer(
             handle,
             sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
