@@ -76,6 +76,8 @@ class RLResult:
     """0 done, 1 error, 130 / 143 interrupted."""
     message: str = ""
     """Why the run stopped early, if it did."""
+    already_complete: bool = False
+    """The run folder's checkpoint had already reached train.max_steps: nothing was trained."""
 
 
 def _filter_fractions(counts: dict[str, float]) -> dict[str, float]:
@@ -305,10 +307,11 @@ class RLTrainer:
 
         resumed = self.resume()
         self._start_step = self.step
+        done_before = resumed and self.step >= self.cfg.train.max_steps
         logger = self._build_logger()
         bar = self.cfg.logger.progress_bar
         progress = RLProgress(self.cfg.train.max_steps, enabled=bar, print_every=1, start_step=self.step)
-        result = RLResult(run_dir=self.run_dir, steps=self.step)
+        result = RLResult(run_dir=self.run_dir, steps=self.step, already_complete=done_before)
         stop = SignalFlag()
         try:
             with stop.installed():
@@ -476,7 +479,12 @@ def _run_cli(cfg: RLConfig) -> int:
     except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
         print(f"relayrl rl: error: {e}", file=sys.stderr)
         return 1
-    if result.exit_code == 0:
+    if result.exit_code == 0 and result.already_complete:
+        print(
+            f"relayrl rl: already complete at step {result.steps} (train.max_steps); raise --train.max_steps to "
+            f"continue; final model in {result.final_model}"
+        )
+    elif result.exit_code == 0:
         acc = result.eval.get("eval/pass@1")
         print(
             f"relayrl rl: done, {result.steps} steps"

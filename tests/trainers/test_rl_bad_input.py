@@ -223,3 +223,17 @@ def test_max_steps_default_is_one_pass_over_the_prompts(tiny_model_path, tmp_pat
     assert main(argv) == 0
     assert "one pass over the 10 training prompts: 3 steps of 4 prompts" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_rerunning_a_finished_run_says_it_is_complete(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = _argv(
+        tiny_model_path, out, "--reward.source", str(DATA / "digit_reward.py"), "--train.max_steps", "2"
+    )
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "already complete at step 2" in said and "--train.max_steps" in said
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
