@@ -97,12 +97,19 @@ def mark_failed(
 
 
 def check_scalar(value: object, what: str) -> float:
-    """`value` as a finite float (accepts 1-element tensors / arrays); ValueError("nan"/"wrong_length"...)."""
+    """`value` as a finite float; ValueError("nan"/"wrong_length"...). The rule: a reward is a NUMBER (int,
+    float, a numpy scalar, a 1-element tensor); strings (numeric or not) and booleans are refused as
+    bad_output, so "0.5" and "yes" fail alike instead of one passing by accident."""
+    if isinstance(value, str | bytes | bool):
+        shown = repr(value)[:40]
+        raise ScalarError(
+            "bad_output", f"{what} is a {type(value).__name__} ({shown}), expected a number (int or float)"
+        )
     if hasattr(value, "numel"):  # torch tensor
         if value.numel() != 1:
             raise ScalarError("wrong_length", f"{what} has {value.numel()} elements, expected 1")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not isinstance(value, int | float):
         try:
             value = float(value)  # numpy scalars
         except (TypeError, ValueError):

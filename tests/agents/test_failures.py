@@ -70,10 +70,16 @@ def test_raise_and_all_failed():
 
 
 def test_check_scalar():
+    import numpy as np
     import torch
 
     assert check_scalar(torch.tensor([0.25]), "r") == 0.25
-    for bad, kind in [(float("inf"), "nan"), (torch.ones(2), "wrong_length"), ("x", "bad_output")]:
+    assert check_scalar(np.float32(0.5), "r") == 0.5 and check_scalar(2, "r") == 2.0
+    bad_cases = [(float("inf"), "nan"), (torch.ones(2), "wrong_length"), ("x", "bad_output"), ("0.5", "bad_output"),
+                 (True, "bad_output"), (None, "bad_output")]  # fmt: skip
+    for bad, kind in bad_cases:
         with pytest.raises(ValueError) as err:
             check_scalar(bad, "r")
         assert err.value.kind == kind
+    with pytest.raises(ValueError, match=r"r is a str \('0\.5'\), expected a number"):
+        check_scalar("0.5", "r")  # one rule: numeric strings fail like any string

@@ -60,3 +60,18 @@ def test_model_folder_without_tokenizer_files_says_so(tiny_model_path, tmp_path,
     assert cli_main(argv) == 1
     err = capsys.readouterr().err
     assert f"{bare} has no tokenizer files" in err and "--model.tokenizer_name_or_path" in err
+
+
+def test_banner_and_no_per_file_progress_bars(tiny_model_path, tmp_path, capfd):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"input": "{a}+1=", "output": "{a + 1}"}}\n' for a in range(8)))
+    argv = ["sft", "--model.name_or_path", str(tiny_model_path), "--data.datasets", str(data), "--train.device", "cpu",
+            "--train.batch_size", "4", "--train.micro_batch_size", "4", "--train.max_steps", "1",
+            "--ckpt.save_every", "1", "--train.output_dir", str(tmp_path / "run"), "--logger.progress_bar", "false"]  # fmt: skip
+    assert cli_main(argv) == 0
+    out, err = capfd.readouterr()
+    assert (
+        f"relayrl sft: response loss on {tiny_model_path} (" in out
+        and "M params, fp32, padded attention), 1 rank(s), 1 steps of 4 samples; run folder" in out
+    )
+    assert "Loading weights" not in err and "Writing model shards" not in err  # transformers' per-file bars
