@@ -212,12 +212,10 @@ def build_prompt_data(
 
     train = _convert(train_rows, "train", stats, cfg, for_split("train"), log)
     evals = _convert(eval_rows, "eval", stats, cfg, for_split("eval"), log)
-    for samples in (train, evals):  # kept prompts without a label, per source
-        for smp in samples:
-            if smp.label is None:
-                by_source[origin[id(smp)]].no_label += 1
     for samples in (train, evals):
-        for i, s in enumerate(samples):
-            s.index = i
+        for i, smp in enumerate(samples):
+            smp.index = i
+            if smp.label is None:  # kept prompts without a label, per source
+                by_source[origin[id(smp)]].no_label += 1
     _report(stats, log, len(train))
     return train, evals, stats

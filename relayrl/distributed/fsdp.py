@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from relayrl.models.forward import hf_model
+
 
 @dataclass(kw_only=True, slots=True)
 class ShardSpec:
@@ -43,12 +45,6 @@ class ShardSpec:
     """Keep parameters, gradients and optimizer states on the CPU (CPUOffloadPolicy)."""
     reshard_after_forward: bool = True
     """Free gathered layer weights after each forward (ZeRO-3); False keeps them until backward."""
-
-
-def hf_model(model: Any) -> Any:
-    """The transformers model under a peft wrapper (the FSDP root)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def layer_classes(hf: Any) -> set[str]:

@@ -8,7 +8,8 @@ process), that form ONE torch.distributed process group (NCCL on GPU, gloo on CP
     rank(), world()                          0 and 1 outside a group (local mode): the same code runs there
     shares(weights, world)                   contiguous, balanced split of items into `world` ranges
     my_share(weights)                        this rank's range of `shares`
-    max_over_ranks(n) / sum_over_ranks(xs)   small all-reduces (a count of passes, metric sums)
+(the small all-reduces of a step -- equal pass counts, global metric sums -- live in relayrl/training/step.py,
+which talks to torch.distributed directly)
 
 Why contiguous shares: results come back in rank order, so concatenating them restores the input order (the
 n samples of a prompt stay contiguous, as the group advantage estimators expect). Shares are balanced by a
@@ -83,32 +84,6 @@ def rank() -> int:
 
 def world() -> int:
     return dist.get_world_size() if in_group() else 1
-
-
-def _device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-
-
-def max_over_ranks(n: int) -> int:
-    """max of `n` over the ranks (`n` itself outside a group)."""
-    if not in_group():
-        return n
-    t = torch.tensor([n], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def sum_over_ranks(values: Sequence[float]) -> list[float]:
-    """Element-wise sum of `values` over the ranks, in float64 (`values` itself outside a group)."""
-    if not in_group() or not values:
-        return list(values)
-    t = torch.tensor(list(values), dtype=torch.float64, device=_device())
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def shares(weights: Sequence[float], parts: int) -> list[range]:

@@ -199,8 +199,8 @@ def _register() -> None:
 # ---------------------------------------------------------------- choosing and applying a layout
 
 
-def _hf(model: Any) -> Any:
-    """The transformers model under a peft wrapper."""
+def hf_model(model: Any) -> Any:
+    """The transformers model under a peft wrapper (the model itself otherwise)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -228,7 +228,7 @@ def choose_layout(model: Any, device: torch.device | str) -> str:
     elif _varlen_attn is None:
         blocker = f"torch {torch.__version__} has no varlen_attn"
     else:
-        blocker = _architecture_blocker(_hf(model))
+        blocker = _architecture_blocker(hf_model(model))
     if blocker is None:
         _log_once(logging.INFO, "attention layout: varlen (torch varlen_attn, cu_seqlens)")
         return "varlen"
@@ -256,7 +256,7 @@ def prepare_model(model: Any, layout: str) -> Any:
     sdpa or eager, switch anything else (our varlen, flash, flex) to sdpa.
     """
     _check_layout(layout)
-    hf = _hf(model)
+    hf = hf_model(model)
     if layout == "varlen":
         blocker = _architecture_blocker(hf)
         if blocker is not None:
@@ -353,7 +353,7 @@ def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
     """
     _check_layout(layout)
     lengths = _lengths(seqs)
-    hf = _hf(model)
+    hf = hf_model(model)
     if layout == "varlen" and hf.config._attn_implementation != ATTN_NAME:
         raise ValueError(
             f"layout 'varlen' needs the model switched to {ATTN_NAME!r} attention (it uses "
@@ -423,7 +423,7 @@ def token_logprobs(
     token of the same sequence; entropy[j] that distribution's entropy. The first token of each sequence
     gets 0 for both. Through relayrl.models.logprobs (chunked: no [N, V] float32 logits).
     """
-    hf = _hf(model)
+    hf = hf_model(model)
     head = hf.get_output_embeddings()
     if head is None:
         raise ValueError(
@@ -459,7 +459,7 @@ def token_logprobs(
 
 def token_values(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
     """Value head (`score`, hidden -> 1) on every token's own hidden state: [N] float32, not shifted."""
-    hf = _hf(model)
+    hf = hf_model(model)
     return hf.score(forward_hidden(model, seqs, layout)).squeeze(-1).float()
 
 

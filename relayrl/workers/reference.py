@@ -16,9 +16,9 @@ from torch import Tensor
 
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import DistConfig
-from relayrl.distributed.fsdp import ShardSpec, hf_model, is_sharded, shard_model
+from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged
-from relayrl.models.forward import choose_layout, prepare_model
+from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.training.setup import compute_precision, resolve_device
 from relayrl.training.step import autocast
 from relayrl.workers.base import SequenceBatch
