@@ -115,7 +115,7 @@ def select_rows(cfg: DataConfig) -> tuple[list[RawRow], list[RawRow], list[LoadS
     return train, evals, stats
 
 
-def _convert(
+def convert_rows(
     rows: list[RawRow],
     split: str,
     stats: list[LoadStats],
@@ -154,7 +154,7 @@ def _datasource(row: RawRow, cfg: DataConfig) -> str:
     return source_name(row.source)
 
 
-def _report(stats: list[LoadStats], log: Callable[[str], None], n_train: int) -> None:
+def report_stats(stats: list[LoadStats], log: Callable[[str], None], n_train: int) -> None:
     for st in stats:
         log(st.line())
     if n_train == 0:  # training on nothing would fail later, far from the cause
@@ -175,9 +175,9 @@ def build_sft_data(
         s = tokenize_sft(row, tokenizer, cfg, mode, ds)
         return s, len(s.input_ids)
 
-    train = _convert(train_rows, "train", stats, cfg, fn, log)
-    evals = _convert(eval_rows, "eval", stats, cfg, fn, log)
-    _report(stats, log, len(train))
+    train = convert_rows(train_rows, "train", stats, cfg, fn, log)
+    evals = convert_rows(eval_rows, "eval", stats, cfg, fn, log)
+    report_stats(stats, log, len(train))
     return train, evals, stats
 
 
@@ -210,12 +210,12 @@ def build_prompt_data(
 
         return fn
 
-    train = _convert(train_rows, "train", stats, cfg, for_split("train"), log)
-    evals = _convert(eval_rows, "eval", stats, cfg, for_split("eval"), log)
+    train = convert_rows(train_rows, "train", stats, cfg, for_split("train"), log)
+    evals = convert_rows(eval_rows, "eval", stats, cfg, for_split("eval"), log)
     for samples in (train, evals):
         for i, smp in enumerate(samples):
             smp.index = i
             if smp.label is None:  # kept prompts without a label, per source
                 by_source[origin[id(smp)]].no_label += 1
-    _report(stats, log, len(train))
+    report_stats(stats, log, len(train))
     return train, evals, stats

@@ -52,6 +52,11 @@ class TokenizedSample:
         return len(self.input_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """Number of tokens (len)."""
+        return len(self.input_ids)
+
+    @property
     def num_targets(self) -> int:
         """Number of target tokens (True in loss_mask)."""
         return sum(self.loss_mask)

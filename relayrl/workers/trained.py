@@ -19,7 +19,16 @@ rank trains on its share (contiguous, balanced by tokens) with the recipe's loss
     info() -> {"layout", "precision", "ranks", "params"}      layout: what the driver's collate must build
     step(micro_batches) -> (StepOutput, nonfinite_total)       one optimizer step over every rank's share
     evaluate(batches) -> {"eval/loss", ...}                    over every rank's share
+    precompute(micro_batches) -> micro_batches                 `prepare` only, results on the CPU (e.g. DPO's
+                                                               reference log-probs once); frees the frozen model
     save(folder) / load(folder) / export(folder)               RoleState
+
+The model is a causal LM (`head="lm"`) or a value-head model (`head="value"`: reward models). A recipe that
+needs a second, frozen model (DPO / KTO reference, KD teacher) names it in `ModelSpec.frozen`; its
+`prepare(Models, micro_batches)` runs without gradients before every step and eval over the rank's share of
+micro-batches and fills what the loss reads (reference log-probs, teacher hidden states, KTO's reference
+point). Ranks run `prepare` over equally many micro-batches (a sharded frozen model gathers its weights in
+each forward), so a prepare function may also all-reduce once per call.
 
 On the driver, `RemoteTrainer` is relayrl.training.loop.Trainer with the step, eval and checkpoint state
 delegated to such a role (`RemoteStep`, `WorkerFolder`): the loop, sampler, logging, checkpoint atomicity and
@@ -32,7 +41,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,7 +55,7 @@ from relayrl.distributed.checkpoint import (
     save_sharded,
 )
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
-from relayrl.distributed.group import in_group, my_share, rank, world
+from relayrl.distributed.group import in_group, merged, my_share, rank, world
 from relayrl.training.checkpoint import WEIGHTS_FILE
 from relayrl.training.loop import Trainer
 from relayrl.training.rng import capture_rng_state, restore_rng_state
@@ -195,6 +204,33 @@ class ModelSpec:
     """Sharding options when the role runs on several ranks."""
     hf_format: bool = True
     """Checkpoint weights as an HF folder (False: a plain state dict; 1 rank only, N ranks write DCP)."""
+    head: str = "lm"
+    """"lm": a causal LM; "value": a value-head model (AutoModelForSequenceClassification, a new head
+    initialised as a reward model's)."""
+    frozen: ModelConfig | None = None
+    """A frozen second model the loss reads through `prepare` (reference, teacher); None: none."""
+    prepare: PrepareFn | None = None
+    """Fills each micro-batch before the loss (module-level function; see the module doc)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Models:
+    """What a recipe's `prepare` function sees on one rank."""
+
+    model: torch.nn.Module
+    """The trained model (run it under no_grad here)."""
+    frozen: torch.nn.Module | None
+    """The frozen model (ModelSpec.frozen), None when absent or released after `precompute`."""
+    layout: str
+    """Attention layout of the forwards."""
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    """The compute-precision context for forwards."""
+
+
+class PrepareFn(Protocol):
+    """prepare(models, micro_batches): fill the micro-batches in place (no gradients)."""
+
+    def __call__(self, models: Models, micro_batches: list[Any]) -> None: ...
 
 
 def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
@@ -204,14 +240,21 @@ def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
     return (mine, len(mine)) if mine or not micro_batches else ([micro_batches[0]], 0)
 
 
+def _equal_passes(mine: list[Any]) -> list[Any]:
+    """`mine` extended (repeating its last micro-batch) to the longest share over the ranks, so every rank
+    runs the same number of frozen-model forwards."""
+    if not in_group():
+        return mine
+    n = torch.tensor([len(mine)], dtype=torch.int64)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)  # CPU tensor: the gloo backend
+    return mine + [mine[-1]] * (int(n.item()) - len(mine))
+
+
 class ModelWorker:
     """A trained model of a one-model recipe (see module doc)."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        from dataclasses import replace
-
         from relayrl.models.forward import choose_layout, prepare_model
-        from relayrl.models.loading import load_model_and_tokenizer
         from relayrl.training.rng import seed_everything
         from relayrl.training.setup import build_train_step, compute_precision, resolve_device
 
@@ -219,13 +262,11 @@ class ModelWorker:
         self.spec = spec
         self.device = resolve_device(spec.device)
         grouped = in_group()
-        load_on = torch.device("cpu") if grouped else self.device
-        self.model, self.tokenizer = load_model_and_tokenizer(
-            replace(spec.model, dtype="fp32"), device=load_on
-        )
+        self.model, self.tokenizer = self._load(torch.device("cpu") if grouped else self.device)
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
         precision = compute_precision(spec.model.dtype, self.device)
+        self.frozen = self._load_frozen(grouped)
         shard_if_grouped(self.model, spec.dist, self.device, precision)
         self.train = build_train_step(
             self.model,
@@ -239,15 +280,61 @@ class ModelWorker:
         )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights, spec.hf_format)
 
-    def _full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+    def _load(self, device: torch.device) -> tuple[Any, Any]:
         from dataclasses import replace
 
-        from relayrl.models.loading import load_model_and_tokenizer
+        from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer
+        from relayrl.models.value_head import build_value_model
+
+        cfg = replace(self.spec.model, dtype="fp32")
+        if self.spec.head == "lm":
+            return load_model_and_tokenizer(cfg, device=device)
+        if self.spec.head != "value":
+            raise ValueError(f"ModelSpec.head must be 'lm' or 'value', got {self.spec.head!r}")
+        tok = load_tokenizer(
+            cfg.tokenizer_name_or_path or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
+        )
+        return build_value_model(cfg, init="normal", pad_token_id=tok.pad_token_id, device=device), tok
+
+    def _load_frozen(self, grouped: bool) -> Any:
+        from relayrl.models.forward import prepare_model
+        from relayrl.workers.builders import build_frozen
+
+        if self.spec.frozen is None:
+            return None
+        frozen = build_frozen(
+            self.spec.frozen, torch.device("cpu") if grouped else self.device, like=self.device
+        )
+        prepare_model(frozen, self.layout)
+        if grouped:  # sharded for inference, like the RL reference
+            d = self.spec.dist or DistConfig()
+            shard_model(frozen, ShardSpec(device=self.device, offload=d.offload, reshard_after_forward=True))
+        return frozen
+
+    def _full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
         from relayrl.training.checkpoint import load_weights_into
 
-        cpu, _ = load_model_and_tokenizer(replace(self.spec.model, dtype="fp32"), device=torch.device("cpu"))
+        cpu, _ = self._load(torch.device("cpu"))
         load_weights_into(cpu, folder)
         return cpu.state_dict()
+
+    def _prepare(self, micro_batches: list[Any]) -> None:
+        from relayrl.models.forward import hf_model
+        from relayrl.training.step import autocast
+
+        if self.spec.prepare is None or not micro_batches:
+            return
+        models = Models(
+            model=self.model,
+            frozen=self.frozen,
+            layout=self.layout,
+            autocast=lambda: autocast(self.train.precision, self.device),
+        )
+        with torch.no_grad():
+            self.spec.prepare(models, _equal_passes(micro_batches))
+        for m in (self.model, self.frozen):
+            if m is not None and is_sharded(m):
+                hf_model(m).reshard()  # the root unit stays gathered after a forward without backward
 
     def info(self) -> dict[str, Any]:
         return {
@@ -259,6 +346,7 @@ class ModelWorker:
 
     def step(self, micro_batches: list[Any]) -> tuple[StepOutput, int]:
         mine, real = _share(micro_batches)
+        self._prepare(mine)
         out = self.train.step(mine, num_real=real)
         out.tokens = sum(
             int(getattr(m, "num_tokens", 0)) for m in micro_batches
@@ -267,7 +355,21 @@ class ModelWorker:
 
     def evaluate(self, batches: list[list[Any]]) -> dict[str, float]:
         mine, real = _share([mb for step in batches for mb in step])
+        self._prepare(mine)
         return self.train.evaluate([mine], num_real=real)
+
+    @merged("concat")
+    def precompute(self, micro_batches: list[Any]) -> list[Any]:
+        """Run `prepare` over this rank's share and return those micro-batches (tensors on the CPU), in order;
+        then release the frozen model (its outputs are now in the data)."""
+        from relayrl.training.step import move_to
+
+        mine, real = _share(micro_batches)
+        self._prepare(mine)
+        self.frozen = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [move_to(m, "cpu") for m in mine[:real]]
 
     def save(self, folder: str) -> None:
         self.state.save(folder, {})

@@ -1,0 +1,292 @@
+"""The one-model recipe runner: what SFT, reward models, PRM, DPO, KTO and KD share. A recipe is a loss, a data
+builder and a few lines; everything else (run folder, config check, data parallelism, loop, checkpoints,
+exact resume, signals, logging, final export) is this file plus relayrl/training.
+
+    recipe = Recipe(name="dpo", cfg=cfg, loss_fn=dpo_loss, load_data=..., to_batch=..., frozen=..., prepare=...)
+    result = run_recipe(recipe)          -> RecipeResult(model, tokenizer, run_dir, metrics, final_model, ...)
+
+`cfg` is the command's config: it has model, data, optim, train, ckpt, logger and dist (DataParallelConfig)
+sections, plus the recipe's own. The data builder returns typed samples with a `num_tokens` property;
+`to_batch(samples, layout)` turns one micro-batch's samples into the loss's batch record. Micro-batches are
+planned per optimizer step from the samples' token counts (train.packing with
+train.max_tokens_per_micro_batch, else train.micro_batch_size samples each).
+
+Hooks: `before_fit(handle, train, evals, layout)` runs after the model role exists and before the loop (DPO
+precomputes reference log-probs there); `after_fit(handle, result)` after the final export (the reward model
+writes its reward statistics there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relayrl.config.base import save_yaml, to_dict
+from relayrl.config.components import ModelConfig
+from relayrl.data.packing import chunk_by_count
+from relayrl.training.loop import LoopSettings
+from relayrl.training.sampler import ResumableSampler
+from relayrl.training.setup import (
+    build_checkpoint_manager,
+    build_logger,
+    check_config_change,
+    prepare_run_dir,
+    resume_if_asked,
+    run_dir_of,
+    seed_everything,
+    total_steps_of,
+)
+from relayrl.training.signals import SignalFlag
+from relayrl.training.step import LossFn
+
+
+@dataclass(kw_only=True, slots=True)
+class Recipe:
+    """One one-model training recipe (see module doc)."""
+
+    name: str
+    """Command name ("sft", "rm", "dpo", ...): the run folder default runs/<name> and message prefix."""
+    cfg: Any
+    """The command's config (model, data, optim, train, ckpt, logger, dist + the recipe's section)."""
+    loss_fn: LossFn
+    """The loss (module-level: it travels to Ray ranks by reference)."""
+    load_data: Callable[[Any], tuple[list, list]]
+    """tokenizer -> (train samples, eval samples); prints the data summary."""
+    to_batch: Callable[[list[Any], str], Any]
+    """(one micro-batch's samples, layout) -> the loss's batch record (with num_tokens)."""
+    describe: str = ""
+    """What is trained, for the start-up banner (e.g. "dpo, beta 0.1")."""
+    head: str = "lm"
+    """"lm" causal LM, "value" value-head model (relayrl.workers.trained.ModelSpec.head)."""
+    frozen: ModelConfig | None = None
+    """Reference / teacher model."""
+    prepare: Callable[..., None] | None = None
+    """Fills micro-batches from the frozen model before the loss (ModelSpec.prepare)."""
+    before_fit: Callable[..., None] | None = None
+    """(handle, train, evals, layout) -> None, before the loop."""
+    after_fit: Callable[..., None] | None = None
+    """(handle, result: RecipeResult) -> None, after the export (not after a signal stop)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RecipeResult:
+    """What `run_recipe` returns."""
+
+    model: Any
+    """The trained model (in memory, on the training device); None with dist.mode=ray (see final_model)."""
+    tokenizer: Any
+    """Its tokenizer."""
+    run_dir: Path
+    """The run folder (config.yaml, metrics.jsonl, checkpoints/)."""
+    metrics: dict[str, float]
+    """The last logged metrics row (train/loss, eval/loss when evaluated, ...)."""
+    history: list[dict[str, float]]
+    """Every metrics row of this process."""
+    checkpoint: Path | None
+    """The last checkpoint folder written (its `model/` sub-folder loads with from_pretrained on one rank;
+    on N ranks it holds DCP shards: use `final_model`)."""
+    final_model: Path | None = None
+    """The HF folder of the trained model (<run folder>/final; on N ranks exported by rank 0); None when the
+    run was stopped by a signal (its last checkpoint holds the state)."""
+    exit_code: int = 0
+    """0 done; 130 / 143 stopped by SIGINT / SIGTERM after writing a checkpoint."""
+    steps: int = 0
+    """Optimizer steps completed (including those of a resumed run)."""
+    already_complete: bool = False
+    """The run folder's checkpoint had already reached the step total: nothing was trained."""
+    train_samples: list[Any] | None = None
+    """The training samples (for after_fit hooks)."""
+
+
+# ---------------------------------------------------------------------------------------------- batching
+def plan_groups(sizes: Sequence[int], train: Any, layout: str) -> list[list[int]]:
+    """Micro-batches of one step as index groups: by token budget when train.packing and
+    train.max_tokens_per_micro_batch > 0 (relayrl.models.forward.plan_micro_batches), else consecutive chunks
+    of train.micro_batch_size."""
+    from relayrl.models.forward import plan_micro_batches
+
+    if train.packing and train.max_tokens_per_micro_batch > 0:
+        return plan_micro_batches(list(sizes), train.max_tokens_per_micro_batch, layout)
+    return chunk_by_count(len(sizes), train.micro_batch_size)
+
+
+def make_collate(
+    samples: Sequence[Any],
+    train: Any,
+    layout: str,
+    to_batch: Callable[[list[Any], str], Any],
+    size: Callable[[Any], int] = lambda s: s.num_tokens,
+) -> Callable[[list[int]], list[Any]]:
+    """step indices -> micro-batches (each `to_batch` of its samples; `size` a sample's token count)."""
+
+    def collate(indices: list[int]) -> list[Any]:
+        chosen = [samples[i] for i in indices]
+        groups = plan_groups([size(s) for s in chosen], train, layout)
+        return [to_batch([chosen[i] for i in g], layout) for g in groups]
+
+    return collate
+
+
+def eval_batches(
+    samples: Sequence[Any], train: Any, layout: str, to_batch: Callable[[list[Any], str], Any]
+) -> Callable[[], list[list[Any]]]:
+    """Every eval sample once, in order, batched like training."""
+    collate = make_collate(samples, train, layout, to_batch)
+    step = train.batch_size
+    return lambda: [
+        collate(list(range(i, min(len(samples), i + step)))) for i in range(0, len(samples), step)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _settings(cfg: Any, total: int) -> LoopSettings:
+    return LoopSettings(
+        total_steps=total,
+        eval_every=cfg.train.eval_every,
+        save_every=cfg.ckpt.save_every,
+        best_metric=cfg.ckpt.best_metric,
+        log_every=cfg.train.log_every,
+    )
+
+
+def _total_steps(cfg: Any, num_samples: int) -> int:
+    total = total_steps_of(cfg.train, num_samples)
+    if total <= 0:
+        raise ValueError(
+            f"no optimizer step to run: {num_samples} training samples < train.batch_size "
+            f"{cfg.train.batch_size}; lower train.batch_size or set train.max_steps"
+        )
+    return total
+
+
+def _model_role(recipe: Recipe, launcher: Any, dist: Any, total: int, run_dir: Path) -> tuple[Any, str]:
+    """Spawn the model role and print the start-up banner; returns (handle, attention layout)."""
+    from relayrl.workers.trained import ModelSpec, ModelWorker
+
+    cfg = recipe.cfg
+    spec = ModelSpec(
+        model=cfg.model,
+        optim=cfg.optim,
+        total_steps=total,
+        loss_fn=recipe.loss_fn,
+        seed=cfg.train.seed,
+        device=cfg.train.device,
+        dist=dist,
+        hf_format=cfg.ckpt.save_hf_model,
+        head=recipe.head,
+        frozen=recipe.frozen,
+        prepare=recipe.prepare,
+    )
+    handle = launcher.spawn("model", ModelWorker, spec)
+    info = handle.call("info")
+    print(
+        f"relayrl {recipe.name}: {recipe.describe or recipe.name} on {cfg.model.name_or_path} "
+        f"({info['params'] / 1e6:.1f}M params, {info['precision']}, {info['layout']} attention), "
+        f"{info['ranks']} rank(s), {total} steps of {cfg.train.batch_size} samples; run folder {run_dir}",
+        flush=True,
+    )
+    return handle, info["layout"]
+
+
+def run_recipe(recipe: Recipe) -> RecipeResult:
+    """Train per the recipe; writes the run folder; returns the model, metrics and paths.
+
+    One code path for one process and for N ranks: this process reads the data and runs the loop (sampler,
+    eval cadence, logging, checkpoints: relayrl.training.loop via RemoteTrainer); the model lives in a
+    ModelWorker role (relayrl.workers.trained), in this process (dist.mode=local) or as
+    `dist.num_nodes x dist.num_gpus_per_node` Ray ranks holding FSDP2 shards (dist.mode=ray). Each optimizer
+    step's micro-batches go to the role; each rank trains on its share, gradients are reduced over all
+    ranks and the loss is normalised by the global count, so the update equals the one-process update on the
+    same global batch. The trained model is exported to <run>/final."""
+    from relayrl.config.rl import DistConfig
+    from relayrl.distributed.launch import build_launcher
+    from relayrl.models.loading import load_tokenizer
+    from relayrl.workers.trained import RemoteTrainer
+
+    cfg, label = recipe.cfg, f"relayrl {recipe.name}"
+    seed_everything(cfg.train.seed)
+    run_dir = prepare_run_dir(run_dir_of(cfg.train, recipe.name), cfg.ckpt, label)
+    check_config_change(run_dir, cfg, label)
+    save_yaml(cfg, run_dir / "config.yaml")
+    m = cfg.model
+    tokenizer = load_tokenizer(
+        m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
+    )
+    train_samples, eval_samples = recipe.load_data(tokenizer)
+    total = _total_steps(cfg, len(train_samples))
+    dist = DistConfig.for_one_model(cfg.dist)
+    launcher = build_launcher(dist, {"model": cfg.dist.ranks})
+    try:
+        handle, layout = _model_role(recipe, launcher, dist, total, run_dir)
+        if recipe.before_fit is not None:
+            recipe.before_fit(handle, train_samples, eval_samples, layout)
+        trainer = RemoteTrainer(
+            handle,
+            sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
+            collate=make_collate(train_samples, cfg.train, layout, recipe.to_batch),
+            settings=_settings(cfg, total),
+            ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
+            eval_batches=eval_batches(eval_samples, cfg.train, layout, recipe.to_batch)
+            if eval_samples
+            else None,
+            tokenizer=tokenizer,
+        )
+        resumed = resume_if_asked(trainer, cfg.ckpt)
+        done_before = resumed and trainer.step >= total
+        stop = SignalFlag(label)
+        with (
+            build_logger(
+                cfg.logger, run_dir, total_steps=total, config=to_dict(cfg), start_step=trainer.step
+            ) as logger,
+            stop.installed(),
+        ):
+            trainer.logger = logger
+            if resumed:
+                print(f"resumed from step {trainer.step} ({run_dir / 'checkpoints'})")
+            fit = trainer.fit(stop)
+        final = None
+        if fit.stopped_by is None:
+            final = Path(handle.call("export", str(run_dir / "final")))
+        local = getattr(handle, "instance", None)
+        result = RecipeResult(
+            model=local.model if local is not None else None,
+            tokenizer=tokenizer,
+            run_dir=run_dir,
+            metrics=fit.history[-1] if fit.history else {},
+            history=fit.history,
+            checkpoint=fit.last_checkpoint,
+            final_model=final,
+            exit_code=stop.exit_code(),
+            steps=trainer.step,
+            already_complete=done_before,
+            train_samples=train_samples,
+        )
+        if final is not None and recipe.after_fit is not None:
+            recipe.after_fit(handle, result)
+    finally:
+        launcher.shutdown()
+    return result
+
+
+def finish_message(name: str, result: RecipeResult, headline: str) -> int:
+    """Print the end-of-run lines of a recipe command and return its exit code."""
+    import sys
+
+    if result.exit_code:
+        print(
+            f"relayrl {name}: stopped at step {result.steps} by a signal; checkpoint {result.checkpoint}. "
+            "Rerun the same command to continue.",
+            file=sys.stderr,
+        )
+        return result.exit_code
+    if result.already_complete:
+        print(
+            f"relayrl {name}: already complete at step {result.steps} (the run's step total); raise "
+            f"--train.max_steps (or --train.epochs) to continue; final model in {result.final_model}"
+        )
+        return 0
+    print(f"{name} done: {result.metrics.get('step', 0)} steps, {headline}; run folder {result.run_dir}")
+    print(f"relayrl {name}: final model in {result.final_model}")
+    return 0
