@@ -114,3 +114,23 @@ class RunningRewardNorm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
         self.center, self.eps = bool(state["center"]), float(state["eps"])
+
+
+class FixedRewardNorm:
+    """Normalisation with fixed statistics, (r - mean) / std: a reward model's own mean / std over its
+    training pairs (written by `relayrl rm` into its config.json as reward_mean / reward_std, as OpenRLHF)."""
+
+    def __init__(self, mean: float, std: float, *, eps: float = 1e-8) -> None:
+        if not std > 0:
+            raise ValueError(f"reward std must be > 0, got {std}")
+        self.mean, self.std, self.eps = float(mean), float(std), eps
+
+    def __call__(self, rewards: Tensor) -> tuple[Tensor, Metrics]:
+        check_finite(rewards, "FixedRewardNorm")
+        return (rewards - self.mean) / (self.std + self.eps), {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "std": self.std}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.std = float(state["mean"]), float(state["std"])

@@ -305,3 +305,26 @@ class DataParallelConfig:
     @property
     def ranks(self) -> int:
         return self.num_nodes * self.num_gpus_per_node if self.mode == "ray" else 1
+
+
+@dataclass(kw_only=True, slots=True)
+class OneModelConfig:
+    """What every one-model training command (sft, rm, prm, dpo, kto, kd) shares; each adds its own section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model to train (and its tokenizer)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training / eval data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    """Checkpoints and resume."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Metrics sinks."""
+    dist: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """Data parallelism: one process, or Ray ranks with FSDP2 shards."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)

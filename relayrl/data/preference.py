@@ -49,6 +49,8 @@ class PairSample:
     """Required reward margin (RM's margin_key), 0 when absent."""
     source: str = "default"
     """Data source name."""
+    ref_logps: tuple[float, float] | None = None
+    """Reference log-probs of (chosen, rejected) summed over their responses, once precomputed (DPO)."""
 
     @property
     def num_tokens(self) -> int:

@@ -142,3 +142,26 @@ def save_value_model(model: Any, tokenizer: Any, out_dir: str | Path, *, merge_l
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+REWARD_STATS = ("reward_mean", "reward_std")
+"""config.json keys of a reward model's score statistics over its training pairs (written by `relayrl rm`)."""
+
+
+def write_reward_stats(folder: str | Path, mean: float, std: float) -> None:
+    """Add reward_mean / reward_std to the model folder's config.json."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config.update(dict(zip(REWARD_STATS, (float(mean), float(std)), strict=True)))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def reward_stats(folder: str | Path) -> tuple[float, float] | None:
+    """(mean, std) from a reward model folder's config.json, None when absent."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    if not all(k in config for k in REWARD_STATS):
+        return None
+    return float(config["reward_mean"]), float(config["reward_std"])

@@ -68,6 +68,9 @@ class Recipe:
     """(handle, train, evals, layout) -> None, before the loop."""
     after_fit: Callable[..., None] | None = None
     """(handle, result: RecipeResult) -> None, after the export (not after a signal stop)."""
+    collate: Callable[..., Callable[[list[int]], list[Any]]] | None = None
+    """(samples, train config, layout) -> collate, when micro-batches need the whole step (KTO pairs each
+    sample with another of the step); default make_collate(samples, train, layout, to_batch)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,15 +132,21 @@ def make_collate(
     return collate
 
 
-def eval_batches(
-    samples: Sequence[Any], train: Any, layout: str, to_batch: Callable[[list[Any], str], Any]
-) -> Callable[[], list[list[Any]]]:
+def _collate(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callable[[list[int]], list[Any]]:
+    if recipe.collate is not None:
+        return recipe.collate(samples, recipe.cfg.train, layout)
+    return make_collate(samples, recipe.cfg.train, layout, recipe.to_batch)
+
+
+def step_chunks(num: int, batch_size: int) -> list[list[int]]:
+    """0..num-1 in consecutive steps of batch_size (the last may be shorter): an eval / scoring pass."""
+    return [list(range(i, min(num, i + batch_size))) for i in range(0, num, batch_size)]
+
+
+def _eval_batches(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callable[[], list[list[Any]]]:
     """Every eval sample once, in order, batched like training."""
-    collate = make_collate(samples, train, layout, to_batch)
-    step = train.batch_size
-    return lambda: [
-        collate(list(range(i, min(len(samples), i + step)))) for i in range(0, len(samples), step)
-    ]
+    collate = _collate(recipe, samples, layout)
+    return lambda: [collate(c) for c in step_chunks(len(samples), recipe.cfg.train.batch_size)]
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -225,12 +234,10 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
         trainer = RemoteTrainer(
             handle,
             sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
-            collate=make_collate(train_samples, cfg.train, layout, recipe.to_batch),
+            collate=_collate(recipe, train_samples, layout),
             settings=_settings(cfg, total),
             ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
-            eval_batches=eval_batches(eval_samples, cfg.train, layout, recipe.to_batch)
-            if eval_samples
-            else None,
+            eval_batches=_eval_batches(recipe, eval_samples, layout) if eval_samples else None,
             tokenizer=tokenizer,
         )
         resumed = resume_if_asked(trainer, cfg.ckpt)

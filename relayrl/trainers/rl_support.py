@@ -61,10 +61,20 @@ def due(every: int, step: int) -> bool:
 
 
 def reward_norm(cfg: RLConfig) -> Any:
+    """reward.normalize: a reward model's own statistics (rm:PATH whose config.json has reward_mean /
+    reward_std, written by `relayrl rm`), else running statistics."""
     if not cfg.reward.normalize:
         return None
-    from relayrl.algorithms.shaping import RunningRewardNorm
+    from relayrl.algorithms.shaping import FixedRewardNorm, RunningRewardNorm
+    from relayrl.models.value_head import reward_stats
 
+    source = cfg.reward.source
+    stats = reward_stats(source[len("rm:") :]) if source.startswith("rm:") else None
+    if stats is not None:
+        print(
+            f"relayrl rl: rewards normalised with the reward model's statistics (mean {stats[0]:.4f}, std {stats[1]:.4f})"
+        )
+        return FixedRewardNorm(*stats)
     return RunningRewardNorm()
 
 

@@ -26,22 +26,14 @@ Programmatic use (the demo): `result = run_sft(cfg)`; `result.model`, `result.me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
 
-from relayrl.config.base import check_choices, run_command
-from relayrl.config.components import (
-    CkptConfig,
-    DataConfig,
-    DataParallelConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from relayrl.config.base import run_command
+from relayrl.config.components import OneModelConfig, TrainConfig
 from relayrl.trainers.recipe import (
     Recipe,
     RecipeResult,
@@ -54,28 +46,11 @@ from relayrl.training.step import LossOutput
 
 
 @dataclass(kw_only=True, slots=True)
-class SFTConfig:
+class SFTConfig(OneModelConfig):
     """Supervised fine-tuning."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The model to fine-tune (and its tokenizer)."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Training / eval data."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer and learning-rate schedule."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Training loop."""
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    """Checkpoints and resume."""
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    """Metrics sinks."""
     mode: Literal["response", "multiturn", "pretrain"] = "response"
     """Which tokens carry loss: response (the answer only), multiturn (every assistant turn), pretrain (all)."""
-    dist: DataParallelConfig = field(default_factory=DataParallelConfig)
-    """Data parallelism: one process, or Ray ranks with FSDP2 shards."""
-
-    def __post_init__(self) -> None:
-        check_choices(self)
 
 
 SFTResult = RecipeResult

@@ -21,6 +21,7 @@ rank trains on its share (contiguous, balanced by tokens) with the recipe's loss
     evaluate(batches) -> {"eval/loss", ...}                    over every rank's share
     precompute(micro_batches) -> micro_batches                 `prepare` only, results on the CPU (e.g. DPO's
                                                                reference log-probs once); frees the frozen model
+    infer(fn, micro_batches) -> [fn(models, mb)]              no-grad passes (e.g. the RM's score statistics)
     save(folder) / load(folder) / export(folder)               RoleState
 
 The model is a causal LM (`head="lm"`) or a value-head model (`head="value"`: reward models). A recipe that
@@ -228,9 +229,11 @@ class Models:
 
 
 class PrepareFn(Protocol):
-    """prepare(models, micro_batches): fill the micro-batches in place (no gradients)."""
+    """prepare(models, micro_batches, num_real): fill the micro-batches in place (no gradients). Only the first
+    `num_real` are this rank's own; the rest repeat one to give every rank as many forwards (leave them out of
+    any sum)."""
 
-    def __call__(self, models: Models, micro_batches: list[Any]) -> None: ...
+    def __call__(self, models: Models, micro_batches: list[Any], num_real: int) -> None: ...
 
 
 def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
@@ -318,23 +321,36 @@ class ModelWorker:
         load_weights_into(cpu, folder)
         return cpu.state_dict()
 
-    def _prepare(self, micro_batches: list[Any]) -> None:
-        from relayrl.models.forward import hf_model
+    def _models(self) -> Models:
         from relayrl.training.step import autocast
 
-        if self.spec.prepare is None or not micro_batches:
-            return
-        models = Models(
+        return Models(
             model=self.model,
             frozen=self.frozen,
             layout=self.layout,
             autocast=lambda: autocast(self.train.precision, self.device),
         )
-        with torch.no_grad():
-            self.spec.prepare(models, _equal_passes(micro_batches))
+
+    def _no_grad_passes(self, fn: Callable[..., Any], micro_batches: list[Any], real: int) -> Any:
+        """fn(models, micro_batches padded to equal counts over ranks, real) without gradients; sharded roots
+        are resharded after (they stay gathered after a forward without a backward)."""
+        from relayrl.models.forward import hf_model
+
+        model_was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = fn(self._models(), _equal_passes(micro_batches), real)
+        finally:
+            self.model.train(model_was_training)
         for m in (self.model, self.frozen):
             if m is not None and is_sharded(m):
-                hf_model(m).reshard()  # the root unit stays gathered after a forward without backward
+                hf_model(m).reshard()
+        return out
+
+    def _prepare(self, micro_batches: list[Any], real: int) -> None:
+        if self.spec.prepare is not None and micro_batches:
+            self._no_grad_passes(self.spec.prepare, micro_batches, real)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -346,7 +362,7 @@ class ModelWorker:
 
     def step(self, micro_batches: list[Any]) -> tuple[StepOutput, int]:
         mine, real = _share(micro_batches)
-        self._prepare(mine)
+        self._prepare(mine, real)
         out = self.train.step(mine, num_real=real)
         out.tokens = sum(
             int(getattr(m, "num_tokens", 0)) for m in micro_batches
@@ -355,7 +371,7 @@ class ModelWorker:
 
     def evaluate(self, batches: list[list[Any]]) -> dict[str, float]:
         mine, real = _share([mb for step in batches for mb in step])
-        self._prepare(mine)
+        self._prepare(mine, real)
         return self.train.evaluate([mine], num_real=real)
 
     @merged("concat")
@@ -365,11 +381,21 @@ class ModelWorker:
         from relayrl.training.step import move_to
 
         mine, real = _share(micro_batches)
-        self._prepare(mine)
+        self._prepare(mine, real)
         self.frozen = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return [move_to(m, "cpu") for m in mine[:real]]
+
+    @merged("concat")
+    def infer(self, fn: Callable[[Models, Any], Any], micro_batches: list[Any]) -> list[Any]:
+        """[fn(models, micro_batch)] over every micro-batch without gradients (each rank its share; results in
+        order). `fn` is module-level and returns CPU values (e.g. the RM's scores)."""
+        mine, real = _share(micro_batches)
+        if not micro_batches:
+            return []
+        outs = self._no_grad_passes(lambda models, mbs, _: [fn(models, mb) for mb in mbs], mine, real)
+        return outs[:real]
 
     def save(self, folder: str) -> None:
         self.state.save(folder, {})

@@ -1,0 +1,548 @@
+"""`relayrl generate`: batch inference with the rollout engine, optional scoring and selection, one JSONL file.
+
+OpenRLHF's batch_inference (generate, then score with a reward) and its post-processors (best-of-n, which
+OpenRLHF calls rejection sampling; iterative-DPO pairs; conditional SFT, Hu et al. 2023 arXiv 2308.12050 /
+SteerLM) in one command whose output `relayrl sft` (or a DPO trainer) reads directly:
+
+    prompts    data files through relayrl.data.build_prompt_data (the same templating as `relayrl rl`), or a
+               built-in task's train rows (`task.name`)
+    sample     `rollout.n_samples` completions per prompt on `rollout.engine` (native by default); the
+               request seed of a prompt is derived from `seed` and its index, so a seed gives one file
+    score      `reward.source` (any build_reward_source spec; `task:<name>` by default with `task.name`);
+               a reward that raises, times out, returns NaN or a bad output marks the sample FAILED (counted
+               by kind, never a silent zero). A reward_func file is called once per prompt (its n samples),
+               so a raise fails that prompt's samples only.
+    select     all | best_of_n | rejection | pairs | conditional  (SELECTORS; docs/generate.md has a row each)
+    write      <output> atomically (temp file + rename), the resolved config beside it (<stem>.config.yaml)
+
+Rows: "input" is the prompt exactly as the model saw it (chat template / input_template already applied), so
+train on the file with the default data flags (no --data.apply_chat_template, no --data.input_template).
+SFT rows hold "input", "output", "reward" (with a reward) and "label" (when the prompt has one); pairs rows
+hold "input", "chosen", "rejected", "chosen_reward", "rejected_reward" (+ "label"). Samples whose response
+is empty are never written (SFT cannot learn from them), failed samples only by `all` (reward null and their
+"failure" kind), and a selection never picks a failed sample.
+
+Departures from OpenRLHF: `rejection` is a threshold filter (keep every sample with reward >= threshold, at
+most the best `max_per_prompt` per prompt); OpenRLHF's "rejection_sampling" processor is our `best_of_n`.
+The conditional template formats the raw reward (no normalisation over the file) and, for chat prompts, goes
+into the last user message rather than after the rendered prompt.
+
+Programmatic use (iterative DPO): `result = run_generate(cfg, model=policy, tokenizer=tok)`; `result.rows`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import string
+import tempfile
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.config.base import ConfigError, ConfigWarning, check_choices, invalid, run_command, save_yaml
+from relayrl.config.components import DataConfig, ModelConfig
+from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
+
+SelectMode = Literal["all", "best_of_n", "rejection", "pairs", "conditional"]
+DEFAULT_CONDITION = "{input} <rm_score>: {reward:.1f}\n"
+"""Conditional-SFT prompt: OpenRLHF's "{input} <rm_score>: {reward} " with one decimal, ending in a newline
+instead of a space (a BPE tokenizer would merge a trailing space into the response's first word, and the SFT
+mask builder refuses a prompt whose tokens change when the response is appended)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateConfig:
+    """`relayrl generate`: n samples per prompt, optional reward, a selection rule, one JSONL file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model that generates (a local folder or Hub id; LoRA settings are not applied)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data (the training sources: data.datasets, mixing, max_samples; eval settings are unused)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """A built-in task as the prompt source (its train_rows prompts) and default reward, instead of data."""
+    rollout: RolloutConfig = field(
+        default_factory=lambda: RolloutConfig(n_samples=4, max_new_tokens=512, max_len=2048)
+    )
+    """Engine and sampling (engine, engine_slots, n_samples, temperature, top_p, top_k, max_new_tokens,
+    max_len). With engine_slots 0 the native engine decodes prompts_per_step x n_samples sequences at once."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward source (reward.source, reward.timeout_s); rewards are written raw (no shaping)."""
+    output: str = ""
+    """The JSONL file to write (required); replaced atomically when the run completes."""
+    select: SelectMode = "all"
+    """Which rows to write: all (every sample), best_of_n (the best per prompt), rejection (reward >=
+    threshold), pairs (best vs worst per prompt, DPO), conditional (every sample, its reward in the prompt).
+    Every mode but all needs a reward."""
+    threshold: float = 0.5
+    """rejection: keep samples whose reward is >= this."""
+    max_per_prompt: int = 0
+    """rejection: keep at most this many (the best) samples per prompt; 0 = every sample that passes."""
+    condition_template: str = DEFAULT_CONDITION
+    """conditional: the prompt written for each sample, a Python format string with {input} (the prompt, or
+    for a chat the last user message) and {reward} (a float; a format spec such as {reward:.1f} is allowed)."""
+    seed: int = 42
+    """Sampling seed: the same seed, model, prompts and settings write the same file."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs; auto = cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.max_per_prompt < 0:
+            raise invalid("max_per_prompt", self.max_per_prompt, "an int >= 0 (0 = no limit)")
+        check_condition_template(self.condition_template)
+
+
+def check_condition_template(template: str) -> None:
+    """`invalid(...)` unless `template` is a format string using exactly the fields {input} and {reward}."""
+    want = "a format string with {input} and {reward} (e.g. '{input} <rm_score>: {reward:.1f}\\n')"
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+        template.format(input="x", reward=1.0)
+    except (ValueError, KeyError, IndexError) as e:
+        raise invalid("condition_template", template, f"{want}; it does not format ({e})") from None
+    if names != {"input", "reward"}:
+        raise invalid("condition_template", template, f"{want}; it has fields {sorted(names)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateResult:
+    """What `run_generate` returns (the summary line's numbers and the written rows)."""
+
+    output: Path
+    """The JSONL file written."""
+    rows: list[dict[str, Any]]
+    """The rows written, in file order."""
+    prompts: int
+    """Prompts sampled."""
+    samples: int
+    """Samples generated (prompts x n_samples)."""
+    scored: int
+    """Samples with a valid reward (0 without a reward source)."""
+    failed: int
+    """FAILED samples (reward errors, and prompts too long for rollout.max_len)."""
+    failures: dict[str, int]
+    """FAILED samples by kind (exception, nan, bad_output, wrong_length, timeout, prompt_too_long, ...)."""
+    empty: int
+    """Samples with an empty response (never written)."""
+    kept: int
+    """Rows written."""
+    ties: int
+    """pairs: prompts skipped because their best and worst reward are equal (or fewer than two scored)."""
+    new_tokens: int
+    """Tokens generated."""
+    seconds: float
+    """Wall time of generation (engine start-up, loading and scoring excluded)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self, select: str) -> str:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items()))
+        ties = f" ({self.ties} prompts tied)" if select == "pairs" else ""
+        return (
+            f"relayrl generate: {self.prompts} prompts, {self.samples} samples, {self.scored} scored, "
+            f"{self.failed} failed{f' ({kinds})' if kinds else ''}, {self.kept} kept [{select}]{ties}, "
+            f"{self.tokens_per_s:.1f} tokens/s; written to {self.output}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def reward_spec_of(cfg: GenerateConfig) -> str:
+    """The reward source spec: reward.source, else task:<task.name>, else "" (no scoring)."""
+    return cfg.reward.source or (f"task:{cfg.task.name}" if cfg.task.name else "")
+
+
+def validate_generate_config(cfg: GenerateConfig) -> None:
+    """ConfigError (naming the field and the fix) for settings that cannot run; ConfigWarning for settings
+    that have no effect in this command. Runs before anything is loaded."""
+    from relayrl.rollout import ENGINES
+
+    r = cfg.rollout
+
+    def bad(name: str, message: str) -> ConfigError:
+        return ConfigError(f"{name}: {message}", field=name)
+
+    if not cfg.model.name_or_path:
+        raise bad("model.name_or_path", "required: a local model folder or Hub id")
+    if not cfg.output:
+        raise bad("output", "required: the JSONL file to write (--output samples.jsonl)")
+    if not cfg.task.name and not cfg.data.datasets:
+        raise bad("data.datasets", "no prompts: set --data.datasets FILE... or --task.name (e.g. add2)")
+    if r.engine not in ENGINES:
+        raise bad("rollout.engine", f"{r.engine!r} is not known; choose one of {', '.join(ENGINES)}")
+    if r.agent != "single":
+        raise bad("rollout.agent", f"{r.agent!r}: generate samples single-turn completions; use single")
+    for name in ("n_samples", "max_new_tokens", "max_len", "prompts_per_step"):
+        if getattr(r, name) < 1:
+            raise bad(f"rollout.{name}", f"{getattr(r, name)} is invalid; expected an int >= 1")
+    if r.engine_slots < 0 or r.temperature < 0 or not 0 < r.top_p <= 1:
+        raise bad("rollout", "engine_slots must be >= 0, temperature >= 0 and top_p in (0, 1]")
+    spec = reward_spec_of(cfg)
+    if spec == "agent":
+        raise bad("reward.source", "'agent' rewards come from multi-turn agents; give a reward source")
+    if cfg.select != "all" and not spec:
+        raise bad("select", f"{cfg.select!r} ranks samples by reward: set --reward.source or --task.name")
+    if cfg.select == "pairs" and r.n_samples < 2:
+        raise bad("rollout.n_samples", "pairs compares a prompt's samples: use >= 2")
+    _warn_ineffective(cfg)
+
+
+def _changed(obj: Any, default: Any, names: tuple[str, ...], prefix: str) -> list[str]:
+    return [f"{prefix}{n}" for n in names if getattr(obj, n) != getattr(default, n)]
+
+
+def _warn_ineffective(cfg: GenerateConfig) -> None:
+    d = GenerateConfig()
+    shaping = ("clip", "overlong_buffer", "overlong_penalty", "truncation_penalty", "normalize")
+    checks = [
+        (_changed(cfg.reward, d.reward, shaping, "reward."), True, "generate writes raw rewards"),
+        (
+            _changed(cfg.rollout, d.rollout, ("agent_file", "max_turns", "failure_policy"), "rollout."),
+            True,
+            "generate samples single-turn completions; failed samples are counted and never selected",
+        ),
+        (
+            _changed(cfg.data, d.data, ("eval_dataset", "eval_split_ratio"), "data."),
+            not cfg.task.name,
+            "generate samples the training sources (eval_split_ratio removes prompts from them)",
+        ),
+        (_changed(cfg.task, d.task, ("eval_rows",), "task."), True, "generate samples task.train_rows"),
+        (
+            _changed(cfg, d, ("threshold", "max_per_prompt"), ""),
+            cfg.select != "rejection",
+            f"select={cfg.select!r}",
+        ),
+        (
+            _changed(cfg, d, ("condition_template",), ""),
+            cfg.select != "conditional",
+            f"select={cfg.select!r}",
+        ),
+    ]
+    for names, ineffective, why in checks:
+        if names and ineffective:
+            warnings.warn(f"{', '.join(names)} has no effect: {why}", ConfigWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------- stages
+def build_prompts(cfg: GenerateConfig, tokenizer: Any) -> list[PromptSample]:
+    """The prompts: data.datasets through build_prompt_data, or the task's train rows written to a
+    temporary JSONL and read through the same loader (so templating is identical)."""
+    from relayrl.data.build import build_prompt_data
+
+    if not cfg.task.name:
+        return build_prompt_data(cfg.data, tokenizer)[0]
+    from relayrl.tasks import get_task
+
+    rows = get_task(cfg.task.name).make_rows("train", cfg.task.train_rows, cfg.data.seed)
+    with tempfile.TemporaryDirectory(prefix="relayrl-generate-") as tmp:
+        path = Path(tmp) / f"{cfg.task.name}.jsonl"
+        path.write_text("".join(json.dumps({**row, "datasource": cfg.task.name}) + "\n" for row in rows))
+        data = replace(
+            cfg.data,
+            datasets=[str(path)],
+            dataset_probs=[],
+            eval_dataset=None,
+            eval_split_ratio=0.0,
+            datasource_key="datasource",
+        )
+        return build_prompt_data(data, tokenizer)[0]
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The request seed of prompt `index` (the RL policy's rule: a prompt's samples depend on it alone)."""
+    return (seed * 1_000_003 + index * 7919) % (2**31)
+
+
+def sample_groups(
+    cfg: GenerateConfig, model: Any, tokenizer: Any, prompts: list[PromptSample], log: Any
+) -> tuple[list[list[Trajectory]], float]:
+    """n trajectories per prompt (one group per prompt, in prompt order) and the generation seconds."""
+    from relayrl.agents.executors import SingleTurnExecutor
+    from relayrl.rollout import SamplingParams, build_engine
+
+    r = cfg.rollout
+    opts: dict[str, Any] = {}
+    if r.engine == "native":
+        opts["max_slots"] = r.engine_slots or min(len(prompts), r.prompts_per_step) * r.n_samples
+    engine = build_engine(r.engine, model, tokenizer, max_seq_len=r.max_len, **opts)
+    executor = SingleTurnExecutor(engine, tokenizer, max_total_len=r.max_len, log=log)
+    base = SamplingParams(
+        n=r.n_samples,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+    )
+
+    async def run() -> list[list[Trajectory]]:
+        jobs = [executor.execute(s, replace(base, seed=prompt_seed(cfg.seed, s.index))) for s in prompts]
+        return list(await asyncio.gather(*jobs))
+
+    import torch
+
+    try:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            groups = asyncio.run(run())
+        return groups, time.perf_counter() - t0
+    finally:
+        engine.close()
+
+
+def build_scorer(cfg: GenerateConfig, tokenizer: Any, log: Any, device: str) -> Any:
+    """The reward source of `reward_spec_of(cfg)`, or None. A reward_func file gets batches of one prompt's
+    n samples, so its raise fails that prompt only."""
+    from relayrl.agents.rewards import build_reward_source
+
+    spec = reward_spec_of(cfg)
+    if not spec:
+        return None
+    if spec.startswith("task:"):
+        return build_reward_source(spec, log=log)
+    opts: dict[str, Any] = {"log": log}
+    if spec.startswith("rm:") or Path(spec).is_dir():
+        opts["device"] = device
+    else:
+        opts["timeout"] = cfg.reward.timeout_s
+    if spec.endswith(".py"):
+        opts["batch_size"] = cfg.rollout.n_samples
+    return build_reward_source(spec, tokenizer=tokenizer, **opts)
+
+
+def score_groups(source: Any, groups: list[list[Trajectory]], prompts_per_call: int) -> None:
+    """Fill rewards in place, `prompts_per_call` prompts' samples per `source.score` call (bounds how many
+    reward calls run at once)."""
+
+    async def run() -> None:
+        for i in range(0, len(groups), prompts_per_call):
+            await source.score([t for g in groups[i : i + prompts_per_call] for t in g])
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------------------------------- selection
+@dataclass(kw_only=True, slots=True)
+class SelectOptions:
+    """The settings the selectors read."""
+
+    scored: bool
+    """A reward source ran (rows carry "reward")."""
+    threshold: float = 0.5
+    """rejection: lowest kept reward."""
+    max_per_prompt: int = 0
+    """rejection: most rows per prompt (0 = no limit)."""
+    template: str = DEFAULT_CONDITION
+    """conditional: the prompt format."""
+    tokenizer: Any = None
+    """conditional: renders chat prompts again after the user message is conditioned."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Selection:
+    """A selector's output."""
+
+    rows: list[dict[str, Any]]
+    """Rows to write, in order."""
+    ties: int = 0
+    """pairs: prompts skipped because best and worst are equal (or fewer than two usable samples)."""
+
+
+def _usable(t: Trajectory, opts: SelectOptions) -> bool:
+    """OK, non-empty and (with a reward source) scored: a sample a selection may write."""
+    return (
+        t.status == TrajectoryStatus.OK
+        and bool(t.response_text.strip())
+        and (not opts.scored or t.reward is not None)
+    )
+
+
+def sft_row(t: Trajectory, opts: SelectOptions, prompt: str | None = None) -> dict[str, Any]:
+    """{"input", "output", "reward" (when scored), "failure" (when FAILED), "label" (when known)}."""
+    row: dict[str, Any] = {"input": t.sample.prompt if prompt is None else prompt, "output": t.response_text}
+    if opts.scored:
+        row["reward"] = t.reward
+    if t.status != TrajectoryStatus.OK:
+        row["failure"] = t.failure_kind
+    if t.sample.label is not None:
+        row["label"] = t.sample.label
+    return row
+
+
+def select_all(groups: list[list[Trajectory]], opts: SelectOptions) -> Selection:
+    """Every sample with a non-empty response; FAILED ones with reward null and their failure kind."""
+    return Selection(rows=[sft_row(t, opts) for g in groups for t in g if t.response_text.strip()])
+
+
+def select_best_of_n(groups: list[list[Trajectory]], opts: SelectOptions) -> Selection:
+    """Per prompt the usable sample with the highest reward (the first one among equals)."""
+    rows = []
+    for g in groups:
+        ok = [t for t in g if _usable(t, opts)]
+        if ok:
+            rows.append(sft_row(max(ok, key=lambda t: t.reward), opts))
+    return Selection(rows=rows)
+
+
+def select_rejection(groups: list[list[Trajectory]], opts: SelectOptions) -> Selection:
+    """Per prompt the usable samples with reward >= threshold, best first, at most max_per_prompt."""
+    rows = []
+    for g in groups:
+        ok = sorted(
+            (t for t in g if _usable(t, opts) and t.reward >= opts.threshold), key=lambda t: -t.reward
+        )
+        rows += [sft_row(t, opts) for t in ok[: opts.max_per_prompt or None]]
+    return Selection(rows=rows)
+
+
+def select_pairs(groups: list[list[Trajectory]], opts: SelectOptions) -> Selection:
+    """Per prompt (chosen, rejected) = the usable samples with the highest and the lowest reward (the first
+    among equals); a prompt whose best and worst rewards are equal gives no pair and is counted in ties."""
+    rows, ties = [], 0
+    for g in groups:
+        ok = [t for t in g if _usable(t, opts)]
+        if not ok:
+            continue
+        best, worst = max(ok, key=lambda t: t.reward), min(ok, key=lambda t: t.reward)
+        if best.reward == worst.reward:
+            ties += 1
+            continue
+        row = {"input": best.sample.prompt, "chosen": best.response_text, "rejected": worst.response_text}
+        row |= {"chosen_reward": best.reward, "rejected_reward": worst.reward}
+        if best.sample.label is not None:
+            row["label"] = best.sample.label
+        rows.append(row)
+    return Selection(rows=rows, ties=ties)
+
+
+def condition_prompt(sample: PromptSample, reward: float, template: str, tokenizer: Any) -> str:
+    """The conditional-SFT prompt: a chat's last user message becomes template(input=message, reward) and
+    the chat is rendered again; a plain prompt becomes template(input=prompt, reward)."""
+    msgs = sample.messages
+    last_user = max((i for i, m in enumerate(msgs or []) if m["role"] == "user"), default=None)
+    if msgs is None or last_user is None:
+        return template.format(input=sample.prompt, reward=reward)
+    from relayrl.data.templates import render_chat
+
+    msgs = [dict(m) for m in msgs]
+    msgs[last_user]["content"] = template.format(input=msgs[last_user]["content"], reward=reward)
+    return render_chat(tokenizer, msgs, add_generation_prompt=True)
+
+
+def select_conditional(groups: list[list[Trajectory]], opts: SelectOptions) -> Selection:
+    """Every usable sample, its reward written into its prompt by the template (conditional SFT)."""
+    rows = [
+        sft_row(t, opts, condition_prompt(t.sample, t.reward, opts.template, opts.tokenizer))
+        for g in groups
+        for t in g
+        if _usable(t, opts)
+    ]
+    return Selection(rows=rows)
+
+
+SELECTORS: dict[str, Callable[[list[list[Trajectory]], SelectOptions], Selection]] = {
+    "all": select_all,
+    "best_of_n": select_best_of_n,
+    "rejection": select_rejection,
+    "pairs": select_pairs,
+    "conditional": select_conditional,
+}
+"""`select` name -> selector: groups of one prompt's trajectories -> rows."""
+
+
+# ---------------------------------------------------------------------------------------------- run
+def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Write rows as JSONL to a temporary file in the same folder, then rename it over `path`: readers see
+    the old file or the whole new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _load(cfg: GenerateConfig, device: Any) -> Any:
+    """The model the engine runs: a path for vllm (it loads its own copy), else a frozen causal LM."""
+    if cfg.rollout.engine == "vllm":
+        return cfg.model.name_or_path
+    from relayrl.workers.builders import build_frozen
+
+    return build_frozen(cfg.model, device)
+
+
+def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = None) -> GenerateResult:
+    """Sample, score, select and write per `cfg` (module doc). `model` / `tokenizer`: use these (e.g. the
+    policy of an iterative-DPO loop, in eval mode) instead of loading model.name_or_path."""
+    from relayrl.agents.failures import FailureLog
+    from relayrl.models.loading import load_tokenizer
+    from relayrl.training.setup import resolve_device, seed_everything
+
+    validate_generate_config(cfg)
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    m = cfg.model
+    if tokenizer is None:
+        tokenizer = load_tokenizer(
+            m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
+        )
+    log = FailureLog()
+    scorer = build_scorer(cfg, tokenizer, log, str(device))  # a bad reward spec fails before generating
+    prompts = build_prompts(cfg, tokenizer)
+    groups, seconds = sample_groups(
+        cfg, model if model is not None else _load(cfg, device), tokenizer, prompts, log
+    )
+    if scorer is not None:
+        score_groups(scorer, groups, cfg.rollout.prompts_per_step)
+    opts = SelectOptions(
+        scored=scorer is not None,
+        threshold=cfg.threshold,
+        max_per_prompt=cfg.max_per_prompt,
+        template=cfg.condition_template,
+        tokenizer=tokenizer,
+    )
+    chosen = SELECTORS[cfg.select](groups, opts)
+    output = write_jsonl_atomic(Path(cfg.output), chosen.rows)
+    save_yaml(cfg, output.with_suffix(".config.yaml"))
+    trajs = [t for g in groups for t in g]
+    failed = [t for t in trajs if t.status != TrajectoryStatus.OK]
+    return GenerateResult(
+        output=output,
+        rows=chosen.rows,
+        prompts=len(groups),
+        samples=len(trajs),
+        scored=sum(t.reward is not None for t in trajs) if scorer is not None else 0,
+        failed=len(failed),
+        failures=dict(Counter(t.failure_kind or "unknown" for t in failed)),
+        empty=sum(not t.response_text.strip() for t in trajs),
+        kept=len(chosen.rows),
+        ties=chosen.ties,
+        new_tokens=sum(t.response_len for t in trajs),
+        seconds=seconds,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`relayrl generate --model.name_or_path PATH (--data.datasets F | --task.name T) --output OUT.jsonl`."""
+
+    def go(cfg: GenerateConfig) -> int:
+        result = run_generate(cfg)
+        print(result.summary(cfg.select), flush=True)
+        return 0
+
+    return run_command(GenerateConfig, argv, "relayrl generate", go, description=__doc__.split("\n")[0])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

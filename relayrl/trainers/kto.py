@@ -1,0 +1,227 @@
+"""`relayrl kto`: Kahneman-Tversky optimisation on desirable / undesirable responses (unpaired feedback), a
+recipe on the shared training core.
+
+    KTOConfig(model, data, optim, train, ckpt, logger, dist, kto)
+      -> build_unpaired_data(data, tokenizer)     relayrl.data.preference: UnpairedSample(sample, desirable)
+      -> kto_collate(...)                         per step: each sample k also gets a KL sequence, its prompt
+                                                  with the response of the step's next sample (k + 1 mod n)
+      -> run_recipe(loss_fn=kto_loss, frozen=reference, prepare=kto_prepare)
+
+`kto_prepare` runs before each step without gradients: the reference log-probs of every sample, and the KL
+reference point z0 = max(0, mean over the whole step's KL sequences, on every rank, of log pi - log pi_ref)
+(relayrl.algorithms.preference.kto). The loss is relayrl.algorithms.preference.kto averaged over samples.
+Metrics (train/ and eval/): reward_desirable / reward_undesirable (beta log pi / pi_ref, each over its own
+samples), kl (z0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relayrl.algorithms.preference import kto, kto_reference_point
+from relayrl.config.base import invalid, run_command
+from relayrl.config.components import OneModelConfig
+from relayrl.data.preference import UnpairedSample
+from relayrl.trainers.dpo import side_logps
+from relayrl.trainers.recipe import Recipe, RecipeResult, finish_message, plan_groups, run_recipe
+from relayrl.training.step import LossOutput
+
+
+@dataclass(kw_only=True, slots=True)
+class KTOSection:
+    """KTO options."""
+
+    beta: float = 0.1
+    """Implicit reward scale."""
+    desirable_weight: float = 1.0
+    """lambda_D: weight of desirable samples' losses."""
+    undesirable_weight: float = 1.0
+    """lambda_U: weight of undesirable samples' losses (the paper keeps lambda_D n_D / (lambda_U n_U) in
+    [1, 4/3])."""
+    ref_model: str = ""
+    """Reference model folder or Hub id; empty: the model being trained, as loaded (its base under LoRA)."""
+
+    def __post_init__(self) -> None:
+        for name in ("beta", "desirable_weight", "undesirable_weight"):
+            if getattr(self, name) <= 0:
+                raise invalid(f"kto.{name}", getattr(self, name), "a number > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class KTOConfig(OneModelConfig):
+    """KTO on desirable / undesirable responses."""
+
+    kto: KTOSection = field(default_factory=KTOSection)
+    """KTO options."""
+
+
+@dataclass(kw_only=True, slots=True)
+class KTOBatch:
+    """One micro-batch of N samples and their N KL sequences."""
+
+    input_ids: list[Tensor]
+    """2N sequences [L_i] int64: the N samples, then their N KL sequences (prompt k + another response)."""
+    targets: list[Tensor]
+    """2N [L_i] bool: response tokens."""
+    desirable: Tensor
+    """[N] bool."""
+    ref_logps: Tensor | None = None
+    """[N] float32 reference log-probs of the samples' responses (filled by kto_prepare)."""
+    z0: float | None = None
+    """The step's KL reference point (filled by kto_prepare)."""
+    layout: str = "padded"
+    num_tokens: int = 0
+    """Real tokens of the N samples (the KL sequences are extra forwards without gradient)."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.input_ids) // 2
+
+
+def _prompt_len(mask: Sequence[bool]) -> int:
+    return next((i for i, t in enumerate(mask) if t), len(mask))
+
+
+def kl_sequence(prompt_of: Any, response_of: Any) -> tuple[list[int], list[bool]]:
+    """prompt of one sample + response of another (token ids, response mask)."""
+    a = _prompt_len(prompt_of.loss_mask)
+    b = _prompt_len(response_of.loss_mask)
+    ids = list(prompt_of.input_ids[:a]) + list(response_of.input_ids[b:])
+    return ids, [False] * a + [True] * (len(ids) - a)
+
+
+def kto_collate(
+    samples: Sequence[UnpairedSample], train: Any, layout: str
+) -> Callable[[list[int]], list[Any]]:
+    """step indices -> KTOBatches; sample k of the step is paired with the response of sample k + 1 (mod n)."""
+
+    def collate(indices: list[int]) -> list[KTOBatch]:
+        step = [samples[i] for i in indices]
+        n = len(step)
+        kl = [kl_sequence(step[k].sample, step[(k + 1) % n].sample) for k in range(n)]
+        out = []
+        for g in plan_groups([s.num_tokens for s in step], train, layout):
+            seqs = [step[k].sample.input_ids for k in g] + [kl[k][0] for k in g]
+            masks = [step[k].sample.loss_mask for k in g] + [kl[k][1] for k in g]
+            out.append(
+                KTOBatch(
+                    input_ids=[torch.as_tensor(s, dtype=torch.long) for s in seqs],
+                    targets=[torch.as_tensor(m, dtype=torch.bool) for m in masks],
+                    desirable=torch.tensor([step[k].desirable for k in g], dtype=torch.bool),
+                    layout=layout,
+                    num_tokens=sum(step[k].num_tokens for k in g),
+                )
+            )
+        return out
+
+    return collate
+
+
+def _matched(batch: KTOBatch) -> KTOBatch:
+    n = batch.num_samples
+    return replace(batch, input_ids=batch.input_ids[:n], targets=batch.targets[:n])
+
+
+def _mismatched(batch: KTOBatch) -> KTOBatch:
+    n = batch.num_samples
+    return replace(batch, input_ids=batch.input_ids[n:], targets=batch.targets[n:])
+
+
+def kto_prepare(models: Any, micro_batches: list[KTOBatch], num_real: int) -> None:
+    """Reference log-probs of the samples and the step's KL reference point z0 (over every rank)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for i, mb in enumerate(micro_batches):
+        with models.autocast():
+            mb.ref_logps = side_logps(models.frozen, _matched(mb))[0].float()
+            kl_pol = side_logps(models.model, _mismatched(mb))[0].double().cpu()
+            kl_ref = side_logps(models.frozen, _mismatched(mb))[0].double().cpu()
+        if i < num_real:
+            total += torch.stack(
+                [(kl_pol - kl_ref).sum(), torch.tensor(float(len(kl_pol)), dtype=torch.float64)]
+            )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    z0 = float(kto_reference_point(total[0], total[1]))
+    for mb in micro_batches:
+        mb.z0 = z0
+
+
+def kto_loss(model: Any, batch: KTOBatch, *, beta: float, desirable_weight: float, undesirable_weight: float):
+    """KTO summed over the micro-batch's samples; count = samples (see module doc)."""
+    from relayrl.models.forward import to_device
+
+    if batch.ref_logps is None or batch.z0 is None:
+        raise RuntimeError("kto_loss: the batch has no reference log-probs / z0 (kto_prepare did not run)")
+    sums, _ = side_logps(model, _matched(batch))
+    good = to_device(batch.desirable, sums.device)
+    loss, m = kto(
+        sums,
+        to_device(batch.ref_logps, sums.device),
+        good,
+        batch.z0,
+        beta=beta,
+        desirable_weight=desirable_weight,
+        undesirable_weight=undesirable_weight,
+    )
+    n_good = good.sum().float()
+    metrics = {
+        "reward_desirable": torch.where(good, m["reward"], 0.0).sum(),
+        "reward_undesirable": torch.where(good, 0.0, m["reward"]).sum(),
+        "kl": torch.tensor(batch.z0 * len(sums)),
+    }
+    counts = {"reward_desirable": n_good, "reward_undesirable": len(sums) - n_good}
+    return LossOutput(loss_sum=loss.sum(), count=float(len(sums)), metrics=metrics, metric_counts=counts)
+
+
+def kto_recipe(cfg: KTOConfig) -> Recipe:
+    from relayrl.data.preference import build_unpaired_data
+
+    k = cfg.kto
+
+    def load(tokenizer: Any) -> tuple[list, list]:
+        train, evals, _ = build_unpaired_data(cfg.data, tokenizer)
+        good = sum(u.desirable for u in train)
+        print(f"relayrl kto: {good} desirable, {len(train) - good} undesirable training samples")
+        return train, evals
+
+    return Recipe(
+        name="kto",
+        cfg=cfg,
+        loss_fn=partial(
+            kto_loss,
+            beta=k.beta,
+            desirable_weight=k.desirable_weight,
+            undesirable_weight=k.undesirable_weight,
+        ),
+        load_data=load,
+        to_batch=lambda s, layout: None,  # unused: kto_collate builds whole steps
+        collate=kto_collate,
+        describe=f"kto (beta {k.beta})",
+        frozen=replace(cfg.model, name_or_path=k.ref_model or cfg.model.name_or_path),
+        prepare=kto_prepare,
+    )
+
+
+def run_kto(cfg: KTOConfig) -> RecipeResult:
+    """Train per `cfg` (see module doc)."""
+    return run_recipe(kto_recipe(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`relayrl kto [--config run.yaml] [--dotted.flags ...]`."""
+
+    def go(cfg: KTOConfig) -> int:
+        result = run_kto(cfg)
+        m = result.metrics
+        head = f"train loss {m.get('train/loss', float('nan')):.4f}, kl {m.get('train/kl', float('nan')):.4f}"
+        if "eval/loss" in m:
+            head += f", eval loss {m['eval/loss']:.4f}"
+        return finish_message("kto", result, head)
+
+    return run_command(KTOConfig, argv, "relayrl kto", go, description=__doc__.split("\n")[0])

@@ -1,0 +1,142 @@
+"""`relayrl prm`: a process reward model, a recipe on the shared training core (OpenRLHF's PRM form).
+
+    PRMConfig(model, data, optim, train, ckpt, logger, dist, prm)
+      -> build_step_data(data, tokenizer, placeholder, reward_tokens)   StepSample(input_ids, positions, labels)
+      -> step_batch(...)                                                StepBatch
+      -> run_recipe(loss_fn=prm_loss)                                   a causal LM, trained at the placeholders
+
+The input holds a placeholder token after each reasoning step (prm.placeholder) and the row one label per
+step. At each placeholder the model's logits over the two reward tokens (prm.reward_tokens: good, bad) give
+p(good) = softmax([good, bad])[0]; the loss is relayrl.algorithms.preference.step_loss (cross-entropy with
+hard or soft labels), averaged over steps. The saved model is a causal LM: to score a solution, put the
+placeholder after each step and read p(good) at each placeholder. Metrics: acc (step accuracy), p_good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from relayrl.algorithms.preference import step_loss
+from relayrl.config.base import invalid, run_command
+from relayrl.config.components import OneModelConfig
+from relayrl.trainers.recipe import Recipe, RecipeResult, finish_message, run_recipe
+from relayrl.training.step import LossOutput
+
+
+@dataclass(kw_only=True, slots=True)
+class PRMSection:
+    """Process-reward-model options."""
+
+    placeholder: str = "ки"
+    """The token that closes every step in the input (one token of the tokenizer; Math-Shepherd's default)."""
+    reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
+    """The (good, bad) tokens whose logits at a placeholder score the step; hard labels may be written as
+    these strings."""
+
+    def __post_init__(self) -> None:
+        if len(self.reward_tokens) != 2 or self.reward_tokens[0] == self.reward_tokens[1]:
+            raise invalid("prm.reward_tokens", self.reward_tokens, "two different tokens: good, bad")
+
+
+@dataclass(kw_only=True, slots=True)
+class PRMConfig(OneModelConfig):
+    """Process reward model training (per-step labels)."""
+
+    prm: PRMSection = field(default_factory=PRMSection)
+    """Process-reward-model options."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StepBatch:
+    """One micro-batch of step-labelled samples."""
+
+    input_ids: list[Tensor]
+    """Per sample, [L_i] int64."""
+    positions: Tensor
+    """[S] int64: each step's placeholder row in the flattened micro-batch."""
+    labels: Tensor
+    """[S] float32 in [0, 1]: probability that the step is good."""
+    layout: str = "padded"
+    num_tokens: int = 0
+
+
+def step_batch(samples: list[Any], layout: str) -> StepBatch:
+    positions, labels, at = [], [], 0
+    for s in samples:
+        positions += [at + p for p in s.positions]
+        labels += s.labels
+        at += len(s.input_ids)
+    return StepBatch(
+        input_ids=[torch.as_tensor(s.input_ids, dtype=torch.long) for s in samples],
+        positions=torch.tensor(positions, dtype=torch.long),
+        labels=torch.tensor(labels, dtype=torch.float32),
+        layout=layout,
+        num_tokens=at,
+    )
+
+
+def prm_loss(model: Any, batch: StepBatch, *, good: int, bad: int) -> LossOutput:
+    """Step cross-entropy summed over the micro-batch's steps; count = steps."""
+    from relayrl.models.forward import forward_hidden, hf_model
+
+    hidden = forward_hidden(model, batch.input_ids, batch.layout)
+    h = hidden[batch.positions.to(hidden.device)]
+    head = hf_model(model).get_output_embeddings()
+    logits = head(h)[:, [good, bad]]
+    loss, m = step_loss(logits, batch.labels.to(logits.device))
+    return LossOutput(loss_sum=loss.sum(), count=float(len(loss)), metrics={k: v.sum() for k, v in m.items()})
+
+
+def prm_recipe(cfg: PRMConfig, tokenizer: Any = None) -> Recipe:
+    from relayrl.data.preference import build_step_data, single_token
+    from relayrl.models.loading import load_tokenizer
+
+    p = cfg.prm
+    m = cfg.model
+    tok = tokenizer or load_tokenizer(
+        m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
+    )
+    good = single_token(tok, p.reward_tokens[0], "prm.reward_tokens[0]")
+    bad = single_token(tok, p.reward_tokens[1], "prm.reward_tokens[1]")
+
+    def load(tokenizer: Any) -> tuple[list, list]:
+        train, evals, _ = build_step_data(
+            cfg.data,
+            tokenizer,
+            placeholder=p.placeholder,
+            reward_tokens=(p.reward_tokens[0], p.reward_tokens[1]),
+        )
+        return train, evals
+
+    return Recipe(
+        name="prm",
+        cfg=cfg,
+        loss_fn=partial(prm_loss, good=good, bad=bad),
+        load_data=load,
+        to_batch=step_batch,
+        describe=f"process reward model (placeholder {p.placeholder!r}, reward tokens {p.reward_tokens})",
+    )
+
+
+def run_prm(cfg: PRMConfig) -> RecipeResult:
+    """Train per `cfg` (see module doc)."""
+    return run_recipe(prm_recipe(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`relayrl prm [--config run.yaml] [--dotted.flags ...]`."""
+
+    def go(cfg: PRMConfig) -> int:
+        result = run_prm(cfg)
+        m = result.metrics
+        head = f"train loss {m.get('train/loss', float('nan')):.4f}, step acc {m.get('train/acc', float('nan')):.3f}"
+        if "eval/acc" in m:
+            head += f", eval step acc {m['eval/acc']:.3f}"
+        return finish_message("prm", result, head)
+
+    return run_command(PRMConfig, argv, "relayrl prm", go, description=__doc__.split("\n")[0])

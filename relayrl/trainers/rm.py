@@ -1,0 +1,134 @@
+"""`relayrl rm`: a Bradley-Terry reward model on chosen / rejected pairs, a recipe on the shared training core.
+
+    RMConfig(model, data, optim, train, ckpt, logger, dist, rm)
+      -> build_pair_data(data, tokenizer, margin_key)     relayrl.data.preference: PairSample(chosen, rejected)
+      -> pair_batch(...)                                  PairBatch: the P chosen then the P rejected sequences
+      -> run_recipe(loss_fn=rm_loss, head="value")        relayrl.trainers.recipe
+
+The model is the causal LM's trunk plus a new value head `score` (hidden -> 1, N(0, 1/(H+1)) as OpenRLHF),
+saved as AutoModelForSequenceClassification (relayrl.models.value_head). A sequence's reward is the head at
+its last token (the response's EOS). Loss: relayrl.algorithms.preference.bradley_terry, averaged over pairs.
+Metrics (train/ and eval/): acc, chosen_reward, rejected_reward, margin.
+
+After training, the rewards of every training sequence (both sides) give reward_mean / reward_std, written
+into final/config.json: `relayrl rl --reward.source rm:<run>/final --reward.normalize true` normalises rewards
+with them. The folder works with `relayrl serve-rm` and anything that loads a sequence-classification model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from relayrl.algorithms.preference import bradley_terry
+from relayrl.config.base import run_command
+from relayrl.config.components import OneModelConfig
+from relayrl.trainers.pairs import PairBatch, last_token, pair_batch
+from relayrl.trainers.recipe import (
+    Recipe,
+    RecipeResult,
+    finish_message,
+    make_collate,
+    run_recipe,
+    step_chunks,
+)
+from relayrl.training.step import LossOutput
+
+
+@dataclass(kw_only=True, slots=True)
+class RMSection:
+    """Reward-model options."""
+
+    margin_key: str | None = None
+    """Key of an optional per-pair margin (a number): loss -log sigmoid(r_chosen - r_rejected - margin)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RMConfig(OneModelConfig):
+    """Reward model training (Bradley-Terry on preference pairs)."""
+
+    rm: RMSection = field(default_factory=RMSection)
+    """Reward-model options."""
+
+
+def _scores(model: Any, batch: PairBatch) -> Any:
+    from relayrl.models.forward import token_values
+
+    return last_token(token_values(model, batch.input_ids, batch.layout), batch.input_ids)
+
+
+def rm_loss(model: Any, batch: PairBatch) -> LossOutput:
+    """Bradley-Terry loss summed over the micro-batch's pairs; count = pairs."""
+    from relayrl.models.forward import to_device
+
+    scores = _scores(model, batch)
+    p = batch.num_pairs
+    loss, metrics = bradley_terry(scores[:p], scores[p:], to_device(batch.margins, scores.device))
+    return LossOutput(loss_sum=loss.sum(), count=float(p), metrics={k: v.sum() for k, v in metrics.items()})
+
+
+def rm_scores(models: Any, batch: PairBatch) -> list[float]:
+    """Rewards of the batch's 2P sequences (no gradient; for the statistics)."""
+    with models.autocast():
+        return _scores(models.model, batch).float().cpu().tolist()
+
+
+def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig, layout: str) -> tuple[float, float]:
+    """Mean / std of the trained model's rewards over every training sequence, into final/config.json."""
+    from relayrl.models.value_head import write_reward_stats
+
+    pairs = result.train_samples or []
+    collate = make_collate(pairs, cfg.train, layout, pair_batch)
+    batches = [mb for chunk in step_chunks(len(pairs), cfg.train.batch_size) for mb in collate(chunk)]
+    scores = [s for part in handle.call("infer", rm_scores, batches) for s in part]
+    mean = sum(scores) / len(scores)
+    std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+    write_reward_stats(result.final_model, mean, max(std, 1e-6))
+    print(
+        f"relayrl rm: reward mean {mean:.4f}, std {std:.4f} over {len(scores)} training sequences (final/config.json)"
+    )
+    return mean, std
+
+
+def rm_recipe(cfg: RMConfig) -> Recipe:
+    from relayrl.data.preference import build_pair_data
+
+    layout: dict[str, str] = {}
+
+    def load(tokenizer: Any) -> tuple[list, list]:
+        train, evals, _ = build_pair_data(cfg.data, tokenizer, margin_key=cfg.rm.margin_key)
+        return train, evals
+
+    return Recipe(
+        name="rm",
+        cfg=cfg,
+        loss_fn=rm_loss,
+        load_data=load,
+        to_batch=pair_batch,
+        describe="Bradley-Terry reward model",
+        head="value",
+        before_fit=lambda handle, train, evals, lay: layout.update(value=lay),
+        after_fit=lambda handle, result: write_stats(handle, result, cfg, layout["value"]),
+    )
+
+
+def run_rm(cfg: RMConfig) -> RecipeResult:
+    """Train a reward model per `cfg`; the final folder carries reward_mean / reward_std."""
+    return run_recipe(rm_recipe(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`relayrl rm [--config run.yaml] [--dotted.flags ...]`."""
+
+    def go(cfg: RMConfig) -> int:
+        result = run_rm(cfg)
+        m = result.metrics
+        head = (
+            f"train loss {m.get('train/loss', float('nan')):.4f}, acc {m.get('train/acc', float('nan')):.3f}"
+        )
+        if "eval/acc" in m:
+            head += f", eval acc {m['eval/acc']:.3f}"
+        return finish_message("rm", result, head)
+
+    return run_command(RMConfig, argv, "relayrl rm", go, description=__doc__.split("\n")[0])
