@@ -241,18 +241,24 @@ def merge_lora(
 
     The base model is `base` when given, else the adapter's `base_model_name_or_path`; a local base that does
     not exist is an error before anything loads (with the flag to pass). The tokenizer is copied from the
-    adapter folder when present, else from the base.
+    adapter folder when present, else from the base. A value-head adapter (peft task SEQ_CLS: a reward model
+    or critic trained with LoRA) merges into an AutoModelForSequenceClassification with its trained `score`
+    head, and a reward model's reward_mean / reward_std go into the merged config.json.
     """
     import json
 
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from relayrl.models.value_head import reward_stats, write_reward_stats
 
     adapter_path, out_dir = Path(adapter_path), Path(out_dir)
     config = adapter_path / "adapter_config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{adapter_path} has no adapter_config.json: is it a LoRA adapter folder?")
-    named = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+    adapter = json.loads(config.read_text())
+    named = adapter.get("base_model_name_or_path") or ""
+    value_head = adapter.get("task_type") == "SEQ_CLS"
     source = base or named
     try:
         source = resolve_source(source, "the adapter's base model")
@@ -261,12 +267,21 @@ def merge_lora(
             f"{e} (named in {config}{', run from ' + str(Path.cwd()) if not Path(source).is_absolute() else ''}); "
             "pass the base model folder with --base PATH"
         ) from None
-    base_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype))
+    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else source
+    tokenizer = load_tokenizer(str(tok_source))
+    if value_head:
+        base_model = AutoModelForSequenceClassification.from_pretrained(
+            source, num_labels=1, dtype=torch_dtype(dtype), pad_token_id=tokenizer.pad_token_id
+        )
+    else:
+        base_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype))
     model = PeftModel.from_pretrained(base_model, adapter_path)
     merged = model.merge_and_unload()
     merged.save_pretrained(out_dir)
-    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else source
-    load_tokenizer(str(tok_source)).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    stats = reward_stats(adapter_path)
+    if stats is not None:
+        write_reward_stats(out_dir, *stats)
     return out_dir
 
 

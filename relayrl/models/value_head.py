@@ -145,23 +145,28 @@ def save_value_model(model: Any, tokenizer: Any, out_dir: str | Path, *, merge_l
 
 
 REWARD_STATS = ("reward_mean", "reward_std")
-"""config.json keys of a reward model's score statistics over its training pairs (written by `relayrl rm`)."""
+"""Keys of a reward model's score statistics over its training pairs (written by `relayrl rm`)."""
+STATS_FILE = "reward_stats.json"
+"""Where they are kept beside the weights (also in config.json when the folder has one: not a LoRA adapter)."""
 
 
 def write_reward_stats(folder: str | Path, mean: float, std: float) -> None:
-    """Add reward_mean / reward_std to the model folder's config.json."""
+    """reward_mean / reward_std into the folder's reward_stats.json and config.json (when present)."""
+    values = dict(zip(REWARD_STATS, (float(mean), float(std)), strict=True))
+    (Path(folder) / STATS_FILE).write_text(json.dumps(values, indent=2) + "\n")
     path = Path(folder) / "config.json"
-    config = json.loads(path.read_text())
-    config.update(dict(zip(REWARD_STATS, (float(mean), float(std)), strict=True)))
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if path.is_file():
+        config = json.loads(path.read_text())
+        config.update(values)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def reward_stats(folder: str | Path) -> tuple[float, float] | None:
-    """(mean, std) from a reward model folder's config.json, None when absent."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
-    if not all(k in config for k in REWARD_STATS):
-        return None
-    return float(config["reward_mean"]), float(config["reward_std"])
+    """(mean, std) from a reward model folder (config.json, else reward_stats.json), None when absent."""
+    for name in ("config.json", STATS_FILE):
+        path = Path(folder) / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            if all(k in data for k in REWARD_STATS):
+                return float(data["reward_mean"]), float(data["reward_std"])
+    return None

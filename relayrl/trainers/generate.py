@@ -24,8 +24,9 @@ is empty are never written (SFT cannot learn from them), failed samples only by 
 
 Departures from OpenRLHF: `rejection` is a threshold filter (keep every sample with reward >= threshold, at
 most the best `max_per_prompt` per prompt); OpenRLHF's "rejection_sampling" processor is our `best_of_n`.
-The conditional template formats the raw reward (no normalisation over the file) and, for chat prompts, goes
-into the last user message rather than after the rendered prompt.
+The conditional template formats the raw reward (no normalisation over the file), puts the score before the
+prompt by default (DEFAULT_CONDITION) and, for chat prompts, goes into the last user message rather than
+around the rendered prompt.
 
 Programmatic use (iterative DPO): `result = run_generate(cfg, model=policy, tokenizer=tok)`; `result.rows`.
 """
@@ -51,10 +52,11 @@ from relayrl.config.components import DataConfig, ModelConfig
 from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
 
 SelectMode = Literal["all", "best_of_n", "rejection", "pairs", "conditional"]
-DEFAULT_CONDITION = "{input} <rm_score>: {reward:.1f}\n"
-"""Conditional-SFT prompt: OpenRLHF's "{input} <rm_score>: {reward} " with one decimal, ending in a newline
-instead of a space (a BPE tokenizer would merge a trailing space into the response's first word, and the SFT
-mask builder refuses a prompt whose tokens change when the response is appended)."""
+DEFAULT_CONDITION = "<rm_score>: {reward:.1f} {input}"
+"""Conditional-SFT prompt: OpenRLHF's "{input} <rm_score>: {reward} " turned into a prefix, so the prompt keeps
+its own ending and the prompt/response boundary tokenizes as it did when sampling (with the condition
+appended, a BPE tokenizer would merge the trailing space into the response's first word, and the SFT mask
+builder refuses such rows)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,7 +103,7 @@ class GenerateConfig:
 
 def check_condition_template(template: str) -> None:
     """`invalid(...)` unless `template` is a format string using exactly the fields {input} and {reward}."""
-    want = "a format string with {input} and {reward} (e.g. '{input} <rm_score>: {reward:.1f}\\n')"
+    want = "a format string with {input} and {reward} (e.g. '<rm_score>: {reward:.1f} {input}')"
     try:
         names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
         template.format(input="x", reward=1.0)
@@ -183,8 +185,13 @@ def validate_generate_config(cfg: GenerateConfig) -> None:
     for name in ("n_samples", "max_new_tokens", "max_len", "prompts_per_step"):
         if getattr(r, name) < 1:
             raise bad(f"rollout.{name}", f"{getattr(r, name)} is invalid; expected an int >= 1")
-    if r.engine_slots < 0 or r.temperature < 0 or not 0 < r.top_p <= 1:
-        raise bad("rollout", "engine_slots must be >= 0, temperature >= 0 and top_p in (0, 1]")
+    for name, ok, want in [
+        ("engine_slots", r.engine_slots >= 0, "0 (auto) or an int >= 1"),
+        ("temperature", r.temperature >= 0, "a float >= 0 (0 = greedy)"),
+        ("top_p", 0 < r.top_p <= 1, "a float in (0, 1]"),
+    ]:
+        if not ok:
+            raise bad(f"rollout.{name}", f"{getattr(r, name)} is invalid; expected {want}")
     spec = reward_spec_of(cfg)
     if spec == "agent":
         raise bad("reward.source", "'agent' rewards come from multi-turn agents; give a reward source")
@@ -265,6 +272,8 @@ def sample_groups(
     cfg: GenerateConfig, model: Any, tokenizer: Any, prompts: list[PromptSample], log: Any
 ) -> tuple[list[list[Trajectory]], float]:
     """n trajectories per prompt (one group per prompt, in prompt order) and the generation seconds."""
+    import torch
+
     from relayrl.agents.executors import SingleTurnExecutor
     from relayrl.rollout import SamplingParams, build_engine
 
@@ -285,8 +294,6 @@ def sample_groups(
     async def run() -> list[list[Trajectory]]:
         jobs = [executor.execute(s, replace(base, seed=prompt_seed(cfg.seed, s.index))) for s in prompts]
         return list(await asyncio.gather(*jobs))
-
-    import torch
 
     try:
         t0 = time.perf_counter()
@@ -522,7 +529,7 @@ def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = Non
         rows=chosen.rows,
         prompts=len(groups),
         samples=len(trajs),
-        scored=sum(t.reward is not None for t in trajs) if scorer is not None else 0,
+        scored=sum(t.reward is not None for t in trajs),
         failed=len(failed),
         failures=dict(Counter(t.failure_kind or "unknown" for t in failed)),
         empty=sum(not t.response_text.strip() for t in trajs),

@@ -11,7 +11,7 @@ its last token (the response's EOS). Loss: relayrl.algorithms.preference.bradley
 Metrics (train/ and eval/): acc, chosen_reward, rejected_reward, margin.
 
 After training, the rewards of every training sequence (both sides) give reward_mean / reward_std, written
-into final/config.json: `relayrl rl --reward.source rm:<run>/final --reward.normalize true` normalises rewards
+into final/ (config.json and reward_stats.json): `relayrl rl --reward.source rm:<run>/final --reward.normalize true` normalises rewards
 with them. The folder works with `relayrl serve-rm` and anything that loads a sequence-classification model.
 """
 
@@ -75,7 +75,7 @@ def rm_scores(models: Any, batch: PairBatch) -> list[float]:
 
 
 def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig, layout: str) -> tuple[float, float]:
-    """Mean / std of the trained model's rewards over every training sequence, into final/config.json."""
+    """Mean / std of the trained model's rewards over every training sequence, into final/ (config.json and reward_stats.json)."""
     from relayrl.models.value_head import write_reward_stats
 
     pairs = result.train_samples or []
@@ -86,7 +86,7 @@ def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig, layout: str) -
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
     write_reward_stats(result.final_model, mean, max(std, 1e-6))
     print(
-        f"relayrl rm: reward mean {mean:.4f}, std {std:.4f} over {len(scores)} training sequences (final/config.json)"
+        f"relayrl rm: reward mean {mean:.4f}, std {std:.4f} over {len(scores)} training sequences (final/reward_stats.json)"
     )
     return mean, std
 

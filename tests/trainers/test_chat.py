@@ -3,6 +3,7 @@ the incremental text pieces. Tiny local model, CPU."""
 
 from __future__ import annotations
 
+import copy
 import io
 import sys
 
@@ -112,13 +113,12 @@ def test_command_line_with_piped_stdin(tiny_model_path, monkeypatch, capsys):
 
 
 def test_plain_format_without_a_chat_template(tiny_model_path, tiny_tokenizer):
-    from relayrl.models.loading import load_tokenizer
     from relayrl.workers.builders import build_frozen
 
     msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}]
     msgs += [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
     assert render_plain(msgs) == "Be kind.\n\nUser: hi\nAssistant: hello\nUser: bye\nAssistant:"
-    tok = load_tokenizer(str(tiny_model_path))
+    tok = copy.deepcopy(tiny_tokenizer)  # the in-memory one: the saved folder reloads without whitespace
     tok.chat_template = None
     assert render_conversation(tok, msgs) == render_plain(msgs)
     assert render_conversation(tiny_tokenizer, msgs).startswith("<|im_start|>system\nBe kind.<|im_end|>")

@@ -122,7 +122,7 @@ def test_every_select_mode_against_the_all_file(tiny_model_path, tmp_path):
     assert pairs == want and len(pairs) >= 4 and runs["pairs"].ties == ties
 
     conditional = read_rows(tmp_path / "conditional.jsonl")
-    assert conditional == [{**r, "input": f"{r['input']} <rm_score>: {r['reward']:.1f}\n"} for r in rows]
+    assert conditional == [{**r, "input": f"<rm_score>: {r['reward']:.1f} {r['input']}"} for r in rows]
 
 
 def _traj(index: int, text: str, reward: float | None, status=TrajectoryStatus.OK) -> Trajectory:
@@ -155,8 +155,8 @@ def test_selectors_on_hand_built_groups():
         {"input": "p0", "chosen": "b", "rejected": "a", "chosen_reward": 0.9, "rejected_reward": 0.2}
     ]
     assert [r["input"] for r in SELECTORS["conditional"](groups, opts).rows][:2] == [
-        "p0 <rm_score>: 0.2\n",
-        "p0 <rm_score>: 0.9\n",
+        "<rm_score>: 0.2 p0",
+        "<rm_score>: 0.9 p0",
     ]
 
 
@@ -238,8 +238,9 @@ def test_pairs_rows_read_with_the_data_config_keys(tiny_model_path, tmp_path):
 
 
 def test_chat_prompts_feed_the_sft_data_builder(tiny_model_path, tiny_tokenizer, tmp_path):
-    """A data file rendered with the chat template: `all` and `rejection` rows build SFT samples with the
-    default data flags (the input is the rendered prompt), and `conditional` puts the reward in the user turn."""
+    """A data file rendered with the chat template: `all`, `rejection` and `conditional` rows build SFT
+    samples with the default data flags (the input is the rendered prompt); `conditional` puts the reward in
+    the user turn."""
     from relayrl.data.build import build_sft_data
     from relayrl.data.templates import encode, render_chat
 
@@ -251,17 +252,17 @@ def test_chat_prompts_feed_the_sft_data_builder(tiny_model_path, tiny_tokenizer,
     base = replace(base, rollout=replace(base.rollout, max_new_tokens=10))
     results = {m: run_generate(replace(base, select=m, output=str(tmp_path / f"{m}.jsonl")))
                for m in ("all", "rejection", "conditional")}  # fmt: skip
-    for mode in ("all", "rejection"):
+    for mode in ("all", "rejection", "conditional"):
         rows = results[mode].rows
         train, _, _ = build_sft_data(DataConfig(datasets=[str(tmp_path / f"{mode}.jsonl")]), tiny_tokenizer)
         assert len(train) == len(rows) > 0
         for r, s in zip(rows, train, strict=True):
-            assert r["input"].startswith("<|im_start|>user\n")
+            assert r["input"].startswith("<|im_start|>user\n") and r["input"].endswith("assistant\n")
             ids = encode(tiny_tokenizer, r["input"] + r["output"])
             assert s.input_ids == [*ids, tiny_tokenizer.eos_token_id]  # prompt + response + EOS, as generated
     for r in results["conditional"].rows:
         q = qs[int(r["label"])]
-        user = {"role": "user", "content": f"{q} <rm_score>: {r['reward']:.1f}\n"}
+        user = {"role": "user", "content": f"<rm_score>: {r['reward']:.1f} {q}"}
         assert r["input"] == render_chat(tiny_tokenizer, [user], add_generation_prompt=True)
 
 
@@ -285,6 +286,7 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
         (["--rollout.engine", "fast"], "rollout.engine: 'fast' is not known"),
         (["--rollout.agent", "multi"], "rollout.agent"),
         (["--max_per_prompt", "-1"], "max_per_prompt: -1 is invalid"),
+        (["--rollout.top_p", "0"], "rollout.top_p: 0.0 is invalid; expected a float in (0, 1]"),
         (["--output", ""], "output: required"),
     ],
 )
@@ -301,3 +303,19 @@ def test_config_errors_name_the_field(tmp_path, capsys, flags, message):
     assert main(argv + flags) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_settings_without_effect_warn(tmp_path):
+    from relayrl.config.base import ConfigWarning
+    from relayrl.trainers.generate import validate_generate_config
+
+    cfg = config(
+        tmp_path, tmp_path / "o.jsonl", threshold=0.9, reward=RewardConfig(source="task:add2", clip=1.0)
+    )
+    with pytest.warns(ConfigWarning) as seen:
+        validate_generate_config(cfg)
+    said = [str(w.message) for w in seen]
+    assert said == [
+        "reward.clip has no effect: generate writes raw rewards",
+        "threshold has no effect: select='all'",
+    ]
