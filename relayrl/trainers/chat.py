@@ -4,7 +4,8 @@
 
 Each line read from stdin is a user turn; the conversation so far (system prompt, every user turn and every
 reply) is rendered with the tokenizer's chat template and the model answers it. Commands: `/reset` clears
-the history (the system prompt stays), `/exit` (or end of input) quits.
+the history (the system prompt stays), `/exit` (or end of input) quits; Ctrl-C stops the reply being
+written (it is not kept in the history) and the chat goes on.
 
 Prompt: the tokenizer's chat template with the generation prompt. A tokenizer without one (a base model)
 gets the plain format below, and its reply also stops where the model starts the next "User:" turn:
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
-from relayrl.config.base import check_choices, invalid, run_command
+from relayrl.config.base import ConfigError, check_choices, invalid, run_command
 from relayrl.config.components import ModelConfig
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
@@ -239,6 +240,7 @@ class ChatSession:
         self.stops = () if getattr(tokenizer, "chat_template", None) else PLAIN_STOPS
         self.max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         self.messages: list[dict[str, str]] = []
+        """The conversation so far ({role, content} dicts), what the next turn's prompt renders."""
         self.prompts: list[list[int]] = []
         """The prompt ids of every turn answered, in order (the whole rendered conversation each time)."""
         self.reset()
@@ -272,6 +274,21 @@ class ChatSession:
         return out
 
 
+def _answer(session: ChatSession, line: str, write: Callable[[str], None]) -> int:
+    """One user turn: 1 when answered; Ctrl-C stops the reply (not kept in the history), the chat goes on."""
+    try:
+        reply = session.reply(line, write)
+    except KeyboardInterrupt:
+        write("\n")
+        print("(reply interrupted; it is not kept in the history)", file=sys.stderr, flush=True)
+        return 0
+    if reply is None:
+        print("(the conversation is longer than the model's context: /reset)", file=sys.stderr, flush=True)
+        return 0
+    write("\n")
+    return 1
+
+
 def chat_loop(session: ChatSession, lines: Iterable[str], out: TextIO, *, interactive: bool = False) -> int:
     """Answer every line of `lines` (module doc: /reset, /exit); returns the number of replies."""
 
@@ -292,15 +309,7 @@ def chat_loop(session: ChatSession, lines: Iterable[str], out: TextIO, *, intera
         elif line.startswith("/"):
             print(f"unknown command {line.split()[0]!r}: {COMMANDS}", file=sys.stderr, flush=True)
         elif line:
-            if session.reply(line, write) is None:
-                print(
-                    "(the conversation is longer than the model's context: /reset)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                replies += 1
-                write("\n")
+            replies += _answer(session, line, write)
         if interactive:
             write("> ")
     return replies
@@ -313,11 +322,10 @@ def run_chat(cfg: ChatConfig, stdin: TextIO | None = None, stdout: TextIO | None
     from relayrl.training.setup import resolve_device
     from relayrl.workers.builders import build_frozen
 
-    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    stdin = sys.stdin if stdin is None else stdin
+    stdout = sys.stdout if stdout is None else stdout
     m = cfg.model
     if not m.name_or_path:
-        from relayrl.config.base import ConfigError
-
         raise ConfigError(
             "model.name_or_path: required: a local model folder or Hub id", field="model.name_or_path"
         )
@@ -326,9 +334,7 @@ def run_chat(cfg: ChatConfig, stdin: TextIO | None = None, stdout: TextIO | None
     )
     model = build_frozen(m, resolve_device(cfg.device))
     session = ChatSession(model, tokenizer, cfg)
-    fmt = (
-        "its chat template" if session.stops == () else "the plain User:/Assistant: format (no chat template)"
-    )
+    fmt = "the plain User:/Assistant: format (no chat template)" if session.stops else "its chat template"
     print(f"relayrl chat: {m.name_or_path} with {fmt}; {COMMANDS}", file=sys.stderr, flush=True)
     chat_loop(session, stdin, stdout, interactive=stdin.isatty())
     return session

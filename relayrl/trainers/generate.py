@@ -162,9 +162,10 @@ def reward_spec_of(cfg: GenerateConfig) -> str:
     return cfg.reward.source or (f"task:{cfg.task.name}" if cfg.task.name else "")
 
 
-def validate_generate_config(cfg: GenerateConfig) -> None:
+def validate_generate_config(cfg: GenerateConfig, *, model_given: bool = False) -> None:
     """ConfigError (naming the field and the fix) for settings that cannot run; ConfigWarning for settings
-    that have no effect in this command. Runs before anything is loaded."""
+    that have no effect in this command. Runs before anything is loaded (`model_given`: the caller passes
+    the model, so model.name_or_path may be empty)."""
     from relayrl.rollout import ENGINES
 
     r = cfg.rollout
@@ -172,7 +173,7 @@ def validate_generate_config(cfg: GenerateConfig) -> None:
     def bad(name: str, message: str) -> ConfigError:
         return ConfigError(f"{name}: {message}", field=name)
 
-    if not cfg.model.name_or_path:
+    if not cfg.model.name_or_path and not model_given:
         raise bad("model.name_or_path", "required: a local model folder or Hub id")
     if not cfg.output:
         raise bad("output", "required: the JSONL file to write (--output samples.jsonl)")
@@ -491,13 +492,14 @@ def _load(cfg: GenerateConfig, device: Any) -> Any:
 
 def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = None) -> GenerateResult:
     """Sample, score, select and write per `cfg` (module doc). `model` / `tokenizer`: use these (e.g. the
-    policy of an iterative-DPO loop, in eval mode) instead of loading model.name_or_path."""
+    policy of an iterative-DPO loop, in eval mode; a path for the vllm engine) instead of loading
+    model.name_or_path."""
     from relayrl.agents.failures import FailureLog
     from relayrl.models.loading import load_tokenizer
-    from relayrl.training.setup import resolve_device, seed_everything
+    from relayrl.training.setup import resolve_device
 
-    validate_generate_config(cfg)
-    seed_everything(cfg.seed)
+    # no global reseeding: every request carries its own seed, and an in-process caller keeps its RNG state
+    validate_generate_config(cfg, model_given=model is not None and tokenizer is not None)
     device = resolve_device(cfg.device)
     m = cfg.model
     if tokenizer is None:

@@ -156,3 +156,20 @@ def test_incremental_decoder_never_splits_a_character(text):
     pieces = [dec.push(b) for b in text.encode()]
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
     assert sum(1 for p in pieces if p) == len(text)  # one piece per character, as soon as it is complete
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, tiny_tokenizer):
+    from relayrl.trainers.chat import chat_loop
+
+    class InterruptOnce(Recorder):
+        def write(self, s: str) -> int:
+            if not self.writes:
+                self.writes.append("<interrupted>")
+                raise KeyboardInterrupt
+            return super().write(s)
+
+    session = ChatSession(tiny_model.eval(), tiny_tokenizer, ChatConfig(seed=0, max_new_tokens=6))
+    out = InterruptOnce()
+    assert chat_loop(session, ["first", "second", "/exit"], out) == 1
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["second"]  # not kept
+    assert out.getvalue().startswith("\n") and out.getvalue().endswith("\n") and len(session.prompts) == 2

@@ -319,3 +319,17 @@ def test_settings_without_effect_warn(tmp_path):
         "reward.clip has no effect: generate writes raw rewards",
         "threshold has no effect: select='all'",
     ]
+
+
+def test_a_model_in_memory_gives_the_folder_result(tiny_model_path, tiny_model, tiny_tokenizer, tmp_path):
+    """Iterative DPO passes its policy: no model folder needed, the same samples as the saved copy (same
+    weights and vocabulary; add2 prompts have no spaces, which the reloaded tiny tokenizer would drop), and the
+    caller's global RNG is left alone."""
+    import torch
+
+    from_folder = run_generate(config(tiny_model_path, tmp_path / "a.jsonl", select="best_of_n"))
+    state = torch.get_rng_state()
+    cfg = config(tmp_path, tmp_path / "b.jsonl", select="best_of_n", model=ModelConfig())
+    in_memory = run_generate(cfg, model=tiny_model.eval(), tokenizer=tiny_tokenizer)
+    assert in_memory.rows == from_folder.rows and len(in_memory.rows) == 6
+    assert torch.equal(torch.get_rng_state(), state)
