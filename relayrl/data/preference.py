@@ -91,7 +91,7 @@ class StepSample:
 
 # ---------------------------------------------------------------------------------------------- pairs
 def _side(row: RawRow, cfg: DataConfig, key: str, tokenizer: Any, source: str) -> TokenizedSample:
-    """One side of a pair as an SFT response-mode sample (errors name the side's key)."""
+    """One side of a pair as an SFT response-mode sample (errors name the row's own keys)."""
     value = row.data.get(key)
     if isinstance(value, list):  # a whole chat ending with the assistant's response
         data: dict[str, Any] = {cfg.messages_key: value}
@@ -103,12 +103,16 @@ def _side(row: RawRow, cfg: DataConfig, key: str, tokenizer: Any, source: str) -
                 msgs = msgs[:-1]
             data = {cfg.messages_key: [*msgs, {"role": "assistant", "content": text}]}
         else:
-            data = {cfg.input_key: row.data.get(cfg.input_key), cfg.output_key: text}
+            data = {cfg.input_key: text_field(row, cfg.input_key), cfg.output_key: text}
     sub = RawRow(data=data, source=row.source, file=row.file, row=row.row)
     try:
         return tokenize_sft(sub, tokenizer, cfg, "response", source)
     except MalformedRowError as e:
-        named = key if e.key in (cfg.output_key, cfg.messages_key) else e.key
+        named = e.key
+        if isinstance(value, list) and e.key and e.key.startswith(cfg.messages_key):
+            named = key + e.key[len(cfg.messages_key) :]  # messages[0] -> chosen[0]
+        elif e.key == cfg.output_key:
+            named = key
         raise MalformedRowError(row, named, e.problem) from None
 
 
@@ -194,6 +198,12 @@ def build_unpaired_data(
 def single_token(tokenizer: Any, text: str, what: str) -> int:
     """The id of `text`, which must encode to exactly one token (a config error otherwise)."""
     ids = encode(tokenizer, text)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if len(ids) == 1 and unk is not None and ids[0] == unk and text != getattr(tokenizer, "unk_token", None):
+        raise DataError(
+            f"{what} {text!r} is not in the tokenizer's vocabulary (it encodes to the unknown token). Pick a "
+            "string the tokenizer has as one token (or add it as a special token)."
+        )
     if len(ids) != 1:
         raise DataError(
             f"{what} {text!r} must be exactly one token of the tokenizer; it encodes to {len(ids)} tokens "

@@ -173,7 +173,7 @@ def kto_loss(model: Any, batch: KTOBatch, *, beta: float, desirable_weight: floa
     metrics = {
         "reward_desirable": torch.where(good, m["reward"], 0.0).sum(),
         "reward_undesirable": torch.where(good, 0.0, m["reward"]).sum(),
-        "kl": torch.tensor(batch.z0 * len(sums)),
+        "kl": torch.tensor(batch.z0 * len(sums), dtype=torch.float64),
     }
     counts = {"reward_desirable": n_good, "reward_undesirable": len(sums) - n_good}
     return LossOutput(loss_sum=loss.sum(), count=float(len(sums)), metrics=metrics, metric_counts=counts)

@@ -62,9 +62,10 @@ def _chunk_terms(
     temperature: float,
     beta: float,
 ) -> tuple[Tensor, Tensor]:
-    student = (hs @ ws.T).float()
+    acc = torch.promote_types(hs.dtype, torch.float32)  # bf16 -> fp32, fp64 stays
+    student = (hs @ ws.T).to(acc)
     with torch.no_grad():
-        teacher = (ht @ wt.T).float()
+        teacher = (ht @ wt.T).to(acc)
     div = divergence(student / temperature, teacher / temperature, beta=beta).sum()
     ce = -torch.log_softmax(student, -1).gather(-1, targets[:, None]).sum()
     return div, ce
@@ -95,8 +96,9 @@ def chunked_divergence(
             "differ: distillation over the vocabulary needs one tokenizer for both"
         )
     fn = DIVERGENCES[divergence]
-    div = student_hidden.new_zeros((), dtype=torch.float32)
-    ce = student_hidden.new_zeros((), dtype=torch.float32)
+    acc = torch.promote_types(student_hidden.dtype, torch.float32)
+    div = student_hidden.new_zeros((), dtype=acc)
+    ce = student_hidden.new_zeros((), dtype=acc)
     for s in range(0, student_hidden.shape[0], chunk):
         e = s + chunk
         d, c = checkpoint(

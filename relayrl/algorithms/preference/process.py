@@ -20,7 +20,9 @@ def step_loss(good_bad_logits: Tensor, labels: Tensor) -> tuple[Tensor, dict[str
         raise ValueError(
             f"expected logits [S, 2] and labels [S]; got {tuple(good_bad_logits.shape)} and {tuple(labels.shape)}"
         )
-    logp = torch.log_softmax(good_bad_logits.float(), dim=-1)
+    logp = torch.log_softmax(
+        good_bad_logits.to(torch.promote_types(good_bad_logits.dtype, torch.float32)), -1
+    )
     y = labels.to(logp.dtype)
     loss = -(y * logp[:, 0] + (1.0 - y) * logp[:, 1])
     p = logp[:, 0].detach().exp()
