@@ -39,6 +39,7 @@ rotation stay the single-process ones.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,13 +245,15 @@ def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
 
 
 def _equal_passes(mine: list[Any]) -> list[Any]:
-    """`mine` extended (repeating its last micro-batch) to the longest share over the ranks, so every rank
-    runs the same number of frozen-model forwards."""
+    """`mine` extended (with copies of its last micro-batch) to the longest share over the ranks, so every
+    rank runs the same number of frozen-model forwards."""
     if not in_group():
         return mine
     n = torch.tensor([len(mine)], dtype=torch.int64)
     torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)  # CPU tensor: the gloo backend
-    return mine + [mine[-1]] * (int(n.item()) - len(mine))
+    # copies, not the same object: a prepare that skips already-filled micro-batches must still run the pad's
+    # forwards, or this rank would run fewer collectives than its peers (a hang)
+    return mine + [copy.copy(mine[-1]) for _ in range(int(n.item()) - len(mine))]
 
 
 class ModelWorker:
