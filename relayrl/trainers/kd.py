@@ -112,12 +112,16 @@ def kd_prepare(models: Any, micro_batches: list[KDBatch], num_real: int) -> None
     """The teacher's final hidden states at the rows that predict a target, and its LM-head weight."""
     from relayrl.models.forward import forward_hidden
 
+    head = None
     for mb in micro_batches:
         rows, _ = _predicting_rows(mb)
         with models.autocast():
             hidden = forward_hidden(models.frozen, mb.input_ids, models.layout)
+        if head is None:
+            # a copy: a sharded teacher's gathered weight is freed when it reshards after these passes
+            head = _head(models.frozen).detach().clone()
         mb.teacher_hidden = hidden[rows.to(hidden.device)]
-        mb.teacher_head = _head(models.frozen)
+        mb.teacher_head = head
 
 
 def kd_loss(
