@@ -259,11 +259,11 @@ def main() -> None:
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    for r in rows:
-        results[f"{r['kind']}/{r['shape']}/{r['gpus']}gpu{'/offload' if r['offload'] else ''}"] = {
-            **r,
-            **stamp,
-        }
+    batch = args.prompts * args.samples if args.kind == "rl" else args.batch
+    for r in rows:  # keyed by the global batch too: a weak-scaling run must not replace a strong-scaling one
+        r["global_batch"] = batch
+        key = f"{r['kind']}/{r['shape']}/{r['gpus']}gpu/batch{batch}{'/offload' if r['offload'] else ''}"
+        results[key] = {**r, **stamp}
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 
