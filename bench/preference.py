@@ -187,9 +187,10 @@ def main() -> None:
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    RESULTS.write_text(
-        json.dumps({"shape": args.shape, "batch": args.batch, **stamp, "rows": rows}, indent=2) + "\n"
-    )
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    key = f"{args.shape}/gpus{args.gpus}"
+    results[key] = {"shape": args.shape, "batch": args.batch, "budget": args.budget, **stamp, "rows": rows}
+    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
