@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         run_chat(cfg)
         return 0
 
-    return run_command(ChatConfig, argv, "relayrl chat", go, description=__doc__.split("\n")[0])
+    return run_command(ChatConfig, argv, "relayrl chat", go, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -181,4 +181,4 @@ def main(argv: list[str] | None = None) -> int:
             head += f", eval acc {m['eval/acc']:.3f}"
         return finish_message("dpo", result, head)
 
-    return run_command(DPOConfig, argv, "relayrl dpo", go, description=__doc__.split("\n")[0])
+    return run_command(DPOConfig, argv, "relayrl dpo", go, description=__doc__.split("\n\n")[0])

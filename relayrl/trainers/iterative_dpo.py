@@ -230,5 +230,5 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command(
-        IterativeDPOConfig, argv, "relayrl iterative-dpo", go, description=__doc__.split("\n")[0]
+        IterativeDPOConfig, argv, "relayrl iterative-dpo", go, description=__doc__.split("\n\n")[0]
     )

@@ -200,4 +200,4 @@ def main(argv: list[str] | None = None) -> int:
             head += f", eval kd {m['eval/kd']:.4f}"
         return finish_message("kd", result, head)
 
-    return run_command(KDConfig, argv, "relayrl kd", go, description=__doc__.split("\n")[0])
+    return run_command(KDConfig, argv, "relayrl kd", go, description=__doc__.split("\n\n")[0])

@@ -224,4 +224,4 @@ def main(argv: list[str] | None = None) -> int:
             head += f", eval loss {m['eval/loss']:.4f}"
         return finish_message("kto", result, head)
 
-    return run_command(KTOConfig, argv, "relayrl kto", go, description=__doc__.split("\n")[0])
+    return run_command(KTOConfig, argv, "relayrl kto", go, description=__doc__.split("\n\n")[0])

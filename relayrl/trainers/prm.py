@@ -139,4 +139,4 @@ def main(argv: list[str] | None = None) -> int:
             head += f", eval step acc {m['eval/acc']:.3f}"
         return finish_message("prm", result, head)
 
-    return run_command(PRMConfig, argv, "relayrl prm", go, description=__doc__.split("\n")[0])
+    return run_command(PRMConfig, argv, "relayrl prm", go, description=__doc__.split("\n\n")[0])

@@ -131,4 +131,4 @@ def main(argv: list[str] | None = None) -> int:
             head += f", eval acc {m['eval/acc']:.3f}"
         return finish_message("rm", result, head)
 
-    return run_command(RMConfig, argv, "relayrl rm", go, description=__doc__.split("\n")[0])
+    return run_command(RMConfig, argv, "relayrl rm", go, description=__doc__.split("\n\n")[0])
