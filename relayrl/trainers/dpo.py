@@ -53,15 +53,15 @@ class DPOSection:
     def __post_init__(self) -> None:
         check_choices(self)
         if self.beta <= 0:
-            raise invalid("dpo.beta", self.beta, "a number > 0")
+            raise invalid("beta", self.beta, "a number > 0")
         if self.loss == "cdpo" and not 0 < self.label_smoothing < 0.5:
-            raise invalid("dpo.label_smoothing", self.label_smoothing, "a number in (0, 0.5) with loss cdpo")
+            raise invalid("label_smoothing", self.label_smoothing, "a number in (0, 0.5) with loss cdpo")
         if self.loss != "cdpo" and self.label_smoothing != 0:
             raise invalid(
-                "dpo.label_smoothing", self.label_smoothing, "0 unless dpo.loss is cdpo (set --dpo.loss cdpo)"
+                "label_smoothing", self.label_smoothing, "0 unless dpo.loss is cdpo (set --dpo.loss cdpo)"
             )
         if self.nll_coef < 0:
-            raise invalid("dpo.nll_coef", self.nll_coef, "a number >= 0")
+            raise invalid("nll_coef", self.nll_coef, "a number >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -52,13 +52,13 @@ class KDSection:
     def __post_init__(self) -> None:
         check_choices(self)
         if not 0 <= self.coef <= 1:
-            raise invalid("kd.coef", self.coef, "a number in [0, 1]")
+            raise invalid("coef", self.coef, "a number in [0, 1]")
         if self.temperature <= 0:
-            raise invalid("kd.temperature", self.temperature, "a number > 0")
+            raise invalid("temperature", self.temperature, "a number > 0")
         if not 0 < self.jsd_beta < 1:
-            raise invalid("kd.jsd_beta", self.jsd_beta, "a number in (0, 1)")
+            raise invalid("jsd_beta", self.jsd_beta, "a number in (0, 1)")
         if self.chunk < 1:
-            raise invalid("kd.chunk", self.chunk, "an int >= 1")
+            raise invalid("chunk", self.chunk, "an int >= 1")
 
 
 @dataclass(kw_only=True, slots=True)

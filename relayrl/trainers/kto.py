@@ -50,7 +50,7 @@ class KTOSection:
     def __post_init__(self) -> None:
         for name in ("beta", "desirable_weight", "undesirable_weight"):
             if getattr(self, name) <= 0:
-                raise invalid(f"kto.{name}", getattr(self, name), "a number > 0")
+                raise invalid(name, getattr(self, name), "a number > 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -40,7 +40,7 @@ class PRMSection:
 
     def __post_init__(self) -> None:
         if len(self.reward_tokens) != 2 or self.reward_tokens[0] == self.reward_tokens[1]:
-            raise invalid("prm.reward_tokens", self.reward_tokens, "two different tokens: good, bad")
+            raise invalid("reward_tokens", self.reward_tokens, "two different tokens: good, bad")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -117,7 +117,8 @@ class RLTrainer:
         validate_rl_config(cfg)
         self.cfg = cfg
         self.run_dir = prepare_run_dir(Path(cfg.train.output_dir or "runs/rl"), cfg.ckpt, "relayrl rl")
-        check_config_change(self.run_dir, cfg, "relayrl rl")
+        a = cfg.algo  # the policy's schedule spans max_steps x epochs x mini_batches optimizer steps
+        check_config_change(self.run_dir, cfg, "relayrl rl", updates_per_step=a.epochs * a.mini_batches)
         save_yaml(cfg, self.run_dir / "config.yaml")
         setup_process(cfg.train.seed)
         m = cfg.model
@@ -436,7 +437,7 @@ class RLTrainer:
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }
-        state = {"skipped": self.skipped}
+        state = {"skipped": self.skipped, "total_steps": self.cfg.train.max_steps}
         return self.ckpt.save(self.step, models=models, trainer_state=state, extra=extra, metric=metric)
 
     def resume(self) -> bool:

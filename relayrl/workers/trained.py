@@ -183,7 +183,13 @@ class RoleState:
         return str(path)
 
     def save_hf(self, folder: str | Path, weights: dict[str, torch.Tensor]) -> None:
-        """An HF folder with `weights` (a full state dict of this model), from rank 0 only."""
+        """An HF folder with `weights` (a full state dict of this model), from rank 0 only. Tied copies (e.g.
+        lm_head.weight = the input embeddings) are left out, as the one-rank save_pretrained does."""
+        tied = getattr(self.model, "all_tied_weights_keys", None) or getattr(
+            self.model, "_tied_weights_keys", None
+        )
+        if isinstance(tied, dict):
+            weights = {k: v for k, v in weights.items() if not (k in tied and tied[k] in weights)}
         self.model.save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 
