@@ -304,3 +304,46 @@ def test_process_reward_model_beats_majority_baseline(add2, tmp_path):
     result = run_prm(PRMConfig(**cfg, prm=PRMSection(placeholder=";")))
     assert result.metrics["eval/count"] == len(labels) == 1000
     assert result.metrics["eval/acc"] >= majority + 0.25, (majority, result.metrics)
+
+
+@pytest.mark.timeout(240)
+def test_rejection_sampling_then_sft_raises_exact_match(add2, tmp_path):
+    """Rejection sampling (`relayrl generate --select rejection`: 8 samples per prompt at temperature 1, keep
+    the right answers, at most 2 per prompt) then SFT on the kept samples, from the SFT model: held-out greedy
+    exact match rises by >= 5 points. Measured (seed 0): 0.464 -> 0.664. The control, the same number of SFT
+    steps on the original SFT rows, reached 0.622 (and with 80 steps each 0.652 against 0.620): the fixture's
+    SFT model is under-trained, so most of the gain here is more training; the test does not show that
+    rejection sampling beats more SFT on this task."""
+    from relayrl.config.rl import RewardConfig, RolloutConfig
+    from relayrl.trainers.generate import GenerateConfig, run_generate
+    from relayrl.trainers.sft import SFTConfig, run_sft
+
+    prompts = pf.write_jsonl(tmp_path / "prompts.jsonl", _rows(add2.data["rl"])[:600])
+    gen = run_generate(
+        GenerateConfig(
+            model=ModelConfig(name_or_path=str(add2.model)),
+            data=DataConfig(datasets=[str(prompts)]),
+            rollout=RolloutConfig(
+                n_samples=8, temperature=1.0, max_new_tokens=6, max_len=64, prompts_per_step=64
+            ),
+            reward=RewardConfig(source="task:add2"),
+            select="rejection",
+            threshold=1.0,
+            max_per_prompt=2,
+            output=str(tmp_path / "kept.jsonl"),
+            seed=SEED,
+            device="cpu",
+        )
+    )
+    assert gen.kept > 100 and all(r["reward"] == 1.0 for r in gen.rows), gen.summary("rejection")
+
+    def sft(data: Path, out: str) -> float:
+        cfg = _config(add2.model, data, data, tmp_path / out, lr=5e-4, steps=120)
+        cfg["data"] = DataConfig(datasets=[str(data)], seed=SEED)
+        result = run_sft(SFTConfig(**cfg))
+        return dev_accuracy(result.model, result.tokenizer, add2.data["eval"], "add2")
+
+    after = sft(gen.output, "raft")
+    control = sft(add2.data["sft"], "control")
+    print(f"rejection sampling + SFT: {add2.accuracy:.3f} -> {after:.3f} (control, more SFT: {control:.3f})")
+    assert after >= add2.accuracy + 0.05, (add2.accuracy, after, control)
