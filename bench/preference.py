@@ -13,6 +13,9 @@ first step is a warm-up; tokens/s is the median over the other steps of the step
 of a pair; KTO's KL sequences and the frozen model's forwards are extra work not counted as tokens) divided
 by the step's wall time. Peak memory: the process's max allocated CUDA memory during the run.
 
+`generate` (with --gpus 1) is `relayrl generate` on the same prompts: 4 samples each, up to 256 new tokens,
+no reward; its tokens/s is generated tokens over the generation time (loading and engine start excluded).
+
 Prints a table and writes bench/results/preference.json.
 """
 
@@ -118,6 +121,37 @@ def cases(model: Path, teacher: Path, files: dict[str, Path], args: argparse.Nam
     }
 
 
+def run_generate_case(model: Path, files: dict[str, Path], args: argparse.Namespace, tmp: Path) -> dict:
+    """`relayrl generate` on the SFT file's prompts: 4 samples each, up to 256 new tokens, no reward."""
+    from relayrl.config.components import DataConfig, ModelConfig
+    from relayrl.config.rl import RolloutConfig
+    from relayrl.trainers.generate import GenerateConfig, run_generate
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cfg = GenerateConfig(
+        model=ModelConfig(name_or_path=str(model), dtype="bf16" if args.device == "cuda" else "fp32"),
+        data=DataConfig(datasets=[str(files["sft"])], max_len=2100),
+        rollout=RolloutConfig(n_samples=4, max_new_tokens=256, max_len=2400, prompts_per_step=args.batch * 4),
+        output=str(tmp / "generated.jsonl"),
+        device=args.device,
+    )
+    t0 = time.perf_counter()
+    result = run_generate(cfg)
+    return {
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "step_s": round(result.seconds, 4),
+        "tokens_per_step": float(result.new_tokens),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if torch.cuda.is_available()
+        else 0.0,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "loss_first": 0.0,
+        "loss_last": 0.0,
+    }
+
+
 def run_case(fn, cfg) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -161,10 +195,14 @@ def main() -> None:
         teacher = build_model(args.shape, t / "teacher")
         files = write_data(t, args.batch * (args.steps + 1))
         todo = cases(model, teacher, files, args, t)
-        names = [n for n in args.only.split(",") if n] or list(todo)
+        names = [n for n in args.only.split(",") if n] or [*todo, "generate"]
         for name in names:
-            fn, cfg = todo[name]
-            row = {"trainer": name, "shape": args.shape, "gpus": args.gpus, **run_case(fn, cfg)}
+            if name == "generate":  # one process: the engine on this device
+                measured = run_generate_case(model, files, args, t)
+            else:
+                fn, cfg = todo[name]
+                measured = run_case(fn, cfg)
+            row = {"trainer": name, "shape": args.shape, "gpus": args.gpus, **measured}
             rows.append(row)
             print(json.dumps(row), flush=True)
     card = (
