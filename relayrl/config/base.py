@@ -184,10 +184,31 @@ def coerce(value: Any, tp: Any, path: str, *, from_cli: bool = False) -> Any:
     `from_cli` values are strings (or lists of strings for list fields) and are parsed; YAML values are
     checked, with the lossless conversions ints -> float, str -> Path and list -> tuple."""
     inner, optional = _strip_optional(tp)
-    if value is None or (from_cli and isinstance(value, str) and value.lower() in NONE_WORDS and optional):
+    null_word = from_cli and isinstance(value, str) and value.lower() in NONE_WORDS
+    if value is None or (null_word and optional):
         if optional or inner is Any:
             return None
-        raise ConfigError(f"{path}: None is not allowed; expected {type_name(tp)}", field=path)
+        raise _null_error(path, tp)
+    if null_word:  # `--optim.lr none`: "none" may still be a valid str or choice (`--ckpt.resume none`)
+        try:
+            return _coerce_value(value, tp, path, from_cli)
+        except ConfigError:
+            raise _null_error(path, tp) from None
+    return _coerce_value(value, tp, path, from_cli)
+
+
+def _null_error(path: str, tp: Any) -> ConfigError:
+    """A null (YAML `null` / `~` / empty value, a `none` / `null` flag) for a field that is not Optional."""
+    return ConfigError(
+        f"null is not allowed for {path} (expected {type_name(tp)}): set a value, or leave the key out to "
+        "keep the default",
+        field=path,
+    )
+
+
+def _coerce_value(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
+    """`coerce` for a value that is not null."""
+    inner = _strip_optional(tp)[0]
     origin = typing.get_origin(inner)
     if inner is Any:
         return value

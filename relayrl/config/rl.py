@@ -65,8 +65,9 @@ class RLTrainConfig:
     """RL steps to run (each: rollout, experience, update, weight sync); 0 = one pass over the training
     prompts (ceil(prompts / rollout.prompts_per_step) steps)."""
     log_every: int = 1
-    """Print a table of sampled completions every N steps (with logger.progress_bar); metrics and
-    <run>/samples.jsonl are written every step."""
+    """Print a table of sampled completions every N steps (with logger.progress_bar), without template tokens
+    and with a multi-turn episode's turns marked [assistant] / [env]; metrics and <run>/samples.jsonl (raw
+    text) are written every step."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the policy (and reference / critic) run; auto = cuda when available, else cpu."""
     output_dir: str = ""

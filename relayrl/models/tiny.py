@@ -1,25 +1,45 @@
 """A tiny model and tokenizer built locally in seconds: used by tests, the demo and CPU benchmarks.
 
-Nothing is ever downloaded. The tokenizer is character-level (a `tokenizers` BPE with no merges, so every
-printable ASCII character is one token) wrapped in `PreTrainedTokenizerFast`, with ChatML special tokens and a
-chat template, so it behaves like a real Hugging Face tokenizer (`apply_chat_template`, `save_pretrained`,
-`AutoTokenizer.from_pretrained`). The model is a few-layer Qwen2 (`Qwen2ForCausalLM`) with random weights.
+Nothing is ever downloaded. The tokenizer is character-level: a `Qwen2Tokenizer` (byte-level BPE) whose
+vocabulary is the printable ASCII characters and which has no merges, so every such character is one token,
+with ChatML special tokens and a chat template. It behaves like a real Hugging Face tokenizer
+(`apply_chat_template`, `save_pretrained`, `AutoTokenizer.from_pretrained`). Other characters (non-ASCII,
+\r, \x0b, \x0c) are not in the vocabulary and are dropped, as Qwen2Tokenizer drops unknown bytes.
+
+Why a Qwen2Tokenizer: for a `qwen2` model folder, AutoTokenizer (transformers 5) always builds
+Qwen2Tokenizer, whatever tokenizer_config.json names, and Qwen2Tokenizer keeps only the vocabulary of
+tokenizer.json and rebuilds its own normalizer, pre-tokenizer and decoder. A plain character-level tokenizer
+saved next to the Qwen2 model therefore lost its spaces and newlines on reload. Building the in-memory
+tokenizer as that same class makes a saved folder encode and decode exactly like the in-memory tokenizer.
+The model is a few-layer Qwen2 (`Qwen2ForCausalLM`) with random weights.
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, TinyModelSpec(hidden=64, layers=2))
     path = save_tiny(tmp_path / "tiny")          # a folder that from_pretrained loads
+    rm = save_tiny_reward_model(tmp_path / "rm")  # the same, with a value head: a reward model folder
+
+From a shell (to try relayrl's commands without downloading a model; docs/rl.md "Try it without downloads"):
+
+    python -m relayrl.models.tiny runs/tiny                    # causal LM + tokenizer
+    python -m relayrl.models.tiny runs/tiny-rm --reward-model  # value-head reward model (rm:runs/tiny-rm)
 """
 
 from __future__ import annotations
 
+import argparse
 import string
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders
-from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import pre_tokenizers
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers.utils import logging as hf_logging
+
+from relayrl.config.components import ModelConfig
+from relayrl.models.value_head import build_value_model, save_value_model
 
 PAD, EOS, IM_START, UNK = "<|pad|>", "<|im_end|>", "<|im_start|>", "<|unk|>"
 SPECIAL_TOKENS = [PAD, EOS, IM_START, UNK]
@@ -52,27 +72,30 @@ class TinyModelSpec:
     """Seed for the random initial weights."""
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII plus ChatML special tokens."""
+def build_tiny_tokenizer() -> Qwen2Tokenizer:
+    """A character-level tokenizer over printable ASCII plus ChatML special tokens (ids: the 4 special tokens,
+    then the characters in `string.printable` order). Left padding; saved folders reload identically."""
     chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
-    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        eos_token=EOS,
+    # byte-level BPE spells a space "Ġ", a newline "Ċ": the vocabulary holds each character's byte-level form
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {
+        tok: i for i, tok in enumerate(SPECIAL_TOKENS + [to_bytes.pre_tokenize_str(c)[0][0] for c in chars])
+    }
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
         unk_token=UNK,
+        bos_token=None,
+        eos_token=EOS,
+        pad_token=PAD,
         additional_special_tokens=[IM_START],
+        padding_side="left",  # an init kwarg, so save_pretrained records it
     )
     tok.chat_template = CHATML_TEMPLATE
-    tok.padding_side = "left"
     return tok
 
 
-def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, spec: TinyModelSpec | None = None
-) -> Qwen2ForCausalLM:
+def build_tiny_model(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec | None = None) -> Qwen2ForCausalLM:
     """A randomly initialised few-layer Qwen2 causal LM sized for `tokenizer` (fp32, eval mode off)."""
     spec = spec or TinyModelSpec()
     config = Qwen2Config(
@@ -105,3 +128,43 @@ def save_tiny(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def save_tiny_reward_model(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """The tiny model with a new value head (`build_value_model(init="normal")`, as `relayrl rm` starts from)
+    saved with its tokenizer to `path`: an `AutoModelForSequenceClassification` folder that `--reward.source
+    rm:PATH` (or `relayrl serve-rm`) scores with. Its scores are random until trained (`relayrl rm`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = save_tiny(Path(tmp) / "base", spec)
+        model = build_value_model(ModelConfig(name_or_path=str(base)), init="normal")
+        return save_value_model(model, build_tiny_tokenizer(), path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m relayrl.models.tiny OUT [--reward-model] [--hidden H] [--layers L] [--seed S]`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m relayrl.models.tiny",
+        description="Write a tiny random Qwen2 model folder with its character-level tokenizer (no download).",
+    )
+    parser.add_argument("out", help="folder to write (an HF model folder)")
+    parser.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="write a value-head reward model (AutoModelForSequenceClassification) instead of a causal LM",
+    )
+    spec = TinyModelSpec()
+    parser.add_argument("--hidden", type=int, default=spec.hidden, help="hidden size")
+    parser.add_argument("--layers", type=int, default=spec.layers, help="decoder layers")
+    parser.add_argument("--seed", type=int, default=spec.seed, help="seed of the random weights")
+    args = parser.parse_args(argv)
+    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, seed=args.seed)
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
+    hf_logging.set_verbosity_error()  # nor the load report's "score.weight MISSING": the head is new on purpose
+    save = save_tiny_reward_model if args.reward_model else save_tiny
+    out = save(args.out, spec)
+    print(f"tiny {'reward model' if args.reward_model else 'model'} written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -126,6 +126,7 @@ class RLTrainer:
         tokenizer = load_tokenizer(
             m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
         )
+        self.tokenizer = tokenizer
         self.prompts = build_prompts(cfg, self.run_dir, tokenizer)
         check_labels(cfg, self.prompts)
         if cfg.train.max_steps == 0:  # one pass over the training prompts
@@ -347,7 +348,7 @@ class RLTrainer:
             if on_step is not None:
                 on_step(self.step, metrics)
             table = cfg.logger.progress_bar and due(max(1, cfg.train.log_every), self.step)
-            log_samples(self._last_trajs, self.step, self.run_dir, console=table)
+            log_samples(self._last_trajs, self.step, self.run_dir, console=table, tokenizer=self.tokenizer)
             evaluated = cfg.ckpt.best_metric in metrics
             if (
                 due(cfg.ckpt.save_every, self.step)

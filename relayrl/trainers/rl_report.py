@@ -2,19 +2,26 @@
 (console + <run>/samples.jsonl) and the PNG of the main curves.
 
     RLProgress                      step/total, reward, KL, response length, step time, ETA
-    log_samples(trajs, step, run_dir, console)    a few prompt / response / reward rows per step
+    log_samples(trajs, step, run_dir, console=, tokenizer=)   a few prompt / response / reward rows per step
     plot_curves(metrics_jsonl, png)               reward, KL, response length and eval accuracy over steps
+
+Samples: <run>/samples.jsonl gets a few rows every step, with the raw text (the templated prompt, the
+decoded response). The console table (every `train.log_every` steps, with logger.progress_bar) shows a
+readable view: the tokenizer's special tokens (<|im_start|>, <|im_end|>, ...) dropped, a chat prompt as
+"[role] content" lines, and a multi-turn response as one line per run of tokens, "[assistant] ..." for the
+policy's (action_mask True) and "[env] ..." for the environment's (tool results, observations, hints).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relayrl.agents.base import Trajectory
+from relayrl.agents.base import PromptSample, Trajectory
 from relayrl.training.logging import ConsoleProgress, _scalar, read_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
@@ -46,8 +53,11 @@ class RLProgress(ConsoleProgress):
         return "  ".join(parts)
 
 
-def log_samples(trajs: list[Trajectory], step: int, run_dir: Path, *, console: bool, k: int = 4) -> None:
-    """Append `k` samples (one per prompt first) to samples.jsonl; print them as a table when `console`."""
+def log_samples(
+    trajs: list[Trajectory], step: int, run_dir: Path, *, console: bool, tokenizer: Any, k: int = 4
+) -> None:
+    """Append `k` samples (one per prompt first) to samples.jsonl (raw text); print them as a table when
+    `console`, in the readable view of `prompt_view` / `response_view`."""
     seen, picked = set(), []
     for t in trajs:
         if t.sample.index not in seen:
@@ -70,13 +80,52 @@ def log_samples(trajs: list[Trajectory], step: int, run_dir: Path, *, console: b
     if console and rows:
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text  # cells as Text: "[env]" or a "[...]" in a prompt is not rich markup
 
+        specials = special_token_texts(tokenizer)
         table = Table(title=f"samples, step {step}", show_lines=False)
         for col in ("prompt", "response", "reward", "label"):
             table.add_column(col, overflow="fold", max_width=60)
-        for r in rows:
-            table.add_row(r["prompt"][-60:], r["response"][:60], f"{r['reward']}", str(r["label"]))
+        for t, r in zip(picked, rows, strict=True):
+            prompt, response = prompt_view(t.sample, specials), response_view(t, tokenizer, specials)
+            table.add_row(Text(prompt[-60:]), Text(response[:240]), f"{r['reward']}", Text(str(r["label"])))
         Console().print(table)
+
+
+def special_token_texts(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens as text (<|im_start|>, <|im_end|>, added special tokens), longest first."""
+    names = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            names.add(str(added))
+    return sorted((n for n in names if n), key=len, reverse=True)
+
+
+def strip_special(text: str, specials: list[str]) -> str:
+    """`text` without any of the special-token strings `specials`, stripped of outer whitespace."""
+    for name in specials:
+        text = text.replace(name, "")
+    return text.strip()
+
+
+def prompt_view(sample: PromptSample, specials: list[str]) -> str:
+    """A chat prompt as "[role] content" lines; a templated text prompt without its special tokens."""
+    if sample.messages:
+        return "\n".join(f"[{m['role']}] {m['content']}" for m in sample.messages)
+    return strip_special(sample.prompt, specials)
+
+
+def response_view(t: Trajectory, tokenizer: Any, specials: list[str]) -> str:
+    """The response without special tokens. Multi-turn (several turns, or environment tokens after the prompt):
+    one line per run of tokens, "[assistant] ..." where action_mask is True, "[env] ..." where it is False."""
+    ids, mask = t.token_ids[t.prompt_len :], t.action_mask[t.prompt_len :]
+    if t.num_turns <= 1 and all(mask):
+        return strip_special(t.response_text, specials)
+    lines = []
+    for is_action, run in itertools.groupby(zip(ids, mask, strict=True), key=lambda pair: pair[1]):
+        text = strip_special(tokenizer.decode([i for i, _ in run], skip_special_tokens=True), specials)
+        lines.append(f"[{'assistant' if is_action else 'env'}] {text}")
+    return "\n".join(lines)
 
 
 PLOTS = (

@@ -114,6 +114,7 @@ class Trainer:
         assert self.ckpt is not None
         state = {
             "tokens_seen": self.tokens_seen,
+            "total_steps": self.settings.total_steps,  # a continued run with another total says how its lr changes
             "epoch": self.sampler.epoch,
             "nonfinite_skips": self.train_step.nonfinite_total,
             "metrics": metrics,

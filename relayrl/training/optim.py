@@ -7,6 +7,9 @@
 AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter. The optimizer
 holds the model's own (fp32 master) parameters, so its states are fp32 whatever the compute precision.
 Schedule: linear warmup, then cosine / linear / constant down to `min_lr_ratio` (`lr_factor` has the formula).
+`schedule_lr(optim, step, total)` is the lr the schedule gives one step. A run continued with another step total
+(`--train.max_steps` raised) follows the schedule rebuilt for the new total from its first resumed step on
+(`Schedule.load_state_dict`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,28 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, 
     raise ValueError(f"optim.scheduler must be one of {SCHEDULES}, got {schedule!r}")
 
 
+def warmup_of(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
+    """Warm-up length: warmup_steps when > 0, else round(warmup_ratio x total_steps)."""
+    return warmup_steps if warmup_steps > 0 else round(warmup_ratio * total_steps)
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR that, when its state is loaded (resume), sets the optimizer's lr to its own value at the
+    restored step.
+
+    The optimizer's state, loaded first, holds the lr that the checkpointed schedule set for the next step. When
+    the run continues with another step total, this schedule's value for that step differs; without this the
+    first resumed step would still run at the old schedule's lr. With an unchanged total the value is the same
+    float (same product base_lr x factor), so exact resume is kept."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        lrs = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -85,8 +110,8 @@ def build_scheduler(
     warmup_ratio: float = 0.0,
     schedule: str = "cosine",
     min_lr_ratio: float = 0.0,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR following `lr_factor`; warmup_steps wins over warmup_ratio * total_steps when > 0.
+) -> Schedule:
+    """A `Schedule` (LambdaLR) following `lr_factor`; warmup per `warmup_of`.
 
     Call `scheduler.step()` once per optimizer step (TrainStep does).
     """
@@ -94,14 +119,28 @@ def build_scheduler(
         raise ValueError(f"optim.scheduler must be one of {SCHEDULES}, got {schedule!r}")
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-    warmup = warmup_steps if warmup_steps > 0 else round(warmup_ratio * total_steps)
+    warmup = warmup_of(total_steps, warmup_steps, warmup_ratio)
 
-    def factor(step: int) -> float:
+    def factor(step: int) -> float:  # a closure, not an object: LambdaLR's state_dict would save its fields
         return lr_factor(
             step, total_steps=total_steps, warmup_steps=warmup, schedule=schedule, min_lr_ratio=min_lr_ratio
         )
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return Schedule(optimizer, factor)
+
+
+def schedule_lr(optim: Any, step: int, total_steps: int) -> float:
+    """The lr that `build_optim(model, optim, total_steps)`'s schedule sets for 0-based optimizer step `step`
+    (`optim`: an OptimConfig): optim.lr x lr_factor(step), the same product the scheduler computes."""
+    total = max(1, total_steps)
+    warmup = warmup_of(total, optim.warmup_steps, optim.warmup_ratio)
+    return optim.lr * lr_factor(
+        step,
+        total_steps=total,
+        warmup_steps=warmup,
+        schedule=optim.scheduler,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
 
 
 def build_optim(

@@ -14,6 +14,7 @@ Only plain config components go in (never a whole command config), so every reci
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from relayrl.config.components import CkptConfig, LoggerConfig, OptimConfig
 from relayrl.training.checkpoint import CheckpointManager
 from relayrl.training.logging import MetricsLogger
 from relayrl.training.loop import Trainer
-from relayrl.training.optim import build_optim
+from relayrl.training.optim import build_optim, schedule_lr
 from relayrl.training.precision import MasterWeights, resolve_precision
 from relayrl.training.rng import seed_everything
 from relayrl.training.step import LossFn, TrainStep
@@ -115,10 +116,11 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
-def check_config_change(run_dir: Path, cfg: Any, prog: str) -> list[str]:
+def check_config_change(run_dir: Path, cfg: Any, prog: str, *, updates_per_step: int = 1) -> list[str]:
     """Continuing a run (ckpt.resume auto with a checkpoint in `run_dir`): compare `cfg` with the run's saved
-    config.yaml. Changes of RESUMABLE_FIELDS are listed and allowed (a longer run says how its learning-rate
-    schedule changes); any other change is an error listing the fields and what to do. Returns the changes."""
+    config.yaml. Changes of RESUMABLE_FIELDS are listed and allowed (a run with another step total says how its
+    learning-rate schedule changes: `schedule_change`); any other change is an error listing the fields and what
+    to do. Returns the changes. `updates_per_step`: optimizer steps per run step (RL: epochs x mini-batches)."""
     import yaml
 
     from relayrl.config.base import ConfigError, to_dict
@@ -146,11 +148,67 @@ def check_config_change(run_dir: Path, cfg: Any, prog: str) -> list[str]:
         )
     print(f"{prog}: continuing the run in {run_dir} with changed settings: {'; '.join(describe)}")
     if "train.max_steps" in changed or "train.epochs" in changed:
-        print(
-            f"{prog}: the learning-rate schedule is recomputed for the new length: warm-up and decay now span the "
-            "new total number of steps, continuing from the current step"
-        )
+        line = schedule_change(run_dir, saved, cfg, updates_per_step)
+        if line:
+            print(f"{prog}: {line}")
     return describe
+
+
+def schedule_change(run_dir: Path, saved: dict[str, Any], cfg: Any, updates_per_step: int = 1) -> str | None:
+    """One line saying how the learning-rate schedule changes when the run in `run_dir` (flat saved config
+    `saved`) continues with `cfg`'s step total; None when the checkpoint already reached the new total.
+
+    What happens (relayrl.training.optim): the schedule is rebuilt for the new total (warm-up by ratio and the
+    decay span it) and the run continues from the checkpoint's step k, so steps 1..k keep the lr they had and
+    step k+1 runs at the new schedule's lr for it (`Schedule.load_state_dict`)."""
+    done, old_total = _checkpoint_progress(run_dir)
+    if old_total is None and int(saved.get("train.max_steps") or 0) > 0:
+        old_total = int(saved["train.max_steps"])
+    new_total = _new_total(cfg.train, saved, old_total)
+    if done is None or old_total is None or new_total is None:
+        return (
+            "the learning-rate schedule is recomputed for the new step total: warm-up and decay span it, and the "
+            "run continues from the checkpoint's step at the new schedule's lr"
+        )
+    if new_total <= done:
+        return None
+    per = max(1, updates_per_step)
+    old_lr = schedule_lr(cfg.optim, done * per, old_total * per)
+    new_lr = schedule_lr(cfg.optim, done * per, new_total * per)
+    how = "stretched" if new_total > old_total else "shortened"
+    lr = f"changes from {old_lr:.4g} to {new_lr:.4g}" if new_lr != old_lr else f"stays {new_lr:.4g}"
+    return (
+        f"the learning-rate schedule is recomputed for {new_total} steps instead of {old_total} "
+        f"({cfg.optim.scheduler}, {how}), continuing after step {done}: the lr at step {done + 1} {lr}"
+    )
+
+
+def _checkpoint_progress(run_dir: Path) -> tuple[int | None, int | None]:
+    """(steps done, the run's step total then) from the latest checkpoint's trainer_state.json; None for what
+    it does not say (total_steps is recorded since the schedule line needs it)."""
+    ckpts = run_dir / "checkpoints"
+    try:
+        state = json.loads(
+            (ckpts / (ckpts / "latest").read_text().strip() / "trainer_state.json").read_text()
+        )
+    except (OSError, ValueError):
+        return None, None
+    total = state.get("total_steps")
+    return int(state["step"]) if "step" in state else None, int(total) if total else None
+
+
+def _new_total(train: Any, saved: dict[str, Any], old_total: int | None) -> int | None:
+    """The continued run's step total, where the config alone says it: train.max_steps when > 0; else (a total
+    set by the data) the old total rescaled by train.epochs (same data and batch size, as they cannot change),
+    or the old total for a run without epochs (RL: one pass over the same prompts)."""
+    if train.max_steps > 0:
+        return train.max_steps
+    if old_total is None or int(saved.get("train.max_steps") or 0) > 0:
+        return None
+    epochs, old_epochs = getattr(train, "epochs", None), saved.get("train.epochs")
+    if epochs is None:
+        return old_total
+    return old_total // old_epochs * epochs if old_epochs else None
 
 
 def run_dir_of(train: Any, command: str) -> Path:

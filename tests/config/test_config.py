@@ -138,6 +138,30 @@ def test_wrong_type_names_field_value_and_type(tmp_path):
         parse_cli(Cmd, ["--model", "x"])
 
 
+def test_null_for_a_field_that_is_not_optional_says_null_not_missing(tmp_path):
+    # no config field is required: a key left out keeps its default (model.name_or_path, "required by
+    # commands that load one", is checked when the model is loaded: "model.name_or_path is empty")
+    (tmp_path / "left_out.yaml").write_text("optim:\n  warmup_steps: 3\n")
+    assert parse_cli(Cmd, ["--config", str(tmp_path / "left_out.yaml")]).optim.lr == OptimConfig().lr
+    null = r"null is not allowed for optim\.lr \(expected float\): set a value, or leave the key out"
+    for word in ("none", "null", "None", "~"):
+        with pytest.raises(ConfigError, match=rf"^{null}"):
+            parse_cli(Cmd, ["--optim.lr", word])
+    for text in ("optim: {lr: null}\n", "optim:\n  lr: ~\n", "optim:\n  lr:\n"):
+        (tmp_path / "null.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=rf"^in {tmp_path / 'null.yaml'}: {null}"):
+            parse_cli(Cmd, ["--config", str(tmp_path / "null.yaml")])
+    with pytest.raises(ConfigError, match=r"^null is not allowed for train\.seed \(expected int\)"):
+        from_dict(Cmd, {"train": {"seed": None}})
+    with pytest.raises(
+        ConfigError, match=r"^null is not allowed for optim \(expected a OptimConfig mapping\)"
+    ):
+        from_dict(Cmd, {"optim": None})
+    # an Optional field takes null; "none" stays a value where the type accepts it
+    cfg = parse_cli(Cmd, ["--note", "none", "--ckpt.resume", "none", "--model.name_or_path", "none"])
+    assert cfg.note is None and cfg.ckpt.resume == "none" and cfg.model.name_or_path == "none"
+
+
 def test_invalid_values_name_field_value_and_range():
     with pytest.raises(ConfigError, match=r"^optim.lr: -1.0 is invalid; expected a float > 0$"):
         parse_cli(Cmd, ["--optim.lr", "-1"])

@@ -139,6 +139,38 @@ def test_resume_after_crash_matches_uninterrupted(tmp_path, tiny_model_path, tra
         assert torch.equal(v, again[k]), k
 
 
+def test_raising_max_steps_says_how_the_lr_schedule_changes_and_does_it(
+    tmp_path, tiny_model_path, train_file, capsys
+):
+    """2 cosine steps, then the same run continued to 4: one line names the new schedule and the lr of the
+    first resumed step, and that is the lr step 3 actually ran at (steps 1-2 keep theirs)."""
+    from relayrl.config.base import parse_cli
+    from relayrl.training.optim import schedule_lr
+
+    out = tmp_path / "run"
+    extra = ("--optim.scheduler", "cosine", "--optim.min_lr_ratio", "0.1", "--train.max_steps")
+    run_sft(parse_cli(SFTConfig, _argv(tiny_model_path, train_file, out, *extra, "2")))
+    capsys.readouterr()
+    cfg = parse_cli(SFTConfig, _argv(tiny_model_path, train_file, out, *extra, "4"))
+    run_sft(cfg)
+    said = [line for line in capsys.readouterr().out.splitlines() if "learning-rate schedule" in line]
+    old, new = schedule_lr(cfg.optim, 2, 2), schedule_lr(cfg.optim, 2, 4)  # 0-based step 2 = step 3
+    # lr 3e-3, warm-up 1: the 2-step decay is over at step 3 (lr x min_lr_ratio); over 4 steps step 3 is at
+    # progress p = 1/3: 0.1 + 0.9 x (1 + cos(pi / 3)) / 2 = 0.775
+    assert old == pytest.approx(3e-4) and new == pytest.approx(3e-3 * 0.775)
+    assert said == [
+        "relayrl sft: the learning-rate schedule is recomputed for 4 steps instead of 2 (cosine, stretched), "
+        f"continuing after step 2: the lr at step 3 changes from {old:.4g} to {new:.4g}"
+    ]
+    lrs = [r["train/lr"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert lrs == [
+        schedule_lr(cfg.optim, 0, 2),
+        schedule_lr(cfg.optim, 1, 2),
+        new,
+        schedule_lr(cfg.optim, 3, 4),
+    ]
+
+
 def test_config_errors_fail_before_work(tmp_path, tiny_model_path, train_file, capsys):
     rc = cli_main(["sft", *_argv(tiny_model_path, train_file, tmp_path / "x", "--mode", "chat")])
     assert rc == 2
