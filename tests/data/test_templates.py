@@ -6,7 +6,7 @@ each, so an expected sample is written as a list of token strings with a 0/1 tar
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders
+from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
@@ -25,12 +25,16 @@ def row(data: dict, n: int = 3) -> RawRow:
 
 def expect(tok, spec: list[tuple[str, int]]) -> tuple[list[int], list[bool]]:
     """[(text, flag)] -> (ids, mask): each special token is one token, every other character one token."""
-    tokens, mask = [], []
+    ids, mask = [], []
     for text, flag in spec:
-        pieces = [text] if text in (S, E) else list(text)
-        tokens += pieces
+        if text in (S, E):
+            pieces = tok.convert_tokens_to_ids([text])
+        else:  # one token per character (byte-level spelling: a space is 'Ġ')
+            pieces = [i for ch in text for i in tok(ch, add_special_tokens=False)["input_ids"]]
+            assert len(pieces) == len(text), text
+        ids += pieces
         mask += [bool(flag)] * len(pieces)
-    return tok.convert_tokens_to_ids(tokens), mask
+    return ids, mask
 
 
 def check(sample, tok, spec):
@@ -143,9 +147,10 @@ def test_template_that_rewrites_history_is_an_error():
 
 def test_tokenizer_merging_across_the_prompt_boundary_is_an_error(tiny_tokenizer):
     vocab = tiny_tokenizer.get_vocab()
-    vocab[" 4"] = len(vocab)  # a BPE that merges " " + "4"
-    core = Tokenizer(BPE(vocab=vocab, merges=[(" ", "4")], unk_token="<|unk|>"))
-    core.decoder = decoders.Fuse()
+    vocab["Ġ4"] = len(vocab)  # a byte-level BPE that merges " " (spelled "Ġ") + "4"
+    core = Tokenizer(BPE(vocab=vocab, merges=[("Ġ", "4")], unk_token="<|unk|>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=E, pad_token="<|pad|>", unk_token="<|unk|>"
     )
