@@ -25,10 +25,10 @@ from functools import partial
 from typing import Any, Literal
 
 from relayrl.algorithms.preference import DPO_LOSSES, dpo_rewards
-from relayrl.config.base import check_choices, invalid, run_command
+from relayrl.config.base import check_choices, invalid
 from relayrl.config.components import OneModelConfig
 from relayrl.trainers.pairs import PairBatch, pair_batch, response_sums
-from relayrl.trainers.recipe import Recipe, RecipeResult, finish_message, plan_groups, run_recipe, step_chunks
+from relayrl.trainers.recipe import Recipe, RecipeResult, plan_groups, recipe_main, run_recipe, step_chunks
 from relayrl.training.step import LossOutput
 
 
@@ -172,13 +172,11 @@ def run_dpo(cfg: DPOConfig) -> RecipeResult:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl dpo [--config run.yaml] [--dotted.flags ...]`."""
-
-    def go(cfg: DPOConfig) -> int:
-        result = run_dpo(cfg)
-        m = result.metrics
-        head = f"train loss {m.get('train/loss', float('nan')):.4f}, margin {m.get('train/margin', float('nan')):.3f}"
-        if "eval/acc" in m:
-            head += f", eval acc {m['eval/acc']:.3f}"
-        return finish_message("dpo", result, head)
-
-    return run_command(DPOConfig, argv, "relayrl dpo", go, description=__doc__.split("\n\n")[0])
+    return recipe_main(
+        argv,
+        "dpo",
+        DPOConfig,
+        run_dpo,
+        [("train/loss", "train loss"), ("train/margin", "margin"), ("eval/acc", "eval acc")],
+        __doc__,
+    )

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import chunked_divergence
-from relayrl.config.base import check_choices, invalid, run_command
+from relayrl.config.base import check_choices, invalid
 from relayrl.config.components import OneModelConfig
-from relayrl.trainers.recipe import Recipe, RecipeResult, finish_message, run_recipe
+from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.trainers.sft import sft_batch
 from relayrl.training.step import LossOutput
 
@@ -190,14 +190,12 @@ def run_kd(cfg: KDConfig) -> RecipeResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`relayrl kd --kd.teacher PATH [--config run.yaml] [--dotted.flags ...]`."""
-
-    def go(cfg: KDConfig) -> int:
-        result = run_kd(cfg)
-        m = result.metrics
-        head = f"train loss {m.get('train/loss', float('nan')):.4f}, kd {m.get('train/kd', float('nan')):.4f}"
-        if "eval/kd" in m:
-            head += f", eval kd {m['eval/kd']:.4f}"
-        return finish_message("kd", result, head)
-
-    return run_command(KDConfig, argv, "relayrl kd", go, description=__doc__.split("\n\n")[0])
+    """`relayrl kd [--config run.yaml] [--dotted.flags ...]`."""
+    return recipe_main(
+        argv,
+        "kd",
+        KDConfig,
+        run_kd,
+        [("train/loss", "train loss"), ("train/kd", "kd"), ("eval/kd", "eval kd")],
+        __doc__,
+    )

@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import kto, kto_reference_point
-from relayrl.config.base import invalid, run_command
+from relayrl.config.base import invalid
 from relayrl.config.components import OneModelConfig
 from relayrl.data.preference import UnpairedSample
 from relayrl.trainers.dpo import side_logps
-from relayrl.trainers.recipe import Recipe, RecipeResult, finish_message, plan_groups, run_recipe
+from relayrl.trainers.recipe import Recipe, RecipeResult, plan_groups, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
 
@@ -215,13 +215,11 @@ def run_kto(cfg: KTOConfig) -> RecipeResult:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl kto [--config run.yaml] [--dotted.flags ...]`."""
-
-    def go(cfg: KTOConfig) -> int:
-        result = run_kto(cfg)
-        m = result.metrics
-        head = f"train loss {m.get('train/loss', float('nan')):.4f}, kl {m.get('train/kl', float('nan')):.4f}"
-        if "eval/loss" in m:
-            head += f", eval loss {m['eval/loss']:.4f}"
-        return finish_message("kto", result, head)
-
-    return run_command(KTOConfig, argv, "relayrl kto", go, description=__doc__.split("\n\n")[0])
+    return recipe_main(
+        argv,
+        "kto",
+        KTOConfig,
+        run_kto,
+        [("train/loss", "train loss"), ("train/kl", "kl"), ("eval/loss", "eval loss")],
+        __doc__,
+    )

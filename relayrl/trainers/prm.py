@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import step_loss
-from relayrl.config.base import invalid, run_command
+from relayrl.config.base import invalid
 from relayrl.config.components import OneModelConfig
-from relayrl.trainers.recipe import Recipe, RecipeResult, finish_message, run_recipe
+from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
 
@@ -130,13 +130,11 @@ def run_prm(cfg: PRMConfig) -> RecipeResult:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl prm [--config run.yaml] [--dotted.flags ...]`."""
-
-    def go(cfg: PRMConfig) -> int:
-        result = run_prm(cfg)
-        m = result.metrics
-        head = f"train loss {m.get('train/loss', float('nan')):.4f}, step acc {m.get('train/acc', float('nan')):.3f}"
-        if "eval/acc" in m:
-            head += f", eval step acc {m['eval/acc']:.3f}"
-        return finish_message("prm", result, head)
-
-    return run_command(PRMConfig, argv, "relayrl prm", go, description=__doc__.split("\n\n")[0])
+    return recipe_main(
+        argv,
+        "prm",
+        PRMConfig,
+        run_prm,
+        [("train/loss", "train loss"), ("train/acc", "step acc"), ("eval/acc", "eval step acc")],
+        __doc__,
+    )

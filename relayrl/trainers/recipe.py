@@ -277,6 +277,27 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     return result
 
 
+def recipe_main(
+    argv: list[str] | None,
+    name: str,
+    config_cls: type,
+    run: Callable[[Any], RecipeResult],
+    shown: Sequence[tuple[str, str]],
+    doc: str,
+) -> int:
+    """`relayrl <name>`: parse `config_cls`, run, print the end-of-run lines with the `shown` metrics
+    ((key, label) pairs, those present in the last row), return the exit code."""
+    from relayrl.config.base import run_command
+
+    def go(cfg: Any) -> int:
+        result = run(cfg)
+        m = result.metrics
+        headline = ", ".join(f"{label} {m[key]:.4f}" for key, label in shown if key in m)
+        return finish_message(name, result, headline or "no metrics row")
+
+    return run_command(config_cls, argv, f"relayrl {name}", go, description=doc.split("\n\n")[0])
+
+
 def finish_message(name: str, result: RecipeResult, headline: str) -> int:
     """Print the end-of-run lines of a recipe command and return its exit code."""
     import sys

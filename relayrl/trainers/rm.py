@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relayrl.algorithms.preference import bradley_terry
-from relayrl.config.base import run_command
 from relayrl.config.components import OneModelConfig
 from relayrl.trainers.pairs import PairBatch, last_token, pair_batch
 from relayrl.trainers.recipe import (
     Recipe,
     RecipeResult,
-    finish_message,
     make_collate,
+    recipe_main,
     run_recipe,
     step_chunks,
 )
@@ -120,15 +119,11 @@ def run_rm(cfg: RMConfig) -> RecipeResult:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl rm [--config run.yaml] [--dotted.flags ...]`."""
-
-    def go(cfg: RMConfig) -> int:
-        result = run_rm(cfg)
-        m = result.metrics
-        head = (
-            f"train loss {m.get('train/loss', float('nan')):.4f}, acc {m.get('train/acc', float('nan')):.3f}"
-        )
-        if "eval/acc" in m:
-            head += f", eval acc {m['eval/acc']:.3f}"
-        return finish_message("rm", result, head)
-
-    return run_command(RMConfig, argv, "relayrl rm", go, description=__doc__.split("\n\n")[0])
+    return recipe_main(
+        argv,
+        "rm",
+        RMConfig,
+        run_rm,
+        [("train/loss", "train loss"), ("train/acc", "acc"), ("eval/acc", "eval acc")],
+        __doc__,
+    )

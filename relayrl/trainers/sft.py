@@ -32,14 +32,13 @@ from typing import Any, Literal
 
 import torch
 
-from relayrl.config.base import run_command
 from relayrl.config.components import OneModelConfig, TrainConfig
 from relayrl.trainers.recipe import (
     Recipe,
     RecipeResult,
-    finish_message,
     make_collate,
     plan_groups,
+    recipe_main,
     run_recipe,
 )
 from relayrl.training.step import LossOutput
@@ -154,12 +153,6 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl sft [--config run.yaml] [--dotted.flags ...]`."""
-
-    def go(cfg: SFTConfig) -> int:
-        result = run_sft(cfg)
-        loss = result.metrics.get("train/loss", float("nan"))
-        eval_loss = result.metrics.get("eval/loss")
-        tail = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
-        return finish_message("sft", result, f"train loss {loss:.4f}{tail}")
-
-    return run_command(SFTConfig, argv, "relayrl sft", go, description=__doc__.split("\n")[0])
+    return recipe_main(
+        argv, "sft", SFTConfig, run_sft, [("train/loss", "train loss"), ("eval/loss", "eval loss")], __doc__
+    )

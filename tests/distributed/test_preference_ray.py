@@ -15,11 +15,10 @@ as one process's two micro-batches). Runtime 40-65 s, of which ~9 s start Ray (o
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
+import preference_fixtures as pf
 import pytest
 from safetensors.torch import load_file
 
@@ -28,21 +27,6 @@ from relayrl.training.logging import read_jsonl
 
 VOLATILE = ("time", "perf/", "timing/")
 LOSSES = ("train/loss", "eval/loss")
-
-
-def _fixtures():
-    """tests/trainers/preference_fixtures.py, loaded by path once per session (no tests package)."""
-    name = "tests_trainers_preference_fixtures"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "trainers" / "preference_fixtures.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pf = _fixtures()
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,12 @@ with lambda_D = 1.33 (inside the paper's [1, 4/3] for balanced data) gains +15, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import preference_fixtures as pf
 import pytest
 import torch
 
@@ -59,21 +58,6 @@ from relayrl.trainers.demo import (
 )
 
 SEED = 0
-
-
-def _fixtures():
-    """tests/trainers/preference_fixtures.py, loaded by path once per session (no tests package)."""
-    name = "tests_trainers_preference_fixtures"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "trainers" / "preference_fixtures.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pf = _fixtures()
 
 
 # ---------------------------------------------------------------------------------------------- fixtures

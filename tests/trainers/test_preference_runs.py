@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import io
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
+import preference_fixtures as pf
 import pytest
 import torch
 import yaml
@@ -25,21 +24,6 @@ from relayrl.cli import main as cli_main
 from relayrl.training.logging import read_jsonl
 
 VOLATILE = ("time", "perf/", "timing/")
-
-
-def _fixtures():
-    """tests/trainers/preference_fixtures.py, loaded by path once per session (no tests package)."""
-    name = "tests_trainers_preference_fixtures"
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "trainers" / "preference_fixtures.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pf = _fixtures()
 
 
 @pytest.fixture(scope="module")
