@@ -101,6 +101,8 @@ class RecipeResult:
     """The run folder's checkpoint had already reached the step total: nothing was trained."""
     train_samples: list[Any] | None = None
     """The training samples (for after_fit hooks)."""
+    layout: str = "padded"
+    """The attention layout the micro-batches were built for (for after_fit hooks)."""
 
 
 # ---------------------------------------------------------------------------------------------- batching
@@ -269,6 +271,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
             steps=trainer.step,
             already_complete=done_before,
             train_samples=train_samples,
+            layout=layout,
         )
         if final is not None and recipe.after_fit is not None:
             recipe.after_fit(handle, result)

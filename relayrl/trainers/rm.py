@@ -73,12 +73,12 @@ def rm_scores(models: Any, batch: PairBatch) -> list[float]:
         return _scores(models.model, batch).float().cpu().tolist()
 
 
-def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig, layout: str) -> tuple[float, float]:
+def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig) -> tuple[float, float]:
     """Mean / std of the trained model's rewards over every training sequence, into final/ (config.json and reward_stats.json)."""
     from relayrl.models.value_head import write_reward_stats
 
     pairs = result.train_samples or []
-    collate = make_collate(pairs, cfg.train, layout, pair_batch)
+    collate = make_collate(pairs, cfg.train, result.layout, pair_batch)
     batches = [mb for chunk in step_chunks(len(pairs), cfg.train.batch_size) for mb in collate(chunk)]
     scores = [s for part in handle.call("infer", rm_scores, batches) for s in part]
     mean = sum(scores) / len(scores)
@@ -93,8 +93,6 @@ def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig, layout: str) -
 def rm_recipe(cfg: RMConfig) -> Recipe:
     from relayrl.data.preference import build_pair_data
 
-    layout: dict[str, str] = {}
-
     def load(tokenizer: Any) -> tuple[list, list]:
         train, evals, _ = build_pair_data(cfg.data, tokenizer, margin_key=cfg.rm.margin_key)
         return train, evals
@@ -107,8 +105,7 @@ def rm_recipe(cfg: RMConfig) -> Recipe:
         to_batch=pair_batch,
         describe="Bradley-Terry reward model",
         head="value",
-        before_fit=lambda handle, train, evals, lay: layout.update(value=lay),
-        after_fit=lambda handle, result: write_stats(handle, result, cfg, layout["value"]),
+        after_fit=lambda handle, result: write_stats(handle, result, cfg),
     )
 
 
