@@ -150,14 +150,14 @@ def run_sft_phase(cfg: DemoConfig, base: Path, data_file: Path, run_dir: Path, s
     return run_sft(sft)
 
 
-def dev_accuracy(model: Any, tokenizer: Any, dev_file: Path, task_name: str) -> float:
-    """Greedy exact-match accuracy on the dev rows (same prompt templating as training, task's verifier)."""
+def greedy_answers(model: Any, tokenizer: Any, rows_file: Path) -> tuple[list[Any], list[str]]:
+    """(prompts, greedy responses) for the file's rows, templated as in training (the native engine, up to
+    6 new tokens: the arithmetic tasks' answers)."""
     from relayrl.agents.executors import decode_response
     from relayrl.data.build import build_prompt_data
     from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
-    from relayrl.tasks import get_task
 
-    prompts, _, _ = build_prompt_data(DataConfig(datasets=[str(dev_file)]), tokenizer, log=lambda _: None)
+    prompts, _, _ = build_prompt_data(DataConfig(datasets=[str(rows_file)]), tokenizer, log=lambda _: None)
     engine = build_engine("native", model, tokenizer, max_seq_len=64)
     try:
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
@@ -166,11 +166,17 @@ def dev_accuracy(model: Any, tokenizer: Any, dev_file: Path, task_name: str) -> 
         )
     finally:
         engine.close()
-    task, stops = get_task(task_name), {tokenizer.eos_token_id}
-    hits = [
-        task.reward(decode_response(tokenizer, r.completions[0].token_ids, stops), p.label)
-        for p, r in zip(prompts, results, strict=True)
-    ]
+    stops = {tokenizer.eos_token_id}
+    return prompts, [decode_response(tokenizer, r.completions[0].token_ids, stops) for r in results]
+
+
+def dev_accuracy(model: Any, tokenizer: Any, dev_file: Path, task_name: str) -> float:
+    """Greedy exact-match accuracy on the dev rows (same prompt templating as training, task's verifier)."""
+    from relayrl.tasks import get_task
+
+    prompts, answers = greedy_answers(model, tokenizer, dev_file)
+    task = get_task(task_name)
+    hits = [task.reward(a, p.label) for p, a in zip(prompts, answers, strict=True)]
     return sum(hits) / max(1, len(hits))
 
 

@@ -53,6 +53,7 @@ from relayrl.trainers.demo import (
     DemoConfig,
     build_base_model,
     dev_accuracy,
+    greedy_answers,
     make_demo_data,
     sft_until_target,
 )
@@ -61,25 +62,6 @@ SEED = 0
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def _greedy_answers(model, tokenizer, rows_file: Path) -> list[str]:
-    """Greedy responses to the file's prompts (templated like training, as dev_accuracy does)."""
-    from relayrl.agents.executors import decode_response
-    from relayrl.data.build import build_prompt_data
-    from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
-
-    prompts, _, _ = build_prompt_data(DataConfig(datasets=[str(rows_file)]), tokenizer, log=lambda _: None)
-    engine = build_engine("native", model, tokenizer, max_seq_len=64)
-    try:
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
-        results = generate_all(
-            engine, [GenerationRequest(prompt_ids=p.prompt_ids, params=params) for p in prompts]
-        )
-    finally:
-        engine.close()
-    stops = {tokenizer.eos_token_id}
-    return [decode_response(tokenizer, r.completions[0].token_ids, stops) for r in results]
-
-
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -123,7 +105,7 @@ def own_pairs(add2, tmp_path_factory):
     for name, source, n in (("train", add2.data["rl"], 1000), ("eval", add2.data["eval"], None)):
         rows = _rows(source)[:n]
         part = pf.write_jsonl(out / f"{name}_prompts.jsonl", rows)
-        answers = _greedy_answers(add2.hf, add2.tokenizer, part)
+        _, answers = greedy_answers(add2.hf, add2.tokenizer, part)
         pairs = []
         for row, got in zip(rows, answers, strict=True):
             right = row["output"]
