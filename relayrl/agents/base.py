@@ -57,6 +57,9 @@ class Trajectory:
     """[T]: True where the policy generated the token (trained on); False for prompt / env feedback."""
     rollout_logprobs: list[float]
     """[T]: engine log-prob of each action token (temperature-scaled); 0.0 where action_mask is False."""
+    versions: list[int] = field(default_factory=list)
+    """[T]: the policy (engine weight) version that generated each action token, -1 where action_mask is
+    False or the engine did not say; empty when never recorded. Async training measures staleness with it."""
     reward: float | None = None
     """Scalar reward; None until a reward source fills it."""
     score: float | None = None

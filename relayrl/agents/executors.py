@@ -58,7 +58,11 @@ def prompt_only(sample: PromptSample) -> Trajectory:
     """A trajectory holding only the prompt (actions are appended to it)."""
     n = len(sample.prompt_ids)
     return Trajectory(
-        sample=sample, token_ids=list(sample.prompt_ids), action_mask=[False] * n, rollout_logprobs=[0.0] * n
+        sample=sample,
+        token_ids=list(sample.prompt_ids),
+        action_mask=[False] * n,
+        rollout_logprobs=[0.0] * n,
+        versions=[-1] * n,
     )
 
 
@@ -71,12 +75,15 @@ def append_action(traj: Trajectory, comp: Completion) -> None:
     traj.token_ids.extend(comp.token_ids)
     traj.action_mask.extend([True] * len(comp.token_ids))
     traj.rollout_logprobs.extend(float(x) for x in comp.logprobs)
+    versions = comp.versions if len(comp.versions) == len(comp.token_ids) else [-1] * len(comp.token_ids)
+    traj.versions.extend(int(v) for v in versions)
 
 
 def append_feedback(traj: Trajectory, ids: list[int]) -> None:
     traj.token_ids.extend(ids)
     traj.action_mask.extend([False] * len(ids))
     traj.rollout_logprobs.extend([0.0] * len(ids))
+    traj.versions.extend([-1] * len(ids))
 
 
 def _require_bound(ex: AgentExecutorBase) -> None:

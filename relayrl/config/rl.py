@@ -72,9 +72,22 @@ class RLTrainConfig:
     """Where the policy (and reference / critic) run; auto = cuda when available, else cpu."""
     output_dir: str = ""
     """Run folder (config, metrics, samples, checkpoints, final model); empty = runs/rl."""
+    async_train: bool = False
+    """Overlap rollout with training (OpenRLHF's --async_train): while step k trains, the batch of step k+1
+    (up to k+max_staleness) is generated. At each weight sync the engine pauses its in-flight requests, takes
+    the new weights and continues (partial rollout); every token records the policy version that produced it.
+    The off-policy correction (algo.off_policy) defaults to tis. Resume restarts the pipeline: the same
+    prompts and seeds per step, samples not bitwise equal to an uninterrupted run (docs/rl.md)."""
+    max_staleness: int = 1
+    """Async training: a batch trained at step k was started no earlier than policy version k-1-max_staleness,
+    so no token is more than max_staleness versions older than the weights it is trained on (older samples'
+    groups are dropped and counted as async/dropped_stale); 0 = no overlap (each batch waits for the
+    previous step's weights)."""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.max_staleness < 0:
+            raise invalid("max_staleness", self.max_staleness, "an int >= 0 (policy versions)")
         if self.log_every < 1:
             raise invalid("log_every", self.log_every, "an int >= 1")
         if self.max_steps < 0:
@@ -88,7 +101,11 @@ class RolloutConfig:
     """How trajectories are sampled."""
 
     engine: str = "native"
-    """Rollout engine: native (built in, reads the policy's weights in place) or hf (transformers.generate)."""
+    """Rollout engine: native (built in, reads the policy's weights in place), hf (transformers.generate) or
+    vllm (optional package, in-process, weights streamed from the trainer after every step)."""
+    engine_device: str = ""
+    """Device of the engine and its weight copy (e.g. cuda:1: generation on a second GPU while the policy trains
+    on the first; with train.async_train they overlap). Empty: the policy's device."""
     engine_slots: int = 0
     """Native engine: sequences decoded together (rows of its preallocated KV cache). More slots batch more
     samples per decode step (faster on a GPU) for KV memory of layers x slots x kv_heads x max_len x head_dim
@@ -173,8 +190,9 @@ class AlgoConfig:
     """Horizon of the adaptive controller."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0: entropy is a metric only)."""
-    off_policy: str = "none"
-    """Rollout-vs-trainer log-prob mismatch correction: none, tis, icepop, seq_mask_tis."""
+    off_policy: str = ""
+    """Rollout-vs-trainer log-prob mismatch correction: none, tis, icepop, seq_mask_tis. Empty: tis with
+    train.async_train (stale samples need it), else none."""
     off_policy_low: float | None = None
     """Lower bound of the IS weight. None: the method's own default (tis 0 = no lower bound, icepop 0.5,
     seq_mask_tis 0.5)."""
@@ -212,7 +230,7 @@ def algo_choices() -> dict[str, tuple[str, ...]]:
 def check_algo_names(a: AlgoConfig) -> None:
     """`invalid(...)` naming the field, the bad name and the valid choices, for any unknown registry name
     (runs in `AlgoConfig.__post_init__`, so a bad flag or YAML value fails while parsing)."""
-    may_be_empty = ("preset", *BUILTIN_ALGO, "kl_estimator")
+    may_be_empty = ("preset", *BUILTIN_ALGO, "kl_estimator", "off_policy")
     for name, choices in algo_choices().items():
         value = getattr(a, name)
         if value not in choices and not (value == "" and name in may_be_empty):
@@ -235,6 +253,7 @@ def resolve_algo(a: AlgoConfig) -> AlgoConfig:
     return replace(
         a,
         **names,
+        off_policy=a.off_policy or "none",
         kl_estimator=estimator,
         clip_eps_low=a.clip_eps_low if a.clip_eps_low is not None else (p.eps_low if p else None),
         clip_eps_high=a.clip_eps_high if a.clip_eps_high is not None else (p.eps_high if p else None),

@@ -41,12 +41,19 @@ class EngineWeights:
         dtype: torch.dtype,
         gather: bool = False,
         device: torch.device | None = None,
+        copy: bool = False,
+        stream: bool = False,
     ) -> None:
+        """`copy`: hold a copy even when dtype and device match (async training: the engine must not see
+        optimizer steps until `refresh`); `stream`: the engine holds its own weights (vllm), see
+        `engine_tensors`."""
         self.source = source
         self.dtype = dtype
         self.gather = gather
+        self.stream = stream
         params = list(source.parameters())
-        self.shared = not gather and all(p.dtype == dtype for p in params)
+        same_device = device is None or all(p.device == torch.device(device) for p in params)
+        self.shared = not gather and not copy and same_device and all(p.dtype == dtype for p in params)
         self.trained = {n for n, p in source.named_parameters() if p.requires_grad}
         if self.shared:
             self.model = source
@@ -57,7 +64,7 @@ class EngineWeights:
         # second full-precision copy of the model ever exists
         memo: dict[int, object] = {
             id(p): torch.nn.Parameter(
-                p.detach().to(device=device or p.device, dtype=dtype), requires_grad=False
+                p.detach().to(device=device or p.device, dtype=dtype, copy=True), requires_grad=False
             )
             for p in params
         }
@@ -88,8 +95,12 @@ class EngineWeights:
                 d.copy_(s)
         first = next(iter(self._targets.values()), None)
         if first is not None and first.is_cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(first.device)
         return time.perf_counter() - t0
+
+    def engine_tensors(self) -> None:
+        """What `engine.load_weights` gets after `refresh`: None (the engine's module was updated in place)."""
+        return None
 
     @torch.no_grad()
     def max_abs_diff(self) -> float:

@@ -95,6 +95,10 @@ class Completion:
     """[G] floats: log pi(token | prefix) under the temperature-scaled distribution (see module doc)."""
     finish_reason: FinishReason
     """Why it ended."""
+    versions: list[int] = field(default_factory=list)
+    """[G] ints: the engine's weight version (`engine.version`) that produced each token; a sample that ran
+    across a `load_weights` (partial rollout) has the old version on its earlier tokens and the new one after.
+    Empty when the engine does not track versions."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,9 +121,17 @@ class RolloutEngine(Protocol):
         """Complete one request (n samples)."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    version: int
+    """The weight version generating now: starts at 0; `load_weights` sets it (its `version`, else + 1)."""
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, *, version: int | None = None
+    ) -> None:
         """Take new policy weights. `None` means "the weights you share with the trainer changed in place"
-        (colocated native engine: nothing to copy, only caches that depend on weights are dropped)."""
+        (colocated native engine: nothing to copy, only caches that depend on weights are dropped).
+        In-flight requests are not aborted: they pause while the weights change and then continue under the
+        new ones (partial rollout; their K/V cache of earlier tokens is kept), their tokens tagged with the
+        version that produced them (`Completion.versions`)."""
         ...
 
     def sleep(self) -> None:

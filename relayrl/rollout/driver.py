@@ -21,6 +21,7 @@ A subclass implements five hooks:
     _abort_inflight()   finish every held `Pending` with ABORT (sleep / close)
     _release()          free generation memory (sleep);  _reacquire(): allocate it again (wake_up)
     _load(named)        copy named tensors into the model in place (load_weights)
+  and may implement _version_changed() (the weight version moved; per-token version bookkeeping).
 
 Errors inside a round are not swallowed: every held request's future gets the exception, so callers see
 it instead of hanging. Cancelling the awaiting task marks the request; engines drop it at their next
@@ -32,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +111,8 @@ class ThreadedEngine(ABC):
         self._thread: threading.Thread | None = None
         self._loops: set[asyncio.AbstractEventLoop] = set()  # loop driver: loops running a driver task
         self._tasks: set[asyncio.Task] = set()  # strong references (the loop keeps only weak ones)
+        self.version = 0
+        """Weight version generating now (see `load_weights`); stamped on every token (Completion.versions)."""
 
     # ---- protocol -------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -126,10 +130,23 @@ class ThreadedEngine(ABC):
                 self._start_loop_driver(pending.loop)
         return await asyncio.wrap_future(pending.future)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Copy `named_tensors` into the model in place; `None`: the shared weights changed in place."""
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None, *, version: int | None = None
+    ) -> None:
+        """Copy `named_tensors` into the model in place (`None`: the shared weights changed in place) and set
+        `self.version` (to `version`, else + 1). Between two rounds: in-flight requests pause meanwhile and go
+        on under the new weights (partial rollout), their later tokens tagged with the new version."""
         with self._round_lock:
             self._load(named_tensors)
+            self.version = self.version + 1 if version is None else int(version)
+            self._version_changed()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No round runs inside this block (the caller may change what the engine reads, e.g. copy new weights
+        into its buffers, then call `load_weights`); requests submitted meanwhile wait."""
+        with self._round_lock:
+            yield
 
     def sleep(self) -> None:
         """Abort in-flight requests and free generation memory; new requests wait until `wake_up`."""
@@ -187,6 +204,9 @@ class ThreadedEngine(ABC):
 
     @abstractmethod
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None: ...
+
+    def _version_changed(self) -> None:  # noqa: B027 (optional hook)
+        """`self.version` just changed, between rounds (engines that track per-token versions note it)."""
 
     # ---- drivers -------------------------------------------------------------------------------------
     def _run_round(self, new: list[Pending]) -> None:

@@ -122,6 +122,7 @@ class HFEngine(ThreadedEngine):
                 (i, p.request.prompt_ids, limit) for i, p, limit in live for _ in range(p.request.params.n)
             ]
             for (i, _, _), comp in zip(rows, self._generate_rows(rows, params), strict=True):
+                comp.versions = [self.version] * len(comp.token_ids)  # one round: one version
                 done.setdefault(i, []).append(comp)
         for i, p in enumerate(group):
             p.finish(done[i])

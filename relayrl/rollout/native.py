@@ -26,6 +26,10 @@ A round (one call of `_step` by the driver, driver.py: a thread on CUDA, the cal
   3. sync once: read done/stopped/pos, copy finished rows to the host, resolve futures, free slots.
 So the host syncs once per k tokens (not per token); stop tokens are detected on the device.
 
+Weight versions (partial rollout): `load_weights` runs between rounds. Running requests keep their slots
+and K/V (computed by the old weights) and continue under the new weights; each request notes (tokens
+produced per slot, new version) so every completion carries per-token versions (Completion.versions).
+
 Step (`_decode_step(bs, kv_len, mode)`): forward -> `sampling.sample_tokens` -> record token and
 log-prob -> update done/stopped/pos in place, all with static shapes. On CUDA it is captured
 as one CUDA graph per (bs, kv_len bucket, sampling mode) at start-up (mode "sample") or on first use
@@ -74,6 +78,17 @@ class _Running:
     prompt_len: int
     admit_step: int
     out: dict[int, Completion] = field(default_factory=dict)
+    marks: list[tuple[int, int]] = field(default_factory=list)
+    """(tokens produced per slot when the version changed, the new version), in order: token j of a slot
+    was produced by the version of the last mark with count <= j."""
+
+    def versions(self, length: int) -> list[int]:
+        """Per-token weight versions of a completion of `length` tokens."""
+        out: list[int] = []
+        for i, (start, version) in enumerate(self.marks):
+            end = self.marks[i + 1][0] if i + 1 < len(self.marks) else length
+            out.extend([version] * max(0, min(end, length) - len(out)))
+        return out
 
 
 class NativeEngine(ThreadedEngine):
@@ -171,6 +186,11 @@ class NativeEngine(ThreadedEngine):
         if self.graphs is not None:
             self.graphs.drop_if_moved(self.model)
 
+    def _version_changed(self) -> None:
+        # between rounds: every slot of a running request has produced 1 (prefill) + one per decode step
+        for run in self._running:
+            run.marks.append((1 + self.decode_steps - run.admit_step, self.version))
+
     # ---- protocol hooks -------------------------------------------------------------------------------
     def _validate(self, request: GenerationRequest) -> None:
         super()._validate(request)
@@ -252,7 +272,15 @@ class NativeEngine(ThreadedEngine):
                     break
                 self._waiting.popleft()
                 slots = [heapq.heappop(self._free) for _ in range(p.request.params.n)]
-                batch.append(_Running(pending=p, slots=slots, prompt_len=plen, admit_step=self.decode_steps))
+                batch.append(
+                    _Running(
+                        pending=p,
+                        slots=slots,
+                        prompt_len=plen,
+                        admit_step=self.decode_steps,
+                        marks=[(0, self.version)],
+                    )
+                )
                 width = max(width, plen)
             if not batch:
                 return
@@ -340,6 +368,7 @@ class NativeEngine(ThreadedEngine):
                 token_ids=toks[i][a:b],
                 logprobs=lps[i][a:b],
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
+                versions=run.versions(b - a),
             )
             heapq.heappush(self._free, s)
             if len(run.out) == len(run.slots):

@@ -55,6 +55,8 @@ def validate_rl_config(cfg: RLConfig) -> None:
     each) about values that are accepted but have no effect. What a name requires (critic, groups, reference
     model, whole groups, weight bounds) is read from its registry entry (relayrl.algorithms.registry)."""
     raw = cfg.algo
+    if not cfg.algo.off_policy:  # async samples are stale: correct with TIS unless the user chose otherwise
+        cfg.algo = replace(cfg.algo, off_policy="tis" if cfg.train.async_train else "none")
     cfg.algo = resolve_algo(cfg.algo)
     _check_names(cfg)
     _check_values(cfg)

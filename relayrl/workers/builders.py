@@ -98,7 +98,12 @@ def exact_on_policy(algo: AlgoConfig) -> bool:
 
 
 def build_engine_for(
-    rollout: RolloutConfig, evaluation: EvalConfig, model: torch.nn.Module, tokenizer: Any
+    rollout: RolloutConfig,
+    evaluation: EvalConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    source: ModelConfig | None = None,
 ) -> Any:
     """The rollout engine over `model` (the policy's engine copy, or the policy itself when they share)."""
     from relayrl.rollout import build_engine

@@ -24,6 +24,7 @@ so the update does not depend on how the mini-batch is split.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,9 @@ class PolicySpec:
     """Timeout of one agent environment step."""
     dist: DistConfig | None = None
     """Sharding and memory options when the role runs on several ranks (ray mode); None: defaults."""
+    async_train: bool = False
+    """Rollout overlaps training (train.async_train): the engine gets its own weight copy, refreshed only at
+    `sync` while its rounds are paused, so an optimizer step never changes weights under a running round."""
 
 
 class PolicyWorker:
@@ -104,12 +108,19 @@ class PolicyWorker:
         opt_steps = spec.total_steps * max(1, a.epochs * a.mini_batches)
         precision = compute_precision(spec.model.dtype, self.device)
         engine_dtype = inference_dtype(spec.model, self.device)
+        engine_device = torch.device(spec.rollout.engine_device) if spec.rollout.engine_device else None
         if grouped:
             if spec.ema > 0:
                 raise ValueError(
                     "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
                 )
-            self.weights = EngineWeights(self.model, dtype=engine_dtype, gather=True, device=self.device)
+            self.weights = EngineWeights(
+                self.model,
+                dtype=engine_dtype,
+                gather=True,
+                device=engine_device or self.device,
+                stream=spec.rollout.engine == "vllm",
+            )
             shard_if_grouped(self.model, spec.dist, self.device, precision)
         self.train = build_train_step(
             self.model,
@@ -126,13 +137,21 @@ class PolicyWorker:
             with self.train.full_precision():  # the EMA tracks the fp32 weights
                 self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if not grouped:
-            self.weights = EngineWeights(self.model, dtype=engine_dtype)
+            self.weights = EngineWeights(
+                self.model,
+                dtype=engine_dtype,
+                device=engine_device,
+                copy=spec.async_train or engine_device is not None,
+                stream=spec.rollout.engine == "vllm",
+            )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
         sleep = spec.dist.engine_sleep if spec.dist else "auto"
         self.engine_sleep = sleep == "yes"
         self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
         self._asleep = False
-        self.engine = build_engine_for(spec.rollout, spec.eval, self.weights.model, self.tokenizer)
+        self.engine = build_engine_for(
+            spec.rollout, spec.eval, self.weights.model, self.tokenizer, source=spec.model
+        )
         self.executor = build_executor(
             spec.rollout,
             self.engine,
@@ -164,7 +183,8 @@ class PolicyWorker:
         `seed` and the prompt's dataset index, so a resumed run samples exactly what the original did. Under
         N ranks each rank's engine generates a contiguous share of the prompts (balanced by expected tokens:
         prompt + max_new_tokens), and the shares concatenate back in order."""
-        self.model.eval()
+        if self.weights.model is self.model:  # the engine runs on the trained module (never in async mode)
+            self.model.eval()
         base = self.sampling_params(eval=eval)
         budget = self.spec.rollout.max_new_tokens
         samples = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
@@ -278,15 +298,19 @@ class PolicyWorker:
                     self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
 
     # ----------------------------------------------------------------------------------------- sync
-    def sync(self) -> dict[str, float]:
-        """New weights to the engine: cast-copy into its buffers (or nothing when it runs on the policy's own
-        parameters); the engine then drops weight-dependent caches."""
-        seconds = self.train.last_refresh_s + self.weights.refresh()
-        if self._asleep:
-            self.engine.wake_up()
-            self._asleep = False
-        self.engine.load_weights(None)
-        return {"timing/engine_refresh": seconds}
+    def sync(self, version: int | None = None) -> dict[str, float]:
+        """New weights to the engine, as weight version `version` (the RL step; None: the engine's + 1):
+        cast-copy into its buffers (or nothing when it runs on the policy's own parameters), or stream named
+        tensors to an engine holding its own copy (vllm); the engine then drops weight-dependent caches.
+        Rounds are paused meanwhile: requests in flight (async training) continue under the new weights."""
+        t0 = time.perf_counter()
+        with self.engine.paused():
+            seconds = self.train.last_refresh_s + self.weights.refresh()
+            if self._asleep:
+                self.engine.wake_up()
+                self._asleep = False
+            self.engine.load_weights(self.weights.engine_tensors(), version=version)
+        return {"timing/engine_refresh": max(seconds, time.perf_counter() - t0)}
 
     @merged("max")
     def weight_canary(self) -> float:
@@ -300,11 +324,12 @@ class PolicyWorker:
         """Model, optimizer, schedule, EMA, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
         self.state.save(folder, {"ema": self.ema})
 
-    def load(self, folder: str) -> None:
-        """Restore everything `save` wrote, in place (from a checkpoint of any rank count)."""
+    def load(self, folder: str, version: int | None = None) -> None:
+        """Restore everything `save` wrote, in place (from a checkpoint of any rank count); the engine gets
+        the weights as version `version` (the checkpoint's step)."""
         state = self.state.load(folder)
         self.ema = state.get("ema")
-        self.sync()
+        self.sync(version)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from relayrl.config import ConfigError, ConfigWarning, format_help, parse_cli
-from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig
+from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig, resolve_algo
 from relayrl.trainers.rl_build import validate_rl_config
 
 BASE = ["--model.name_or_path", "some/model", "--train.max_steps", "2"]
@@ -32,7 +32,7 @@ def test_parsing_an_rl_config_imports_no_torch():
 
 def test_rl_train_config_holds_only_what_rl_reads():
     names = [f.name for f in dataclasses.fields(RLTrainConfig)]
-    assert names == ["seed", "max_steps", "log_every", "device", "output_dir"]
+    assert names == ["seed", "max_steps", "log_every", "device", "output_dir", "async_train", "max_staleness"]
     text = format_help(RLConfig, prog="relayrl rl")
     for gone in (
         "batch_size",
@@ -52,7 +52,8 @@ def test_rl_train_config_holds_only_what_rl_reads():
 
 def test_off_policy_bounds_default_to_the_method_own():
     a = AlgoConfig()
-    assert (a.off_policy, a.off_policy_low, a.off_policy_high) == ("none", None, None)
+    assert (a.off_policy, a.off_policy_low, a.off_policy_high) == ("", None, None)
+    assert resolve_algo(a).off_policy == "none"  # empty = none unless train.async_train (then tis)
     a = parse_cli(RLConfig, ["--algo.off_policy", "tis", "--algo.off_policy_high", "3"]).algo
     assert (a.off_policy_low, a.off_policy_high) == (None, 3.0)
 
