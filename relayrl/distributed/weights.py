@@ -41,10 +41,10 @@ class EngineWeights:
         dtype: torch.dtype,
         gather: bool = False,
         device: torch.device | None = None,
-        copy: bool = False,
+        own_copy: bool = False,
         stream: bool = False,
     ) -> None:
-        """`copy`: hold a copy even when dtype and device match (async training: the engine must not see
+        """`own_copy`: hold a copy even when dtype and device match (async training: the engine must not see
         optimizer steps until `refresh`); `stream`: the engine holds its own weights (vllm), see
         `engine_tensors`."""
         self.source = source
@@ -53,7 +53,7 @@ class EngineWeights:
         self.stream = stream
         params = list(source.parameters())
         same_device = device is None or all(p.device == torch.device(device) for p in params)
-        self.shared = not gather and not copy and same_device and all(p.dtype == dtype for p in params)
+        self.shared = not gather and not own_copy and same_device and all(p.dtype == dtype for p in params)
         self.trained = {n for n, p in source.named_parameters() if p.requires_grad}
         if self.shared:
             self.model = source

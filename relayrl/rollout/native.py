@@ -85,7 +85,7 @@ class _Running:
     def versions(self, length: int) -> list[int]:
         """Per-token weight versions of a completion of `length` tokens."""
         out: list[int] = []
-        for i, (start, version) in enumerate(self.marks):
+        for i, (_, version) in enumerate(self.marks):
             end = self.marks[i + 1][0] if i + 1 < len(self.marks) else length
             out.extend([version] * max(0, min(end, length) - len(out)))
         return out

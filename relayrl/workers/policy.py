@@ -141,7 +141,7 @@ class PolicyWorker:
                 self.model,
                 dtype=engine_dtype,
                 device=engine_device,
-                copy=spec.async_train or engine_device is not None,
+                own_copy=spec.async_train or engine_device is not None,
                 stream=spec.rollout.engine == "vllm",
             )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
