@@ -91,6 +91,10 @@ class LocalLauncher:
 
     mode = "local"
 
+    def __init__(self) -> None:
+        self.concurrency: dict[str, int] = {}
+        """Unused here (local calls run in the caller's thread, so concurrent callers run concurrently)."""
+
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> LocalRole:
         return LocalRole(name, cls(*args, **kwargs))
 
@@ -353,6 +357,8 @@ class RayLauncher:
         self.cfg = cfg
         self._started = False
         self._actors: list[Any] = []
+        self.concurrency: dict[str, int] = {}
+        """Role -> calls one rank may run at once (threads of its actor); 1 unless set before `spawn`."""
         if not ray.is_initialized():
             env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
             kwargs: dict[str, Any] = {
@@ -419,7 +425,7 @@ class RayLauncher:
                 num_cpus=self.cpu_per_actor,
                 num_gpus=self._gpu_share(name),
                 scheduling_strategy=strategy,
-                max_concurrency=1,
+                max_concurrency=self.concurrency.get(name, 1),
             ).remote(name, rank, _bars_off())
             actors.append(actor)
         self._actors += actors

@@ -141,6 +141,11 @@ class RLTrainer:
         self.reward_norm = reward_norm(cfg)
         self.step = 0
         self.skipped = 0
+        self.version = 0
+        """The policy version the engine holds: the step of the last weight sync (async staleness counts it)."""
+        self._pipeline: Any = None
+        self._sampler_state: dict[str, int] | None = None
+        """Async: the sampler's state after the last consumed batch's draws (what a checkpoint stores)."""
         self.roles = build_roles(cfg, cfg.train.max_steps)
         info = self.roles.policy.call("info")
         self.pad_id = int(info["pad_id"])
@@ -163,7 +168,7 @@ class RLTrainer:
         """One RL step (see module doc); returns its metrics. Raises _Skip when there is nothing to train."""
         timer = Timer()
         with timer("generation"):
-            trajs, metrics = self.rollout()
+            trajs, metrics = self._take() if self._pipeline is not None else self.rollout()
         with timer("experience"):
             exp, m = self.make_experience(trajs)
         metrics.update(m)
@@ -174,14 +179,15 @@ class RLTrainer:
         metrics.update(timer.metrics())
         tokens = float(exp.tokens.attention_mask.sum())
         metrics["perf/train_tokens_per_s"] = tokens / max(1e-9, timer.seconds["update"])
-        metrics["perf/gen_tokens_per_s"] = (
-            metrics.get("rollout/response_len", 0.0) * len(trajs) / max(1e-9, timer.seconds["generation"])
-        )
+        gen_s = metrics.pop("timing/rollout_produce", timer.seconds["generation"])  # async: the producer's time
+        metrics["perf/gen_tokens_per_s"] = metrics.get("rollout/response_len", 0.0) * len(trajs) / max(1e-9, gen_s)
         self._last_trajs = trajs
         return metrics
 
-    def rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
-        """Sample, score, apply the failure policy and dynamic filtering; refill dropped groups (bounded)."""
+    def rollout(self, step: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """Sample, score, apply the failure policy and dynamic filtering; refill dropped groups (bounded).
+        `step`: the RL step the batch is for (seeds derive from it; default the current one)."""
+        step = self.step if step is None else step
         from relayrl.agents.failures import RolloutFailure, apply_failure_policy
         from relayrl.trainers.rl_experience import complete_groups, filter_groups, rollout_metrics
 
@@ -196,7 +202,7 @@ class RLTrainer:
             if need <= 0:
                 break
             prompts = self._draw_prompts(need, drawn)
-            trajs = self.roles.policy.call("rollout", prompts, self._seed(attempt))
+            trajs = self.roles.policy.call("rollout", prompts, self._seed(attempt, step))
             t0 = time.perf_counter()
             trajs = self.roles.reward.call("score", trajs)
             add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})
@@ -213,7 +219,7 @@ class RLTrainer:
             counts["filter/rounds"] = float(attempt + 1)
         if not kept:
             raise _Skip(
-                f"step {self.step}: nothing to train: {counts.get('rollout/failed', 0):.0f} of "
+                f"step {step}: nothing to train: {counts.get('rollout/failed', 0):.0f} of "
                 f"{counts.get('rollout/generated', 0):.0f} samples failed, "
                 f"{counts.get('filter/groups_dropped', 0):.0f} groups filtered out (filter.max_refills="
                 f"{f.max_refills}); counts: {_filter_fractions(counts)}"
@@ -282,9 +288,68 @@ class RLTrainer:
         return metrics
 
     def sync(self) -> dict[str, float]:
-        """New weights to the engine (an on-device cast-copy, or nothing when it runs on the policy's own
-        parameters); returns timing/engine_refresh."""
-        return self.roles.policy.call("sync")
+        """New weights to the engine as version `self.step` (an on-device cast-copy, nothing when it runs on
+        the policy's own parameters, or streamed tensors); returns timing/engine_refresh. In async mode the
+        engine's in-flight requests continue under the new weights (partial rollout)."""
+        out = self.roles.policy.call("sync", self.step)
+        self.version = self.step
+        if self._pipeline is not None:
+            self._pipeline.step_done(self.step)
+        return out
+
+    # =========================================================================================== async
+    def _produce(self, step: int) -> Any:
+        """The async producer's work for one step (on its thread): rollout(step) as a Batch."""
+        from relayrl.trainers.rl_async import Batch
+
+        t0 = time.perf_counter()
+        try:
+            trajs, metrics = self.rollout(step)
+        except _Skip as e:
+            return Batch(step=step, error=e, sampler_state=self.sampler.state_dict())
+        metrics["timing/rollout_produce"] = time.perf_counter() - t0
+        return Batch(step=step, trajs=trajs, metrics=metrics, sampler_state=self.sampler.state_dict())
+
+    def _take(self) -> tuple[list[Trajectory], dict[str, float]]:
+        """Async: this step's batch from the pipeline, with the staleness bound applied and measured."""
+        from relayrl.trainers.rl_async import staleness_filter
+
+        batch, waited = self._pipeline.take(self.step)
+        self._sampler_state = batch.sampler_state
+        if batch.error is not None:
+            raise batch.error
+        r = self.cfg.rollout
+        whole = r.failure_policy != "drop_sample"
+        keep, m = staleness_filter(
+            batch.trajs, self.version, self.cfg.train.max_staleness, r.n_samples if whole else None
+        )
+        if not keep:
+            raise _Skip(
+                f"step {self.step}: all {len(batch.trajs)} samples were more than train.max_staleness="
+                f"{self.cfg.train.max_staleness} policy versions old"
+            )
+        metrics = {**batch.metrics, **m, "async/wait_s": waited}
+        if len(keep) < len(batch.trajs):
+            from relayrl.trainers.rl_experience import rollout_metrics
+
+            metrics.update(rollout_metrics(keep))
+        return keep, metrics
+
+    def _start_pipeline(self) -> None:
+        from relayrl.trainers.rl_async import RolloutPipeline
+
+        self._sampler_state = self.sampler.state_dict()
+        self._pipeline = RolloutPipeline(
+            self._produce,
+            first_step=self.step + 1,
+            last_step=self.cfg.train.max_steps,
+            max_staleness=self.cfg.train.max_staleness,
+            steps_done=self.step,
+        )
+
+    def _stop_pipeline(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close(timeout=0)
 
     # =========================================================================================== eval
     def evaluate(self) -> dict[str, float]:
@@ -319,13 +384,19 @@ class RLTrainer:
             with stop.installed():
                 if self.cfg.eval.every and not resumed:
                     result.first_eval = result.eval = self._eval_and_log(logger, progress)
+                if self.cfg.train.async_train and not done_before:
+                    self._start_pipeline()
                 self._loop(result, stop, logger, progress, on_step)
+            self._stop_pipeline()
             self._finish(result, stop)
         finally:
+            self._stop_pipeline()
             progress.close()
             logger.close()
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
-            self.roles.close()
+            self.roles.close()  # aborts a batch still in flight
+            if self._pipeline is not None:
+                self._pipeline.close(timeout=60)
         return result
 
     def _loop(self, result: RLResult, stop: SignalFlag, logger: Any, progress: Any, on_step: Any) -> None:
@@ -406,6 +477,8 @@ class RLTrainer:
         try:
             metrics = self.train_step()
         except _Skip as e:
+            if self._pipeline is not None:  # nothing synced, but the next batches may start
+                self._pipeline.step_done(self.step)
             self.skipped += 1
             msg = f"{e} [{self.skipped} consecutive skipped step(s); stopping after {MAX_SKIPPED_STEPS}]"
             print(f"relayrl rl: warning: {msg}", file=sys.stderr, flush=True)
@@ -423,8 +496,8 @@ class RLTrainer:
             progress.update(self.step, metrics)
         return metrics
 
-    def _seed(self, attempt: int) -> int:
-        return (self.cfg.train.seed * 1_000_003 + self.step * 1009 + attempt) % (2**31)
+    def _seed(self, attempt: int, step: int) -> int:
+        return (self.cfg.train.seed * 1_000_003 + step * 1009 + attempt) % (2**31)
 
     # =========================================================================================== checkpoints
     def save_checkpoint(self, metrics: dict[str, float]) -> Path:
@@ -433,8 +506,8 @@ class RLTrainer:
         if self.roles.critic is not None:
             models["critic"] = WorkerFolder(self.roles.critic)
         metric = metrics.get(self.cfg.ckpt.best_metric)
-        extra = {
-            "sampler": self.sampler.state_dict(),
+        extra = {  # async: the sampler as after this step's batch (the producer may have drawn further)
+            "sampler": self._sampler_state if self._pipeline is not None else self.sampler.state_dict(),
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }
@@ -452,14 +525,14 @@ class RLTrainer:
         if not (path / "trainer_state.json").is_file():
             raise FileNotFoundError(f"ckpt.resume={r!r} is not a checkpoint folder (no trainer_state.json)")
         loaded = self.ckpt.load(path)
-        self.roles.policy.call("load", str(path / "policy"))
+        self.roles.policy.call("load", str(path / "policy"), loaded.step)
         if self.roles.critic is not None:
             self.roles.critic.call("load", str(path / "critic"))
         self.sampler.load_state_dict(loaded.extra["sampler"])
         self.kl_ctl.load_state_dict(loaded.extra["kl"])
         if self.reward_norm is not None and loaded.extra.get("reward_norm"):
             self.reward_norm.load_state_dict(loaded.extra["reward_norm"])
-        self.step = loaded.step
+        self.step = self.version = loaded.step
         self.skipped = int(loaded.trainer_state.get("skipped", 0))
         print(f"relayrl rl: resumed from {path} (step {self.step})", flush=True)
         return True

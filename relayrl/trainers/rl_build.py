@@ -140,6 +140,17 @@ def _check_values(cfg: RLConfig) -> None:
             "or run the policy on one rank",
             field="ema",
         )
+    if cfg.train.async_train:
+        for flag, on in (
+            ("engine_sleep", cfg.dist.engine_sleep == "yes"),
+            ("offload_optimizer_in_rollout", cfg.dist.offload_optimizer_in_rollout),
+        ):
+            if on:
+                raise ConfigError(
+                    f"dist.{flag} frees or moves memory between rollout and update, which overlap under "
+                    "train.async_train; turn one of them off",
+                    field=f"dist.{flag}",
+                )
     _validate_placement(cfg)
 
 
@@ -394,6 +405,7 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
         task_name=cfg.task.name,
         step_timeout=cfg.reward.timeout_s,
         dist=cfg.dist,
+        async_train=cfg.train.async_train,
         **run,
     )
     d = cfg.dist
@@ -403,6 +415,8 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
     if want_critic:
         sizes["critic"] = d.ranks("critic")
     launcher = build_launcher(d, sizes)
+    if cfg.train.async_train:  # rollout, update and eval of the policy (score and eval of the reward) overlap
+        launcher.concurrency.update(policy=3, reward=2)
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)
         reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
