@@ -3,7 +3,9 @@
     .venv/bin/python bench/rl_step.py                                  # tiny model on CPU (the demo's shape)
     .venv/bin/python bench/rl_step.py --device cuda --shape qwen0.5b   # Qwen2.5-0.5B-shaped random model, bf16
 
-Runs `relayrl rl`'s own loop (local mode, native engine, GRPO, no reference) for a few steps on random
+    python bench/rl_step.py --device cuda --shape qwen0.5b-char --mode async --engine-device cuda:1   # 2 GPUs
+
+Runs `relayrl rl`'s own loop (local mode, native engine unless --engine, GRPO, no reference) for a few steps on random
 weights with a cheap reward (fraction of digit characters, tests/trainers/data/digit_reward.py), drops the
 first (warm-up) step, and prints the mean of the remaining steps. Writes bench/results/rl_step.json
 (one entry per device/shape, updated in place).
@@ -92,7 +94,19 @@ def build_model(shape: str, folder: Path) -> Path:
     return folder
 
 
-def run(device: str, shape: str, steps: int, micro_tokens_override: int = 0) -> dict:
+def run(
+    device: str,
+    shape: str,
+    steps: int,
+    micro_tokens_override: int = 0,
+    *,
+    mode: str = "sync",
+    max_staleness: int = 1,
+    engine: str = "native",
+    engine_device: str = "",
+    off_policy: str = "",
+    warmup: int = 1,
+) -> dict:
     from relayrl.config.rl import tiny_cpu_config
     from relayrl.trainers.rl import run_rl
 
@@ -104,7 +118,7 @@ def run(device: str, shape: str, steps: int, micro_tokens_override: int = 0) -> 
         cfg = replace(
             cfg,
             model=replace(cfg.model, dtype=dtype),
-            train=replace(cfg.train, device=device),
+            train=replace(cfg.train, device=device, async_train=mode == "async", max_staleness=max_staleness),
             optim=replace(cfg.optim, lr=1e-5),
             task=replace(cfg.task, train_rows=2000),
             rollout=replace(
@@ -113,17 +127,32 @@ def run(device: str, shape: str, steps: int, micro_tokens_override: int = 0) -> 
                 n_samples=n,
                 max_new_tokens=new_tokens,
                 max_len=64 + new_tokens,
+                engine=engine,
+                engine_device=engine_device,
             ),
-            algo=replace(cfg.algo, micro_batch_tokens=micro_tokens),
+            algo=replace(cfg.algo, micro_batch_tokens=micro_tokens, off_policy=off_policy),
         )
         t0 = time.perf_counter()
         result = run_rl(cfg)
         wall = time.perf_counter() - t0
-    hist = result.history[1:] if len(result.history) > 1 else result.history
+    if result.exit_code != 0:
+        raise SystemExit(f"rl run failed: {result.message}")
+    hist = result.history[warmup:] if len(result.history) > warmup else result.history
     mean = {p: statistics.mean(h.get(f"timing/{p}", 0.0) for h in hist) for p in PARTS}
     gen_tokens = statistics.mean(h["rollout/response_len"] * h["rollout/samples"] for h in hist)
+    extra = {
+        k: round(statistics.mean(h[k] for h in hist), 5)
+        for k in sorted(hist[0])
+        if k.startswith(("async/", "mismatch/")) and all(k in h for h in hist)
+    }
+    samples = statistics.mean(h["rollout/samples"] for h in hist)
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count() if device == "cuda" else 0,
+        "mode": mode,
+        "engine": engine,
+        "engine_device": engine_device or device,
+        "max_staleness": max_staleness if mode == "async" else None,
         "shape": shape,
         "dtype": dtype,
         "prompts_x_samples": f"{prompts}x{n}",
@@ -132,9 +161,17 @@ def run(device: str, shape: str, steps: int, micro_tokens_override: int = 0) -> 
         "steps_timed": len(hist),
         "seconds": {p: round(v, 4) for p, v in mean.items()},
         "gen_tokens_per_step": round(gen_tokens, 1),
-        "gen_tokens_per_s": round(gen_tokens / mean["generation"], 1),
+        # async: timing/generation is the trainer's wait; the producer's own time is timing/rollout_produce
+        "gen_tokens_per_s": round(
+            gen_tokens
+            / statistics.mean(h.get("timing/rollout_produce", h["timing/generation"]) for h in hist),
+            1,
+        ),
         "train_tokens_per_s": round(statistics.mean(h["perf/train_tokens_per_s"] for h in hist), 1),
         "step_tokens_per_s": round(gen_tokens / mean["step"], 1),
+        "samples_per_s": round(samples / mean["step"], 2),
+        "peak_mem_gib": round(max(h.get("perf/peak_mem_gib", 0.0) for h in hist), 2),
+        **extra,
         "wall_s": round(wall, 1),
         "torch_threads": torch.get_num_threads(),
         "host": platform.node(),
@@ -148,8 +185,28 @@ def main() -> None:
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     parser.add_argument("--steps", type=int, default=6, help="steps to run (the first is not timed)")
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="override the shape's token budget")
+    parser.add_argument(
+        "--mode", default="sync", choices=["sync", "async"], help="train.async_train off / on"
+    )
+    parser.add_argument("--max-staleness", type=int, default=1, help="async: train.max_staleness")
+    parser.add_argument("--engine", default="native", help="rollout.engine: native | vllm | hf")
+    parser.add_argument("--engine-device", default="", help="rollout.engine_device (e.g. cuda:1)")
+    parser.add_argument("--off-policy", default="", help="algo.off_policy (tis forces the old-log-prob pass)")
+    parser.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means")
+    parser.add_argument("--key", default="", help="results key suffix (default: mode, engine, engine device)")
     args = parser.parse_args()
-    row = run(args.device, args.shape, args.steps, args.micro_batch_tokens)
+    row = run(
+        args.device,
+        args.shape,
+        args.steps,
+        args.micro_batch_tokens,
+        mode=args.mode,
+        max_staleness=args.max_staleness,
+        engine=args.engine,
+        engine_device=args.engine_device,
+        off_policy=args.off_policy,
+        warmup=args.warmup,
+    )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
         f"<= {row['max_new_tokens']} new tokens, mean of {row['steps_timed']} steps"
@@ -160,10 +217,21 @@ def main() -> None:
         print(f"{p:<12}{row['seconds'][p]:>10.3f}{share:>7.0f}%")
     print(f"generated tokens/s {row['gen_tokens_per_s']:.0f}  (per step {row['gen_tokens_per_step']:.0f})")
     print(f"train tokens/s     {row['train_tokens_per_s']:.0f}")
-    print(f"end-to-end generated tokens/s {row['step_tokens_per_s']:.0f}")
+    print(
+        f"end-to-end generated tokens/s {row['step_tokens_per_s']:.0f}; samples/s {row['samples_per_s']:.2f}"
+    )
+    for k, v in row.items():
+        if k.startswith(("async/", "mismatch/")):
+            print(f"{k:<34}{v:>12.5f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    results[f"{args.device}/{args.shape}"] = row
+    key = f"{args.device}/{args.shape}"
+    if args.mode != "sync" or args.engine != "native" or args.engine_device or args.key:
+        key += "/" + (
+            args.key
+            or f"{args.mode}-{args.engine}" + (f"-{args.engine_device}" if args.engine_device else "")
+        )
+    results[key] = row
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 

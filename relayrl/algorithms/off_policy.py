@@ -30,6 +30,7 @@ defaults low = 0.5, high = 5); seq-mask-TIS as in the follow-up MIS blog / verl 
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "OFF_POLICY",
     "OffPolicyCorrection",
     "icepop",
+    "logprob_mismatch",
     "no_correction",
     "seq_mask_tis",
     "tis",
@@ -182,3 +184,34 @@ def seq_mask_tis(
     metrics = _metrics(weight, keep, log_w, mask)
     metrics["masked_seq_frac"] = float((~keep_seq & mask.any(dim=1)).float().mean())
     return weight, keep, metrics
+
+
+def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor) -> Metrics:
+    """How far the engine's log-probs are from the trainer's recomputation of the same tokens (docs/rollout.md
+    reports them per engine). Over the action tokens of [B, T] tensors:
+
+    - `logprob_absdiff_mean` / `logprob_absdiff_p99`: mean and 99th percentile of |trainer - rollout| per token;
+    - `logprob_absdiff_max`: the largest;
+    - `seq_ratio_out_frac`: fraction of sequences (with at least one action token) whose importance ratio
+      pi_trainer(y) / pi_rollout(y) = exp(sum_t (trainer_t - rollout_t)) lies outside [0.5, 2].
+
+    Trainer = the policy before the update (pi_old), so in async mode the numbers include staleness."""
+    if not trainer_logprobs.shape == rollout_logprobs.shape == action_mask.shape:
+        raise ValueError(
+            f"logprob_mismatch: shapes {tuple(trainer_logprobs.shape)}, {tuple(rollout_logprobs.shape)}, "
+            f"{tuple(action_mask.shape)} must all be [B, T]"
+        )
+    mask = action_mask.bool()
+    diff = (trainer_logprobs.detach().double() - rollout_logprobs.detach().double()) * mask
+    tokens = diff[mask].abs()
+    if tokens.numel() == 0:
+        return {}
+    rows = mask.any(dim=1)
+    log_ratio = diff.sum(dim=1)[rows]
+    out = (log_ratio.abs() > math.log(2.0)).double().mean()
+    return {
+        "logprob_absdiff_mean": float(tokens.mean()),
+        "logprob_absdiff_p99": float(torch.quantile(tokens, 0.99)),
+        "logprob_absdiff_max": float(tokens.max()),
+        "seq_ratio_out_frac": float(out),
+    }

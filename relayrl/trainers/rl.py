@@ -179,8 +179,12 @@ class RLTrainer:
         metrics.update(timer.metrics())
         tokens = float(exp.tokens.attention_mask.sum())
         metrics["perf/train_tokens_per_s"] = tokens / max(1e-9, timer.seconds["update"])
-        gen_s = metrics.pop("timing/rollout_produce", timer.seconds["generation"])  # async: the producer's time
-        metrics["perf/gen_tokens_per_s"] = metrics.get("rollout/response_len", 0.0) * len(trajs) / max(1e-9, gen_s)
+        gen_s = metrics.get(
+            "timing/rollout_produce", timer.seconds["generation"]
+        )  # async: the producer's time
+        metrics["perf/gen_tokens_per_s"] = (
+            metrics.get("rollout/response_len", 0.0) * len(trajs) / max(1e-9, gen_s)
+        )
         self._last_trajs = trajs
         return metrics
 
@@ -265,6 +269,11 @@ class RLTrainer:
             kl_coef=self.kl_ctl.value,
         )
         metrics.update(m)
+        if "old" in got:  # the engine's log-probs against the trainer's, before the update
+            from relayrl.algorithms.off_policy import logprob_mismatch
+
+            mm = logprob_mismatch(got["old"], batch.rollout_logprobs, batch.action_mask)
+            metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
         exp = Experience(
             tokens=batch,
             old_logprobs=got.get("old"),

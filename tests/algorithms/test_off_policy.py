@@ -109,3 +109,19 @@ def test_matches_loop(name):
                 row.append(min(x, 1.6) if 0.7 <= geo <= 1.6 else 0.0)
         ref.append(row)
     close(w, ref)
+
+
+def test_logprob_mismatch_hand_worked():
+    from relayrl.algorithms.off_policy import logprob_mismatch
+
+    trainer = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-0.5, -0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    rollout = torch.tensor([[-1.1, -2.0, -2.0, 9.0], [-0.4, -0.1, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    m = logprob_mismatch(trainer, rollout, mask)
+    diffs = torch.tensor([0.1, 0.0, 1.0, 0.1, 0.4], dtype=torch.float64)  # the 5 action tokens
+    assert m["logprob_absdiff_mean"] == pytest.approx(1.6 / 5, rel=1e-6)
+    assert m["logprob_absdiff_p99"] == pytest.approx(float(torch.quantile(diffs, 0.99)), rel=1e-6)
+    assert m["logprob_absdiff_max"] == pytest.approx(1.0, rel=1e-6)
+    # row 0: log ratio -0.1 + 0 - 1 = -1.1 (ratio 0.33, out); row 1: -0.1 - 0.4 = -0.5 (0.61, in); row 2 no tokens
+    assert m["seq_ratio_out_frac"] == pytest.approx(0.5)
+    assert logprob_mismatch(trainer, rollout, torch.zeros_like(mask)) == {}

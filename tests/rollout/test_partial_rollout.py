@@ -42,7 +42,14 @@ async def _generate_with_update_after_first_round(engine, request, named):
 def test_versions_split_at_the_update_and_the_request_finishes(lively_model, tiny_tokenizer, prompts, n):
     model = copy.deepcopy(lively_model)
     engine = build_engine(
-        "native", model, tiny_tokenizer, max_slots=4, max_seq_len=128, sync_every=4, eos_token_id=[], driver="loop"
+        "native",
+        model,
+        tiny_tokenizer,
+        max_slots=4,
+        max_seq_len=128,
+        sync_every=4,
+        eos_token_id=[],
+        driver="loop",
     )
     try:
         assert engine.version == 0
@@ -73,7 +80,9 @@ def test_versions_split_at_the_update_and_the_request_finishes(lively_model, tin
 
 
 def test_requests_admitted_after_the_update_carry_only_the_new_version(lively_model, tiny_tokenizer, prompts):
-    engine = build_engine("native", lively_model, tiny_tokenizer, max_slots=4, max_seq_len=128, eos_token_id=[])
+    engine = build_engine(
+        "native", lively_model, tiny_tokenizer, max_slots=4, max_seq_len=128, eos_token_id=[]
+    )
     try:
         engine.load_weights(None)  # no version given: + 1
         engine.load_weights(None)
@@ -104,7 +113,9 @@ def test_paused_blocks_rounds_until_the_block_ends(lively_model, tiny_tokenizer,
     done = threading.Event()
     try:
         with engine.paused():
-            t = threading.Thread(target=lambda: (asyncio.run(engine.generate(_request(prompts[0]))), done.set()))
+            t = threading.Thread(
+                target=lambda: (asyncio.run(engine.generate(_request(prompts[0]))), done.set())
+            )
             t.start()
             assert not done.wait(0.5)  # no round can run while paused
             assert engine.decode_steps == 0
