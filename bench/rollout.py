@@ -112,6 +112,116 @@ def build_vllm(model, dtype: torch.dtype, *, max_seq_len: int, max_seqs: int, gp
     )
 
 
+class PlainVLLM:
+    """vLLM as its users run it offline: `vllm.LLM(model=folder)` with vLLM's own defaults for the card
+    (scheduler limits, CUDA graphs, torch.compile, prefix caching), `gpu_memory_utilization` as given (0.9 is
+    vLLM's default), token ids in (`skip_tokenizer_init`), EOS ignored and the sampled token's log-prob
+    returned, like the other engines. One `llm.generate(...)` call per workload (vLLM batches it itself)."""
+
+    def __init__(self, folder: str, dtype: torch.dtype, *, max_seq_len: int, gpu_util: float) -> None:
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=folder,
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_seq_len,
+            gpu_memory_utilization=gpu_util,
+            skip_tokenizer_init=True,
+            seed=0,
+        )
+        self.startup_s = time.perf_counter() - t0
+        cfg = self.llm.llm_engine.vllm_config
+        self.settings = dict(
+            max_num_seqs=cfg.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+            async_scheduling=getattr(cfg.scheduler_config, "async_scheduling", None),
+            prefix_caching=cfg.cache_config.enable_prefix_caching,
+            gpu_memory_utilization=gpu_util,
+            enforce_eager=cfg.model_config.enforce_eager,
+        )
+
+    def generate(
+        self, reqs: list[GenerationRequest]
+    ) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        p = reqs[0].params
+        params = VSP(
+            n=p.n,
+            temperature=p.temperature,
+            max_tokens=p.max_new_tokens,
+            ignore_eos=True,
+            logprobs=0 if p.logprobs else None,
+            detokenize=False,
+        )
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in reqs], params, use_tqdm=False
+        )
+        return [
+            (
+                r.prompt_ids,
+                [list(o.token_ids) for o in out.outputs],
+                [
+                    [float(step[t].logprob) for step, t in zip(o.logprobs or [], o.token_ids, strict=False)]
+                    for o in out.outputs
+                ],
+            )
+            for r, out in zip(reqs, outs, strict=True)
+        ]
+
+
+def run_plain_vllm(engine: PlainVLLM, reqs: list[GenerationRequest]) -> tuple[dict, list]:
+    warm = [
+        GenerationRequest(prompt_ids=r.prompt_ids, params=SamplingParams(max_new_tokens=8)) for r in reqs[:4]
+    ]
+    engine.generate(warm)
+    _sync("cuda")
+    t0 = time.perf_counter()
+    out = engine.generate(reqs)
+    _sync("cuda")
+    elapsed = time.perf_counter() - t0
+    lengths = [len(t) for _, toks, _ in out for t in toks]
+    want = reqs[0].params.max_new_tokens
+    assert all(n == want for n in lengths), f"vllm-llm: expected {want} tokens per sample, got {set(lengths)}"
+    row = dict(
+        engine="vllm-llm",
+        tokens=sum(lengths),
+        seconds=elapsed,
+        tokens_per_s=sum(lengths) / elapsed,
+        startup_s=engine.startup_s,
+        settings=engine.settings,
+    )
+    return row, out
+
+
+def mismatch(model, samples: list, temperature: float, limit: int) -> dict:
+    """The engine's log-probs against relayrl's trainer forward (relayrl.models.forward.token_logprobs, the
+    layout the trainer uses on this device, the same weights) over the first `limit` samples:
+    relayrl.algorithms.off_policy.logprob_mismatch."""
+    from relayrl.algorithms.off_policy import logprob_mismatch
+    from relayrl.models import forward
+
+    device = next(model.parameters()).device
+    layout = forward.choose_layout(model, device)
+    forward.prepare_model(model, layout)
+    flat = [(p, t, lp) for p, toks, lps in samples for t, lp in zip(toks, lps, strict=True)][:limit]
+    seqs = [torch.tensor(p + t, device=device) for p, t, _ in flat]
+    width = max(len(s) for s in seqs)
+    with torch.no_grad():
+        lp, _ = forward.token_logprobs(model, seqs, layout, temperature=temperature)
+        trainer = forward.to_padded(lp, [len(s) for s in seqs], width).float().cpu()
+    rollout = torch.zeros_like(trainer)
+    mask = torch.zeros_like(trainer, dtype=torch.bool)
+    for i, (p, t, lps) in enumerate(flat):
+        rollout[i, len(p) : len(p) + len(t)] = torch.tensor(lps)
+        mask[i, len(p) : len(p) + len(t)] = True
+    out = logprob_mismatch(trainer, rollout, mask)
+    out["samples"] = len(flat)
+    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in out.items()}
+
+
 def run_engine(
     name: str,
     model,
@@ -142,6 +252,10 @@ def run_engine(
     results = generate_all(engine, reqs)
     _sync(device)
     elapsed = time.perf_counter() - t0
+    kept = [
+        (r.prompt_ids, [c.token_ids for c in r.completions], [c.logprobs for c in r.completions])
+        for r in results
+    ]
     lengths = [len(c.token_ids) for r in results for c in r.completions]
     want = reqs[0].params.max_new_tokens
     assert all(n == want for n in lengths), f"{name}: expected {want} tokens per sample, got {set(lengths)}"
@@ -159,13 +273,13 @@ def run_engine(
             row["cuda_graphs"] = len(engine.graphs.graphs)
     if prebuilt is not None:
         row["engine_steps"] = engine.steps
-        return row
+        return row, kept
     engine.close()
     del engine
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return row
+    return row, kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt in workload 2 (0 skips it)")
     ap.add_argument("--n-prompts", type=int, default=64)
     ap.add_argument("--n-new-tokens", type=int, default=512)
-    ap.add_argument("--engines", default="native,hf", help="comma list of native, hf, vllm")
+    ap.add_argument(
+        "--engines",
+        default="native,hf",
+        help="comma list of native, hf, vllm (relayrl's adapter), vllm-llm (vLLM's own LLM(...), its defaults)",
+    )
+    ap.add_argument("--vllm-llm-util", type=float, default=0.9, help="vllm-llm: gpu_memory_utilization")
+    ap.add_argument(
+        "--mismatch", type=int, default=0, help="workload 2: compare N samples' log-probs with the trainer's"
+    )
     ap.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm: gpu_memory_utilization")
     ap.add_argument("--vllm-eager", action="store_true", help="vllm: enforce_eager (no compile / graphs)")
     ap.add_argument("--hf-max-batch", type=int, default=0, help="rows per generate call (0: all at once)")
@@ -196,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rollout.json"))
     args = ap.parse_args(argv)
-    if "vllm" in args.engines.split(",") and importlib.util.find_spec("vllm") is None:
+    if {"vllm", "vllm-llm"} & set(args.engines.split(",")) and importlib.util.find_spec("vllm") is None:
         ap.error("--engines vllm needs the vllm package (pip install vllm, on a CUDA machine)")
     if not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
@@ -222,10 +344,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_graphs:
         native_opts["cuda_graphs"] = False
     rows = []
-    vllm_engine = None
+    vllm_engine = plain = None
+    kept: dict[tuple[str, str], list] = {}
     for wname, reqs, new in workloads:
         samples = sum(r.params.n for r in reqs)
         for name in args.engines.split(","):
+            if name == "vllm-llm":  # built once, after the other engines freed their memory
+                if plain is None:
+                    folder = tempfile.mkdtemp(prefix="relayrl-bench-vllm-llm-")
+                    model.save_pretrained(folder)
+                    plain = PlainVLLM(
+                        folder,
+                        dtype,
+                        max_seq_len=args.prompt_len + max(n for _, _, n in workloads),
+                        gpu_util=args.vllm_llm_util,
+                    )
+                row, kept[(wname, name)] = run_plain_vllm(plain, reqs)
+                row.update(
+                    workload=wname,
+                    prompts=len(reqs),
+                    n=reqs[0].params.n,
+                    prompt_len=args.prompt_len,
+                    new_tokens=new,
+                )
+                rows.append(row)
+                print(
+                    f"{wname} {name:8s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s  {row['settings']}",
+                    flush=True,
+                )
+                continue
             if name == "vllm" and vllm_engine is None:
                 vllm_engine = build_vllm(
                     model,
@@ -235,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                     gpu_util=args.vllm_gpu_util,
                     eager=args.vllm_eager,
                 )
-            row = run_engine(
+            row, kept[(wname, name)] = run_engine(
                 name,
                 model,
                 reqs,
@@ -258,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{wname} {name:7s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s",
                 flush=True,
             )
+    if args.mismatch and args.n > 0:
+        for row in rows:
+            if row["workload"] == "w2":
+                row["mismatch"] = mismatch(model, kept[("w2", row["engine"])], 1.0, args.mismatch)
+                print(f"w2 {row['engine']:8s} log-prob mismatch vs trainer: {row['mismatch']}", flush=True)
     if vllm_engine is not None:
         vllm_engine.close()
     _report(rows, args, dtype)
@@ -267,13 +419,13 @@ def main(argv: list[str] | None = None) -> int:
 def _report(rows: list[dict], args, dtype: torch.dtype) -> None:
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     print(f"\n{card}  {args.shape}  {dtype}")
-    print(f"{'workload':28s} {'engine':7s} {'tok/s':>10s} {'speed-up':>9s} {'start-up s':>10s}")
+    print(f"{'workload':28s} {'engine':8s} {'tok/s':>10s} {'speed-up':>9s} {'start-up s':>10s}")
     for w in dict.fromkeys(r["workload"] for r in rows):
         base = next((r["tokens_per_s"] for r in rows if r["workload"] == w and r["engine"] == "hf"), None)
         for r in (r for r in rows if r["workload"] == w):
             label = f"{r['prompts']}x{r['prompt_len']} n={r['n']} -> {r['new_tokens']}"
             speed = f"{r['tokens_per_s'] / base:8.1f}x" if base else "        -"
-            print(f"{label:28s} {r['engine']:7s} {r['tokens_per_s']:10.0f} {speed} {r['startup_s']:10.2f}")
+            print(f"{label:28s} {r['engine']:8s} {r['tokens_per_s']:10.0f} {speed} {r['startup_s']:10.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(
