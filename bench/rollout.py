@@ -55,6 +55,37 @@ QWEN05 = dict(
 )
 
 
+QWEN7B = dict(
+    QWEN05,
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+SHAPES = {"qwen2.5-0.5b": QWEN05, "qwen2.5-7b": QWEN7B}
+
+HBM_TB_S = {"H100": 3.35, "H200": 4.8}
+"""Peak HBM bandwidth (TB/s) of the SXM cards, from NVIDIA's data sheets: the decode floor below uses it."""
+
+
+def bandwidth_floor_ms(model, row: dict, samples: int, prompt_len: int, new: int) -> float | None:
+    """Time one decode step needs at least on this card: (weight bytes + the K/V bytes it reads) / peak HBM
+    bandwidth, with every sample decoding at the workload's mean context (prompt + new / 2)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    bw = next((v for k, v in HBM_TB_S.items() if k in name), None)
+    if bw is None:
+        return None
+    c = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K and V, bf16
+    kv_bytes = samples * (prompt_len + new / 2) * kv_per_token
+    return (weight_bytes + kv_bytes) / (bw * 1e12) * 1e3
+
+
 def build_model(shape: str, device: str, dtype: torch.dtype, layers: int = 0) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -66,7 +97,7 @@ def build_model(shape: str, device: str, dtype: torch.dtype, layers: int = 0) ->
         )
     else:
         config = Qwen2Config(
-            **{**QWEN05, **({"num_hidden_layers": layers} if layers else {})}, pad_token_id=0
+            **{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}, pad_token_id=0
         )
         config.eos_token_id = config.bos_token_id = None
         torch.manual_seed(0)
@@ -288,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype", default=None, help="bfloat16 | float16 | float32 (default: bf16 on cuda, fp32 on cpu)"
     )
-    ap.add_argument("--shape", choices=["tiny", "qwen2.5-0.5b"], default="qwen2.5-0.5b")
+    ap.add_argument("--shape", choices=["tiny", *SHAPES], default="qwen2.5-0.5b")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -400,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_len=args.prompt_len,
                 new_tokens=new,
             )
+            if name == "native" and args.device.startswith("cuda"):
+                # decode time per step, as if all of it were decode (prefill included: an upper bound)
+                row["ms_per_decode_step"] = row["seconds"] / max(1, row["decode_steps"]) * 1e3
+                row["bandwidth_floor_ms"] = bandwidth_floor_ms(model, row, samples, args.prompt_len, new)
             rows.append(row)
             print(
                 f"{wname} {name:7s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s",

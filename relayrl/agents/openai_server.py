@@ -472,10 +472,20 @@ def _serve(cfg: ServeConfig) -> int:
 
     from relayrl.rollout import build_engine
 
+    if cfg.engine == "vllm" and cfg.device and torch.device(cfg.device).type != "cuda":
+        print(
+            f"relayrl serve: --engine vllm runs on a GPU; --device {cfg.device} is not one", file=sys.stderr
+        )
+        return 2
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
+        # vllm loads the weights itself from the folder: the HF module is not loaded at all then
+        model = (
+            cfg.model
+            if cfg.engine == "vllm"
+            else AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
+        )
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -6,7 +6,7 @@
     ew.max_abs_diff()                                  the weight canary: 0 when the engine matches the
                                                        trainer's weights cast to the engine dtype
 
-Two cases, decided once at construction:
+The cases, decided once at construction:
 - shared (dtype and device equal, e.g. fp32 on a CPU): the engine runs on the policy module itself; refresh
   is a no-op (nothing to copy; the engine reads the parameters in place).
 - copy (mixed precision on a GPU: fp32 master weights, bf16 engine): `model` is a structural copy of the
@@ -19,6 +19,15 @@ Two cases, decided once at construction:
   mixed-precision param dtype (bf16 on a GPU: half the bytes of fp32), and copies each parameter into the
   replica's buffer: one layer in flight at a time (bounded extra memory), on the device, every rank at once
   (a collective: all ranks call `refresh` and `max_abs_diff` together).
+- stream (`stream=True`: the engine holds its own weights, vllm): nothing is copied here and no memory is
+  spent; `model` is the source module itself (the vllm builder ignores it) and `refresh` is a no-op.
+  `engine_tensors()` yields (HF name, tensor in `dtype`) of the trainer's CURRENT weights, lazily, for
+  `engine.load_weights`: every parameter as `named_parameters()` names it (tied weights once: the tied
+  lm_head is skipped, vLLM's loaders tie it back); a LoRA model's adapters merged into the base weights
+  (W + scale * B @ A in fp32, by peft's own `get_delta_weight`, names without peft's prefixes); a sharded
+  source (gather) as full tensors, one parameter all-gathered at a time (`fsdp.full_tensors`, a collective:
+  every rank iterates the whole sequence). Not supported (ValueError at construction): a LoRA model that is
+  also sharded, a 4-bit (QLoRA) base, and adapter variants such as DoRA.
 Only parameters that train (requires_grad) are refreshed: frozen ones (a LoRA run's base weights) were
 copied at construction and never change.
 """
@@ -27,8 +36,12 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+
+from relayrl.models.forward import hf_model
 
 
 class EngineWeights:
@@ -51,14 +64,21 @@ class EngineWeights:
         self.dtype = dtype
         self.gather = gather
         self.stream = stream
+        self.trained = {n for n, p in source.named_parameters() if p.requires_grad}
+        if stream:
+            self._lora = _check_streamable(source, gather)
+            self.shared = False
+            self.model = source  # no copy: the engine loads its own weights, then takes `engine_tensors()`
+            self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self._targets: dict[str, torch.Tensor] = {}
+            return
         params = list(source.parameters())
         same_device = device is None or all(p.device == torch.device(device) for p in params)
         self.shared = not gather and not own_copy and same_device and all(p.dtype == dtype for p in params)
-        self.trained = {n for n, p in source.named_parameters() if p.requires_grad}
         if self.shared:
             self.model = source
-            self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-            self._targets: dict[str, torch.Tensor] = {}
+            self._pairs = []
+            self._targets = {}
             return
         # the structure is deep-copied, each parameter is made directly in `dtype` on `device` (memo): no
         # second full-precision copy of the model ever exists
@@ -78,11 +98,19 @@ class EngineWeights:
             [] if gather else [(src[n].data, self._targets[n]) for n in self._targets if n in self.trained]
         )
 
+    @property
+    def kind(self) -> str:
+        """How the engine gets the weights: shared, copy, gathered (a full replica of a sharded trainer) or
+        streamed (module doc)."""
+        if self.stream:
+            return "streamed"
+        return "shared" if self.shared else ("gathered" if self.gather else "copy")
+
     @torch.no_grad()
     def refresh(self) -> float:
         """Copy (cast) the trainer's current weights into the engine's; returns the seconds it took (device
-        synchronised, so the number is the real cost)."""
-        if self.shared:
+        synchronised, so the number is the real cost). 0 when shared or streamed (nothing is copied here)."""
+        if self.shared or self.stream:
             return 0.0
         t0 = time.perf_counter()
         if self.gather:
@@ -98,14 +126,26 @@ class EngineWeights:
             torch.cuda.synchronize(first.device)
         return time.perf_counter() - t0
 
-    def engine_tensors(self) -> None:
-        """What `engine.load_weights` gets after `refresh`: None (the engine's module was updated in place)."""
-        return None
+    def engine_tensors(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """What `engine.load_weights` gets after `refresh`: None (the engine's module was updated in place),
+        or, streamed, a lazy iterator of (HF name, tensor in `dtype`) of the current weights (module doc);
+        consume it once, at once (the tensors may alias the trainer's parameters)."""
+        if not self.stream:
+            return None
+        if self.gather:
+            from relayrl.distributed.fsdp import full_tensors
+
+            return full_tensors(self.source, self.dtype)
+        if self._lora:
+            return _merged_lora(self.source, self.dtype)
+        return ((n, p.detach().to(self.dtype)) for n, p in self.source.named_parameters())
 
     @torch.no_grad()
     def max_abs_diff(self) -> float:
-        """max |engine weight - trainer weight cast to the engine dtype| over every parameter (0 = in sync)."""
-        if self.shared:
+        """max |engine weight - trainer weight cast to the engine dtype| over every parameter (0 = in sync).
+        Streamed: 0.0, nothing to compare here (the engine's copy lives inside the engine; it equals
+        `engine_tensors()` after each `load_weights`)."""
+        if self.shared or self.stream:
             return 0.0
         if self.gather:
             from relayrl.distributed.fsdp import full_tensors
@@ -115,3 +155,65 @@ class EngineWeights:
             src = dict(self.source.named_parameters())
             pairs = ((src[n].data, d) for n, d in self._targets.items())
         return max((float((d - s.to(d.dtype)).abs().max()) for s, d in pairs), default=0.0)
+
+
+def _check_streamable(source: torch.nn.Module, gather: bool) -> bool:
+    """Raise a ValueError when `engine_tensors` cannot give the engine full HF weights; True for a LoRA model
+    (its adapters are merged on the fly)."""
+    hf = hf_model(source)
+    if getattr(hf, "is_loaded_in_4bit", False) or getattr(hf, "hf_quantizer", None) is not None:
+        raise ValueError(
+            "rollout.engine vllm with model.load_in_4bit (QLoRA) is not supported: vLLM needs full-precision "
+            "weights; train with load_in_4bit false or use rollout.engine native"
+        )
+    lora = hf is not source
+    if lora and gather:
+        raise ValueError(
+            "rollout.engine vllm with model.lora.rank > 0 and the policy sharded over several ranks is not "
+            "supported: merge the adapters (relayrl merge-lora), run the policy on one rank, or use "
+            "rollout.engine native"
+        )
+    for name, layer in _lora_layers(hf).items():
+        variants = getattr(layer, "lora_variant", None) or {}
+        for a in layer.active_adapters:
+            if a in variants:
+                raise ValueError(
+                    f"rollout.engine vllm: LoRA layer {name} uses the adapter variant "
+                    f"{type(variants[a]).__name__} (e.g. DoRA), which relayrl does not merge for vLLM; use "
+                    "plain LoRA or rollout.engine native"
+                )
+    return lora
+
+
+def _lora_layers(hf: torch.nn.Module) -> dict[str, Any]:
+    """Module name -> peft LoRA layer (empty without peft adapters)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return {}
+    return {n: m for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
+
+
+@torch.no_grad()
+def _merged_lora(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, merged weight in `dtype`) of a peft LoRA model: W + sum of the active adapters' deltas
+    (peft's `get_delta_weight`: scale * B @ A, transposed for fan_in_fan_out), added in fp32; the adapter
+    parameters themselves are not yielded and ".base_layer" is dropped from the names."""
+    hf = hf_model(model)
+    layers = _lora_layers(hf)
+    for name, p in hf.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if not owner.endswith(".base_layer"):
+            yield name, p.detach().to(dtype)
+            continue
+        base = owner.removesuffix(".base_layer")
+        layer = layers[base]
+        t = p.detach()
+        if leaf == "weight" and not layer.merged and not layer.disable_adapters:
+            t = t.float()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+                    t = t + layer.get_delta_weight(adapter).float()
+        yield f"{base}.{leaf}", t.to(dtype)

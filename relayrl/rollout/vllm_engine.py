@@ -2,6 +2,10 @@
 
     engine = build_engine("vllm", "/path/to/hf-folder", None, max_seq_len=1024, gpu_memory_utilization=0.5)
 
+Pinned: vLLM 0.26 (the adapter uses in-process internals: `LLMEngine(multiprocess_mode=False)`,
+`collective_rpc`, `reset_prefix_cache(reset_running_requests=True)`); another version raises a RuntimeError
+naming both versions (`check_vllm_version`) unless RELAYRL_VLLM_ANY_VERSION=1.
+
 Shape
 -----
 It is a `ThreadedEngine` (driver.py), like `native` and `hf`: `generate` queues a `Pending`, one driver thread
@@ -9,12 +13,21 @@ owns a `vllm.LLMEngine` built in-process (`multiprocess_mode=False`: the engine 
 model runner all live in this process, so `load_weights` hands tensors to the model runner by reference and
 no event loop is tied to vLLM). A round (`_step`) adds the newly queued requests to vLLM, runs one
 `LLMEngine.step()` (one scheduler iteration: prefill and/or one decode step of every running sequence,
-vLLM's own continuous batching, CUDA graphs and prefix caching) and resolves the requests that finished.
+vLLM's own continuous batching, CUDA graphs and prefix caching), appends the tokens each sample produced in
+that step and resolves the requests that finished.
 
     GenerationRequest ──> TokensPrompt(prompt_ids) + vllm.SamplingParams(n, temperature, top_p, top_k,
                           max_tokens, stop_token_ids = EOS ids + stop ids, ignore_eos, seed, logprobs=0,
-                          detokenize=False, output_kind=FINAL_ONLY)
-    RequestOutput     ──> GenerationResult: per sample token_ids, the sampled token's log-prob, reason
+                          detokenize=False, output_kind=DELTA)
+    RequestOutput     ──> per sample (CompletionOutput.index) the step's new token ids and their log-probs,
+                          accumulated here; `finished` (all n samples done) resolves the GenerationResult
+
+Outputs are streamed (`RequestOutputKind.DELTA`, `stream_interval=1`): every `step()` returns, for each
+sample that produced tokens, only those tokens. With n > 1 vLLM fans the request out into n child requests
+(vllm/v1/engine/parallel_sampling.py: child ids "{i}_{id}", sample i seeded seed + i); in DELTA mode each
+child's delta comes back as its own RequestOutput under the caller's request id with `outputs = [that
+child's CompletionOutput]` (index i), and `RequestOutput.finished` turns True once every child has finished
+(vllm/v1/engine/output_processor.py, `RequestState.make_request_output`).
 
 Token ids in and out: the engine is built with `skip_tokenizer_init=True`; vLLM never tokenizes.
 `generation_config="vllm"`: the model folder's generation_config.json changes no sampling default.
@@ -33,23 +46,42 @@ after temperature *and* after top-k / top-p masking. The engine is started with 
     once; use top_p = 1 / top_k = 0 with this engine when the trainer needs behaviour log-probs, or
     recompute them (the trainer's TIS / ICEPOP correction assumes the pre-truncation value).
 
-Weights: `load_weights(named_tensors)` runs `model.load_weights(named)` inside vLLM's worker (through
-`collective_rpc`), which copies HF-named tensors (q/k/v and gate/up are packed by vLLM's loaders) into the
-existing parameters in place, so captured CUDA graphs stay valid; then the prefix cache is reset (cached
-K/V were computed with the old weights). `load_weights(None)` raises: vLLM holds its own copy.
+Weights: the engine loads `model` itself and holds its own copy (`load_weights(None)` raises). `load_weights
+(named_tensors)` consumes the (name, tensor) iterator in chunks of about LOAD_CHUNK_BYTES and runs
+`model.load_weights(chunk)` inside vLLM's worker for each (through `collective_rpc`, by reference: the
+executor is in this process), which copies HF-named tensors into the existing parameters in place (q/k/v and
+gate/up are packed by vLLM's loaders; a tied lm_head may be absent), so captured CUDA graphs stay valid; a
+lazy iterator (EngineWeights(stream=True).engine_tensors(): a cast or an FSDP all-gather per tensor) is
+therefore never materialised whole. Then `reset_prefix_cache(reset_running_requests=True)`: vLLM's scheduler
+(vllm/v1/core/sched/scheduler.py) PREEMPTS every running request (back to its waiting queue, K/V blocks freed;
+not aborted) and empties the prefix cache, so no K/V computed with the old weights is ever reused. Partial
+rollout therefore works as in `native` except for the K/V: a request in flight keeps its tokens and goes on
+under the new weights after recomputing its prompt + tokens so far (one prefill, under the new weights),
+where `native` keeps the old K/V. With async scheduling (vLLM's default), a step still in flight when
+the weights change is discarded by the scheduler (`Request.async_tokens_to_discard`) and resampled.
+
+Weight versions (`Completion.versions`): `load_weights` runs between rounds (under the round lock), and
+every token a round receives was sampled in that round's `step()` under the weights of `self.version`
+(stream_interval 1: no token is held back to a later step; in-flight async frames are discarded at a
+weight change, see above), so each delta's tokens are stamped with `self.version` as they arrive; no
+`_version_changed` bookkeeping is needed.
 
 Memory: `sleep()` aborts in-flight requests (ABORT) and, when the engine was built with
 `enable_sleep_mode=True`, calls vLLM's sleep (level `sleep_level`: 1 offloads weights to CPU and drops the
 KV cache; 2 drops both, so `load_weights` must follow `wake_up`); without sleep mode it only aborts.
+`load_weights` while asleep wakes the engine first (the weights must be resident to be overwritten).
 `close()` aborts, shuts vLLM's engine core down and empties the CUDA cache. vLLM 0.26 allows one
 sleep-mode engine per process (its CuMem allocator is a singleton: a second one fails its start-up with
 "CuMem allocator can only be used for one instance per process").
-In-process side effect: vLLM seeds the process's global RNGs with `EngineArgs.seed` (default 0) when the
-engine is built; re-seed afterwards if the trainer relies on its own RNG state.
+In-process side effects: vLLM seeds the process's global RNGs with `EngineArgs.seed` (default 0) when the
+engine is built (relayrl.workers.builders.build_engine_for restores them afterwards), and, without a
+torch.distributed group, starts a 1-process one for its worker.
 
 Lengths: `max_seq_len` is vLLM's `max_model_len`; a prompt of >= max_seq_len tokens returns empty LENGTH
 completions without reaching vLLM; max_tokens = min(max_new_tokens, max_seq_len - P).
 Seeds: a seeded request with n samples gives sample i vLLM's seed + i (vLLM's parallel-sampling rule).
+Not done: tensor parallelism (a multi-process executor would pickle the tensors `load_weights` sends) and
+separate engine actors.
 `vllm` is imported only when this engine is built; without it an ImportError says how to install it.
 """
 
@@ -58,9 +90,11 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +107,32 @@ log = logging.getLogger(__name__)
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
+SUPPORTED_VLLM = "0.26"
+"""The vLLM release line this adapter is written and tested against (RELAYRL_VLLM_ANY_VERSION=1: any)."""
+
+LOAD_CHUNK_BYTES = 256 * 2**20
+"""`load_weights` hands vLLM's loader this many bytes of tensors at a time (bounds what a lazy iterator,
+e.g. an FSDP all-gather per tensor, holds at once)."""
+
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     skip_tokenizer_init=True,
     generation_config="vllm",
     logprobs_mode="processed_logprobs",
     disable_log_stats=True,
+    stream_interval=1,
 )
 """vLLM `EngineArgs` this adapter sets unless the caller passes them (see the module doc)."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise a RuntimeError unless `version` is of the SUPPORTED_VLLM line (e.g. 0.26.0, 0.26.1rc2)."""
+    if version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + "."):
+        return
+    raise RuntimeError(
+        f'rollout engine "vllm" supports vLLM {SUPPORTED_VLLM}.x, but vllm {version} is installed: '
+        f'pip install "vllm=={SUPPORTED_VLLM}.*", or set RELAYRL_VLLM_ANY_VERSION=1 to try this version '
+        "anyway (the adapter relies on vLLM internals that change between releases), or use engine native"
+    )
 
 
 def _import_vllm():
@@ -87,9 +140,11 @@ def _import_vllm():
         import vllm
     except ImportError as exc:
         raise ImportError(
-            'rollout engine "vllm" needs the vllm package (pip install vllm, on a CUDA machine); '
+            'rollout engine "vllm" needs the vllm package (pip install "vllm==0.26.*", on a CUDA machine); '
             'or use engine "native" (built in) or "hf"'
         ) from exc
+    if os.environ.get("RELAYRL_VLLM_ANY_VERSION") != "1":
+        check_vllm_version(vllm.__version__)
     return vllm
 
 
@@ -102,6 +157,33 @@ def folder_eos_ids(model_dir: str) -> list[int]:
             if ids is not None:
                 return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
     return []
+
+
+@dataclass(eq=False, slots=True)
+class _Sample:
+    """One sample's tokens so far (vLLM streams them step by step)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The weight version of the step that produced each token."""
+    reason: FinishReason | None = None
+
+    def completion(self) -> Completion:
+        return Completion(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.reason or FinishReason.LENGTH,
+            versions=self.versions,
+        )
+
+
+@dataclass(eq=False, slots=True)
+class _Live:
+    """A request vLLM is working on: the caller's `Pending` and its n samples."""
+
+    pending: Pending
+    samples: list[_Sample]
 
 
 class VLLMEngine(ThreadedEngine):
@@ -124,11 +206,14 @@ class VLLMEngine(ThreadedEngine):
         ENGINE_DEFAULTS."""
         super().__init__(name="vllm")
         t0 = time.perf_counter()
-        vllm = _import_vllm()
         if not isinstance(model, str | Path):
             raise TypeError(
-                "VLLMEngine takes a model folder or hub id (str), not a loaded module; save_pretrained it first"
+                f"VLLMEngine takes a model folder or hub id (str or Path), not a {type(model).__name__}: vLLM "
+                "loads the weights itself. Pass the folder the module was loaded from (ModelConfig.name_or_path; "
+                "relayrl.workers.builders.build_engine_for does), or model.save_pretrained(folder) first; "
+                "later weights go in through load_weights"
             )
+        vllm = _import_vllm()
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         from vllm.usage.usage_lib import UsageContext
@@ -140,7 +225,7 @@ class VLLMEngine(ThreadedEngine):
         config = vllm.EngineArgs(**args).create_engine_config(UsageContext.LLM_CLASS)
         self._vllm = vllm
         self._tokens_prompt = TokensPrompt
-        self._final_only = RequestOutputKind.FINAL_ONLY
+        self._delta = RequestOutputKind.DELTA
         self.llm = vllm.LLMEngine(
             vllm_config=config,
             executor_class=Executor.get_class(config),
@@ -158,7 +243,7 @@ class VLLMEngine(ThreadedEngine):
         else:
             ids = folder_eos_ids(str(model))
         self.eos_ids = [int(i) for i in ids]
-        self._live: dict[str, Pending] = {}
+        self._live: dict[str, _Live] = {}
         self._asleep = False
         self._closing = False
         self._warned_truncation = False
@@ -196,7 +281,7 @@ class VLLMEngine(ThreadedEngine):
             seed=p.seed,
             logprobs=0 if p.logprobs else None,
             detokenize=False,
-            output_kind=self._final_only,
+            output_kind=self._delta,
         )
 
     def _add(self, pending: Pending) -> None:
@@ -212,14 +297,34 @@ class VLLMEngine(ThreadedEngine):
         except Exception as exc:  # a request vLLM refuses fails alone, with vLLM's message
             pending.fail(exc)
             return
-        self._live[rid] = pending
+        self._live[rid] = _Live(pending=pending, samples=[_Sample() for _ in range(n)])
+
+    def _absorb(self, out: Any) -> None:
+        """Append one RequestOutput's deltas (new tokens of one or more samples) to its request."""
+        live = self._live.get(out.request_id)
+        if live is None:  # aborted or cancelled meanwhile
+            return
+        for o in out.outputs:
+            sample = live.samples[o.index]
+            ids = [int(t) for t in o.token_ids]
+            if ids:
+                sample.token_ids.extend(ids)
+                sample.versions.extend([self.version] * len(ids))
+                if o.logprobs:  # DELTA: vLLM passes the last len(ids) positions
+                    steps = o.logprobs[-len(ids) :]  # a list or vLLM's FlatLogprobs: both slice
+                    sample.logprobs.extend(float(step[t].logprob) for step, t in zip(steps, ids, strict=True))
+            if o.finish_reason is not None:
+                sample.reason = _REASONS.get(str(o.finish_reason), FinishReason.LENGTH)
+        if out.finished:
+            del self._live[out.request_id]
+            live.pending.finish([s.completion() for s in live.samples])
 
     # ---- ThreadedEngine hooks -------------------------------------------------------------------------
     def _step(self, new: list[Pending]) -> None:
         for pending in new:
             if not pending.cancelled:
                 self._add(pending)
-        cancelled = [rid for rid, p in self._live.items() if p.cancelled]
+        cancelled = [rid for rid, live in self._live.items() if live.pending.cancelled]
         if cancelled:
             self.llm.abort_request(cancelled)
             for rid in cancelled:
@@ -229,10 +334,7 @@ class VLLMEngine(ThreadedEngine):
         outputs = self.llm.step()
         self.steps += 1
         for out in outputs:
-            if out.finished and out.request_id in self._live:
-                self._live.pop(out.request_id).finish(
-                    [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)]
-                )
+            self._absorb(out)
 
     def _busy(self) -> bool:
         return bool(self._live)
@@ -241,8 +343,8 @@ class VLLMEngine(ThreadedEngine):
         live, self._live = self._live, {}
         if live:
             self.llm.abort_request(list(live))
-        for pending in live.values():
-            pending.abort()
+        for request in live.values():
+            request.pending.abort()
 
     def _fail_inflight(self, exc: BaseException) -> None:
         live, self._live = self._live, {}
@@ -251,8 +353,8 @@ class VLLMEngine(ThreadedEngine):
                 self.llm.abort_request(list(live))
             except Exception:  # the engine is already broken; the callers get the first error
                 log.exception("vllm engine: abort after a failed round failed too")
-        for pending in live.values():
-            pending.fail(exc)
+        for request in live.values():
+            request.pending.fail(exc)
 
     def _release(self) -> None:
         if self._closing or not self.sleep_mode or self._asleep:
@@ -268,13 +370,20 @@ class VLLMEngine(ThreadedEngine):
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
         if named_tensors is None:
             raise ValueError(
-                "the vllm engine holds its own copy of the weights: pass named tensors to load_weights"
+                "the vllm engine holds its own copy of the weights: load_weights needs the named tensors, "
+                "e.g. EngineWeights(model, dtype=..., stream=True).engine_tensors() (None means 'the weights "
+                "shared with the trainer changed in place', which only the native and hf engines have)"
             )
-        if self._asleep and self.sleep_level >= 1:
+        if self._asleep:
             self.llm.wake_up()  # weights must be resident to be overwritten
             self._asleep = False
-        named = [(name.removeprefix("module."), tensor) for name, tensor in named_tensors]
-        self.llm.collective_rpc(_load_into_worker, args=(named,))
+        sent = 0
+        for chunk in _chunks(named_tensors, LOAD_CHUNK_BYTES):
+            self.llm.collective_rpc(_load_into_worker, args=(chunk,))
+            sent += len(chunk)
+        if sent == 0:
+            raise ValueError("vllm engine: load_weights got no tensors; pass (name, tensor) pairs")
+        # preempts running requests (recomputed under the new weights, not aborted); see the module doc
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             log.warning("vllm engine: prefix cache not reset after load_weights; cached K/V may be stale")
 
@@ -291,18 +400,24 @@ class VLLMEngine(ThreadedEngine):
                 torch.cuda.empty_cache()
 
 
+def _chunks(
+    named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive lists of (name without a "module." prefix, tensor) of about `max_bytes` each."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        chunk.append((name.removeprefix("module."), tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= max_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
 def _load_into_worker(worker: Any, named: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside vLLM's worker: copy HF-named tensors into the live model in place; returns how many."""
     with torch.inference_mode():  # vLLM may hold its parameters as inference tensors
         loaded = worker.model_runner.get_model().load_weights(weights=iter(named))
     return len(loaded) if loaded is not None else len(named)
-
-
-def _completion(out: Any) -> Completion:
-    token_ids = list(out.token_ids)
-    logprobs = [float(step[t].logprob) for step, t in zip(out.logprobs or [], token_ids, strict=False)]
-    return Completion(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        finish_reason=_REASONS.get(out.finish_reason, FinishReason.LENGTH),
-    )

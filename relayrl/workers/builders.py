@@ -9,7 +9,8 @@ the controller never does.
     build_frozen(model_cfg, device)                  frozen causal LM in the inference dtype (reference)
     build_policy_objective(algo, max_new_tokens)     PolicyObjective from the resolved AlgoConfig
     exact_on_policy(algo)                            True when the update needs no separate old-log-prob pass
-    build_engine_for(rollout, eval, model, tok)      RolloutEngine over `model` (the engine copy or the policy)
+    build_engine_for(rollout, eval, model, tok)      RolloutEngine over `model` (the engine copy or the policy);
+                                                     vllm: build_vllm_engine over the policy's folder
     build_executor(rollout, engine, tok, ...)        AgentExecutorBase: single / multi-turn / user file
 
 The objective's pieces are looked up by name in the algorithm registries; there is no branching on names.
@@ -97,6 +98,12 @@ def exact_on_policy(algo: AlgoConfig) -> bool:
     return a.epochs == 1 and a.mini_batches == 1 and a.off_policy == "none" and a.kl_mode != "reward"
 
 
+VLLM_GPU_UTIL = 0.35
+"""Share of the GPU's memory a colocated vLLM engine takes (weights + KV cache; vLLM's
+gpu_memory_utilization): the rest stays for the trainer on the same GPU. Override with the environment
+variable RELAYRL_VLLM_GPU_UTIL (e.g. 0.6 when the trainer is small, or with --dist.engine_sleep yes)."""
+
+
 def build_engine_for(
     rollout: RolloutConfig,
     evaluation: EvalConfig,
@@ -105,14 +112,64 @@ def build_engine_for(
     *,
     source: ModelConfig | None = None,
 ) -> Any:
-    """The rollout engine over `model` (the policy's engine copy, or the policy itself when they share)."""
+    """The rollout engine over `model` (the policy's engine copy, or the policy itself when they share).
+    vllm: an in-process vLLM engine that loads `source.name_or_path` itself (`model` is unused; the worker
+    streams its weights after every step, EngineWeights(stream=True)), see `build_vllm_engine`."""
     from relayrl.rollout import build_engine
 
+    slots = rollout.engine_slots or rollout.prompts_per_step * rollout.n_samples
+    slots = max(slots, evaluation.n_samples)
+    if rollout.engine == "vllm":
+        return build_vllm_engine(rollout, tokenizer, source=source, max_seqs=slots)
     opts: dict[str, Any] = {}
     if rollout.engine == "native":
-        slots = rollout.engine_slots or rollout.prompts_per_step * rollout.n_samples
-        opts["max_slots"] = max(slots, evaluation.n_samples)
+        opts["max_slots"] = slots
     return build_engine(rollout.engine, model, tokenizer, max_seq_len=rollout.max_len, **opts)
+
+
+def build_vllm_engine(
+    rollout: RolloutConfig, tokenizer: Any, *, source: ModelConfig | None, max_seqs: int
+) -> Any:
+    """VLLMEngine over the policy's folder: dtype as the engine weights' (bf16 unless model.dtype is fp32 /
+    fp16), VLLM_GPU_UTIL of the GPU, sleep mode (dist.engine_sleep frees it during updates), at most
+    `max_seqs` sequences at once, prefix caching. vLLM seeds the global RNGs when it starts: they are restored
+    afterwards, so the trainer's random stream does not depend on the engine."""
+    from relayrl.rollout.vllm_engine import VLLMEngine
+    from relayrl.training.rng import capture_rng_state, restore_rng_state
+
+    if source is None or not source.name_or_path:
+        raise ValueError(
+            "rollout.engine vllm loads the policy from its folder: build_engine_for needs source= the "
+            "policy's ModelConfig (model.name_or_path)"
+        )
+    if rollout.engine_device and torch.device(rollout.engine_device) not in (
+        torch.device("cuda"),
+        torch.device("cuda", 0),
+    ):
+        raise ValueError(
+            f"rollout.engine_device={rollout.engine_device!r}: the in-process vllm engine always runs on the "
+            "process's first visible GPU (cuda:0; under Ray the worker's own GPU); leave engine_device empty"
+        )
+    util = float(os.environ.get("RELAYRL_VLLM_GPU_UTIL", VLLM_GPU_UTIL))
+    if not 0 < util < 1:
+        raise ValueError(f"RELAYRL_VLLM_GPU_UTIL={util}: give a fraction of the GPU's memory in (0, 1)")
+    dtype = str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch.")
+    state = capture_rng_state()
+    try:
+        return VLLMEngine(
+            source.name_or_path,
+            tokenizer,
+            max_seq_len=rollout.max_len,
+            dtype=dtype,
+            gpu_memory_utilization=util,
+            enable_sleep_mode=True,
+            max_num_seqs=max_seqs,
+            seed=0,
+            enable_prefix_caching=True,
+            trust_remote_code=source.trust_remote_code,
+        )
+    finally:
+        restore_rng_state(state)
 
 
 def build_executor(
