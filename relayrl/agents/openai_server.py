@@ -467,6 +467,8 @@ def _serve(cfg: ServeConfig) -> int:
     if not cfg.model:
         print("relayrl serve: --model PATH is required", flush=True)
         return 2
+    import os
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -489,7 +491,9 @@ def _serve(cfg: ServeConfig) -> int:
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2
-    opts = {"max_seq_len": cfg.max_total_len} if cfg.max_total_len else {}
+    opts: dict[str, Any] = {"max_seq_len": cfg.max_total_len} if cfg.max_total_len else {}
+    if cfg.engine == "vllm" and os.environ.get("RELAYRL_VLLM_GPU_UTIL"):  # else vLLM's default (0.9)
+        opts["gpu_memory_utilization"] = float(os.environ["RELAYRL_VLLM_GPU_UTIL"])
     engine = build_engine(cfg.engine, model, tokenizer, **opts)
     name = cfg.model_name or cfg.model.rstrip("/").split("/")[-1]
     server = OpenAIServer(engine, tokenizer, model_name=name, max_total_len=cfg.max_total_len or None)

@@ -24,6 +24,8 @@ step k's sync), while the resumed run generates it all with version k. In sync m
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +72,12 @@ class RolloutPipeline:
         self._ready: dict[int, Batch] = {}
         self._cond = threading.Condition()
         self._stop = False
+        # Two Python threads (producer + engine driver beside the trainer) take turns on the GIL; the trainer
+        # launches many small kernels, each needing the GIL, and with CPython's default 5 ms switch interval
+        # it can wait that long per launch behind a busy thread. RELAYRL_GIL_SWITCH_S sets the interval.
+        switch = os.environ.get("RELAYRL_GIL_SWITCH_S")
+        if switch:
+            sys.setswitchinterval(float(switch))
         self._thread = threading.Thread(
             target=self._run, args=(first_step,), name="relayrl-rollout-pipeline", daemon=True
         )

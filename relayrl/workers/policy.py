@@ -361,9 +361,7 @@ class PolicyWorker:
             "params": sum(p.numel() for p in self.model.parameters()),
             "layout": self.layout,
             "precision": self.train.precision,
-            "engine_weights": "shared"
-            if self.weights.shared
-            else ("gathered" if self.weights.gather else "copy"),
+            "engine_weights": self.weights.kind,
             "ranks": world(),
         }
 

@@ -4,11 +4,30 @@ One random-weight tiny Qwen2 (hidden 256, 4 heads of 64, 2 layers, vocab 101, N(
 outputs vary) is saved to a folder and served by vLLM in two configurations, one after the other: fp32
 eager, and bf16 with vLLM's defaults (torch.compile + CUDA graphs) plus sleep mode (vLLM allows one sleep-mode
 engine per process). References: the native engine on the same weights in the same dtype, and a
-teacher-forced fp32 `transformers` forward. Run on an H200 with vLLM 0.26.0: 10 passed in 50 s.
+teacher-forced fp32 `transformers` forward. Run on an H200 with vLLM 0.26.0: 10 passed in 50 s (before
+the three tests below were added).
 
 Tolerances. fp32: 0.02 on log-probs and top-2 logit margins (vLLM's attention kernels may use TF32). bf16:
 measured per test, 2 x the largest |bf16 - fp32| difference of the same teacher-forced forward in
 `transformers` + 0.01, i.e. "vLLM is as close to exact as a bf16 forward is".
+
+Weights streamed and partial rollout:
+- partial rollout (both engines): greedy requests run while another thread loads new weights (version v1)
+  after a few steps; no request is aborted, every completion's per-token versions are v0...v0 v1...v1, at
+  least one crosses the change, and a crossing completion is greedy under the OLD weights before the change
+  and under the NEW ones after it (vLLM preempts running requests at a weight change and recomputes their
+  K/V under the new weights; an async-scheduled step in flight at the change is discarded), with log-probs
+  of the weights that produced each token.
+- `relayrl rl` in local mode with --rollout.engine vllm (RLTrainer, what the command runs, in a child
+  process: vLLM allows one sleep-mode engine per process and the fixture holds one; 3 GRPO steps at lr 1e-2
+  on the lively model): exit 0, finite metrics, the mean trainer-vs-engine log-prob gap
+  (train/logprob_diff) within the bf16 tolerance at every step; after training (engine version 3, the last
+  sync), vLLM's greedy completions are the argmax and their log-probs match a teacher-forced forward of the
+  trainer's fp32 master weights within the bf16 tolerance, and DIFFER from the initial model's by more than
+  it (the engine generates from the streamed, trained weights, not from the folder it loaded).
+- `relayrl serve --engine vllm` (child process on 127.0.0.1, RELAYRL_VLLM_GPU_UTIL=0.2): /v1/completions
+  answers greedily and deterministically with the folder's model: argmax tokens and log-probs of a
+  teacher-forced fp32 forward of the folder within the bf16 tolerance (vLLM serves an fp32 folder in bf16).
 """
 
 from __future__ import annotations
@@ -16,6 +35,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +243,253 @@ def test_sleep_frees_memory_and_wake_up_restores(setup, prompts):
         assert abs(free1 - free0) < 2**28
     engine.wake_up()
     assert [c.token_ids for c in _greedy(engine, prompts)] == before
+
+
+def test_partial_rollout_tags_versions_and_uses_the_new_weights(setup, prompts, tiny_tokenizer):
+    engine, dtype, ref, same = setup
+    new_ref = _lively(tiny_tokenizer, seed=1).cuda()
+    new_same = copy.deepcopy(new_ref).to(getattr(torch, dtype))
+    v0 = engine.version
+    v1 = v0 + 7
+    start, done, swapped = engine.steps, threading.Event(), threading.Event()
+
+    def swap() -> None:  # after a few scheduler steps, while the requests run
+        while engine.steps < start + 4 and not done.is_set():
+            time.sleep(0.0005)
+        if not done.is_set():
+            engine.load_weights(new_ref.named_parameters(), version=v1)
+            swapped.set()
+
+    thread = threading.Thread(target=swap)
+    thread.start()
+    try:
+        got = _greedy(engine, prompts, max_new=MAX_SEQ)  # max_tokens = MAX_SEQ - P
+    finally:
+        done.set()
+        thread.join()
+    try:
+        assert swapped.is_set() and engine.version == v1
+        crossed = 0
+        seqs = [(p, c.token_ids) for p, c in zip(prompts, got, strict=True)]
+        tol = max(_tol(dtype, ref, same, seqs), _tol(dtype, new_ref, new_same, seqs))
+        for p, c in zip(prompts, got, strict=True):
+            assert c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)  # never aborted
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
+            k = c.versions.index(v1) if v1 in c.versions else len(c.versions)
+            assert c.versions == [v0] * k + [v1] * (len(c.versions) - k), c.versions
+            if not 0 < k < len(c.versions):
+                continue
+            crossed += 1
+            idx = torch.tensor(c.token_ids, device="cuda")[:, None]
+            for model, part in ((ref, slice(0, k)), (new_ref, slice(k, None))):
+                logits = _teacher(model, p, c.token_ids)
+                chosen = logits.gather(-1, idx)[:, 0]
+                assert (logits.max(-1).values - chosen)[part].max().item() <= tol, (k, part)
+                lp = torch.log_softmax(logits, -1).gather(-1, idx)[:, 0].cpu()
+                assert (lp - torch.tensor(c.logprobs))[part].abs().max().item() <= tol, (k, part)
+            print(f"{dtype}: crossed at token {k} of {len(c.token_ids)} (tol {tol:.3f})")
+        assert crossed >= 1
+    finally:
+        engine.load_weights(
+            ref.named_parameters(), version=v1 + 1
+        )  # the next tests see the fixture's weights
+
+
+# ---- relayrl rl and relayrl serve with vllm, each in a child process ----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "tests" / "trainers" / "data" / "digit_reward.py")
+
+
+def _save_lively(tokenizer, folder: Path) -> Path:
+    model = _lively(tokenizer, seed=0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _child(*args: str, env: dict | None = None, timeout: float = 800) -> subprocess.CompletedProcess:
+    """Run this file as a script (`_main`) in a fresh process; vLLM's engine lives and dies with it."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": _pythonpath()}
+    return subprocess.run(
+        [sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _pythonpath() -> str:
+    """The repository first, then what the parent had (e.g. an unpacked vLLM bundle, docs/rollout.md)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    print(proc.stdout[-4000:], proc.stderr[-8000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_rl_local_with_vllm_trains_and_streams_weights(tiny_tokenizer, tmp_path):
+    folder = _save_lively(tiny_tokenizer, tmp_path / "model")
+    out = _result(_child("rl", str(folder), str(tmp_path / "run")))
+    assert out["exit_code"] == 0 and out["engine"] == "VLLMEngine" and out["weights"] == "streamed"
+    assert len(out["history"]) == 3
+    print("train/logprob_diff per step:", [round(h["train/logprob_diff"], 4) for h in out["history"]])
+    for step in out["history"]:
+        assert all(math.isfinite(v) for v in step.values()), step
+        # mean |trainer - engine| over the sampled tokens: bf16 engine vs bf16 trainer on the same weights
+        assert step["train/logprob_diff"] <= out["tol"], step
+    assert out["version"] == 3 and out["versions"] == [3]  # the last sync: the step number
+    assert out["weights_moved"] > 0.01  # lr 1e-2: a few steps move weights by ~1e-2 each
+    print(
+        f"engine vs trained {out['err_trained']:.4f}, vs initial {out['err_initial']:.4f}, tol {out['tol']:.4f}"
+    )
+    assert out["err_trained"] <= out["tol"] and out["margin_trained"] <= out["tol"]
+    assert out["err_initial"] > out["tol"]
+
+
+def _rl_child(folder: str, run_dir: str) -> dict:
+    """RLTrainer (what `relayrl rl` runs) in local mode with the vllm engine; before the roles close, compare
+    the engine's greedy log-probs with the trainer's weights and the initial ones (see the module doc)."""
+    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.trainers.rl import RLTrainer
+
+    cfg = tiny_cpu_config(folder, run_dir, steps=3, reward=DIGITS)
+    cfg = replace(
+        cfg,
+        train=replace(cfg.train, device="cuda"),
+        rollout=replace(cfg.rollout, engine="vllm"),
+        optim=replace(cfg.optim, lr=1e-2),  # 3 AdamW steps move every weight by up to ~3e-2
+    )
+    trainer = RLTrainer(cfg)
+    worker = trainer.roles.policy.instance
+    out: dict = {"engine": type(worker.engine).__name__, "weights": worker.weights.kind}
+    close = trainer.roles.close
+
+    def compare_then_close() -> None:
+        try:
+            _compare(worker, folder, out)
+        finally:
+            close()
+
+    trainer.roles.close = compare_then_close
+    result = trainer.fit()
+    out["exit_code"] = result.exit_code
+    out["history"] = [{k: float(v) for k, v in h.items()} for h in result.history]
+    return out
+
+
+def _compare(worker, folder: str, out: dict) -> None:
+    """Greedy completions of the worker's vLLM engine vs teacher-forced fp32 forwards of the trainer's master
+    weights and of the initial folder: the largest log-prob gaps, the argmax margin and the bf16 tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad(), worker.train.full_precision():
+        state = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    trained = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    trained.load_state_dict(state)
+    initial = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    out["weights_moved"] = max(
+        (a - b).abs().max().item() for a, b in zip(trained.parameters(), initial.parameters(), strict=True)
+    )
+    texts = ["12+34=", "7*8=", "hello world", "The quick brown fox"]
+    prompts = [worker.tokenizer(t)["input_ids"] for t in texts]
+    got = _greedy(worker.engine, prompts, max_new=16)
+    seqs = [(p, c.token_ids) for p, c in zip(prompts, got, strict=True)]
+    out["tol"] = _tol("bfloat16", trained, copy.deepcopy(trained).to(torch.bfloat16), seqs)
+    out["version"] = worker.engine.version
+    out["versions"] = sorted({v for c in got for v in c.versions})
+    errs = {"trained": 0.0, "initial": 0.0}
+    margin = 0.0
+    for p, comp in zip(prompts, got, strict=True):
+        idx = torch.tensor(comp.token_ids, device="cuda")[:, None]
+        lp_engine = torch.tensor(comp.logprobs, device="cuda")
+        for name, model in (("trained", trained), ("initial", initial)):
+            logits = _teacher(model, p, comp.token_ids)
+            lp = torch.log_softmax(logits, -1).gather(-1, idx)[:, 0]
+            errs[name] = max(errs[name], (lp - lp_engine).abs().max().item())
+            if name == "trained":
+                margin = max(margin, (logits.max(-1).values - logits.gather(-1, idx)[:, 0]).max().item())
+    out.update(err_trained=errs["trained"], err_initial=errs["initial"], margin_trained=margin)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_serve_with_vllm_answers_completions(tiny_tokenizer, tmp_path):
+    folder = _save_lively(tiny_tokenizer, tmp_path / "model")
+    port = _free_port()
+    cmd = [sys.executable, "-c", "import sys; from relayrl.cli import main; sys.exit(main(sys.argv[1:]))"]
+    cmd += [
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        str(folder),
+        "--port",
+        str(port),
+        "--max_total_len",
+        "128",
+    ]
+    env = {**os.environ, "RELAYRL_VLLM_GPU_UTIL": "0.2", "PYTHONPATH": _pythonpath()}  # beside the fixture
+    log = tmp_path / "serve.log"  # a file, not a pipe: vLLM's start-up logs would fill a pipe nobody reads
+    with log.open("w") as sink:
+        server = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    assert json.loads(r.read())["data"][0]["id"] == "model"
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "relayrl serve --engine vllm did not come up in 600 s"
+                time.sleep(2)
+        body = {"model": "model", "prompt": "12+34=", "max_tokens": 12, "temperature": 0, "logprobs": 1}
+        first, again = _post(port, "/v1/completions", body), _post(port, "/v1/completions", body)
+    finally:
+        server.terminate()  # SIGTERM: aiohttp stops, `_serve` closes the engine
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    choice = first["choices"][0]
+    assert choice == again["choices"][0]  # greedy is deterministic
+    ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    assert 0 < len(ids) == len(lps) <= 12 and choice["finish_reason"] in ("stop", "length")
+    prompt = tiny_tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    assert first["prompt_token_ids"] == prompt
+    model = _lively(tiny_tokenizer, seed=0).cuda()  # the folder's weights
+    tol = _tol("bfloat16", model, copy.deepcopy(model).to(torch.bfloat16), [(prompt, ids)])
+    logits = _teacher(model, prompt, ids)
+    idx = torch.tensor(ids, device="cuda")[:, None]
+    lp = torch.log_softmax(logits, -1).gather(-1, idx)[:, 0].cpu()
+    print(f"serve: |lp - teacher| max {(lp - torch.tensor(lps)).abs().max().item():.4f}, tol {tol:.3f}")
+    assert (lp - torch.tensor(lps)).abs().max().item() <= tol
+    assert (logits.max(-1).values - logits.gather(-1, idx)[:, 0]).max().item() <= tol
+
+
+def _main(argv: list[str]) -> int:
+    """Child-process entry points: `rl FOLDER RUN_DIR` prints RESULT {json}."""
+    if argv[0] == "rl":
+        print("RESULT " + json.dumps(_rl_child(argv[1], argv[2])), flush=True)
+        return 0
+    raise SystemExit(f"unknown child command {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
