@@ -90,12 +90,13 @@ def build_policy_objective(algo: AlgoConfig, max_new_tokens: int) -> PolicyObjec
 
 
 def exact_on_policy(algo: AlgoConfig) -> bool:
-    """One epoch, one mini-batch and no off-policy correction: the policy that sampled is the policy being
-    updated, so pi_old = pi_theta at the update and the old-log-prob forward is skipped (the detached current
-    log-probs stand in, ratio 1, as PPO's first epoch). A KL in the reward still needs the trainer's
-    log-probs before the update, so it keeps the forward."""
+    """One epoch and one mini-batch: the weights being updated are the weights before the update (one
+    optimizer step per RL step), so pi_old = pi_theta at the update and the old-log-prob forward is skipped:
+    the detached current log-probs stand in (ratio 1, as PPO's first epoch), and an off-policy correction
+    (tis, icepop, ...) weighs with exp(detached current - rollout), the same pi_old / pi_rollout the pass would
+    give. A KL in the reward still needs the trainer's log-probs before the update, so it keeps the forward."""
     a = resolve_algo(algo)
-    return a.epochs == 1 and a.mini_batches == 1 and a.off_policy == "none" and a.kl_mode != "reward"
+    return a.epochs == 1 and a.mini_batches == 1 and a.kl_mode != "reward"
 
 
 VLLM_GPU_UTIL = 0.35

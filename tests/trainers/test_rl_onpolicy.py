@@ -4,6 +4,7 @@
   |trainer - engine| over action tokens) within 1e-5; with one epoch and one mini-batch the ratio is 1 and
   approx_kl is 0 exactly, and no separate old-log-prob pass runs (the policy's `logprobs` is never called).
 - With two epochs the ratio moves in the second epoch, so the old-log-prob pass runs (once per step).
+- An off-policy correction with one epoch needs no pass either: its pi_old is the detached current log-prob.
 """
 
 from __future__ import annotations
@@ -50,3 +51,22 @@ def test_two_epochs_keep_the_old_logprob_pass(tiny_model_path, tmp_path):
     first = result.history[0]
     # metrics average the two epochs: the first runs at ratio 1, the second after one update moved the policy
     assert first["train/approx_kl"] > 0.0 and first["train/logprob_diff"] > 1e-4
+
+
+def test_off_policy_correction_with_one_epoch_uses_the_detached_logprobs(tiny_model_path, tmp_path):
+    base = tiny_cpu_config(str(tiny_model_path), str(tmp_path / "a"), steps=2, reward=DIGITS)
+    tis, calls = _run(replace(base, algo=replace(base.algo, off_policy="tis")))
+    assert "logprobs" not in calls
+    assert all("train/is_weight_mean" in h for h in tis.history)
+    # the same run with the pass forced (2 mini-batches of one row set each would change the update; a KL in
+    # the reward at coefficient 0 keeps one mini-batch and forces the pass): identical IS weights and losses
+    forced_cfg = replace(
+        base,
+        train=replace(base.train, output_dir=str(tmp_path / "b")),
+        algo=replace(base.algo, off_policy="tis", kl_mode="reward", kl_coef=0.0),
+    )
+    forced, calls = _run(forced_cfg)
+    assert calls.count("logprobs") == 2
+    for a, b in zip(tis.history, forced.history, strict=True):
+        for key in ("train/is_weight_mean", "train/loss", "train/kl_rollout_train"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
