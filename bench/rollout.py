@@ -240,9 +240,13 @@ def mismatch(model, samples: list, temperature: float, limit: int) -> dict:
     flat = [(p, t, lp) for p, toks, lps in samples for t, lp in zip(toks, lps, strict=True)][:limit]
     seqs = [torch.tensor(p + t, device=device) for p, t, _ in flat]
     width = max(len(s) for s in seqs)
-    with torch.no_grad():
-        lp, _ = forward.token_logprobs(model, seqs, layout, temperature=temperature)
-        trainer = forward.to_padded(lp, [len(s) for s in seqs], width).float().cpu()
+    parts = []
+    with torch.no_grad():  # 16 sequences per forward: bounded memory beside an engine that holds most of it
+        for i in range(0, len(seqs), 16):
+            chunk = seqs[i : i + 16]
+            lp, _ = forward.token_logprobs(model, chunk, layout, temperature=temperature)
+            parts.append(forward.to_padded(lp, [len(s) for s in chunk], width).float().cpu())
+    trainer = torch.cat(parts)
     rollout = torch.zeros_like(trainer)
     mask = torch.zeros_like(trainer, dtype=torch.bool)
     for i, (p, t, lps) in enumerate(flat):
@@ -377,9 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     vllm_engine = plain = None
     kept: dict[tuple[str, str], list] = {}
-    for wname, reqs, new in workloads:
-        samples = sum(r.params.n for r in reqs)
-        for name in args.engines.split(","):
+    # engines outer, workloads inner: an engine built once for all workloads (vllm, vllm-llm) is closed
+    # before the next engine starts, so each has the card to itself
+    for name in args.engines.split(","):
+        for wname, reqs, new in workloads:
+            samples = sum(r.params.n for r in reqs)
             if name == "vllm-llm":  # built once, after the other engines freed their memory
                 if plain is None:
                     folder = tempfile.mkdtemp(prefix="relayrl-bench-vllm-llm-")
@@ -440,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{wname} {name:7s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s",
                 flush=True,
             )
+        if name == "vllm" and vllm_engine is not None:  # free the card for the next engine
+            vllm_engine.close()
+            vllm_engine = None
     if args.mismatch and args.n > 0:
         for row in rows:
             if row["workload"] == "w2":

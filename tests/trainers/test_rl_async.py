@@ -198,3 +198,22 @@ def test_pipeline_hands_the_producers_error_to_the_trainer():
     finally:
         pipe.close(timeout=5)
     assert not any(t.name == "relayrl-rollout-pipeline" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.timeout(300)
+def test_async_in_ray_mode_with_a_two_rank_policy(tiny_model_path, tmp_path):
+    """The same pipeline with the policy as 2 FSDP2 ranks on a local Ray cluster (gloo): each rank's actor runs
+    its share of the rollout on one thread while the update and the weight sync (a collective gather into the
+    engine's replica, under `paused()`) run on another."""
+    import ray
+
+    cfg = _cfg(tiny_model_path, tmp_path / "run", steps=3)
+    cfg = replace(cfg, dist=replace(cfg.dist, mode="ray", num_cpus=2, policy_num_gpus_per_node=2))
+    result, seen = _run_recording(cfg)
+    assert not ray.is_initialized()
+    assert result.exit_code == 0, result.message
+    assert [m["async/staleness_max"] for m in result.history] == [0.0, 1.0, 1.0]
+    for step, trajs in seen.items():
+        versions = {v for t in trajs for v, a in zip(t.versions, t.action_mask, strict=True) if a}
+        assert versions and versions <= {step - 2, step - 1}
+    assert (tmp_path / "run/final/model.safetensors").is_file()
