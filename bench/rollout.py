@@ -149,7 +149,9 @@ class PlainVLLM:
     vLLM's default), token ids in (`skip_tokenizer_init`), EOS ignored and the sampled token's log-prob
     returned, like the other engines. One `llm.generate(...)` call per workload (vLLM batches it itself)."""
 
-    def __init__(self, folder: str, dtype: torch.dtype, *, max_seq_len: int, gpu_util: float) -> None:
+    def __init__(
+        self, folder: str, dtype: torch.dtype, *, max_seq_len: int, gpu_util: float, extra: dict | None = None
+    ) -> None:
         from vllm import LLM
 
         t0 = time.perf_counter()
@@ -160,6 +162,7 @@ class PlainVLLM:
             gpu_memory_utilization=gpu_util,
             skip_tokenizer_init=True,
             seed=0,
+            **(extra or {}),
         )
         self.startup_s = time.perf_counter() - t0
         cfg = self.llm.llm_engine.vllm_config
@@ -337,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--vllm-llm-util", type=float, default=0.9, help="vllm-llm: gpu_memory_utilization")
     ap.add_argument(
+        "--vllm-llm-args",
+        default="{}",
+        help='vllm-llm: more LLM(...) arguments as JSON, e.g. {"max_num_seqs": 256}',
+    )
+    ap.add_argument(
         "--mismatch", type=int, default=0, help="workload 2: compare N samples' log-probs with the trainer's"
     )
     ap.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm: gpu_memory_utilization")
@@ -395,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                         dtype,
                         max_seq_len=args.prompt_len + max(n for _, _, n in workloads),
                         gpu_util=args.vllm_llm_util,
+                        extra=json.loads(args.vllm_llm_args),
                     )
                 row, kept[(wname, name)] = run_plain_vllm(plain, reqs)
                 row.update(
