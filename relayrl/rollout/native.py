@@ -55,7 +55,7 @@ import bisect
 import heapq
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -111,6 +111,8 @@ class NativeEngine(ThreadedEngine):
         seed: int | None = None,
         decode_attention: str = "auto",
         driver: str | None = None,
+        prefix_cache: bool = True,
+        min_prefix_tokens: int = 8,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -120,7 +122,9 @@ class NativeEngine(ThreadedEngine):
         bucket; 16 eager, where attention cost follows the longest sequence); `eos_token_id`: stop ids for
         every request (default the tokenizer's EOS; [] for none); `seed`: source of unseeded requests'
         seeds (None: fresh); `decode_attention`: "sdpa" | "math" | "auto" (sdpa on CUDA); `driver`: who runs
-        the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py)."""
+        the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py);
+        `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
+        starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -146,6 +150,13 @@ class NativeEngine(ThreadedEngine):
         self._running: set[_Running] = set()
         self._slot_owner: dict[int, _Running] = {}
         self._free: list[int] = list(range(max_slots))
+        self.prefix_cache = prefix_cache
+        self.min_prefix_tokens = max(1, min_prefix_tokens)
+        self._parked: OrderedDict[int, list[int]] = OrderedDict()
+        """Prefix cache: slot -> the tokens whose K/V it holds at positions [0, len) (LRU order, oldest first)."""
+        self._park_index: dict[tuple[int, ...], set[int]] = {}
+        self.cached_tokens = 0
+        """Prompt tokens whose K/V came from the prefix cache instead of a prefill."""
         self.state: SlotState | None = None
         self.graphs: GraphCache | None = None
         self.prefill_count = 0
@@ -175,12 +186,14 @@ class NativeEngine(ThreadedEngine):
                     torch.cuda.synchronize()
 
     def _release(self) -> None:
+        self._drop_parked()
         self.graphs = None
         self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        self._drop_parked()  # their K/V came from the old weights
         if named_tensors is not None:
             load_named_tensors(self.model, named_tensors)
         if self.graphs is not None:
@@ -257,8 +270,9 @@ class NativeEngine(ThreadedEngine):
     def _admit(self) -> None:
         while self._waiting:
             batch: list[_Running] = []
-            width = 0
-            while self._waiting and len(self._free) >= self._waiting[0].request.params.n:
+            extends: list[tuple[_Running, int]] = []  # (run, cached prefix length)
+            width = ext_width = 0
+            while self._waiting and len(self._free) + len(self._parked) >= self._waiting[0].request.params.n:
                 p = self._waiting[0]
                 plen = len(p.request.prompt_ids)
                 if p.cancelled or plen >= self.max_seq_len:
@@ -268,10 +282,27 @@ class NativeEngine(ThreadedEngine):
                         * p.request.params.n
                     )
                     continue
+                hit = self._match(p.request) if p.request.params.n == 1 else None
+                if hit is not None:
+                    slot, m = hit
+                    if extends and (len(extends) + 1) * max(ext_width, plen - m) > self.max_prefill_tokens:
+                        break
+                    self._waiting.popleft()
+                    self._unpark(slot)
+                    run = _Running(
+                        pending=p,
+                        slots=[slot],
+                        prompt_len=plen,
+                        admit_step=self.decode_steps,
+                        marks=[(0, self.version)],
+                    )
+                    extends.append((run, m))
+                    ext_width = max(ext_width, plen - m)
+                    continue
                 if batch and (len(batch) + 1) * max(width, plen) > self.max_prefill_tokens:
                     break
                 self._waiting.popleft()
-                slots = [heapq.heappop(self._free) for _ in range(p.request.params.n)]
+                slots = [self._take_slot() for _ in range(p.request.params.n)]
                 batch.append(
                     _Running(
                         pending=p,
@@ -282,9 +313,83 @@ class NativeEngine(ThreadedEngine):
                     )
                 )
                 width = max(width, plen)
-            if not batch:
+            if not batch and not extends:
                 return
-            self._prefill(batch, width)
+            if extends:
+                self._prefill_cached(extends, ext_width)
+            if batch:
+                self._prefill(batch, width)
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+    def _key(self, tokens: list[int]) -> tuple[int, ...] | None:
+        return tuple(tokens[: self.min_prefix_tokens]) if len(tokens) >= self.min_prefix_tokens else None
+
+    def _match(self, request: GenerationRequest) -> tuple[int, int] | None:
+        """(parked slot, tokens of the prompt whose K/V it holds) for the longest cached prefix of at least
+        min_prefix_tokens; at most len(prompt) - 1 (the last prompt token is always run: it gives the logits)."""
+        if not self._parked:
+            return None
+        prompt = request.prompt_ids
+        best: tuple[int, int] | None = None
+        for slot in self._park_index.get(self._key(prompt), ()):
+            cached = self._parked[slot]
+            limit = min(len(cached), len(prompt) - 1)
+            m = next((i for i in range(limit) if cached[i] != prompt[i]), limit)
+            if m >= self.min_prefix_tokens and (best is None or m > best[1]):
+                best = (slot, m)
+        return best
+
+    def _park(self, slot: int, tokens: list[int]) -> None:
+        """Keep a finished slot's K/V (positions [0, len(tokens))) for reuse."""
+        key = self._key(tokens)
+        if not self.prefix_cache or key is None:
+            heapq.heappush(self._free, slot)
+            return
+        self._parked[slot] = tokens
+        self._park_index.setdefault(key, set()).add(slot)
+
+    def _unpark(self, slot: int) -> None:
+        tokens = self._parked.pop(slot)
+        key = self._key(tokens)
+        self._park_index[key].discard(slot)
+        if not self._park_index[key]:
+            del self._park_index[key]
+
+    def _take_slot(self) -> int:
+        """An empty slot (lowest id first), else the least recently parked one."""
+        if self._free:
+            return heapq.heappop(self._free)
+        slot = next(iter(self._parked))
+        self._unpark(slot)
+        return slot
+
+    def _drop_parked(self) -> None:
+        for slot in list(self._parked):
+            self._unpark(slot)
+            heapq.heappush(self._free, slot)
+
+    def _prefill_cached(self, extends: list[tuple[_Running, int]], width: int) -> None:
+        """Admit requests onto slots holding a prefix of their prompt: only the rest is prefilled."""
+        st = self.state
+        ids = torch.zeros((len(extends), width), dtype=torch.long)
+        settings = []
+        for b, (run, m) in enumerate(extends):
+            req = run.pending.request
+            rest = req.prompt_ids[m:]
+            ids[b, : len(rest)] = torch.tensor(rest)
+            settings.append(self._slot_settings(req.params, 0, run.prompt_len))
+            self._slot_owner[run.slots[0]] = run
+            self._running.add(run)
+        slot_idx = torch.tensor([run.slots[0] for run, _ in extends], device=self.device)
+        start = torch.tensor([m for _, m in extends], device=self.device)
+        lengths = torch.tensor([run.prompt_len - m for run, m in extends], device=self.device)
+        st.assign(slot_idx, settings)
+        logits = self.runner.extend(ids.to(self.device), start, lengths, st.k_cache, st.v_cache, slot_idx)
+        st.advance(slot_idx, logits, _mode(run.pending.request.params for run, _ in extends))
+        self.prefill_count += len(extends)
+        self.prefill_tokens += sum(run.prompt_len - m for run, m in extends)
+        self.cached_tokens += sum(m for _, m in extends)
+        self.prefill_batches += 1
 
     def _prefill(self, batch: list[_Running], width: int) -> None:
         st = self.state
@@ -370,7 +475,13 @@ class NativeEngine(ThreadedEngine):
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
                 versions=run.versions(b - a),
             )
-            heapq.heappush(self._free, s)
+            # the slot holds K/V of prompt + completion except its last token (sampled, never fed back);
+            # a sample that ran across a weight change holds mixed K/V: not kept
+            mixed = len(run.marks) > 1
+            if mixed or not self.prefix_cache:
+                heapq.heappush(self._free, s)
+            else:
+                self._park(s, list(run.pending.request.prompt_ids) + toks[i][a : b - 1])
             if len(run.out) == len(run.slots):
                 self._running.discard(run)
                 run.pending.finish([run.out[s2] for s2 in run.slots])

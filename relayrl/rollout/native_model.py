@@ -200,6 +200,54 @@ class DecoderRunner:
             x = x + layer.mlp(norm2(x))
         return self._logits(x[torch.arange(b, device=x.device), last])
 
+    def extend(
+        self,
+        ids: torch.Tensor,
+        start: torch.Tensor,
+        lengths: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prefill after a cached prefix: row b's tokens ids[b, :lengths[b]] (right-padded [B, T]) sit at
+        positions start[b] + [0, lengths[b]) of slot slot_idx[b], whose cache already holds valid K/V at
+        [0, start[b]). Writes their K/V there and attends over the slot's cache [0, start[b] + i] for the
+        token at offset i. Returns logits [B, V] at each row's last token. (Prefix caching: the next turn of
+        a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet.)"""
+        b, t = ids.shape
+        d, hkv, n_layers = self.head_dim, self.n_kv, len(self.layers)
+        offs = torch.arange(t, device=ids.device)
+        pos = (start[:, None] + offs[None, :]).clamp(max=self.max_len - 1)  # [B, T]; padding clamped
+        real = offs[None, :] < lengths[:, None]
+        x = self.body.embed_tokens(ids)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, D]
+        kv_len = int((start + lengths).max())
+        # destination rows of the cache viewed as [layers, slots * Hkv * max_len, D]; padding writes go to a
+        # position that this slot rewrites before reading (its own end, masked until then) - or are dropped
+        dst = (slot_idx[:, None, None] * hkv + self.kv_heads[None, :, None]) * self.max_len + pos[:, None, :]
+        keep = real[:, None, :].expand(b, hkv, t).reshape(-1)
+        dst = dst.reshape(-1)[keep]
+        k_rows, v_rows = k_cache.view(n_layers, -1, d), v_cache.view(n_layers, -1, d)
+        visible = self.kv_positions[None, None, :kv_len] <= pos[:, :, None]  # [B, T, kv_len]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device).masked_fill_(
+            ~visible, float("-inf")
+        )
+        for li, layer in enumerate(self.layers):
+            attn, (norm1, norm2) = layer.self_attn, self.norms[li]
+            q, k, v = self._qkv(li, norm1(x), (b, t))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            k_rows[li].index_copy_(0, dst, k.reshape(-1, d)[keep])
+            v_rows[li].index_copy_(0, dst, v.reshape(-1, d)[keep])
+            ks = k_cache[li, slot_idx, :, :kv_len]  # [B, Hkv, kv_len, D] (gathered after the write)
+            vs = v_cache[li, slot_idx, :, :kv_len]
+            o = F.scaled_dot_product_attention(
+                q, ks, vs, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.group > 1
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(norm2(x))
+        return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
+
     def decode(
         self,
         tok: torch.Tensor,
