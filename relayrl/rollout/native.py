@@ -154,7 +154,8 @@ class NativeEngine(ThreadedEngine):
         self.min_prefix_tokens = max(1, min_prefix_tokens)
         self._parked: OrderedDict[int, list[int]] = OrderedDict()
         """Prefix cache: slot -> the tokens whose K/V it holds at positions [0, len) (LRU order, oldest first)."""
-        self._park_index: dict[tuple[int, ...], set[int]] = {}
+        self._park_index: dict[tuple[int, int], set[int]] = {}
+        """(prefix length, prefix hash) -> parked slots holding that prefix (lengths: `_lengths`)."""
         self.cached_tokens = 0
         """Prompt tokens whose K/V came from the prefix cache instead of a prefill."""
         self.state: SlotState | None = None
@@ -321,39 +322,45 @@ class NativeEngine(ThreadedEngine):
                 self._prefill(batch, width)
 
     # ---- prefix cache ---------------------------------------------------------------------------------
-    def _key(self, tokens: list[int]) -> tuple[int, ...] | None:
-        return tuple(tokens[: self.min_prefix_tokens]) if len(tokens) >= self.min_prefix_tokens else None
+    def _lengths(self, n: int) -> list[int]:
+        """Prefix lengths of an n-token parked sequence that the index registers: every PREFIX_STRIDE-th one
+        from min_prefix_tokens, and n itself (a later turn extends the whole sequence)."""
+        lo = self.min_prefix_tokens
+        return sorted({*range(lo, n + 1, PREFIX_STRIDE), n}) if n >= lo else []
 
     def _match(self, request: GenerationRequest) -> tuple[int, int] | None:
-        """(parked slot, tokens of the prompt whose K/V it holds) for the longest cached prefix of at least
-        min_prefix_tokens; at most len(prompt) - 1 (the last prompt token is always run: it gives the logits)."""
+        """(parked slot, tokens of the prompt whose K/V it holds): the longest registered prefix of the prompt,
+        of at least min_prefix_tokens and at most len(prompt) - 1 (the last prompt token is always run: it
+        gives the logits). One pass of prefix hashes over the prompt, one dict lookup per length, and a token
+        comparison of the candidate (hashes can collide)."""
         if not self._parked:
             return None
         prompt = request.prompt_ids
-        best: tuple[int, int] | None = None
-        for slot in self._park_index.get(self._key(prompt), ()):
-            cached = self._parked[slot]
-            limit = min(len(cached), len(prompt) - 1)
-            m = next((i for i in range(limit) if cached[i] != prompt[i]), limit)
-            if m >= self.min_prefix_tokens and (best is None or m > best[1]):
-                best = (slot, m)
-        return best
+        hashes = _prefix_hashes(prompt, len(prompt) - 1)
+        for m in range(len(prompt) - 1, self.min_prefix_tokens - 1, -1):
+            for slot in self._park_index.get((m, hashes[m]), ()):
+                if self._parked[slot][:m] == prompt[:m]:
+                    return slot, m
+        return None
 
     def _park(self, slot: int, tokens: list[int]) -> None:
         """Keep a finished slot's K/V (positions [0, len(tokens))) for reuse."""
-        key = self._key(tokens)
-        if not self.prefix_cache or key is None:
+        if not self.prefix_cache or len(tokens) < self.min_prefix_tokens:
             heapq.heappush(self._free, slot)
             return
         self._parked[slot] = tokens
-        self._park_index.setdefault(key, set()).add(slot)
+        hashes = _prefix_hashes(tokens, len(tokens))
+        for n in self._lengths(len(tokens)):
+            self._park_index.setdefault((n, hashes[n]), set()).add(slot)
 
     def _unpark(self, slot: int) -> None:
         tokens = self._parked.pop(slot)
-        key = self._key(tokens)
-        self._park_index[key].discard(slot)
-        if not self._park_index[key]:
-            del self._park_index[key]
+        hashes = _prefix_hashes(tokens, len(tokens))
+        for n in self._lengths(len(tokens)):
+            key = (n, hashes[n])
+            self._park_index[key].discard(slot)
+            if not self._park_index[key]:
+                del self._park_index[key]
 
     def _take_slot(self) -> int:
         """An empty slot (lowest id first), else the least recently parked one."""
@@ -380,11 +387,12 @@ class NativeEngine(ThreadedEngine):
             settings.append(self._slot_settings(req.params, 0, run.prompt_len))
             self._slot_owner[run.slots[0]] = run
             self._running.add(run)
-        slot_idx = torch.tensor([run.slots[0] for run, _ in extends], device=self.device)
-        start = torch.tensor([m for _, m in extends], device=self.device)
-        lengths = torch.tensor([run.prompt_len - m for run, m in extends], device=self.device)
+        slots = [run.slots[0] for run, _ in extends]
+        slot_idx = torch.tensor(slots, device=self.device)
+        start = [m for _, m in extends]
+        lengths = [run.prompt_len - m for run, m in extends]
         st.assign(slot_idx, settings)
-        logits = self.runner.extend(ids.to(self.device), start, lengths, st.k_cache, st.v_cache, slot_idx)
+        logits = self.runner.extend(ids.to(self.device), start, lengths, st.k_cache, st.v_cache, slots)
         st.advance(slot_idx, logits, _mode(run.pending.request.params for run, _ in extends))
         self.prefill_count += len(extends)
         self.prefill_tokens += sum(run.prompt_len - m for run, m in extends)
@@ -495,6 +503,20 @@ class NativeEngine(ThreadedEngine):
             del self._slot_owner[s]
             heapq.heappush(self._free, s)
         self._running.discard(run)
+
+
+PREFIX_STRIDE = 8
+"""The prefix cache registers every 8th prefix length of a parked sequence (and its full length): a repeated
+prompt reuses all but at most 8 of its tokens; a next turn, which extends the whole sequence, reuses it all."""
+
+
+def _prefix_hashes(tokens: list[int], upto: int) -> list[int]:
+    """h[L] = polynomial hash of tokens[:L] for L in [0, upto] (one pass)."""
+    out, h = [0], 0
+    for t in tokens[:upto]:
+        h = (h * 1_000_003 + t + 1) & 0xFFFFFFFFFFFFFFF
+        out.append(h)
+    return out
 
 
 def _kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:

@@ -203,50 +203,56 @@ class DecoderRunner:
     def extend(
         self,
         ids: torch.Tensor,
-        start: torch.Tensor,
-        lengths: torch.Tensor,
+        start: list[int],
+        lengths: list[int],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slot_idx: torch.Tensor,
+        slots: list[int],
     ) -> torch.Tensor:
         """Prefill after a cached prefix: row b's tokens ids[b, :lengths[b]] (right-padded [B, T]) sit at
-        positions start[b] + [0, lengths[b]) of slot slot_idx[b], whose cache already holds valid K/V at
+        positions start[b] + [0, lengths[b]) of slot slots[b], whose cache already holds valid K/V at
         [0, start[b]). Writes their K/V there and attends over the slot's cache [0, start[b] + i] for the
         token at offset i. Returns logits [B, V] at each row's last token. (Prefix caching: the next turn of
-        a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet.)"""
+        a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet.) Offsets
+        come from the host, so nothing here waits for the device."""
         b, t = ids.shape
-        d, hkv, n_layers = self.head_dim, self.n_kv, len(self.layers)
-        offs = torch.arange(t, device=ids.device)
-        pos = (start[:, None] + offs[None, :]).clamp(max=self.max_len - 1)  # [B, T]; padding clamped
-        real = offs[None, :] < lengths[:, None]
+        d, hkv, n_layers, dev = self.head_dim, self.n_kv, len(self.layers), ids.device
+        kv_len = max(s + n for s, n in zip(start, lengths, strict=True))
+        # per real token, in [B, Hkv, T] order: its row in k.reshape(-1, D) and its row in the cache viewed as
+        # [layers, slots * Hkv * max_len, D] (padding tokens are neither read nor written)
+        src, dst = [], []
+        for row, (slot, s0, n) in enumerate(zip(slots, start, lengths, strict=True)):
+            for h in range(hkv):
+                src.extend(range((row * hkv + h) * t, (row * hkv + h) * t + n))
+                dst.extend(
+                    range((slot * hkv + h) * self.max_len + s0, (slot * hkv + h) * self.max_len + s0 + n)
+                )
+        src_t = torch.tensor(src, device=dev)
+        dst_t = torch.tensor(dst, device=dev)
+        start_t = torch.tensor(start, device=dev)
+        slot_t = torch.tensor(slots, device=dev)
+        last = torch.tensor([n - 1 for n in lengths], device=dev)
+        pos = (start_t[:, None] + torch.arange(t, device=dev)[None, :]).clamp(max=self.max_len - 1)  # [B, T]
         x = self.body.embed_tokens(ids)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, T, D]
-        kv_len = int((start + lengths).max())
-        # destination rows of the cache viewed as [layers, slots * Hkv * max_len, D]; padding writes go to a
-        # position that this slot rewrites before reading (its own end, masked until then) - or are dropped
-        dst = (slot_idx[:, None, None] * hkv + self.kv_heads[None, :, None]) * self.max_len + pos[:, None, :]
-        keep = real[:, None, :].expand(b, hkv, t).reshape(-1)
-        dst = dst.reshape(-1)[keep]
         k_rows, v_rows = k_cache.view(n_layers, -1, d), v_cache.view(n_layers, -1, d)
         visible = self.kv_positions[None, None, :kv_len] <= pos[:, :, None]  # [B, T, kv_len]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device).masked_fill_(
-            ~visible, float("-inf")
-        )
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
         for li, layer in enumerate(self.layers):
             attn, (norm1, norm2) = layer.self_attn, self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (b, t))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            k_rows[li].index_copy_(0, dst, k.reshape(-1, d)[keep])
-            v_rows[li].index_copy_(0, dst, v.reshape(-1, d)[keep])
-            ks = k_cache[li, slot_idx, :, :kv_len]  # [B, Hkv, kv_len, D] (gathered after the write)
-            vs = v_cache[li, slot_idx, :, :kv_len]
+            k_rows[li].index_copy_(0, dst_t, k.reshape(-1, d).index_select(0, src_t))
+            v_rows[li].index_copy_(0, dst_t, v.reshape(-1, d).index_select(0, src_t))
+            ks = k_cache[li, slot_t, :, :kv_len]  # [B, Hkv, kv_len, D] (gathered after the write)
+            vs = v_cache[li, slot_t, :, :kv_len]
             o = F.scaled_dot_product_attention(
                 q, ks, vs, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.group > 1
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(norm2(x))
-        return self._logits(x[torch.arange(b, device=x.device), lengths - 1])
+        return self._logits(x[torch.arange(b, device=dev), last])
 
     def decode(
         self,

@@ -53,14 +53,18 @@ def test_second_turn_prefills_only_the_new_tokens_and_matches_no_cache(
     assert torch.allclose(torch.tensor(a2.logprobs), torch.tensor(b2.logprobs), atol=1e-5)
 
 
-def test_a_repeated_prompt_reuses_all_but_its_last_token(lively_model, tiny_tokenizer, prompts):
+def test_a_repeated_prompt_reuses_all_but_a_few_of_its_tokens(lively_model, tiny_tokenizer, prompts):
+    """The cache indexes every PREFIX_STRIDE-th prefix length of a parked sequence: a repeated prompt reuses
+    the longest such prefix shorter than itself (its last token always runs, for the logits)."""
     engine = _engine(lively_model, tiny_tokenizer, True)
     try:
         first = asyncio.run(engine.generate(_req(prompts[1]))).completions[0]
         again = asyncio.run(engine.generate(_req(prompts[1]))).completions[0]
     finally:
         engine.close()
-    assert engine.cached_tokens == len(prompts[1]) - 1
+    from relayrl.rollout.native import PREFIX_STRIDE
+
+    assert len(prompts[1]) - 1 - PREFIX_STRIDE < engine.cached_tokens <= len(prompts[1]) - 1
     assert again.token_ids == first.token_ids
 
 
