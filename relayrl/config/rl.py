@@ -368,6 +368,11 @@ class DistConfig:
     """Nodes of the critic role."""
     critic_num_gpus_per_node: int = 1
     """Ranks of the critic role per node."""
+    num_engines: int = 0
+    """Rollout engines as actors of their own, one GPU each (OpenRLHF's --vllm_num_engines; ray mode): each
+    holds a full copy of the policy and generates a share of the prompts; the policy's rank 0 broadcasts new
+    weights to them over NCCL (gloo on CPUs) after every step. 0: each policy rank runs its own engine on its
+    GPU (colocated). Engine native or hf; no tensor parallelism inside an engine yet."""
     colocate_policy_ref: bool = False
     """Reference ranks share the policy's GPUs (same sizes required), as OpenRLHF's --colocate_actor_ref."""
     colocate_critic_reward: bool = False
@@ -398,6 +403,8 @@ class DistConfig:
                 raise invalid(name, getattr(self, name), "an int >= 1")
         if self.timeout_s <= 0:
             raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
+        if self.num_engines < 0:
+            raise invalid("num_engines", self.num_engines, "an int >= 0 (0: the engine is colocated)")
         check_choices(self)
 
     @classmethod

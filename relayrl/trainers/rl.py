@@ -206,7 +206,7 @@ class RLTrainer:
             if need <= 0:
                 break
             prompts = self._draw_prompts(need, drawn)
-            trajs = self.roles.policy.call("rollout", prompts, self._seed(attempt, step))
+            trajs = self.roles.generator.call("rollout", prompts, self._seed(attempt, step))
             t0 = time.perf_counter()
             trajs = self.roles.reward.call("score", trajs)
             add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})
@@ -300,7 +300,15 @@ class RLTrainer:
         """New weights to the engine as version `self.step` (an on-device cast-copy, nothing when it runs on
         the policy's own parameters, or streamed tensors); returns timing/engine_refresh. In async mode the
         engine's in-flight requests continue under the new weights (partial rollout)."""
-        out = self.roles.policy.call("sync", self.step)
+        if self.roles.engines is None:
+            out = self.roles.policy.call("sync", self.step)
+        else:  # the policy's rank 0 broadcasts, the engines receive: both sides at once
+            out, _ = self.roles.launcher.wait(
+                [
+                    self.roles.policy.submit("sync", self.step),
+                    self.roles.engines.submit("receive_weights", self.step),
+                ]
+            )
         self.version = self.step
         if self._pipeline is not None:
             self._pipeline.step_done(self.step)
@@ -368,7 +376,7 @@ class RLTrainer:
         if not self.prompts.eval:
             return {}
         t0 = time.perf_counter()
-        trajs = self.roles.policy.call("rollout", self.prompts.eval, self.cfg.train.seed + 12345, True)
+        trajs = self.roles.generator.call("rollout", self.prompts.eval, self.cfg.train.seed + 12345, True)
         trajs = self.roles.reward.call("score", trajs)
         e = self.cfg.eval
         metrics = eval_metrics(trajs, n_samples=e.n_samples, threshold=e.correct_threshold)
@@ -535,6 +543,13 @@ class RLTrainer:
             raise FileNotFoundError(f"ckpt.resume={r!r} is not a checkpoint folder (no trainer_state.json)")
         loaded = self.ckpt.load(path)
         self.roles.policy.call("load", str(path / "policy"), loaded.step)
+        if self.roles.engines is not None:
+            self.roles.launcher.wait(
+                [
+                    self.roles.policy.submit("sync", loaded.step),
+                    self.roles.engines.submit("receive_weights", loaded.step),
+                ]
+            )
         if self.roles.critic is not None:
             self.roles.critic.call("load", str(path / "critic"))
         self.sampler.load_state_dict(loaded.extra["sampler"])

@@ -140,6 +140,18 @@ def _check_values(cfg: RLConfig) -> None:
             "or run the policy on one rank",
             field="ema",
         )
+    if cfg.dist.num_engines:
+        why = (
+            "needs dist.mode ray (in local mode put the engine on another GPU with rollout.engine_device)"
+            if cfg.dist.mode != "ray"
+            else "works with rollout.engine native or hf"
+            if cfg.rollout.engine not in ("native", "hf")
+            else "does not take LoRA yet (the engines hold plain weights); merge first or use 0"
+            if cfg.model.lora.rank > 0
+            else ""
+        )
+        if why:
+            raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
     if cfg.train.async_train:
         for flag, on in (
             ("engine_sleep", cfg.dist.engine_sleep == "yes"),
@@ -374,9 +386,18 @@ class Roles:
     reward: RoleHandle
     reference: RoleHandle | None = None
     critic: RoleHandle | None = None
+    engines: RoleHandle | None = None
+    """Separate engine actors (dist.num_engines > 0), else None: the policy's ranks generate."""
+
+    @property
+    def generator(self) -> RoleHandle:
+        """The role that generates: the engines when separate, else the policy (its colocated engines)."""
+        return self.engines if self.engines is not None else self.policy
 
     def close(self) -> None:
         try:
+            if self.engines is not None:
+                self.engines.call("close")
             self.policy.call("close")
         finally:
             self.launcher.shutdown()
@@ -394,6 +415,7 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
     want_ref = needs_reference(algo.kl_mode)
     want_critic = needs_critic(algo.advantage)
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
+    d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
     policy_spec = PolicySpec(
         model=cfg.model,
         optim=cfg.optim,
@@ -406,6 +428,7 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
         step_timeout=cfg.reward.timeout_s,
         dist=cfg.dist,
         async_train=cfg.train.async_train,
+        separate_engines=d_engines > 0,
         **run,
     )
     d = cfg.dist
@@ -414,9 +437,11 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
         sizes["reference"] = d.ranks("ref")
     if want_critic:
         sizes["critic"] = d.ranks("critic")
+    if d_engines:
+        sizes["engine"] = d_engines
     launcher = build_launcher(d, sizes)
     if cfg.train.async_train:  # rollout, update and eval of the policy (score and eval of the reward) overlap
-        launcher.concurrency.update(policy=3, reward=2)
+        launcher.concurrency.update(policy=3, reward=2, engine=3)
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)
         reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
@@ -442,11 +467,41 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
                 **run,
             )
             critic = launcher.spawn("critic", CriticWorker, critic_spec)
+        engines = None
+        if d_engines:
+            from relayrl.workers.engine import EngineSpec, EngineWorker
+
+            engine_spec = EngineSpec(
+                model=cfg.model,
+                rollout=cfg.rollout,
+                eval=cfg.eval,
+                task_name=cfg.task.name,
+                step_timeout=cfg.reward.timeout_s,
+                **run,
+            )
+            engines = launcher.spawn("engine", EngineWorker, engine_spec)
+            connect_engines(policy, engines, launcher, d_engines, cfg.dist.timeout_s)
         policy.call("info")  # surfaces a worker's construction error here, in both modes
     except BaseException:
         launcher.shutdown()
         raise
-    return Roles(launcher=launcher, policy=policy, reward=reward, reference=reference, critic=critic)
+    return Roles(
+        launcher=launcher, policy=policy, reward=reward, reference=reference, critic=critic, engines=engines
+    )
+
+
+def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s: float) -> None:
+    """Form the weight group (the policy's rank 0 + the n engines) and send the engines the policy's weights
+    as version 0 (so they start from exactly the trainer's weights, cast to the engine dtype)."""
+    address, port = policy.call("weight_endpoint")
+    backend = "nccl" if getattr(launcher, "use_gpus", False) else "gloo"
+    launcher.wait(
+        [
+            policy.submit("join_weights", address, port, 1 + n, backend, timeout_s),
+            engines.submit("join_weights", address, port, 1 + n, backend, timeout_s),
+        ]
+    )
+    launcher.wait([policy.submit("sync", 0), engines.submit("receive_weights", 0)])
 
 
 def build_kl_controller(cfg: RLConfig) -> Any:

@@ -23,9 +23,8 @@ so the update does not depend on how the mini-batch is split.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,9 @@ from relayrl.agents.base import PromptSample, Trajectory
 from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.rl import AlgoConfig, DistConfig, EvalConfig, RolloutConfig
-from relayrl.distributed.group import in_group, merged, my_share, world
+from relayrl.distributed.group import in_group, merged, world
 from relayrl.distributed.weights import EngineWeights
 from relayrl.models.forward import choose_layout, prepare_model, to_device
-from relayrl.rollout.base import SamplingParams
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
 from relayrl.training.step import LossOutput
@@ -52,6 +50,7 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
+from relayrl.workers.engine import generate_share, sampling_params
 from relayrl.workers.model_ops import masked_logprobs, micro_batches, my_rows, on_my_rows, token_logprobs
 from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
 
@@ -84,6 +83,9 @@ class PolicySpec:
     """Timeout of one agent environment step."""
     dist: DistConfig | None = None
     """Sharding and memory options when the role runs on several ranks (ray mode); None: defaults."""
+    separate_engines: bool = False
+    """The engines are actors of their own (dist.num_engines > 0): this role keeps a full replica of the
+    weights for them (no engine, no KV cache) and its rank 0 broadcasts it at every `sync`."""
     async_train: bool = False
     """Rollout overlaps training (train.async_train): the engine gets its own weight copy, refreshed only at
     `sync` while its rounds are paused, so an optimizer step never changes weights under a running round."""
@@ -119,7 +121,7 @@ class PolicyWorker:
                 dtype=engine_dtype,
                 gather=True,
                 device=engine_device or self.device,
-                stream=spec.rollout.engine == "vllm",
+                stream=spec.rollout.engine == "vllm" and not spec.separate_engines,
             )
             shard_if_grouped(self.model, spec.dist, self.device, precision)
         self.train = build_train_step(
@@ -141,68 +143,48 @@ class PolicyWorker:
                 self.model,
                 dtype=engine_dtype,
                 device=engine_device,
-                own_copy=spec.async_train or engine_device is not None,
-                stream=spec.rollout.engine == "vllm",
+                own_copy=spec.async_train or engine_device is not None or spec.separate_engines,
+                stream=spec.rollout.engine == "vllm" and not spec.separate_engines,
             )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
         sleep = spec.dist.engine_sleep if spec.dist else "auto"
         self.engine_sleep = sleep == "yes"
         self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
         self._asleep = False
-        self.engine = build_engine_for(
-            spec.rollout, spec.eval, self.weights.model, self.tokenizer, source=spec.model
-        )
-        self.executor = build_executor(
-            spec.rollout,
-            self.engine,
-            self.tokenizer,
-            task_name=spec.task_name,
-            step_timeout=spec.step_timeout,
-        )
+        self.engine: Any = None
+        self.executor: Any = None
+        self.weight_group: Any = None
+        if not spec.separate_engines:
+            self.engine = build_engine_for(
+                spec.rollout, spec.eval, self.weights.model, self.tokenizer, source=spec.model
+            )
+            self.executor = build_executor(
+                spec.rollout,
+                self.engine,
+                self.tokenizer,
+                task_name=spec.task_name,
+                step_timeout=spec.step_timeout,
+            )
 
     # ----------------------------------------------------------------------------------------- rollout
-    def sampling_params(self, *, eval: bool = False, seed: int | None = None) -> SamplingParams:
-        r = self.spec.rollout
-        if eval:
-            e = self.spec.eval
-            return SamplingParams(
-                n=e.n_samples, temperature=e.temperature, max_new_tokens=r.max_new_tokens, seed=seed
-            )
-        return SamplingParams(
-            n=r.n_samples,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            seed=seed,
-        )
-
     @merged("concat")
     def rollout(self, samples: list[PromptSample], seed: int, eval: bool = False) -> list[Trajectory]:
         """n trajectories per prompt, grouped (a prompt's samples are contiguous). Request seeds derive from
         `seed` and the prompt's dataset index, so a resumed run samples exactly what the original did. Under
         N ranks each rank's engine generates a contiguous share of the prompts (balanced by expected tokens:
-        prompt + max_new_tokens), and the shares concatenate back in order."""
+        prompt + max_new_tokens), and the shares concatenate back in order (workers/engine.generate_share)."""
+        if self.engine is None:
+            raise RuntimeError(
+                "the policy has no engine of its own (dist.num_engines > 0): call the engine role"
+            )
         if self.weights.model is self.model:  # the engine runs on the trained module (never in async mode)
             self.model.eval()
-        base = self.sampling_params(eval=eval)
-        budget = self.spec.rollout.max_new_tokens
-        samples = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
         if self.offload_optimizer:
             move_optimizer_state(self.train.optimizer, torch.device("cpu"))
         if self.device.type == "cuda" and not eval:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
-
-        async def run() -> list[list[Trajectory]]:
-            jobs = [
-                self.executor.execute(s, replace(base, seed=(seed * 1_000_003 + s.index * 7919) % (2**31)))
-                for s in samples
-            ]
-            return list(await asyncio.gather(*jobs))
-
-        with torch.no_grad():
-            groups = asyncio.run(run())
-        return [t for g in groups for t in g]
+        base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
+        return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
 
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")
@@ -258,7 +240,7 @@ class PolicyWorker:
     def _prepare_update(self) -> None:
         """Before training: the engine frees its KV cache (engine_sleep) and offloaded optimizer states
         come back to the device."""
-        if self.engine_sleep and not self._asleep:
+        if self.engine_sleep and not self._asleep and self.engine is not None:
             self.engine.sleep()
             self._asleep = True
         if self.offload_optimizer:
@@ -298,12 +280,35 @@ class PolicyWorker:
                     self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
 
     # ----------------------------------------------------------------------------------------- sync
+    def weight_endpoint(self) -> tuple[str, int]:
+        """(address, free port) on this rank's host: where the weight group's store listens (rank 0's)."""
+        from relayrl.distributed.weight_group import free_endpoint
+
+        return free_endpoint()
+
+    def join_weights(self, address: str, port: int, world: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 enters the weight group as its sender (rank 0); the other ranks only help gather."""
+        from relayrl.distributed.group import rank
+        from relayrl.distributed.weight_group import WeightGroup
+
+        if rank() == 0:
+            self.weight_group = WeightGroup(
+                address, port, rank=0, world=world, backend=backend, timeout_s=timeout_s
+            )
+
     def sync(self, version: int | None = None) -> dict[str, float]:
         """New weights to the engine, as weight version `version` (the RL step; None: the engine's + 1):
         cast-copy into its buffers (or nothing when it runs on the policy's own parameters), or stream named
         tensors to an engine holding its own copy (vllm); the engine then drops weight-dependent caches.
         Rounds are paused meanwhile: requests in flight (async training) continue under the new weights."""
         t0 = time.perf_counter()
+        if self.engine is None:  # separate engines: refresh the replica, rank 0 broadcasts it
+            seconds = self.train.last_refresh_s + self.weights.refresh()
+            if self.weight_group is not None:
+                with torch.no_grad():
+                    for p in self.weights.model.parameters():
+                        self.weight_group.broadcast(p.data)
+            return {"timing/engine_refresh": max(seconds, time.perf_counter() - t0)}
         with self.engine.paused():
             seconds = self.train.last_refresh_s + self.weights.refresh()
             if self._asleep:
@@ -329,7 +334,8 @@ class PolicyWorker:
         the weights as version `version` (the checkpoint's step)."""
         state = self.state.load(folder)
         self.ema = state.get("ema")
-        self.sync(version)
+        if self.engine is not None:  # separate engines: the controller syncs them (both sides at once)
+            self.sync(version)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
@@ -366,4 +372,5 @@ class PolicyWorker:
         }
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()

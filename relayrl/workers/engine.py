@@ -1,0 +1,147 @@
+"""EngineWorker: a rollout engine of its own (`dist.num_engines` N > 0, ray mode), beside the trainer's GPUs.
+
+    rollout(samples, seed, eval=False) -> list[Trajectory]   this engine's share of the prompts (merged in
+                                                             rank order: the engines' shares concatenate back)
+    join_weights(address, port, world)                       enter the weight group (rank 1 + engine rank)
+    receive_weights(version)                                 take the policy's new weights (a broadcast from
+                                                             the policy's rank 0), as weight version `version`
+    weight_checksum() -> float                               sum of |w| over the weights (tests compare it)
+
+Each engine actor holds a full copy of the policy in the inference dtype (bf16 on a GPU) and the same engine
+and agent executor the policy builds when the engine is colocated (relayrl.workers.builders), so rollout
+results do not depend on where the engine runs: request seeds derive from (step seed, prompt index).
+
+Weights (relayrl/distributed/weight_group.py): after each update the policy refreshes its full replica (a
+cast-copy, or FSDP all-gathers across its ranks) and its rank 0 broadcasts every parameter, in
+`named_parameters()` order, to the engines over NCCL (gloo on CPUs); each engine receives in the same order
+straight into its parameters while its rounds are paused (`engine.paused()`), so requests in flight (async
+training) continue under the new weights, their later tokens tagged with the new version.
+
+Not here yet: tensor parallelism inside one engine (each engine is one GPU), and vLLM as the separate engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.config.components import ModelConfig
+from relayrl.config.rl import EvalConfig, RolloutConfig
+from relayrl.distributed.group import merged, my_share, rank
+from relayrl.rollout.base import SamplingParams
+from relayrl.training.setup import resolve_device
+from relayrl.workers.builders import build_engine_for, build_executor, build_frozen, setup_process
+
+
+def sampling_params(rollout: RolloutConfig, evaluation: EvalConfig, *, eval: bool = False) -> SamplingParams:
+    """Training (or eval) sampling settings of a step (seed set per request)."""
+    if eval:
+        return SamplingParams(
+            n=evaluation.n_samples, temperature=evaluation.temperature, max_new_tokens=rollout.max_new_tokens
+        )
+    return SamplingParams(
+        n=rollout.n_samples,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+    )
+
+
+def generate_share(
+    executor: Any, base: SamplingParams, samples: list[PromptSample], seed: int, budget: int
+) -> list[Trajectory]:
+    """This rank's contiguous share of `samples` (balanced by prompt + `budget` tokens), n trajectories per
+    prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume)."""
+    mine = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
+
+    async def run() -> list[list[Trajectory]]:
+        jobs = [
+            executor.execute(s, replace(base, seed=(seed * 1_000_003 + s.index * 7919) % (2**31)))
+            for s in mine
+        ]
+        return list(await asyncio.gather(*jobs))
+
+    with torch.no_grad():
+        groups = asyncio.run(run())
+    return [t for g in groups for t in g]
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineSpec:
+    """What an engine actor reads."""
+
+    model: ModelConfig
+    """The policy's weights at the start (later ones arrive by broadcast)."""
+    rollout: RolloutConfig
+    """Engine, sampling, agent executor."""
+    eval: EvalConfig
+    """Eval sampling."""
+    seed: int = 0
+    """Process seed."""
+    device: str = "auto"
+    """auto / cpu / cuda."""
+    task_name: str = ""
+    """Built-in multi-turn task driving a `multi` agent."""
+    step_timeout: float = 60.0
+    """Timeout of one agent environment step."""
+
+
+class EngineWorker:
+    """A separate rollout engine (see module doc)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        from relayrl.models.loading import load_tokenizer
+
+        setup_process(spec.seed)
+        self.spec = spec
+        self.device = resolve_device(spec.device)
+        m = spec.model
+        self.tokenizer = load_tokenizer(
+            m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
+        )
+        self.model = build_frozen(m, self.device)
+        self.engine = build_engine_for(spec.rollout, spec.eval, self.model, self.tokenizer, source=m)
+        self.executor = build_executor(
+            spec.rollout,
+            self.engine,
+            self.tokenizer,
+            task_name=spec.task_name,
+            step_timeout=spec.step_timeout,
+        )
+        self.group: Any = None
+
+    @merged("concat")
+    def rollout(self, samples: list[PromptSample], seed: int, eval: bool = False) -> list[Trajectory]:
+        """n trajectories per prompt of this engine's share of `samples` (see `generate_share`)."""
+        base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
+        return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
+
+    def join_weights(self, address: str, port: int, world: int, backend: str, timeout_s: float) -> None:
+        """Enter the weight group as rank 1 + this engine's rank (the policy's rank 0 is rank 0)."""
+        from relayrl.distributed.weight_group import WeightGroup
+
+        self.group = WeightGroup(
+            address, port, rank=1 + rank(), world=world, backend=backend, timeout_s=timeout_s
+        )
+
+    @torch.no_grad()
+    def receive_weights(self, version: int) -> None:
+        """Every parameter from the policy's rank 0, in place, while no round runs; then version `version`."""
+        with self.engine.paused():
+            for p in self.model.parameters():
+                self.group.broadcast(p.data)
+            self.engine.load_weights(None, version=version)
+
+    @merged("concat")
+    @torch.no_grad()
+    def weight_checksum(self) -> list[float]:
+        """[sum of |w| over every parameter, in float64], one per engine."""
+        return [float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))]
+
+    def close(self) -> None:
+        self.engine.close()
