@@ -27,42 +27,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "qwen0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-    ),
-}
+SHAPES = ("tiny", "qwen0.5b")
+"""bench/rl_step.py's shapes of the same names (its random Qwen2 + the char tokenizer)."""
 
 
 def build(shape: str, device: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """bench/rl_step.py's model of `shape` (saved to a temporary folder), loaded on `device`."""
+    import tempfile
 
-    from relayrl.models.tiny import build_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = build_tiny_tokenizer()
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-        **SHAPES[shape],
-    )
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval(), tok
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rl_step import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(shape, Path(tmp) / "model")
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        return model, AutoTokenizer.from_pretrained(folder)
 
 
 def play(model, tok, *, cache: bool, prompts: int, n: int, max_new: int, seed: int) -> tuple[dict, list]:
@@ -113,7 +95,7 @@ def play(model, tok, *, cache: bool, prompts: int, n: int, max_new: int, seed: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="tiny", choices=SHAPES)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=16, help="new tokens per turn")
