@@ -52,10 +52,9 @@ Guarantees
 from __future__ import annotations
 
 import bisect
-import heapq
 import random
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -67,6 +66,7 @@ from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_state import GraphCache, SlotState
 from relayrl.rollout.sampling import mix_seed
+from relayrl.rollout.slots import SlotPool
 
 
 @dataclass(eq=False, slots=True)
@@ -149,13 +149,8 @@ class NativeEngine(ThreadedEngine):
         self._waiting: deque[Pending] = deque()
         self._running: set[_Running] = set()
         self._slot_owner: dict[int, _Running] = {}
-        self._free: list[int] = list(range(max_slots))
-        self.prefix_cache = prefix_cache
-        self.min_prefix_tokens = max(1, min_prefix_tokens)
-        self._parked: OrderedDict[int, list[int]] = OrderedDict()
-        """Prefix cache: slot -> the tokens whose K/V it holds at positions [0, len) (LRU order, oldest first)."""
-        self._park_index: dict[tuple[int, int], set[int]] = {}
-        """(prefix length, prefix hash) -> parked slots holding that prefix (lengths: `_lengths`)."""
+        self.pool = SlotPool(max_slots, prefix_cache=prefix_cache, min_prefix_tokens=min_prefix_tokens)
+        """Free slots and the prefix cache (slots.py)."""
         self.cached_tokens = 0
         """Prompt tokens whose K/V came from the prefix cache instead of a prefill."""
         self.state: SlotState | None = None
@@ -187,14 +182,14 @@ class NativeEngine(ThreadedEngine):
                     torch.cuda.synchronize()
 
     def _release(self) -> None:
-        self._drop_parked()
+        self.pool.drop_parked()
         self.graphs = None
         self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-        self._drop_parked()  # their K/V came from the old weights
+        self.pool.drop_parked()  # their K/V came from the old weights
         if named_tensors is not None:
             load_named_tensors(self.model, named_tensors)
         if self.graphs is not None:
@@ -273,7 +268,7 @@ class NativeEngine(ThreadedEngine):
             batch: list[_Running] = []
             extends: list[tuple[_Running, int]] = []  # (run, cached prefix length)
             width = ext_width = 0
-            while self._waiting and len(self._free) + len(self._parked) >= self._waiting[0].request.params.n:
+            while self._waiting and self.pool.available() >= self._waiting[0].request.params.n:
                 p = self._waiting[0]
                 plen = len(p.request.prompt_ids)
                 if p.cancelled or plen >= self.max_seq_len:
@@ -283,13 +278,13 @@ class NativeEngine(ThreadedEngine):
                         * p.request.params.n
                     )
                     continue
-                hit = self._match(p.request) if p.request.params.n == 1 else None
+                hit = self.pool.match(p.request.prompt_ids) if p.request.params.n == 1 else None
                 if hit is not None:
                     slot, m = hit
                     if extends and (len(extends) + 1) * max(ext_width, plen - m) > self.max_prefill_tokens:
                         break
                     self._waiting.popleft()
-                    self._unpark(slot)
+                    self.pool.claim(slot)
                     run = _Running(
                         pending=p,
                         slots=[slot],
@@ -303,7 +298,7 @@ class NativeEngine(ThreadedEngine):
                 if batch and (len(batch) + 1) * max(width, plen) > self.max_prefill_tokens:
                     break
                 self._waiting.popleft()
-                slots = [self._take_slot() for _ in range(p.request.params.n)]
+                slots = [self.pool.take() for _ in range(p.request.params.n)]
                 batch.append(
                     _Running(
                         pending=p,
@@ -322,59 +317,6 @@ class NativeEngine(ThreadedEngine):
                 self._prefill(batch, width)
 
     # ---- prefix cache ---------------------------------------------------------------------------------
-    def _lengths(self, n: int) -> list[int]:
-        """Prefix lengths of an n-token parked sequence that the index registers: every PREFIX_STRIDE-th one
-        from min_prefix_tokens, and n itself (a later turn extends the whole sequence)."""
-        lo = self.min_prefix_tokens
-        return sorted({*range(lo, n + 1, PREFIX_STRIDE), n}) if n >= lo else []
-
-    def _match(self, request: GenerationRequest) -> tuple[int, int] | None:
-        """(parked slot, tokens of the prompt whose K/V it holds): the longest registered prefix of the prompt,
-        of at least min_prefix_tokens and at most len(prompt) - 1 (the last prompt token is always run: it
-        gives the logits). One pass of prefix hashes over the prompt, one dict lookup per length, and a token
-        comparison of the candidate (hashes can collide)."""
-        if not self._parked:
-            return None
-        prompt = request.prompt_ids
-        hashes = _prefix_hashes(prompt, len(prompt) - 1)
-        for m in range(len(prompt) - 1, self.min_prefix_tokens - 1, -1):
-            for slot in self._park_index.get((m, hashes[m]), ()):
-                if self._parked[slot][:m] == prompt[:m]:
-                    return slot, m
-        return None
-
-    def _park(self, slot: int, tokens: list[int]) -> None:
-        """Keep a finished slot's K/V (positions [0, len(tokens))) for reuse."""
-        if not self.prefix_cache or len(tokens) < self.min_prefix_tokens:
-            heapq.heappush(self._free, slot)
-            return
-        self._parked[slot] = tokens
-        hashes = _prefix_hashes(tokens, len(tokens))
-        for n in self._lengths(len(tokens)):
-            self._park_index.setdefault((n, hashes[n]), set()).add(slot)
-
-    def _unpark(self, slot: int) -> None:
-        tokens = self._parked.pop(slot)
-        hashes = _prefix_hashes(tokens, len(tokens))
-        for n in self._lengths(len(tokens)):
-            key = (n, hashes[n])
-            self._park_index[key].discard(slot)
-            if not self._park_index[key]:
-                del self._park_index[key]
-
-    def _take_slot(self) -> int:
-        """An empty slot (lowest id first), else the least recently parked one."""
-        if self._free:
-            return heapq.heappop(self._free)
-        slot = next(iter(self._parked))
-        self._unpark(slot)
-        return slot
-
-    def _drop_parked(self) -> None:
-        for slot in list(self._parked):
-            self._unpark(slot)
-            heapq.heappush(self._free, slot)
-
     def _prefill_cached(self, extends: list[tuple[_Running, int]], width: int) -> None:
         """Admit requests onto slots holding a prefix of their prompt: only the rest is prefilled."""
         st = self.state
@@ -486,10 +428,10 @@ class NativeEngine(ThreadedEngine):
             # the slot holds K/V of prompt + completion except its last token (sampled, never fed back);
             # a sample that ran across a weight change holds mixed K/V: not kept
             mixed = len(run.marks) > 1
-            if mixed or not self.prefix_cache:
-                heapq.heappush(self._free, s)
+            if mixed:
+                self.pool.release(s)
             else:
-                self._park(s, list(run.pending.request.prompt_ids) + toks[i][a : b - 1])
+                self.pool.park(s, list(run.pending.request.prompt_ids) + toks[i][a : b - 1])
             if len(run.out) == len(run.slots):
                 self._running.discard(run)
                 run.pending.finish([run.out[s2] for s2 in run.slots])
@@ -501,22 +443,8 @@ class NativeEngine(ThreadedEngine):
             self.state.done[torch.tensor(left, device=self.device)] = True
         for s in left:
             del self._slot_owner[s]
-            heapq.heappush(self._free, s)
+            self.pool.release(s)
         self._running.discard(run)
-
-
-PREFIX_STRIDE = 8
-"""The prefix cache registers every 8th prefix length of a parked sequence (and its full length): a repeated
-prompt reuses all but at most 8 of its tokens; a next turn, which extends the whole sequence, reuses it all."""
-
-
-def _prefix_hashes(tokens: list[int], upto: int) -> list[int]:
-    """h[L] = polynomial hash of tokens[:L] for L in [0, upto] (one pass)."""
-    out, h = [0], 0
-    for t in tokens[:upto]:
-        h = (h * 1_000_003 + t + 1) & 0xFFFFFFFFFFFFFFF
-        out.append(h)
-    return out
 
 
 def _kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:

@@ -143,9 +143,8 @@ class RLTrainer:
         self.skipped = 0
         self.version = 0
         """The policy version the engine holds: the step of the last weight sync (async staleness counts it)."""
-        self._pipeline: Any = None
-        self._sampler_state: dict[str, int] | None = None
-        """Async: the sampler's state after the last consumed batch's draws (what a checkpoint stores)."""
+        self._async: Any = None
+        """train.async_train: the rollout pipeline (rl_async.AsyncRollout), once the loop starts."""
         self.roles = build_roles(cfg, cfg.train.max_steps)
         info = self.roles.policy.call("info")
         self.pad_id = int(info["pad_id"])
@@ -168,7 +167,10 @@ class RLTrainer:
         """One RL step (see module doc); returns its metrics. Raises _Skip when there is nothing to train."""
         timer = Timer()
         with timer("generation"):
-            trajs, metrics = self._take() if self._pipeline is not None else self.rollout()
+            if self._async is not None:
+                trajs, metrics = self._async.take(self.step, self.version)
+            else:
+                trajs, metrics = self.rollout()
         with timer("experience"):
             exp, m = self.make_experience(trajs)
         metrics.update(m)
@@ -310,63 +312,29 @@ class RLTrainer:
                 ]
             )
         self.version = self.step
-        if self._pipeline is not None:
-            self._pipeline.step_done(self.step)
+        if self._async is not None:
+            self._async.step_done(self.step)
         return out
 
     # =========================================================================================== async
-    def _produce(self, step: int) -> Any:
-        """The async producer's work for one step (on its thread): rollout(step) as a Batch."""
-        from relayrl.trainers.rl_async import Batch
+    def _start_async(self) -> None:
+        from relayrl.trainers.rl_async import AsyncRollout
 
-        t0 = time.perf_counter()
-        try:
-            trajs, metrics = self.rollout(step)
-        except _Skip as e:
-            return Batch(step=step, error=e, sampler_state=self.sampler.state_dict())
-        metrics["timing/rollout_produce"] = time.perf_counter() - t0
-        return Batch(step=step, trajs=trajs, metrics=metrics, sampler_state=self.sampler.state_dict())
-
-    def _take(self) -> tuple[list[Trajectory], dict[str, float]]:
-        """Async: this step's batch from the pipeline, with the staleness bound applied and measured."""
-        from relayrl.trainers.rl_async import staleness_filter
-
-        batch, waited = self._pipeline.take(self.step)
-        self._sampler_state = batch.sampler_state
-        if batch.error is not None:
-            raise batch.error
         r = self.cfg.rollout
-        whole = r.failure_policy != "drop_sample"
-        keep, m = staleness_filter(
-            batch.trajs, self.version, self.cfg.train.max_staleness, r.n_samples if whole else None
-        )
-        if not keep:
-            raise _Skip(
-                f"step {self.step}: all {len(batch.trajs)} samples were more than train.max_staleness="
-                f"{self.cfg.train.max_staleness} policy versions old"
-            )
-        metrics = {**batch.metrics, **m, "async/wait_s": waited}
-        if len(keep) < len(batch.trajs):
-            from relayrl.trainers.rl_experience import rollout_metrics
-
-            metrics.update(rollout_metrics(keep))
-        return keep, metrics
-
-    def _start_pipeline(self) -> None:
-        from relayrl.trainers.rl_async import RolloutPipeline
-
-        self._sampler_state = self.sampler.state_dict()
-        self._pipeline = RolloutPipeline(
-            self._produce,
+        self._async = AsyncRollout(
+            self.rollout,
+            self.sampler,
+            skip=_Skip,
             first_step=self.step + 1,
             last_step=self.cfg.train.max_steps,
             max_staleness=self.cfg.train.max_staleness,
             steps_done=self.step,
+            group_size=r.n_samples if r.failure_policy != "drop_sample" else None,
         )
 
-    def _stop_pipeline(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.close(timeout=0)
+    def _stop_async(self, timeout: float = 0) -> None:
+        if self._async is not None:
+            self._async.close(timeout)
 
     # =========================================================================================== eval
     def evaluate(self) -> dict[str, float]:
@@ -402,18 +370,17 @@ class RLTrainer:
                 if self.cfg.eval.every and not resumed:
                     result.first_eval = result.eval = self._eval_and_log(logger, progress)
                 if self.cfg.train.async_train and not done_before:
-                    self._start_pipeline()
+                    self._start_async()
                 self._loop(result, stop, logger, progress, on_step)
-            self._stop_pipeline()
+            self._stop_async()
             self._finish(result, stop)
         finally:
-            self._stop_pipeline()
+            self._stop_async()
             progress.close()
             logger.close()
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             self.roles.close()  # aborts a batch still in flight
-            if self._pipeline is not None:
-                self._pipeline.close(timeout=60)
+            self._stop_async(timeout=60)
         return result
 
     def _loop(self, result: RLResult, stop: SignalFlag, logger: Any, progress: Any, on_step: Any) -> None:
@@ -494,8 +461,8 @@ class RLTrainer:
         try:
             metrics = self.train_step()
         except _Skip as e:
-            if self._pipeline is not None:  # nothing synced, but the next batches may start
-                self._pipeline.step_done(self.step)
+            if self._async is not None:  # nothing synced, but the next batches may start
+                self._async.step_done(self.step)
             self.skipped += 1
             msg = f"{e} [{self.skipped} consecutive skipped step(s); stopping after {MAX_SKIPPED_STEPS}]"
             print(f"relayrl rl: warning: {msg}", file=sys.stderr, flush=True)
@@ -524,7 +491,7 @@ class RLTrainer:
             models["critic"] = WorkerFolder(self.roles.critic)
         metric = metrics.get(self.cfg.ckpt.best_metric)
         extra = {  # async: the sampler as after this step's batch (the producer may have drawn further)
-            "sampler": self._sampler_state if self._pipeline is not None else self.sampler.state_dict(),
+            "sampler": self._async.sampler_state if self._async is not None else self.sampler.state_dict(),
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }

@@ -129,6 +129,73 @@ class RolloutPipeline:
             self._thread.join(timeout)
 
 
+class AsyncRollout:
+    """The controller's side of async training: the pipeline over `rollout(step)`, the sampler state a
+    checkpoint stores (as after the last consumed batch's draws), and the staleness bound at consumption.
+    `skip` is the controller's "nothing to train this step" exception: the producer hands it over as the
+    batch's error, and `take` raises it (also when the staleness filter leaves nothing)."""
+
+    def __init__(
+        self,
+        rollout: Callable[[int], tuple[list[Trajectory], dict[str, float]]],
+        sampler: Any,
+        *,
+        skip: type[Exception],
+        first_step: int,
+        last_step: int,
+        max_staleness: int,
+        steps_done: int,
+        group_size: int | None,
+    ) -> None:
+        self._rollout, self._sampler, self._skip = rollout, sampler, skip
+        self.max_staleness, self.group_size = max_staleness, group_size
+        self.sampler_state: dict[str, Any] = sampler.state_dict()
+        """The prompt sampler as after the last consumed batch's draws (the producer may be ahead)."""
+        self.pipeline = RolloutPipeline(
+            self._produce,
+            first_step=first_step,
+            last_step=last_step,
+            max_staleness=max_staleness,
+            steps_done=steps_done,
+        )
+
+    def _produce(self, step: int) -> Batch:
+        """On the producer thread: rollout(step) as a Batch, the sampler's state after it attached."""
+        t0 = time.perf_counter()
+        try:
+            trajs, metrics = self._rollout(step)
+        except self._skip as e:
+            return Batch(step=step, error=e, sampler_state=self._sampler.state_dict())
+        metrics["timing/rollout_produce"] = time.perf_counter() - t0
+        return Batch(step=step, trajs=trajs, metrics=metrics, sampler_state=self._sampler.state_dict())
+
+    def take(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Step `step`'s batch, trained by weights of `version`, with the staleness bound applied and measured
+        (async/* metrics; async/wait_s: how long the trainer waited for it)."""
+        batch, waited = self.pipeline.take(step)
+        self.sampler_state = batch.sampler_state or self.sampler_state
+        if batch.error is not None:
+            raise batch.error
+        keep, m = staleness_filter(batch.trajs, version, self.max_staleness, self.group_size)
+        if not keep:
+            raise self._skip(
+                f"step {step}: all {len(batch.trajs)} samples were more than train.max_staleness="
+                f"{self.max_staleness} policy versions old"
+            )
+        metrics = {**batch.metrics, **m, "async/wait_s": waited}
+        if len(keep) < len(batch.trajs):
+            from relayrl.trainers.rl_experience import rollout_metrics
+
+            metrics.update(rollout_metrics(keep))
+        return keep, metrics
+
+    def step_done(self, step: int) -> None:
+        self.pipeline.step_done(step)
+
+    def close(self, timeout: float | None = 0) -> None:
+        self.pipeline.close(timeout)
+
+
 def _recoverable(e: BaseException) -> bool:
     """A skipped step (nothing to train) lets the producer go on; any other error ends it."""
     return type(e).__name__ == "_Skip"

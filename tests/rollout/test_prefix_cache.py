@@ -62,7 +62,7 @@ def test_a_repeated_prompt_reuses_all_but_a_few_of_its_tokens(lively_model, tiny
         again = asyncio.run(engine.generate(_req(prompts[1]))).completions[0]
     finally:
         engine.close()
-    from relayrl.rollout.native import PREFIX_STRIDE
+    from relayrl.rollout.slots import PREFIX_STRIDE
 
     assert len(prompts[1]) - 1 - PREFIX_STRIDE < engine.cached_tokens <= len(prompts[1]) - 1
     assert again.token_ids == first.token_ids
@@ -111,7 +111,7 @@ def test_parked_slots_are_reused_when_slots_run_out(lively_model, tiny_tokenizer
     finally:
         engine.close()
     assert all(len(r.completions[0].token_ids) == 6 for r in results)
-    assert len(engine._parked) <= 4
+    assert len(engine.pool.parked) <= 4
 
 
 def test_multi_turn_episodes_reuse_their_conversation_and_stay_identical(tiny_model, tiny_tokenizer):
