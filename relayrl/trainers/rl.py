@@ -461,8 +461,11 @@ class RLTrainer:
         try:
             metrics = self.train_step()
         except _Skip as e:
-            if self._async is not None:  # nothing synced, but the next batches may start
-                self._async.step_done(self.step)
+            if self._async is not None:
+                # the weights did not change, but the version must follow the step: the producer's gate and
+                # the staleness bound both count steps (an unsynced skip would let the next batches start a
+                # version early, be dropped as stale, and skip every other step from then on)
+                self.sync()
             self.skipped += 1
             msg = f"{e} [{self.skipped} consecutive skipped step(s); stopping after {MAX_SKIPPED_STEPS}]"
             print(f"relayrl rl: warning: {msg}", file=sys.stderr, flush=True)

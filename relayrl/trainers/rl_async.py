@@ -9,7 +9,8 @@
 
 Versions. The policy version is the RL step whose weights the engine holds (0 at the start, k after step k's
 sync; a resumed run starts at its checkpoint's step). Batch j is trained at step j by version j - 1; it
-began when at least j - 1 - K steps were done, so each of its tokens came from a version >= j - 1 - K
+began when at least j - 1 - K steps were done, so each of its tokens came from a version >= j - 1 - K. (A
+skipped step still syncs, the same weights under the next version number, so versions always count steps.)
 (staleness <= K = max_staleness). Weight syncs land while a batch is in flight: the engine pauses, takes
 the new weights and goes on (partial rollout), so one sample's tokens can carry two or more versions
 (Trajectory.versions). `staleness_filter` checks the bound again at consumption (a safety net: with the

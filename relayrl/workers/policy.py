@@ -177,11 +177,11 @@ class PolicyWorker:
             raise RuntimeError(
                 "the policy has no engine of its own (dist.num_engines > 0): call the engine role"
             )
-        if self.weights.model is self.model:  # the engine runs on the trained module (never in async mode)
-            self.model.eval()
+        if self.weights.model is self.model and not self.weights.stream:  # the engine runs on the trained
+            self.model.eval()  # module itself (never in async mode; vllm holds its own copy)
         if self.offload_optimizer:
             move_optimizer_state(self.train.optimizer, torch.device("cpu"))
-        if self.device.type == "cuda" and not eval:
+        if self.device.type == "cuda" and not eval and not self.spec.async_train:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
         return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
@@ -239,7 +239,10 @@ class PolicyWorker:
 
     def _prepare_update(self) -> None:
         """Before training: the engine frees its KV cache (engine_sleep) and offloaded optimizer states
-        come back to the device."""
+        come back to the device. When rollout overlaps (async) or runs elsewhere (separate engines), the peak
+        memory metric starts here: it covers the update (and whatever generation ran beside it)."""
+        if self.device.type == "cuda" and (self.spec.async_train or self.engine is None):
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.engine_sleep and not self._asleep and self.engine is not None:
             self.engine.sleep()
             self._asleep = True

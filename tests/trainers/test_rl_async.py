@@ -217,3 +217,31 @@ def test_async_in_ray_mode_with_a_two_rank_policy(tiny_model_path, tmp_path):
         versions = {v for t in trajs for v, a in zip(t.versions, t.action_mask, strict=True) if a}
         assert versions and versions <= {step - 2, step - 1}
     assert (tmp_path / "run/final/model.safetensors").is_file()
+
+
+SKIP_SECOND_BATCH = '''
+calls = 0
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    global calls
+    calls += 1
+    if calls == 2:  # every sample of the second batch fails: its step is skipped
+        return {"rewards": [float("nan")] * len(queries)}
+    out = [sum(c.isdigit() for c in q[len(p):]) / max(1, len(q) - len(p)) for q, p in zip(queries, prompts)]
+    return {"rewards": out, "scores": out}
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_step_does_not_make_later_batches_stale(tiny_model_path, tmp_path):
+    """A step with nothing to train still advances the policy version (same weights), so the batches after it
+    start at the right version: only that step is skipped, none after it is dropped as stale."""
+    reward = tmp_path / "skip_second.py"
+    reward.write_text(SKIP_SECOND_BATCH)
+    cfg = _cfg(tiny_model_path, tmp_path / "run", steps=6)
+    cfg = replace(cfg, reward=replace(cfg.reward, source=str(reward)))
+    result = run_rl(cfg)
+    assert result.exit_code == 0, result.message
+    assert [int(m["train/step"]) for m in result.history] == [1, 3, 4, 5, 6]
+    assert all(m["async/dropped_stale"] == 0.0 and m["async/staleness_max"] <= 1.0 for m in result.history)
