@@ -493,6 +493,13 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
 def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s: float) -> None:
     """Form the weight group (the policy's rank 0 + the n engines) and send the engines the policy's weights
     as version 0 (so they start from exactly the trainer's weights, cast to the engine dtype)."""
+    sent, received = policy.call("weight_layout"), engines.call("weight_layout")
+    if sent != received:  # a broadcast over mismatched tensors would hang or corrupt: refuse before it
+        diff = next((a, b) for a, b in zip([*sent, None], [*received, None], strict=False) if a != b)
+        raise RuntimeError(
+            f"dist.num_engines: the engines' weights differ from the policy's replica ({len(sent)} vs "
+            f"{len(received)} tensors; first difference: policy {diff[0]} vs engine {diff[1]})"
+        )
     address, port = policy.call("weight_endpoint")
     backend = "nccl" if getattr(launcher, "use_gpus", False) else "gloo"
     launcher.wait(

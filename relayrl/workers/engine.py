@@ -129,6 +129,10 @@ class EngineWorker:
             address, port, rank=1 + rank(), world=world, backend=backend, timeout_s=timeout_s
         )
 
+    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's)."""
+        return [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
+
     @torch.no_grad()
     def receive_weights(self, version: int) -> None:
         """Every parameter from the policy's rank 0, in place, while no round runs; then version `version`."""

@@ -289,6 +289,10 @@ class PolicyWorker:
 
         return free_endpoint()
 
+    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of every parameter of the replica the engines receive, in broadcast order."""
+        return [(n, tuple(p.shape), str(p.dtype)) for n, p in self.weights.model.named_parameters()]
+
     def join_weights(self, address: str, port: int, world: int, backend: str, timeout_s: float) -> None:
         """Rank 0 enters the weight group as its sender (rank 0); the other ranks only help gather."""
         from relayrl.distributed.group import rank
