@@ -467,20 +467,7 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
                 **run,
             )
             critic = launcher.spawn("critic", CriticWorker, critic_spec)
-        engines = None
-        if d_engines:
-            from relayrl.workers.engine import EngineSpec, EngineWorker
-
-            engine_spec = EngineSpec(
-                model=cfg.model,
-                rollout=cfg.rollout,
-                eval=cfg.eval,
-                task_name=cfg.task.name,
-                step_timeout=cfg.reward.timeout_s,
-                **run,
-            )
-            engines = launcher.spawn("engine", EngineWorker, engine_spec)
-            connect_engines(policy, engines, launcher, d_engines, cfg.dist.timeout_s)
+        engines = spawn_engines(cfg, launcher, policy, d_engines, run) if d_engines else None
         policy.call("info")  # surfaces a worker's construction error here, in both modes
     except BaseException:
         launcher.shutdown()
@@ -488,6 +475,23 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
     return Roles(
         launcher=launcher, policy=policy, reward=reward, reference=reference, critic=critic, engines=engines
     )
+
+
+def spawn_engines(cfg: RLConfig, launcher: Any, policy: Any, n: int, run: dict[str, Any]) -> Any:
+    """The separate engine role (n EngineWorker actors), connected to the policy and given its weights."""
+    from relayrl.workers.engine import EngineSpec, EngineWorker
+
+    spec = EngineSpec(
+        model=cfg.model,
+        rollout=cfg.rollout,
+        eval=cfg.eval,
+        task_name=cfg.task.name,
+        step_timeout=cfg.reward.timeout_s,
+        **run,
+    )
+    engines = launcher.spawn("engine", EngineWorker, spec)
+    connect_engines(policy, engines, launcher, n, cfg.dist.timeout_s)
+    return engines
 
 
 def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s: float) -> None:
