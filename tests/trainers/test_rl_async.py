@@ -245,3 +245,15 @@ def test_a_skipped_step_does_not_make_later_batches_stale(tiny_model_path, tmp_p
     assert result.exit_code == 0, result.message
     assert [int(m["train/step"]) for m in result.history] == [1, 3, 4, 5, 6]
     assert all(m["async/dropped_stale"] == 0.0 and m["async/staleness_max"] <= 1.0 for m in result.history)
+
+
+@pytest.mark.timeout(120)
+def test_eval_runs_beside_the_producer(tiny_model_path, tmp_path):
+    """Eval generates on the same engine while the producer generates the next batch (two event loops, one
+    engine): both finish, every eval step is logged."""
+    cfg = _cfg(tiny_model_path, tmp_path / "run", steps=4)
+    cfg = replace(cfg, task=replace(cfg.task, eval_rows=16), eval=replace(cfg.eval, every=2))
+    result = run_rl(cfg)
+    assert result.exit_code == 0, result.message
+    assert [("eval/pass@1" in m) for m in result.history] == [False, True, False, True]
+    assert result.first_eval and "eval/pass@1" in result.eval
