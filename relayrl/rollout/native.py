@@ -281,33 +281,17 @@ class NativeEngine(ThreadedEngine):
                 hit = self.pool.match(p.request.prompt_ids) if p.request.params.n == 1 else None
                 if hit is not None:
                     slot, m = hit
-                    if extends and (len(extends) + 1) * max(ext_width, plen - m) > self.max_prefill_tokens:
+                    if self._over_budget(len(extends), max(ext_width, plen - m)):
                         break
                     self._waiting.popleft()
                     self.pool.claim(slot)
-                    run = _Running(
-                        pending=p,
-                        slots=[slot],
-                        prompt_len=plen,
-                        admit_step=self.decode_steps,
-                        marks=[(0, self.version)],
-                    )
-                    extends.append((run, m))
+                    extends.append((self._start(p, [slot]), m))
                     ext_width = max(ext_width, plen - m)
                     continue
-                if batch and (len(batch) + 1) * max(width, plen) > self.max_prefill_tokens:
+                if self._over_budget(len(batch), max(width, plen)):
                     break
                 self._waiting.popleft()
-                slots = [self.pool.take() for _ in range(p.request.params.n)]
-                batch.append(
-                    _Running(
-                        pending=p,
-                        slots=slots,
-                        prompt_len=plen,
-                        admit_step=self.decode_steps,
-                        marks=[(0, self.version)],
-                    )
-                )
+                batch.append(self._start(p, [self.pool.take() for _ in range(p.request.params.n)]))
                 width = max(width, plen)
             if not batch and not extends:
                 return
@@ -315,6 +299,20 @@ class NativeEngine(ThreadedEngine):
                 self._prefill_cached(extends, ext_width)
             if batch:
                 self._prefill(batch, width)
+
+    def _start(self, pending: Pending, slots: list[int]) -> _Running:
+        """A request admitted onto `slots` now, under the current weight version."""
+        return _Running(
+            pending=pending,
+            slots=slots,
+            prompt_len=len(pending.request.prompt_ids),
+            admit_step=self.decode_steps,
+            marks=[(0, self.version)],
+        )
+
+    def _over_budget(self, rows: int, width: int) -> bool:
+        """One more row would push a non-empty prefill batch past max_prefill_tokens padded tokens."""
+        return rows > 0 and (rows + 1) * width > self.max_prefill_tokens
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def _prefill_cached(self, extends: list[tuple[_Running, int]], width: int) -> None:
@@ -337,8 +335,8 @@ class NativeEngine(ThreadedEngine):
         logits = self.runner.extend(ids.to(self.device), start, lengths, st.k_cache, st.v_cache, slots)
         st.advance(slot_idx, logits, _mode(run.pending.request.params for run, _ in extends))
         self.prefill_count += len(extends)
-        self.prefill_tokens += sum(run.prompt_len - m for run, m in extends)
-        self.cached_tokens += sum(m for _, m in extends)
+        self.prefill_tokens += sum(lengths)
+        self.cached_tokens += sum(start)
         self.prefill_batches += 1
 
     def _prefill(self, batch: list[_Running], width: int) -> None:

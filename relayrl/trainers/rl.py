@@ -302,15 +302,7 @@ class RLTrainer:
         """New weights to the engine as version `self.step` (an on-device cast-copy, nothing when it runs on
         the policy's own parameters, or streamed tensors); returns timing/engine_refresh. In async mode the
         engine's in-flight requests continue under the new weights (partial rollout)."""
-        if self.roles.engines is None:
-            out = self.roles.policy.call("sync", self.step)
-        else:  # the policy's rank 0 broadcasts, the engines receive: both sides at once
-            out, _ = self.roles.launcher.wait(
-                [
-                    self.roles.policy.submit("sync", self.step),
-                    self.roles.engines.submit("receive_weights", self.step),
-                ]
-            )
+        out = self.roles.sync_weights(self.step)
         self.version = self.step
         if self._async is not None:
             self._async.step_done(self.step)
@@ -512,14 +504,8 @@ class RLTrainer:
         if not (path / "trainer_state.json").is_file():
             raise FileNotFoundError(f"ckpt.resume={r!r} is not a checkpoint folder (no trainer_state.json)")
         loaded = self.ckpt.load(path)
-        self.roles.policy.call("load", str(path / "policy"), loaded.step)
-        if self.roles.engines is not None:
-            self.roles.launcher.wait(
-                [
-                    self.roles.policy.submit("sync", loaded.step),
-                    self.roles.engines.submit("receive_weights", loaded.step),
-                ]
-            )
+        self.roles.policy.call("load", str(path / "policy"))
+        self.roles.sync_weights(loaded.step)  # the engines start from the restored weights
         if self.roles.critic is not None:
             self.roles.critic.call("load", str(path / "critic"))
         self.sampler.load_state_dict(loaded.extra["sampler"])

@@ -92,15 +92,16 @@ class RolloutPipeline:
                 if self._stop:
                     return
                 started = self._done
-            try:
+            fatal = False
+            try:  # `produce` returns a skipped step as a Batch with its error; what it raises ends the producer
                 batch = self._produce(j)
-            except BaseException as e:  # handed to the controller, which decides
-                batch = Batch(step=j, error=e)
+            except BaseException as e:  # handed to the controller, which stops the run
+                batch, fatal = Batch(step=j, error=e), True
             batch.started_version = started
             with self._cond:
                 self._ready[j] = batch
                 self._cond.notify_all()
-            if batch.error is not None and not _recoverable(batch.error):
+            if fatal:
                 return
 
     def take(self, step: int) -> tuple[Batch, float]:
@@ -195,11 +196,6 @@ class AsyncRollout:
 
     def close(self, timeout: float | None = 0) -> None:
         self.pipeline.close(timeout)
-
-
-def _recoverable(e: BaseException) -> bool:
-    """A skipped step (nothing to train) lets the producer go on; any other error ends it."""
-    return type(e).__name__ == "_Skip"
 
 
 def trajectory_staleness(traj: Trajectory, version: int) -> tuple[int, int] | None:

@@ -389,6 +389,10 @@ class Roles:
     engines: RoleHandle | None = None
     """Separate engine actors (dist.num_engines > 0), else None: the policy's ranks generate."""
 
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """The policy's new weights to whoever generates, as `version`; the policy's sync metrics."""
+        return sync_weights(self.launcher, self.policy, self.engines, version)
+
     @property
     def generator(self) -> RoleHandle:
         """The role that generates: the engines when separate, else the policy (its colocated engines)."""
@@ -512,7 +516,16 @@ def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s:
             engines.submit("join_weights", address, port, 1 + n, backend, timeout_s),
         ]
     )
-    launcher.wait([policy.submit("sync", 0), engines.submit("receive_weights", 0)])
+    sync_weights(launcher, policy, engines, 0)
+
+
+def sync_weights(launcher: Any, policy: Any, engines: Any, version: int) -> dict[str, float]:
+    """policy.sync(version); with separate engines their receive_weights at the same time (the policy's rank 0
+    broadcasts, they receive: both sides of one collective). Returns the policy's sync metrics."""
+    if engines is None:
+        return policy.call("sync", version)
+    out, _ = launcher.wait([policy.submit("sync", version), engines.submit("receive_weights", version)])
+    return out
 
 
 def build_kl_controller(cfg: RLConfig) -> Any:

@@ -315,13 +315,13 @@ class PolicyWorker:
                 with torch.no_grad():
                     for p in self.weights.model.parameters():
                         self.weight_group.broadcast(p.data)
-            return {"timing/engine_refresh": max(seconds, time.perf_counter() - t0)}
-        with self.engine.paused():
-            seconds = self.train.last_refresh_s + self.weights.refresh()
-            if self._asleep:
-                self.engine.wake_up()
-                self._asleep = False
-            self.engine.load_weights(self.weights.engine_tensors(), version=version)
+        else:
+            with self.engine.paused():
+                seconds = self.train.last_refresh_s + self.weights.refresh()
+                if self._asleep:
+                    self.engine.wake_up()
+                    self._asleep = False
+                self.engine.load_weights(self.weights.engine_tensors(), version=version)
         return {"timing/engine_refresh": max(seconds, time.perf_counter() - t0)}
 
     @merged("max")
@@ -336,13 +336,11 @@ class PolicyWorker:
         """Model, optimizer, schedule, EMA, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
         self.state.save(folder, {"ema": self.ema})
 
-    def load(self, folder: str, version: int | None = None) -> None:
-        """Restore everything `save` wrote, in place (from a checkpoint of any rank count); the engine gets
-        the weights as version `version` (the checkpoint's step)."""
+    def load(self, folder: str) -> None:
+        """Restore everything `save` wrote, in place (from a checkpoint of any rank count). The engines get
+        the restored weights from the controller's next `sync` (RLTrainer.resume calls it)."""
         state = self.state.load(folder)
         self.ema = state.get("ema")
-        if self.engine is not None:  # separate engines: the controller syncs them (both sides at once)
-            self.sync(version)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
