@@ -4,6 +4,13 @@
     .venv/bin/python bench/rl_step.py --device cuda --shape qwen0.5b   # Qwen2.5-0.5B-shaped random model, bf16
 
     python bench/rl_step.py --device cuda --shape qwen0.5b-char --mode async --engine-device cuda:1   # 2 GPUs
+    python bench/rl_step.py --device cuda --shape qwen0.5b-char --dist-mode ray --num-engines 1   # engine actor
+
+Ray mode (--dist-mode ray): the policy over --policy-gpus ranks and --num-engines separate engine actors of
+--engine-tp GPUs each (0: engines colocated with the policy's ranks). Idle shares (of the step time): in sync
+mode the trainer's GPUs idle while the engines generate (timing/generation) and separate engines idle for
+the rest of the step; in async mode the trainer idles only while it waits for a batch (timing/generation is
+that wait) and the engines idle for the step time not spent producing (timing/rollout_produce).
 
 Runs `relayrl rl`'s own loop (local mode, native engine unless --engine, GRPO, no reference) for a few steps on random
 weights with a cheap reward (fraction of digit characters, tests/trainers/data/digit_reward.py), drops the
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -106,6 +114,10 @@ def run(
     engine_device: str = "",
     off_policy: str = "",
     warmup: int = 1,
+    dist_mode: str = "local",
+    num_engines: int = 0,
+    engine_tp: int = 1,
+    policy_gpus: int = 1,
 ) -> dict:
     from relayrl.config.rl import tiny_cpu_config
     from relayrl.trainers.rl import run_rl
@@ -131,6 +143,14 @@ def run(
                 engine_device=engine_device,
             ),
             algo=replace(cfg.algo, micro_batch_tokens=micro_tokens, off_policy=off_policy),
+            dist=replace(
+                cfg.dist,
+                mode=dist_mode,
+                num_cpus=max(2, (os.cpu_count() or 2) // 2),
+                num_engines=num_engines,
+                engine_tp=engine_tp,
+                policy_num_gpus_per_node=policy_gpus,
+            ),
         )
         t0 = time.perf_counter()
         result = run_rl(cfg)
@@ -146,6 +166,13 @@ def run(
         if k.startswith(("async/", "mismatch/")) and all(k in h for h in hist)
     }
     samples = statistics.mean(h["rollout/samples"] for h in hist)
+    produce = statistics.mean(h.get("timing/rollout_produce", h["timing/generation"]) for h in hist)
+    idle = {  # shares of the step (see the module doc)
+        "idle_trainer": round(mean["generation"] / mean["step"], 3),
+        "idle_engines": round(max(0.0, 1 - produce / mean["step"]), 3)
+        if (num_engines or engine_device)
+        else None,
+    }
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count() if device == "cuda" else 0,
@@ -153,6 +180,11 @@ def run(
         "engine": engine,
         "engine_device": engine_device or device,
         "max_staleness": max_staleness if mode == "async" else None,
+        "dist_mode": dist_mode,
+        "policy_gpus": policy_gpus,
+        "num_engines": num_engines,
+        "engine_tp": engine_tp,
+        **idle,
         "shape": shape,
         "dtype": dtype,
         "prompts_x_samples": f"{prompts}x{n}",
@@ -194,6 +226,10 @@ def main() -> None:
     parser.add_argument("--off-policy", default="", help="algo.off_policy (tis forces the old-log-prob pass)")
     parser.add_argument("--warmup", type=int, default=1, help="leading steps left out of the means")
     parser.add_argument("--key", default="", help="results key suffix (default: mode, engine, engine device)")
+    parser.add_argument("--dist-mode", default="local", choices=["local", "ray"], help="dist.mode")
+    parser.add_argument("--num-engines", type=int, default=0, help="ray: dist.num_engines (separate engines)")
+    parser.add_argument("--engine-tp", type=int, default=1, help="ray: dist.engine_tp (GPUs per engine)")
+    parser.add_argument("--policy-gpus", type=int, default=1, help="ray: dist.policy_num_gpus_per_node")
     args = parser.parse_args()
     row = run(
         args.device,
@@ -206,6 +242,10 @@ def main() -> None:
         engine_device=args.engine_device,
         off_policy=args.off_policy,
         warmup=args.warmup,
+        dist_mode=args.dist_mode,
+        num_engines=args.num_engines,
+        engine_tp=args.engine_tp,
+        policy_gpus=args.policy_gpus,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
@@ -220,16 +260,29 @@ def main() -> None:
     print(
         f"end-to-end generated tokens/s {row['step_tokens_per_s']:.0f}; samples/s {row['samples_per_s']:.2f}"
     )
+    print(f"idle share: trainer {row['idle_trainer']}, engines {row['idle_engines']}")
     for k, v in row.items():
         if k.startswith(("async/", "mismatch/")):
             print(f"{k:<34}{v:>12.5f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     key = f"{args.device}/{args.shape}"
-    if args.mode != "sync" or args.engine != "native" or args.engine_device or args.key:
+    if (
+        args.mode != "sync"
+        or args.engine != "native"
+        or args.engine_device
+        or args.key
+        or args.dist_mode != "local"
+    ):
         key += "/" + (
             args.key
-            or f"{args.mode}-{args.engine}" + (f"-{args.engine_device}" if args.engine_device else "")
+            or f"{args.mode}-{args.engine}"
+            + (f"-{args.engine_device}" if args.engine_device else "")
+            + (
+                f"-ray-p{args.policy_gpus}-e{args.num_engines}x{args.engine_tp}"
+                if args.dist_mode == "ray"
+                else ""
+            )
         )
     results[key] = row
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

@@ -372,7 +372,11 @@ class DistConfig:
     """Rollout engines as actors of their own, one GPU each (OpenRLHF's --vllm_num_engines; ray mode): each
     holds a full copy of the policy and generates a share of the prompts; the policy's rank 0 broadcasts new
     weights to them over NCCL (gloo on CPUs) after every step. 0: each policy rank runs its own engine on its
-    GPU (colocated). Engine native or hf; no tensor parallelism inside an engine yet."""
+    GPU (colocated). Engine native, hf or vllm (vllm: see engine_tp)."""
+    engine_tp: int = 1
+    """GPUs of each separate engine (tensor parallelism inside the engine, OpenRLHF's
+    --vllm_tensor_parallel_size): > 1 needs dist.num_engines > 0 and rollout.engine vllm (vLLM shards the
+    model over the engine actor's GPUs; each of its workers receives the broadcast weights)."""
     colocate_policy_ref: bool = False
     """Reference ranks share the policy's GPUs (same sizes required), as OpenRLHF's --colocate_actor_ref."""
     colocate_critic_reward: bool = False
@@ -405,6 +409,8 @@ class DistConfig:
             raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
         if self.num_engines < 0:
             raise invalid("num_engines", self.num_engines, "an int >= 0 (0: the engine is colocated)")
+        if self.engine_tp < 1:
+            raise invalid("engine_tp", self.engine_tp, "an int >= 1 (GPUs per separate engine)")
         check_choices(self)
 
     @classmethod

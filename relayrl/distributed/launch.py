@@ -15,7 +15,7 @@ batch). Local mode is the 1-rank case of the same protocol.
 
 Ray placement (OpenRLHF's model): each role with a model is a group of `num_nodes x num_gpus_per_node` rank
 actors, one per placement-group bundle ({GPU: 1, CPU: c}, PACK strategy, so a group fills a node before the
-next). Colocated roles share a placement group: their rank i actors sit on the same bundle, each asking for a
+next; a separate engine's bundle has dist.engine_tp GPUs, for its tensor-parallel workers). Colocated roles share a placement group: their rank i actors sit on the same bundle, each asking for a
 fraction of its GPU (1 / roles sharing it). The rule-based / remote reward role is one actor without a GPU.
 The ranks of a role join one torch.distributed group (NCCL with GPUs, gloo without): rank 0 reports its node's
 IP and a free port, every rank then calls `init_process_group` with it and builds its worker, which shards its
@@ -307,6 +307,11 @@ MODEL_FREE = ("reward",)
 reference, critic, an SFT / RM model, ...) holds a model: one GPU per rank."""
 
 
+def rank_gpus(cfg: DistConfig, role: str) -> int:
+    """GPUs of one rank of `role`: dist.engine_tp for a separate engine (its tensor-parallel workers), else 1."""
+    return cfg.engine_tp if role == "engine" else 1
+
+
 def plan_pools(cfg: DistConfig, roles: dict[str, int]) -> dict[str, str]:
     """role -> name of the placement group it sits in (see module doc); checks colocated sizes."""
     where: dict[str, str] = {}
@@ -387,7 +392,7 @@ class RayLauncher:
             gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
             bundle: dict[str, float] = {"CPU": self.cpu_per_actor * len(p.roles)}
             if gpu:
-                bundle["GPU"] = 1.0
+                bundle["GPU"] = float(rank_gpus(cfg, p.roles[0]))
             p.pg = placement_group([dict(bundle) for _ in range(p.bundles)], strategy="PACK")
         for p in self.pools.values():
             try:
@@ -403,7 +408,7 @@ class RayLauncher:
         pool = self.pools[self.where[role]]
         if not self.use_gpus or role in MODEL_FREE:
             return 0.0
-        return 1.0 / sum(1 for r in pool.roles if r not in MODEL_FREE)
+        return rank_gpus(self.cfg, role) / sum(1 for r in pool.roles if r not in MODEL_FREE)
 
     def spawn(self, name: str, cls: type, *args: Any, **kwargs: Any) -> RayRole:
         import ray

@@ -3,6 +3,8 @@
     endpoint = free_endpoint()                          on the sender (the policy's rank 0): (address, port)
     group = WeightGroup(*endpoint, rank=r, world=1 + N, backend="nccl" | "gloo", timeout_s=600)
     group.broadcast(tensor)                             rank 0 sends, ranks 1..N receive into `tensor`
+    for name, t in receive_named(group, layout, device): ...   a receiver without the sender's module: every
+                                                        tensor of the sender's `layout`, in order (vLLM workers)
 
 The policy's ranks already form one torch.distributed group (FSDP), and each engine role forms another; a
 process can hold only one default group, so this one is built directly from a TCP store
@@ -16,9 +18,13 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+Layout = list[tuple[str, tuple[int, ...], str]]
+"""(name, shape, dtype as str(torch.dtype)) of every tensor the sender broadcasts, in order."""
 
 
 def free_endpoint() -> tuple[str, int]:
@@ -56,3 +62,16 @@ class WeightGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([tensor], opts).wait()
+
+
+def receive_named(
+    group: WeightGroup, layout: Layout, device: torch.device | str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor on `device`) for every entry of `layout`, each received from rank 0 as it is asked for (a
+    lazy iterator: a consumer loading the tensors in chunks never holds them all). gloo receives into host
+    memory and copies to `device`; NCCL receives on `device` directly."""
+    recv_device = torch.device(device) if group.backend == "nccl" else torch.device("cpu")
+    for name, shape, dtype in layout:
+        buf = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=recv_device)
+        group.broadcast(buf)
+        yield name, buf.to(device, non_blocking=False)

@@ -80,8 +80,19 @@ torch.distributed group, starts a 1-process one for its worker.
 Lengths: `max_seq_len` is vLLM's `max_model_len`; a prompt of >= max_seq_len tokens returns empty LENGTH
 completions without reaching vLLM; max_tokens = min(max_new_tokens, max_seq_len - P).
 Seeds: a seeded request with n samples gives sample i vLLM's seed + i (vLLM's parallel-sampling rule).
-Not done: tensor parallelism (a multi-process executor would pickle the tensors `load_weights` sends) and
-separate engine actors.
+Separate engine actors and tensor parallelism (relayrl/workers/engine.py, `dist.num_engines`, `dist.engine_tp`):
+the engine is built with `tensor_parallel_size=tp` and `distributed_executor_backend="mp"` (vLLM's worker
+processes, one per GPU of the actor, even for tp 1: they get a clean torch.distributed world of their own,
+apart from the actor's engine-role group). Weights then never pass through this process: every worker
+enters the policy's weight group (relayrl/distributed/weight_group.py) as rank `first_rank + its tp rank`
+(`join_weight_group`, through `collective_rpc`; the sender's layout is kept in the worker), and at each
+`receive_weights(version)` every worker receives every tensor of the layout from the policy's rank 0 and feeds
+them, chunk by chunk, to its model's `load_weights`, which keeps its own shard of each (vLLM's loaders
+shard by tp rank). The first receive checks that every parameter of vLLM's model was loaded (an HF-name
+mismatch fails loudly, not with stale weights). Then, as for `load_weights`, the prefix cache is reset and
+running requests are preempted; the version moves between rounds (under the round lock). The colocated
+`load_weights` path stays one-process (tp 1, `uni` executor): a multi-process executor would pickle the
+tensors it sends.
 `vllm` is imported only when this engine is built; without it an ImportError says how to install it.
 """
 
@@ -387,6 +398,37 @@ class VLLMEngine(ThreadedEngine):
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             log.warning("vllm engine: prefix cache not reset after load_weights; cached K/V may be stale")
 
+    # ---- weights from a sender process (separate engines) ------------------------------------------------
+    def join_weight_group(
+        self,
+        address: str,
+        port: int,
+        *,
+        first_rank: int,
+        world: int,
+        backend: str,
+        timeout_s: float,
+        layout: list[tuple[str, tuple[int, ...], str]],
+    ) -> list[int]:
+        """Every vLLM worker enters the weight group as rank `first_rank` + its tp rank and keeps `layout`
+        (the sender's (name, shape, dtype) in broadcast order); returns the workers' ranks. Module doc."""
+        return self.llm.collective_rpc(
+            _join_in_worker, args=(address, port, first_rank, world, backend, timeout_s, list(layout))
+        )
+
+    def receive_weights(self, version: int) -> None:
+        """Every worker takes the sender's next broadcast of the whole layout into its model; then the prefix
+        cache is reset (running requests preempted) and the version is `version`. Between two rounds."""
+        with self._round_lock:
+            self._reacquire()
+            self.llm.collective_rpc(_receive_in_worker)
+            if not self.llm.reset_prefix_cache(reset_running_requests=True):
+                log.warning(
+                    "vllm engine: prefix cache not reset after receive_weights; cached K/V may be stale"
+                )
+            self.version = int(version)
+            self._version_changed()
+
     def close(self) -> None:
         """Abort everything, stop the driver thread and shut vLLM's engine core down."""
         self._closing = True
@@ -421,3 +463,54 @@ def _load_into_worker(worker: Any, named: list[tuple[str, torch.Tensor]]) -> int
     with torch.inference_mode():  # vLLM may hold its parameters as inference tensors
         loaded = worker.model_runner.get_model().load_weights(weights=iter(named))
     return len(loaded) if loaded is not None else len(named)
+
+
+_RECEIVER = "_relayrl_weights"
+"""Attribute of a vLLM worker holding its (WeightGroup, layout, checked) after `_join_in_worker`."""
+
+
+def _join_in_worker(
+    worker: Any,
+    address: str,
+    port: int,
+    first_rank: int,
+    world: int,
+    backend: str,
+    timeout_s: float,
+    layout: list[tuple[str, tuple[int, ...], str]],
+) -> int:
+    """Runs inside each vLLM worker: enter the weight group as rank first_rank + this worker's rank."""
+    from relayrl.distributed.weight_group import WeightGroup
+
+    rank = first_rank + int(worker.rank)
+    group = WeightGroup(address, port, rank=rank, world=world, backend=backend, timeout_s=timeout_s)
+    setattr(worker, _RECEIVER, [group, layout, False])
+    return rank
+
+
+def _receive_in_worker(worker: Any) -> int:
+    """Runs inside each vLLM worker: receive every tensor of the layout (relayrl.distributed.weight_group.
+    receive_named) and load them in chunks of about LOAD_CHUNK_BYTES; the first time, check that every
+    parameter of the model was loaded. Returns how many tensors were received."""
+    from relayrl.distributed.weight_group import receive_named
+
+    state = getattr(worker, _RECEIVER, None)
+    if state is None:
+        raise RuntimeError("vllm worker: receive_weights before join_weight_group")
+    group, layout, checked = state
+    model = worker.model_runner.get_model()
+    device = next(model.parameters()).device
+    loaded: set[str] = set()
+    with torch.inference_mode():
+        for chunk in _chunks(receive_named(group, layout, device), LOAD_CHUNK_BYTES):
+            loaded |= set(model.load_weights(weights=iter(chunk)) or ())
+    if not checked:
+        missing = sorted({n for n, _ in model.named_parameters()} - loaded)
+        if missing:
+            raise RuntimeError(
+                f"vllm worker {worker.rank}: the policy's weights left {len(missing)} of vLLM's parameters "
+                f"unloaded (e.g. {missing[:3]}); the policy's parameter names do not match the model folder's "
+                "architecture"
+            )
+        state[2] = True
+    return len(layout)

@@ -144,14 +144,19 @@ def _check_values(cfg: RLConfig) -> None:
         why = (
             "needs dist.mode ray (in local mode put the engine on another GPU with rollout.engine_device)"
             if cfg.dist.mode != "ray"
-            else "works with rollout.engine native or hf"
-            if cfg.rollout.engine not in ("native", "hf")
             else "does not take LoRA yet (the engines hold plain weights); merge first or use 0"
             if cfg.model.lora.rank > 0
             else ""
         )
         if why:
             raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
+    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or cfg.rollout.engine != "vllm"):
+        raise ConfigError(
+            f"dist.engine_tp={cfg.dist.engine_tp}: tensor parallelism inside an engine needs separate engines "
+            f"(dist.num_engines > 0, got {cfg.dist.num_engines}) and rollout.engine vllm (got "
+            f"{cfg.rollout.engine!r}); the colocated and native engines run on one GPU",
+            field="dist.engine_tp",
+        )
     if cfg.train.async_train:
         for flag, on in (
             ("engine_sleep", cfg.dist.engine_sleep == "yes"),
@@ -491,18 +496,22 @@ def spawn_engines(cfg: RLConfig, launcher: Any, policy: Any, n: int, run: dict[s
         eval=cfg.eval,
         task_name=cfg.task.name,
         step_timeout=cfg.reward.timeout_s,
+        tp=cfg.dist.engine_tp,
         **run,
     )
     engines = launcher.spawn("engine", EngineWorker, spec)
-    connect_engines(policy, engines, launcher, n, cfg.dist.timeout_s)
+    connect_engines(policy, engines, launcher, n, cfg.dist.timeout_s, cfg.dist.engine_tp)
     return engines
 
 
-def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s: float) -> None:
-    """Form the weight group (the policy's rank 0 + the n engines) and send the engines the policy's weights
-    as version 0 (so they start from exactly the trainer's weights, cast to the engine dtype)."""
+def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s: float, tp: int = 1) -> None:
+    """Form the weight group (the policy's rank 0 + the n engines' tp workers each) and send the engines the
+    policy's weights as version 0 (so they start from exactly the trainer's weights, cast to the engine dtype).
+    vllm engines take the policy's layout (their own parameter names differ: packed q/k/v)."""
+    from relayrl.workers.engine import weight_ranks
+
     sent, received = policy.call("weight_layout"), engines.call("weight_layout")
-    if sent != received:  # a broadcast over mismatched tensors would hang or corrupt: refuse before it
+    if received is not None and sent != received:  # mismatched tensors would hang or corrupt: refuse before
         diff = next((a, b) for a, b in zip([*sent, None], [*received, None], strict=False) if a != b)
         raise RuntimeError(
             f"dist.num_engines: the engines' weights differ from the policy's replica ({len(sent)} vs "
@@ -510,10 +519,11 @@ def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s:
         )
     address, port = policy.call("weight_endpoint")
     backend = "nccl" if getattr(launcher, "use_gpus", False) else "gloo"
+    world = weight_ranks(n, tp)
     launcher.wait(
         [
-            policy.submit("join_weights", address, port, 1 + n, backend, timeout_s),
-            engines.submit("join_weights", address, port, 1 + n, backend, timeout_s),
+            policy.submit("join_weights", address, port, world, backend, timeout_s),
+            engines.submit("join_weights", address, port, world, backend, timeout_s, sent),
         ]
     )
     sync_weights(launcher, policy, engines, 0)

@@ -104,6 +104,10 @@ VLLM_GPU_UTIL = 0.35
 gpu_memory_utilization): the rest stays for the trainer on the same GPU. Override with the environment
 variable RELAYRL_VLLM_GPU_UTIL (e.g. 0.6 when the trainer is small, or with --dist.engine_sleep yes)."""
 
+VLLM_SEPARATE_GPU_UTIL = 0.85
+"""The same for a separate engine actor (dist.num_engines), whose GPUs hold no trainer; the rest is the
+actor's own CUDA context and NCCL buffers (RELAYRL_VLLM_GPU_UTIL overrides it too)."""
+
 
 def build_engine_for(
     rollout: RolloutConfig,
@@ -112,16 +116,18 @@ def build_engine_for(
     tokenizer: Any,
     *,
     source: ModelConfig | None = None,
+    tp: int = 0,
 ) -> Any:
     """The rollout engine over `model` (the policy's engine copy, or the policy itself when they share).
     vllm: an in-process vLLM engine that loads `source.name_or_path` itself (`model` is unused; the worker
-    streams its weights after every step, EngineWeights(stream=True)), see `build_vllm_engine`."""
+    streams its weights after every step, EngineWeights(stream=True)), see `build_vllm_engine`; `tp` > 0:
+    a separate engine actor's vLLM over `tp` GPUs, its workers receiving broadcast weights."""
     from relayrl.rollout import build_engine
 
     slots = rollout.engine_slots or rollout.prompts_per_step * rollout.n_samples
     slots = max(slots, evaluation.n_samples)
     if rollout.engine == "vllm":
-        return build_vllm_engine(rollout, tokenizer, source=source, max_seqs=slots)
+        return build_vllm_engine(rollout, tokenizer, source=source, max_seqs=slots, tp=tp)
     opts: dict[str, Any] = {}
     if rollout.engine == "native":
         opts["max_slots"] = slots
@@ -132,12 +138,13 @@ def build_engine_for(
 
 
 def build_vllm_engine(
-    rollout: RolloutConfig, tokenizer: Any, *, source: ModelConfig | None, max_seqs: int
+    rollout: RolloutConfig, tokenizer: Any, *, source: ModelConfig | None, max_seqs: int, tp: int = 0
 ) -> Any:
     """VLLMEngine over the policy's folder: dtype as the engine weights' (bf16 unless model.dtype is fp32 /
     fp16), VLLM_GPU_UTIL of the GPU, sleep mode (dist.engine_sleep frees it during updates), at most
     `max_seqs` sequences at once, prefix caching. vLLM seeds the global RNGs when it starts: they are restored
-    afterwards, so the trainer's random stream does not depend on the engine."""
+    afterwards, so the trainer's random stream does not depend on the engine. `tp` > 0 (a separate engine):
+    `tp` tensor-parallel worker processes (vLLM's "mp" executor), VLLM_SEPARATE_GPU_UTIL, no sleep mode."""
     from relayrl.rollout.vllm_engine import VLLMEngine
     from relayrl.training.rng import capture_rng_state, restore_rng_state
 
@@ -154,7 +161,12 @@ def build_vllm_engine(
             f"rollout.engine_device={rollout.engine_device!r}: the in-process vllm engine always runs on the "
             "process's first visible GPU (cuda:0; under Ray the worker's own GPU); leave engine_device empty"
         )
-    util = float(os.environ.get("RELAYRL_VLLM_GPU_UTIL", VLLM_GPU_UTIL))
+    util = float(os.environ.get("RELAYRL_VLLM_GPU_UTIL", VLLM_SEPARATE_GPU_UTIL if tp else VLLM_GPU_UTIL))
+    placement: dict[str, Any] = (
+        dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        if tp
+        else dict(enable_sleep_mode=True)
+    )
     if not 0 < util < 1:
         raise ValueError(f"RELAYRL_VLLM_GPU_UTIL={util}: give a fraction of the GPU's memory in (0, 1)")
     dtype = str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch.")
@@ -166,11 +178,11 @@ def build_vllm_engine(
             max_seq_len=rollout.max_len,
             dtype=dtype,
             gpu_memory_utilization=util,
-            enable_sleep_mode=True,
             max_num_seqs=max_seqs,
             seed=0,
             enable_prefix_caching=True,
             trust_remote_code=source.trust_remote_code,
+            **placement,
         )
     finally:
         restore_rng_state(state)

@@ -17,7 +17,12 @@ cast-copy, or FSDP all-gathers across its ranks) and its rank 0 broadcasts every
 straight into its parameters while its rounds are paused (`engine.paused()`), so requests in flight (async
 training) continue under the new weights, their later tokens tagged with the new version.
 
-Not here yet: tensor parallelism inside one engine (each engine is one GPU), and vLLM as the separate engine.
+vLLM (`rollout.engine vllm`): the actor holds no model of its own; it starts vLLM over the policy's folder with
+`dist.engine_tp` GPUs (tensor parallelism: the actor's placement bundle has that many GPUs, and vLLM runs one
+worker process per GPU), and each vLLM worker enters the weight group itself, as rank
+1 + engine rank x engine_tp + its tp rank, receiving the broadcast straight into its model's loader
+(relayrl/rollout/vllm_engine.py, "Separate engine actors"). The weight group then has 1 + num_engines x
+engine_tp ranks (`weight_ranks`).
 """
 
 from __future__ import annotations
@@ -89,6 +94,13 @@ class EngineSpec:
     """Built-in multi-turn task driving a `multi` agent."""
     step_timeout: float = 60.0
     """Timeout of one agent environment step."""
+    tp: int = 1
+    """GPUs of this engine (tensor parallelism; vllm only)."""
+
+
+def weight_ranks(num_engines: int, tp: int) -> int:
+    """Ranks of the weight group: the policy's rank 0 + every engine's tp workers."""
+    return 1 + num_engines * tp
 
 
 class EngineWorker:
@@ -104,8 +116,12 @@ class EngineWorker:
         self.tokenizer = load_tokenizer(
             m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
         )
-        self.model = build_frozen(m, self.device)
-        self.engine = build_engine_for(spec.rollout, spec.eval, self.model, self.tokenizer, source=m)
+        self.vllm = spec.rollout.engine == "vllm"
+        # vllm loads the folder itself (in its tp workers); native / hf generate from this actor's copy
+        self.model = None if self.vllm else build_frozen(m, self.device)
+        self.engine = build_engine_for(
+            spec.rollout, spec.eval, self.model, self.tokenizer, source=m, tp=spec.tp if self.vllm else 0
+        )
         self.executor = build_executor(
             spec.rollout,
             self.engine,
@@ -121,21 +137,41 @@ class EngineWorker:
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
         return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
 
-    def join_weights(self, address: str, port: int, world: int, backend: str, timeout_s: float) -> None:
-        """Enter the weight group as rank 1 + this engine's rank (the policy's rank 0 is rank 0)."""
+    def join_weights(
+        self, address: str, port: int, world: int, backend: str, timeout_s: float, layout: list | None = None
+    ) -> None:
+        """Enter the weight group as rank 1 + this engine's rank (the policy's rank 0 is rank 0); vllm: its
+        workers enter as ranks 1 + engine rank x tp + tp rank, keeping the sender's `layout`."""
+        if self.vllm:
+            self.engine.join_weight_group(
+                address,
+                port,
+                first_rank=1 + rank() * self.spec.tp,
+                world=world,
+                backend=backend,
+                timeout_s=timeout_s,
+                layout=layout or [],
+            )
+            return
         from relayrl.distributed.weight_group import WeightGroup
 
         self.group = WeightGroup(
             address, port, rank=1 + rank(), world=world, backend=backend, timeout_s=timeout_s
         )
 
-    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's)."""
+    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]] | None:
+        """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's); None for
+        vllm, which loads whatever HF-named tensors the sender's layout lists (checked on the first receive)."""
+        if self.vllm:
+            return None
         return [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
 
     @torch.no_grad()
     def receive_weights(self, version: int) -> None:
         """Every parameter from the policy's rank 0, in place, while no round runs; then version `version`."""
+        if self.vllm:
+            self.engine.receive_weights(version)
+            return
         with self.engine.paused():
             for p in self.model.parameters():
                 self.group.broadcast(p.data)
@@ -144,7 +180,9 @@ class EngineWorker:
     @merged("concat")
     @torch.no_grad()
     def weight_checksum(self) -> list[float]:
-        """[sum of |w| over every parameter, in float64], one per engine."""
+        """[sum of |w| over every parameter, in float64], one per engine (native / hf)."""
+        if self.model is None:
+            raise RuntimeError("weight_checksum: a vllm engine's weights live in its workers")
         return [float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))]
 
     def close(self) -> None:

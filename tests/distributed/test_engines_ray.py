@@ -48,7 +48,9 @@ def test_two_engine_actors_match_the_colocated_run_and_hold_the_trained_weights(
     # the same prompts, seeds and weights: the same samples, rewards and losses as one colocated engine
     for a, b in zip(local.history, result.history, strict=True):
         for k in ("rollout/reward_mean", "rollout/response_len", "train/policy_loss", "train/logprob_diff"):
-            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), f"{k}: local {a[k]} vs engines {b[k]}"
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (
+                f"{k}: local {a[k]} vs engines {b[k]}"
+            )
     # after the last step's broadcast both engines hold exactly the trained weights (fp32 on a CPU)
     final = _checksum(tmp_path / "ray/final")
     assert len(seen[2]) == 2 and all(c == pytest.approx(final, rel=1e-12) for c in seen[2])
@@ -63,7 +65,9 @@ def test_async_training_with_separate_engines(tiny_model_path, tmp_path):
     versions: dict[int, set[int]] = {}
 
     def record(step: int, metrics: dict) -> None:
-        versions[step] = {v for t in trainer._last_trajs for v, a in zip(t.versions, t.action_mask, strict=True) if a}
+        versions[step] = {
+            v for t in trainer._last_trajs for v, a in zip(t.versions, t.action_mask, strict=True) if a
+        }
 
     result = trainer.fit(on_step=record)
     assert result.exit_code == 0, result.message
@@ -79,4 +83,21 @@ def test_num_engines_needs_ray_mode(tiny_model_path, tmp_path):
     cfg = _cfg(tiny_model_path, tmp_path / "run", steps=1, mode="local")
     cfg = replace(cfg, dist=replace(cfg.dist, num_engines=2))
     with pytest.raises(ConfigError, match=r"dist\.num_engines=2 needs dist\.mode ray"):
+        validate_rl_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "engine, engines, match",
+    [
+        ("native", 2, r"dist\.engine_tp=2: .* rollout\.engine vllm \(got 'native'\)"),
+        ("vllm", 0, r"dist\.engine_tp=2: .*dist\.num_engines > 0, got 0"),
+    ],
+)
+def test_engine_tp_needs_separate_vllm_engines(tiny_model_path, tmp_path, engine, engines, match):
+    from relayrl.config.base import ConfigError
+    from relayrl.trainers.rl_build import validate_rl_config
+
+    cfg = _cfg(tiny_model_path, tmp_path, steps=1, engines=engines)
+    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine), dist=replace(cfg.dist, engine_tp=2))
+    with pytest.raises(ConfigError, match=match):
         validate_rl_config(cfg)

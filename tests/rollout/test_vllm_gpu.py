@@ -489,12 +489,174 @@ def test_serve_with_vllm_answers_completions(tiny_tokenizer, tmp_path):
     assert (logits.max(-1).values - logits.gather(-1, idx)[:, 0]).max().item() <= tol
 
 
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+
+
+def _engine_errors(prompts, comps, models: dict) -> dict:
+    """max |engine log-prob - teacher-forced fp32 log-prob| per named model, and the trained (first) model's
+    largest argmax margin, over greedy completions `comps` (token ids + log-probs) of `prompts`."""
+    out: dict = {}
+    for name, model in models.items():
+        err = margin = 0.0
+        for p, (ids, lps) in zip(prompts, comps, strict=True):
+            idx = torch.tensor(ids, device="cuda")[:, None]
+            logits = _teacher(model, p, ids)
+            lp = torch.log_softmax(logits, -1).gather(-1, idx)[:, 0]
+            err = max(err, (lp - torch.tensor(lps, device="cuda")).abs().max().item())
+            margin = max(margin, (logits.max(-1).values - logits.gather(-1, idx)[:, 0]).max().item())
+        out[f"err_{name}"], out[f"margin_{name}"] = err, margin
+    return out
+
+
+@two_gpus
+def test_tensor_parallel_engine_receives_broadcast_weights(tiny_tokenizer, tmp_path):
+    """A tp=2 vLLM engine (two worker processes, one GPU each) joins a weight group and loads the sender's
+    broadcast (gloo: the sender here holds CPU tensors); its greedy completions then follow the SENT weights
+    (log-probs within the bf16 tolerance of a teacher-forced fp32 forward) and not the folder's."""
+    folder = _save_lively(tiny_tokenizer, tmp_path / "model")
+    out = _result(_child("tp", str(folder)))
+    print({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()})
+    assert out["tp"] == 2 and out["ranks"] == [1, 2] and out["version"] == 7 and out["versions"] == [7]
+    assert out["err_sent"] <= out["tol"] and out["margin_sent"] <= out["tol"]
+    assert out["err_folder"] > out["tol"]
+
+
+def _tp_child(folder: str) -> dict:
+    from relayrl.distributed.weight_group import WeightGroup, free_endpoint
+    from relayrl.models.loading import load_tokenizer
+    from relayrl.rollout.vllm_engine import VLLMEngine
+
+    tokenizer = load_tokenizer(folder)
+    engine = VLLMEngine(
+        folder,
+        tokenizer,
+        max_seq_len=MAX_SEQ,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        seed=0,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    sent = _lively(tokenizer, seed=1).to(torch.bfloat16)  # other weights than the folder's
+    layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in sent.named_parameters()]
+    address, port = free_endpoint()
+    ranks: list = []
+    joiner = threading.Thread(
+        target=lambda: ranks.extend(
+            engine.join_weight_group(
+                address, port, first_rank=1, world=3, backend="gloo", timeout_s=120.0, layout=layout
+            )
+        )
+    )
+    joiner.start()
+    group = WeightGroup(address, port, rank=0, world=3, backend="gloo", timeout_s=120)
+    joiner.join()
+    receiver = threading.Thread(target=engine.receive_weights, args=(7,))
+    receiver.start()
+    with torch.no_grad():
+        for p in sent.parameters():
+            group.broadcast(p.data)
+    receiver.join()
+    texts = ["12+34=", "7*8=", "hello world", "The quick brown fox"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    got = _greedy(engine, prompts, max_new=16)
+    engine.close()
+    sent32 = sent.float().cuda().eval()
+    models = {"sent": sent32, "folder": _lively(tokenizer, seed=0).cuda().eval()}
+    seqs = [(p, c.token_ids) for p, c in zip(prompts, got, strict=True)]
+    out = _engine_errors(prompts, [(c.token_ids, c.logprobs) for c in got], models)
+    out.update(
+        tp=2,
+        ranks=sorted(ranks),
+        version=engine.version,
+        versions=sorted({v for c in got for v in c.versions}),
+        tol=_tol("bfloat16", sent32, copy.deepcopy(sent32).to(torch.bfloat16), seqs),
+    )
+    return out
+
+
+@two_gpus
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray")
+def test_rl_ray_with_a_separate_vllm_engine_actor(tiny_tokenizer, tmp_path):
+    """`relayrl rl --dist.mode ray --dist.num_engines 1 --rollout.engine vllm`: the policy on one GPU, a vLLM
+    engine actor on the other; 3 GRPO steps at lr 1e-2, weights broadcast over NCCL to the engine's worker
+    after each. The engine's greedy completions afterwards follow the trained weights (the policy's export),
+    not the initial folder's, and carry version 3; every step's trainer-vs-engine log-prob gap is within
+    the bf16 tolerance."""
+    folder = _save_lively(tiny_tokenizer, tmp_path / "model")
+    out = _result(_child("rl-ray", str(folder), str(tmp_path / "run")))
+    print({k: v for k, v in out.items() if k != "history"})
+    assert out["exit_code"] == 0 and len(out["history"]) == 3
+    for step in out["history"]:
+        assert all(math.isfinite(v) for v in step.values()), step
+        assert step["train/logprob_diff"] <= out["tol"], step
+    assert out["versions"] == [3]
+    assert out["err_trained"] <= out["tol"] and out["margin_trained"] <= out["tol"]
+    assert out["err_initial"] > out["tol"]
+
+
+def _rl_ray_child(folder: str, run_dir: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.agents.base import PromptSample
+    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.trainers.rl import RLTrainer
+
+    cfg = tiny_cpu_config(folder, run_dir, steps=3, reward=DIGITS)
+    cfg = replace(
+        cfg,
+        train=replace(cfg.train, device="cuda"),
+        rollout=replace(cfg.rollout, engine="vllm"),
+        optim=replace(cfg.optim, lr=1e-2),
+        dist=replace(cfg.dist, mode="ray", num_cpus=8, num_engines=1, timeout_s=600),
+    )
+    trainer = RLTrainer(cfg)
+    roles = trainer.roles
+    out: dict = {}
+    close = roles.close
+
+    def compare_then_close() -> None:
+        try:
+            exported = roles.policy.call("export", str(Path(run_dir) / "trained"))
+            tokenizer = trainer.tokenizer
+            texts = ["12+34=", "7*8=", "hello world", "The quick brown fox"]
+            samples = [
+                PromptSample(index=i, prompt=t, prompt_ids=tokenizer(t)["input_ids"])
+                for i, t in enumerate(texts)
+            ]
+            trajs = roles.engines.call("rollout", samples, 0, True)  # eval sampling: greedy
+            prompts, comps, versions = [], [], set()
+            for t in trajs:
+                P = len(t.sample.prompt_ids)
+                prompts.append(t.sample.prompt_ids)
+                comps.append((t.token_ids[P:], t.rollout_logprobs[P:]))
+                versions |= {v for v, m in zip(t.versions, t.action_mask, strict=True) if m}
+            trained = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).cuda().eval()
+            initial = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+            out.update(_engine_errors(prompts, comps, {"trained": trained, "initial": initial}))
+            seqs = [(p, c[0]) for p, c in zip(prompts, comps, strict=True)]
+            out["tol"] = _tol("bfloat16", trained, copy.deepcopy(trained).to(torch.bfloat16), seqs)
+            out["versions"] = sorted(versions)
+        finally:
+            close()
+
+    roles.close = compare_then_close
+    result = trainer.fit()
+    out["exit_code"] = result.exit_code
+    out["history"] = [{k: float(v) for k, v in h.items()} for h in result.history]
+    return out
+
+
 def _main(argv: list[str]) -> int:
-    """Child-process entry points: `rl FOLDER RUN_DIR` prints RESULT {json}."""
-    if argv[0] == "rl":
-        print("RESULT " + json.dumps(_rl_child(argv[1], argv[2])), flush=True)
-        return 0
-    raise SystemExit(f"unknown child command {argv[0]!r}")
+    """Child-process entry points (each prints RESULT {json}): `rl FOLDER RUN_DIR`, `tp FOLDER`,
+    `rl-ray FOLDER RUN_DIR`."""
+    run = {"rl": _rl_child, "tp": _tp_child, "rl-ray": _rl_ray_child}.get(argv[0])
+    if run is None:
+        raise SystemExit(f"unknown child command {argv[0]!r}")
+    print("RESULT " + json.dumps(run(*argv[1:])), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
