@@ -118,6 +118,8 @@ def run(
     num_engines: int = 0,
     engine_tp: int = 1,
     policy_gpus: int = 1,
+    policy_nodes: int = 1,
+    ray_address: str = "",
 ) -> dict:
     from relayrl.config.rl import tiny_cpu_config
     from relayrl.trainers.rl import run_rl
@@ -150,11 +152,14 @@ def run(
                 num_engines=num_engines,
                 engine_tp=engine_tp,
                 policy_num_gpus_per_node=policy_gpus,
+                policy_num_nodes=policy_nodes,
+                ray_address=ray_address,
             ),
         )
         t0 = time.perf_counter()
         result = run_rl(cfg)
         wall = time.perf_counter() - t0
+        nodes = _ray_nodes() if dist_mode == "ray" else 0
     if result.exit_code != 0:
         raise SystemExit(f"rl run failed: {result.message}")
     hist = result.history[warmup:] if len(result.history) > warmup else result.history
@@ -182,6 +187,8 @@ def run(
         "max_staleness": max_staleness if mode == "async" else None,
         "dist_mode": dist_mode,
         "policy_gpus": policy_gpus,
+        "policy_nodes": policy_nodes,
+        "ray_nodes": nodes,
         "num_engines": num_engines,
         "engine_tp": engine_tp,
         **idle,
@@ -211,6 +218,15 @@ def run(
     }
 
 
+def _ray_nodes() -> int:
+    """Alive nodes of the Ray cluster the run used (a cluster it joined is still connected afterwards)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -230,6 +246,8 @@ def main() -> None:
     parser.add_argument("--num-engines", type=int, default=0, help="ray: dist.num_engines (separate engines)")
     parser.add_argument("--engine-tp", type=int, default=1, help="ray: dist.engine_tp (GPUs per engine)")
     parser.add_argument("--policy-gpus", type=int, default=1, help="ray: dist.policy_num_gpus_per_node")
+    parser.add_argument("--policy-nodes", type=int, default=1, help="ray: dist.policy_num_nodes")
+    parser.add_argument("--ray-address", default="", help="ray: join this cluster (dist.ray_address)")
     args = parser.parse_args()
     row = run(
         args.device,
@@ -246,6 +264,8 @@ def main() -> None:
         num_engines=args.num_engines,
         engine_tp=args.engine_tp,
         policy_gpus=args.policy_gpus,
+        policy_nodes=args.policy_nodes,
+        ray_address=args.ray_address,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
