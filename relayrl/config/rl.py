@@ -31,6 +31,7 @@ built-in defaults (rl_build.validate_rl_config applies it before the run's confi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -106,6 +107,9 @@ class RolloutConfig:
     engine_device: str = ""
     """Device of the engine and its weight copy (e.g. cuda:1: generation on a second GPU while the policy trains
     on the first; with train.async_train they overlap). Empty: the policy's device."""
+    vllm_args: str = ""
+    """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g.
+    '{"disable_custom_all_reduce": true}' where GPU peer access is broken, '{"enforce_eager": true}')."""
     engine_slots: int = 0
     """Native engine: sequences decoded together (rows of its preallocated KV cache). More slots batch more
     samples per decode step (faster on a GPU) for KV memory of layers x slots x kv_heads x max_len x head_dim
@@ -133,6 +137,21 @@ class RolloutConfig:
     """Most turns of a multi-turn agent."""
     failure_policy: str = "drop_group"
     """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
+
+    def __post_init__(self) -> None:
+        self.vllm_engine_args()
+
+    def vllm_engine_args(self) -> dict:
+        """`vllm_args` parsed (empty: {}); a ConfigError when it is not a JSON object."""
+        if not self.vllm_args:
+            return {}
+        try:
+            args = json.loads(self.vllm_args)
+        except json.JSONDecodeError as exc:
+            raise invalid("vllm_args", self.vllm_args, f"a JSON object of vllm.EngineArgs ({exc})") from exc
+        if not isinstance(args, dict):
+            raise invalid("vllm_args", self.vllm_args, "a JSON object of vllm.EngineArgs")
+        return args
 
 
 BUILTIN_ALGO = {

@@ -144,7 +144,8 @@ def build_vllm_engine(
     fp16), VLLM_GPU_UTIL of the GPU, sleep mode (dist.engine_sleep frees it during updates), at most
     `max_seqs` sequences at once, prefix caching. vLLM seeds the global RNGs when it starts: they are restored
     afterwards, so the trainer's random stream does not depend on the engine. `tp` > 0 (a separate engine):
-    `tp` tensor-parallel worker processes (vLLM's "mp" executor), VLLM_SEPARATE_GPU_UTIL, no sleep mode."""
+    `tp` tensor-parallel worker processes (vLLM's "mp" executor), VLLM_SEPARATE_GPU_UTIL, no sleep mode.
+    rollout.vllm_args (JSON) adds or overrides EngineArgs."""
     from relayrl.rollout.vllm_engine import VLLMEngine
     from relayrl.training.rng import capture_rng_state, restore_rng_state
 
@@ -182,7 +183,7 @@ def build_vllm_engine(
             seed=0,
             enable_prefix_caching=True,
             trust_remote_code=source.trust_remote_code,
-            **placement,
+            **{**placement, **rollout.vllm_engine_args()},
         )
     finally:
         restore_rng_state(state)
