@@ -328,7 +328,10 @@ def _pythonpath() -> str:
 
 
 def _result(proc: subprocess.CompletedProcess) -> dict:
-    print(proc.stdout[-4000:], proc.stderr[-8000:])
+    if proc.returncode != 0:  # all of it: the first error is far above the workers' shutdown noise
+        print(proc.stdout, proc.stderr)
+    else:
+        print(proc.stdout[-4000:], proc.stderr[-8000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
