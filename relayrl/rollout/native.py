@@ -111,7 +111,7 @@ class NativeEngine(ThreadedEngine):
         seed: int | None = None,
         decode_attention: str = "auto",
         driver: str | None = None,
-        prefix_cache: bool = True,
+        prefix_cache: bool | None = None,
         min_prefix_tokens: int = 8,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
@@ -124,7 +124,9 @@ class NativeEngine(ThreadedEngine):
         seeds (None: fresh); `decode_attention`: "sdpa" | "math" | "auto" (sdpa on CUDA); `driver`: who runs
         the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py);
         `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
-        starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode)."""
+        starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode);
+        None: on for a CPU model, off on CUDA (measured there 2x SLOWER than re-prefilling on the multi-turn
+        bench, 0.49x on an H100, 2026-11-26: the suffix prefill runs per request, uncaptured)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -149,6 +151,8 @@ class NativeEngine(ThreadedEngine):
         self._waiting: deque[Pending] = deque()
         self._running: set[_Running] = set()
         self._slot_owner: dict[int, _Running] = {}
+        if prefix_cache is None:
+            prefix_cache = next(model.parameters()).device.type == "cpu"
         self.pool = SlotPool(max_slots, prefix_cache=prefix_cache, min_prefix_tokens=min_prefix_tokens)
         """Free slots and the prefix cache (slots.py)."""
         self.cached_tokens = 0

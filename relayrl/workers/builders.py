@@ -132,8 +132,9 @@ def build_engine_for(
     if rollout.engine == "native":
         opts["max_slots"] = slots
         # multi-turn episodes send each turn as the whole conversation: the prefix cache prefills only the new
-        # tokens; single-turn rollouts (n samples of fresh prompts) never hit it, so they skip its bookkeeping
-        opts["prefix_cache"] = rollout.agent != "single"
+        # tokens (None: the engine's default for the device); single-turn rollouts (n samples of fresh prompts)
+        # never hit it, so they skip its bookkeeping
+        opts["prefix_cache"] = None if rollout.agent != "single" else False
     return build_engine(rollout.engine, model, tokenizer, max_seq_len=rollout.max_len, **opts)
 
 
