@@ -388,21 +388,29 @@ class RayLauncher:
         for role, pool in self.where.items():
             p = self.pools.setdefault(pool, _Pool(bundles=roles.get(pool, roles[role])))
             p.roles.append(role)
-        for p in self.pools.values():
-            gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
-            bundle: dict[str, float] = {"CPU": self.cpu_per_actor * len(p.roles)}
-            if gpu:
-                bundle["GPU"] = float(rank_gpus(cfg, p.roles[0]))
-            p.pg = placement_group([dict(bundle) for _ in range(p.bundles)], strategy="PACK")
-        for p in self.pools.values():
-            try:
-                ray.get(p.pg.ready(), timeout=cfg.timeout_s)
-            except ray.exceptions.GetTimeoutError as e:
-                raise RoleError(
-                    f"dist: the Ray cluster cannot place {p.bundles} bundle(s) for {'+'.join(p.roles)} within "
-                    f"{cfg.timeout_s:.0f} s (cluster resources: {resources}); lower the *_num_gpus_per_node / "
-                    "*_num_nodes values or add nodes"
-                ) from e
+        try:
+            for p in self.pools.values():
+                gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
+                bundles = []
+                for i in range(p.bundles):  # bundle i hosts rank i of every role that has one (reward: 1 rank)
+                    actors = sum(1 for r in p.roles if roles[r] > i)
+                    bundle: dict[str, float] = {"CPU": self.cpu_per_actor * actors}
+                    if gpu:
+                        bundle["GPU"] = float(rank_gpus(cfg, p.roles[0]))
+                    bundles.append(bundle)
+                p.pg = placement_group(bundles, strategy="PACK")
+            for p in self.pools.values():
+                try:
+                    ray.get(p.pg.ready(), timeout=cfg.timeout_s)
+                except ray.exceptions.GetTimeoutError as e:
+                    raise RoleError(
+                        f"dist: the Ray cluster cannot place {p.bundles} bundle(s) for {'+'.join(p.roles)} "
+                        f"within {cfg.timeout_s:.0f} s (asked for {p.pg.bundle_specs}; cluster resources: "
+                        f"{resources}); lower the *_num_gpus_per_node / *_num_nodes values or add nodes"
+                    ) from e
+        except BaseException:  # leave nothing behind: our placement groups, and the cluster we started
+            self.shutdown()
+            raise
 
     def _gpu_share(self, role: str) -> float:
         pool = self.pools[self.where[role]]
@@ -467,7 +475,8 @@ class RayLauncher:
             for a in self._actors:
                 ray.kill(a)
             for p in self.pools.values():
-                remove_placement_group(p.pg)
+                if p.pg is not None:
+                    remove_placement_group(p.pg)
         finally:
             self._actors = []
             if self._started:

@@ -3,14 +3,14 @@ result equals the 1-rank run of the same seed (the 2-rank versions are test_data
 
 - GRPO, policy on 4 ranks == 1 rank (local mode), 2 steps: every per-step metric (losses, rewards, gradient
   norm, ...), the exact sampled tokens and rewards of every trajectory, and the final weights. Two shapes of
-  batch: 5 prompts x 4 samples in 2 mini-batches of 10 rows (uneven shares everywhere: 2/1/1/1 prompts to
-  generate, about 3/3/2/2 rows per rank, ranks with 1 or 2 micro-batches of <= 24 tokens), and 3 prompts in 4
+  batch: 5 prompts x 4 samples in 2 mini-batches of 10 rows (uneven shares everywhere: 1 or 2 prompts to
+  generate, 2 or 3 rows per rank, ranks with 1 or 2 micro-batches of <= 24 tokens), and 3 prompts in 4
   mini-batches of 3 rows (rank 3 generates nothing and has no row in any optimizer step: it runs padding
   passes of weight 0).
 - PPO (gae critic, reference with the KL in the loss) with policy, reference and critic on 4 ranks each, the
-  reference colocated on the policy's bundles, == local mode over 2 steps. colocate_all is not used: it
-  cannot be placed on this cluster (see `test_colocate_all_places_on_a_two_cpu_cluster`, a known failure).
-- SFT on 4 ranks (`--dist.num_gpus_per_node 4`) == one process: 5 micro-batches a step over 4 ranks (2/1/1/1),
+  reference colocated on the policy's bundles, == local mode over 2 steps. colocate_all places on this
+  cluster (`test_colocate_all_places_on_a_two_cpu_cluster`; it could not before the bundles' CPU fix).
+- SFT on 4 ranks (`--dist.num_gpus_per_node 4`) == one process: 5 micro-batches a step over 4 ranks (1 or 2),
   the eval's 2 micro-batches leave ranks 2 and 3 without one; per-step metrics, final weights, and the 4-rank
   DCP checkpoint resumed on 1 rank continues the uninterrupted run.
 - 4 separate native engine actors (`dist.num_engines 4`) beside a 2-rank policy == one colocated engine in
@@ -21,8 +21,9 @@ Tolerances are those of the 2-rank tests, for the same reason: the ranks compute
 order (per-rank partial gradients, a gloo reduce-scatter, a different micro-batch split), so fp32 results
 differ by rounding. Metrics: rtol 1e-4, atol 1e-5 (test_data_parallel: a lost share, a wrong global
 denominator or a missing reduction moves a loss by > 1e-2). Weights: 1e-4 absolute (test_fsdp_ray: AdamW
-moves a coordinate by at most lr = 3e-3 per step, a bug moves weights by ~lr; the rounding moves them by
-~1e-6). Sampled tokens must be identical: request seeds depend only on the step and the prompt.
+moves a coordinate by at most lr = 3e-3 per step, a bug moves weights by ~lr). Measured here: metrics of size
+> 1e-3 within 6e-6 relative, weights within 7e-6. Sampled tokens must be identical: request seeds depend only
+on the step and the prompt, and the step-2 weights differ by rounding only.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from relayrl.config.rl import DistConfig, RLConfig, tiny_cpu_config
 from relayrl.distributed.group import shares
+from relayrl.distributed.launch import RayLauncher, RoleError
 from relayrl.trainers.rl import RLResult, RLTrainer
 from relayrl.workers.base import split_rows
 
@@ -89,18 +91,14 @@ def _same_weights(got: Path, want: Path, start: Path) -> None:
     assert max(float((b[k] - s[k]).abs().max()) for k in s) > LR / 2
 
 
-def _rl_cfg(model: Path, out: Path, *, ranks: int, prompts: int = 8, **algo: Any) -> RLConfig:
-    """tiny_cpu_config, 2 steps, `prompts` x 4 samples; ranks > 1: ray mode with every role on `ranks` ranks."""
+def _rl_cfg(model: Path, out: Path, *, prompts: int, dist: dict | None = None, **algo: Any) -> RLConfig:
+    """tiny_cpu_config, 2 steps of `prompts` x 4 samples; local mode, or ray mode with the `dist` fields."""
     cfg = tiny_cpu_config(str(model), str(out), steps=2, reward=str(DATA / "digit_reward.py"))
-    dist = DistConfig(mode="local")
-    if ranks > 1:
-        sizes = {f"{r}_num_gpus_per_node": ranks for r in ("policy", "ref", "critic")}
-        dist = DistConfig(mode="ray", num_cpus=2, gpus="no", timeout_s=120, **sizes)
     return replace(
         cfg,
         rollout=replace(cfg.rollout, prompts_per_step=prompts),
         algo=replace(cfg.algo, **algo),
-        dist=dist,
+        dist=DistConfig(mode="ray", num_cpus=2, gpus="no", timeout_s=120, **dist) if dist else DistConfig(),
     )
 
 
@@ -118,22 +116,36 @@ class Run:
 
 
 def _fit(cfg: RLConfig, probe: Any = None) -> Run:
+    """Run `cfg` to the end, recording every step's trajectories (and `probe(trainer)` when given)."""
     trainer = RLTrainer(cfg, banner=False)
-    launcher = trainer.roles.launcher
-    run = Run(result=None)  # type: ignore[arg-type]
+    placement: dict[str, Any] = {}
     if cfg.dist.mode == "ray":
-        worlds = {n: getattr(trainer.roles, n) for n in ("policy", "reference", "critic", "engines")}
-        run.placement = {n: (r.world, launcher.where[r.name]) for n, r in worlds.items() if r is not None}
-        run.placement["pools"] = len(launcher.pools)
+        where, roles = trainer.roles.launcher.where, trainer.roles
+        for n in ("policy", "reference", "critic", "engines"):
+            if (role := getattr(roles, n)) is not None:
+                placement[n] = (role.world, where[role.name])
+        placement["pools"] = len(trainer.roles.launcher.pools)
+    samples: dict[int, list[tuple]] = {}
+    probes: dict[int, Any] = {}
 
     def on_step(step: int, metrics: dict) -> None:
-        run.samples[step] = [(t.sample.index, tuple(t.token_ids), t.reward) for t in trainer._last_trajs]
+        samples[step] = [(t.sample.index, tuple(t.token_ids), t.reward) for t in trainer._last_trajs]
         if probe is not None:
-            run.probes[step] = probe(trainer)
+            probes[step] = probe(trainer)
 
-    run.result = trainer.fit(on_step=on_step)
-    assert run.result.exit_code == 0, run.result.message
-    return run
+    result = trainer.fit(on_step=on_step)
+    assert result.exit_code == 0, result.message
+    return Run(result=result, samples=samples, probes=probes, placement=placement)
+
+
+def _canary(trainer: RLTrainer) -> float:
+    """max |engine weight - trained weight| over the policy's ranks (0: every engine is up to date)."""
+    return trainer.roles.policy.call("weight_canary")
+
+
+def _engine_checksums(trainer: RLTrainer) -> list[float]:
+    """Sum of |w| of each separate engine's weights, in engine order."""
+    return trainer.roles.engines.call("weight_checksum")
 
 
 def _same_run(got: Run, want: Run) -> None:
@@ -166,9 +178,11 @@ def test_grpo_policy_on_four_ranks_equals_one_rank(
         assert 0 in prompt_shares and all(len(mb) < RANKS for mb in split_rows(rows, mini_batches))
 
     algo = {"mini_batches": mini_batches, "micro_batch_tokens": 24}  # 2 rows (~12 tokens) per micro-batch
-    one = _fit(_rl_cfg(tiny_model_path, tmp_path / "one", ranks=1, prompts=prompts, **algo))
-    canary = lambda t: t.roles.policy.call("weight_canary")  # noqa: E731
-    four = _fit(_rl_cfg(tiny_model_path, tmp_path / "four", ranks=RANKS, prompts=prompts, **algo), canary)
+    four_ranks = {"policy_num_gpus_per_node": RANKS}
+    one = _fit(_rl_cfg(tiny_model_path, tmp_path / "one", prompts=prompts, **algo))
+    four = _fit(
+        _rl_cfg(tiny_model_path, tmp_path / "four", prompts=prompts, dist=four_ranks, **algo), _canary
+    )
 
     assert four.placement["policy"] == (RANKS, "policy")
     assert "reference" not in four.placement and "critic" not in four.placement  # GRPO without KL
@@ -183,10 +197,10 @@ def test_grpo_policy_on_four_ranks_equals_one_rank(
 @pytest.mark.timeout(240)
 def test_ppo_policy_reference_critic_on_four_ranks_equal_local(ray_cluster, tiny_model_path, tmp_path):
     algo = {"advantage": "gae", "kl_mode": "loss", "kl_coef": 0.1}
-    local = _fit(_rl_cfg(tiny_model_path, tmp_path / "local", ranks=1, prompts=6, **algo))
-    cfg = _rl_cfg(tiny_model_path, tmp_path / "ray", ranks=RANKS, prompts=6, **algo)
-    cfg = replace(cfg, dist=replace(cfg.dist, colocate_policy_ref=True))
-    four = _fit(cfg)
+    local = _fit(_rl_cfg(tiny_model_path, tmp_path / "local", prompts=6, **algo))
+    sizes = {f"{r}_num_gpus_per_node": RANKS for r in ("policy", "ref", "critic")}
+    dist = {**sizes, "colocate_policy_ref": True}
+    four = _fit(_rl_cfg(tiny_model_path, tmp_path / "ray", prompts=6, dist=dist, **algo))
 
     assert four.placement == {
         "policy": (RANKS, "policy"),
@@ -211,17 +225,11 @@ def _remove_placement_groups_since(before: set[str]) -> None:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the reward actor's CPU share is reserved in every bundle of the policy's placement group "
-    "(4 bundles x 4 roles x 2/13 CPU = 2.46 CPUs asked of 2), so colocate_all cannot be placed when the CPUs "
-    "per actor are fractional",
-)
 @pytest.mark.timeout(60)
 def test_colocate_all_places_on_a_two_cpu_cluster(ray_cluster):
+    """13 actors on 2 CPUs (2/13 CPU each): each shared bundle asks only for the actors it hosts (the reward
+    actor sits on bundle 0 alone), so the policy's placement group fits (it asked for 2.46 CPUs before)."""
     from ray.util.placement_group import placement_group_table
-
-    from relayrl.distributed.launch import RayLauncher
 
     sizes = {f"{r}_num_gpus_per_node": RANKS for r in ("policy", "ref", "critic")}
     cfg = DistConfig(mode="ray", num_cpus=2, gpus="no", colocate_all=True, timeout_s=5, **sizes)
@@ -229,9 +237,28 @@ def test_colocate_all_places_on_a_two_cpu_cluster(ray_cluster):
     try:
         launcher = RayLauncher(cfg, {"policy": RANKS, "reward": 1, "reference": RANKS, "critic": RANKS})
         assert launcher.where == dict.fromkeys(("policy", "reward", "reference", "critic"), "policy")
+        cpus = [b["CPU"] for b in launcher.pools["policy"].pg.bundle_specs]
+        assert cpus[0] == pytest.approx(4 * launcher.cpu_per_actor)  # policy, reference, critic, reward
+        assert cpus[1:] == pytest.approx([3 * launcher.cpu_per_actor] * (RANKS - 1))
         launcher.shutdown()
-    finally:  # a failed placement leaves its placement group behind: it would hold CPUs of the next tests
+    finally:
         _remove_placement_groups_since(before)
+
+
+@pytest.mark.timeout(60)
+def test_a_placement_that_cannot_fit_leaves_no_placement_group_behind(ray_cluster):
+    """A GPU bundle on a cluster without GPUs: RoleError within timeout_s, naming what was asked, and the
+    launcher removes the placement groups it created (a joined cluster stays up)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    before = set(placement_group_table())
+    cfg = DistConfig(mode="ray", num_cpus=2, gpus="yes", timeout_s=3)
+    with pytest.raises(RoleError, match=r"cannot place 1 bundle\(s\) for policy .*'GPU': 1\.0"):
+        RayLauncher(cfg, {"policy": 1, "reward": 1})
+    created = {k: v["state"] for k, v in placement_group_table().items() if k not in before}
+    assert created and set(created.values()) == {"REMOVED"}, created
+    assert ray.is_initialized()
 
 
 @pytest.mark.timeout(240)
@@ -278,14 +305,13 @@ def test_four_engine_actors_beside_two_policy_ranks_match_the_colocated_run(
 ):
     from transformers import AutoModelForCausalLM
 
-    local = _fit(_rl_cfg(tiny_model_path, tmp_path / "local", ranks=1, prompts=6))
-    cfg = _rl_cfg(tiny_model_path, tmp_path / "ray", ranks=2, prompts=6)
-    cfg = replace(cfg, dist=replace(cfg.dist, num_engines=RANKS))
-    checksums = lambda t: t.roles.engines.call("weight_checksum")  # noqa: E731
-    engines = _fit(cfg, checksums)
+    local = _fit(_rl_cfg(tiny_model_path, tmp_path / "local", prompts=6))
+    dist = {"policy_num_gpus_per_node": 2, "num_engines": RANKS}
+    cfg = _rl_cfg(tiny_model_path, tmp_path / "ray", prompts=6, dist=dist)
+    engines = _fit(cfg, _engine_checksums)
 
     assert engines.placement["policy"] == (2, "policy") and engines.placement["engines"] == (RANKS, "engine")
-    _same_run(engines, local)  # 6 prompts on 4 engines: 2/2/1/1 (by tokens), concatenated back in order
+    _same_run(engines, local)  # 6 prompts on 4 engines (1 or 2 each), concatenated back in order
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "ray/final", dtype=torch.float32)
     final = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
     # after the last step's broadcast every engine holds exactly the trained weights (fp32 on a CPU) ...
