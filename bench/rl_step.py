@@ -7,8 +7,8 @@
     python bench/rl_step.py --device cuda --shape qwen0.5b-char --dist-mode ray --num-engines 1   # engine actor
 
 Ray mode (--dist-mode ray): the policy over --policy-gpus ranks and --num-engines separate engine actors of
---engine-tp GPUs each (0: engines colocated with the policy's ranks). Idle shares (of the step time): in sync
-mode the trainer's GPUs idle while the engines generate (timing/generation) and separate engines idle for
+--engine-tp GPUs each (0: engines colocated with the policy's ranks). Idle shares (of the step time; only
+with separate engines or --engine-device, else None): in sync mode the trainer's GPUs idle while the engines generate (timing/generation) and separate engines idle for
 the rest of the step; in async mode the trainer idles only while it waits for a batch (timing/generation is
 that wait) and the engines idle for the step time not spent producing (timing/rollout_produce).
 
@@ -159,7 +159,7 @@ def run(
         t0 = time.perf_counter()
         result = run_rl(cfg)
         wall = time.perf_counter() - t0
-        nodes = _ray_nodes() if dist_mode == "ray" else 0
+        nodes = _ray_nodes() if dist_mode == "ray" else None
     if result.exit_code != 0:
         raise SystemExit(f"rl run failed: {result.message}")
     hist = result.history[warmup:] if len(result.history) > warmup else result.history
@@ -172,11 +172,12 @@ def run(
     }
     samples = statistics.mean(h["rollout/samples"] for h in hist)
     produce = statistics.mean(h.get("timing/rollout_produce", h["timing/generation"]) for h in hist)
-    idle = {  # shares of the step (see the module doc)
-        "idle_trainer": round(mean["generation"] / mean["step"], 3),
-        "idle_engines": round(max(0.0, 1 - produce / mean["step"]), 3)
-        if (num_engines or engine_device)
-        else None,
+    separate = bool(
+        num_engines or engine_device
+    )  # colocated engines: the trainer's GPU is the one generating
+    idle = {  # shares of the step (see the module doc); None where the engines share the trainer's GPUs
+        "idle_trainer": round(mean["generation"] / mean["step"], 3) if separate else None,
+        "idle_engines": round(max(0.0, 1 - produce / mean["step"]), 3) if separate else None,
     }
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),
@@ -218,12 +219,13 @@ def run(
     }
 
 
-def _ray_nodes() -> int:
-    """Alive nodes of the Ray cluster the run used (a cluster it joined is still connected afterwards)."""
+def _ray_nodes() -> int | None:
+    """Alive nodes of the Ray cluster the run joined (still connected afterwards); None when the run started
+    its own local cluster, which it has shut down by now."""
     import ray
 
     if not ray.is_initialized():
-        return 0
+        return None
     return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 

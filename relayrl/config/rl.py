@@ -142,7 +142,9 @@ class RolloutConfig:
         self.vllm_engine_args()
 
     def vllm_engine_args(self) -> dict:
-        """`vllm_args` parsed (empty: {}); a ConfigError when it is not a JSON object."""
+        """`vllm_args` parsed (empty: {}); a ConfigError when it is not a JSON object or sets an argument that
+        relayrl derives from its own config (VLLM_ARGS_FROM_CONFIG: the weight group's rank layout and the
+        lengths depend on them)."""
         if not self.vllm_args:
             return {}
         try:
@@ -151,7 +153,22 @@ class RolloutConfig:
             raise invalid("vllm_args", self.vllm_args, f"a JSON object of vllm.EngineArgs ({exc})") from exc
         if not isinstance(args, dict):
             raise invalid("vllm_args", self.vllm_args, "a JSON object of vllm.EngineArgs")
+        for key, source in VLLM_ARGS_FROM_CONFIG.items():
+            if key in args:
+                raise invalid("vllm_args", self.vllm_args, f"no {key!r}: relayrl sets it from {source}")
         return args
+
+
+VLLM_ARGS_FROM_CONFIG = {
+    "model": "model.name_or_path",
+    "max_model_len": "rollout.max_len",
+    "tensor_parallel_size": "dist.engine_tp",
+    "pipeline_parallel_size": "dist.engine_tp (tensor parallelism only)",
+    "data_parallel_size": "dist.num_engines",
+    "distributed_executor_backend": "dist.num_engines / dist.engine_tp",
+    "skip_tokenizer_init": "the engine protocol (token ids in and out)",
+}
+"""vllm.EngineArgs that `rollout.vllm_args` may not set, and the setting that decides each."""
 
 
 BUILTIN_ALGO = {
@@ -388,10 +405,10 @@ class DistConfig:
     critic_num_gpus_per_node: int = 1
     """Ranks of the critic role per node."""
     num_engines: int = 0
-    """Rollout engines as actors of their own, one GPU each (OpenRLHF's --vllm_num_engines; ray mode): each
-    holds a full copy of the policy and generates a share of the prompts; the policy's rank 0 broadcasts new
-    weights to them over NCCL (gloo on CPUs) after every step. 0: each policy rank runs its own engine on its
-    GPU (colocated). Engine native, hf or vllm (vllm: see engine_tp)."""
+    """Rollout engines as actors of their own, engine_tp GPUs each (OpenRLHF's --vllm_num_engines; ray mode):
+    each holds a full copy of the policy (vllm: sharded over its tp workers) and generates a share of the
+    prompts; the policy's rank 0 broadcasts new weights to them over NCCL (gloo on CPUs) after every step.
+    0: each policy rank runs its own engine on its GPU (colocated). Engine native, hf or vllm."""
     engine_tp: int = 1
     """GPUs of each separate engine (tensor parallelism inside the engine, OpenRLHF's
     --vllm_tensor_parallel_size): > 1 needs dist.num_engines > 0 and rollout.engine vllm (vLLM shards the

@@ -15,8 +15,9 @@ batch). Local mode is the 1-rank case of the same protocol.
 
 Ray placement (OpenRLHF's model): each role with a model is a group of `num_nodes x num_gpus_per_node` rank
 actors, one per placement-group bundle ({GPU: 1, CPU: c}, PACK strategy, so a group fills a node before the
-next; a separate engine's bundle has dist.engine_tp GPUs, for its tensor-parallel workers). Colocated roles share a placement group: their rank i actors sit on the same bundle, each asking for a
-fraction of its GPU (1 / roles sharing it). The rule-based / remote reward role is one actor without a GPU.
+next; a separate engine's bundle has dist.engine_tp GPUs, for its tensor-parallel workers). Colocated roles
+share a placement group: their rank i actors sit on the same bundle, each asking for a fraction of its GPU
+(1 / roles sharing it); a bundle asks for the CPUs of the actors it hosts. The rule-based / remote reward role is one actor without a GPU.
 The ranks of a role join one torch.distributed group (NCCL with GPUs, gloo without): rank 0 reports its node's
 IP and a free port, every rank then calls `init_process_group` with it and builds its worker, which shards its
 model with FSDP2. Without `ray_address` a local Ray cluster is started (`num_cpus` CPUs, no dashboard) and shut
@@ -304,7 +305,8 @@ class _Pool:
 
 MODEL_FREE = ("reward",)
 """Roles without a model (rule-based / remote rewards): one CPU actor, no GPU. Every other role (policy,
-reference, critic, an SFT / RM model, ...) holds a model: one GPU per rank."""
+reference, critic, an SFT / RM model, ...) holds a model: one GPU per rank (`rank_gpus`: dist.engine_tp for a
+separate engine)."""
 
 
 def rank_gpus(cfg: DistConfig, role: str) -> int:
@@ -357,7 +359,6 @@ class RayLauncher:
 
     def __init__(self, cfg: DistConfig, roles: dict[str, int]) -> None:
         import ray
-        from ray.util.placement_group import placement_group
 
         self.cfg = cfg
         self._started = False
@@ -376,6 +377,18 @@ class RayLauncher:
             else:
                 ray.init(num_cpus=cfg.num_cpus, **kwargs)
                 self._started = True
+        self.pools: dict[str, _Pool] = {}
+        try:
+            self._place(cfg, roles)
+        except BaseException:  # leave nothing behind: our placement groups, and the cluster we started
+            self.shutdown()
+            raise
+
+    def _place(self, cfg: DistConfig, roles: dict[str, int]) -> None:
+        """Plan the pools and wait until the cluster has placed every placement group (see the module doc)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
         resources = ray.cluster_resources()
         self.use_gpus = cfg.gpus == "yes" or (cfg.gpus == "auto" and resources.get("GPU", 0) > 0)
         self.roles = roles
@@ -384,33 +397,28 @@ class RayLauncher:
         # every CPU of the cluster shared among the actors (Ray sets each actor's OMP / torch threads from
         # it: a GPU rank with 1 CPU would run its CPU work, e.g. an offloaded optimizer step, on one thread)
         self.cpu_per_actor = _cpu_share(actors)
-        self.pools: dict[str, _Pool] = {}
         for role, pool in self.where.items():
             p = self.pools.setdefault(pool, _Pool(bundles=roles.get(pool, roles[role])))
             p.roles.append(role)
-        try:
-            for p in self.pools.values():
-                gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
-                bundles = []
-                for i in range(p.bundles):  # bundle i hosts rank i of every role that has one (reward: 1 rank)
-                    actors = sum(1 for r in p.roles if roles[r] > i)
-                    bundle: dict[str, float] = {"CPU": self.cpu_per_actor * actors}
-                    if gpu:
-                        bundle["GPU"] = float(rank_gpus(cfg, p.roles[0]))
-                    bundles.append(bundle)
-                p.pg = placement_group(bundles, strategy="PACK")
-            for p in self.pools.values():
-                try:
-                    ray.get(p.pg.ready(), timeout=cfg.timeout_s)
-                except ray.exceptions.GetTimeoutError as e:
-                    raise RoleError(
-                        f"dist: the Ray cluster cannot place {p.bundles} bundle(s) for {'+'.join(p.roles)} "
-                        f"within {cfg.timeout_s:.0f} s (asked for {p.pg.bundle_specs}; cluster resources: "
-                        f"{resources}); lower the *_num_gpus_per_node / *_num_nodes values or add nodes"
-                    ) from e
-        except BaseException:  # leave nothing behind: our placement groups, and the cluster we started
-            self.shutdown()
-            raise
+        for p in self.pools.values():
+            gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
+            bundles = []
+            for i in range(p.bundles):  # bundle i hosts rank i of every role that has one (reward: 1 rank)
+                actors = sum(1 for r in p.roles if roles[r] > i)
+                bundle: dict[str, float] = {"CPU": self.cpu_per_actor * actors}
+                if gpu:
+                    bundle["GPU"] = float(rank_gpus(cfg, p.roles[0]))
+                bundles.append(bundle)
+            p.pg = placement_group(bundles, strategy="PACK")
+        for p in self.pools.values():
+            try:
+                ray.get(p.pg.ready(), timeout=cfg.timeout_s)
+            except ray.exceptions.GetTimeoutError as e:
+                raise RoleError(
+                    f"dist: the Ray cluster cannot place {p.bundles} bundle(s) for {'+'.join(p.roles)} "
+                    f"within {cfg.timeout_s:.0f} s (asked for {p.pg.bundle_specs}; cluster resources: "
+                    f"{resources}); lower the *_num_gpus_per_node / *_num_nodes values or add nodes"
+                ) from e
 
     def _gpu_share(self, role: str) -> float:
         pool = self.pools[self.where[role]]

@@ -89,8 +89,10 @@ enters the policy's weight group (relayrl/distributed/weight_group.py) as rank `
 `receive_weights(version)` every worker receives every tensor of the layout from the policy's rank 0 and feeds
 them, chunk by chunk, to its model's `load_weights`, which keeps its own shard of each (vLLM's loaders
 shard by tp rank). The first receive checks that every parameter of vLLM's model was loaded (an HF-name
-mismatch fails loudly, not with stale weights). Then, as for `load_weights`, the prefix cache is reset and
-running requests are preempted; the version moves between rounds (under the round lock). The colocated
+mismatch fails loudly, not with stale weights; a name or shape vLLM's loader refuses raises its own error, after
+the worker has taken the rest of the broadcast, so the sender is not left waiting). Then, as for
+`load_weights`, the prefix cache is reset and running requests are preempted; the version moves between
+rounds (under the round lock). The colocated
 `load_weights` path stays one-process (tp 1, `uni` executor): a multi-process executor would pickle the
 tensors it sends.
 `vllm` is imported only when this engine is built; without it an ImportError says how to install it.
@@ -501,9 +503,17 @@ def _receive_in_worker(worker: Any) -> int:
     model = worker.model_runner.get_model()
     device = next(model.parameters()).device
     loaded: set[str] = set()
+    incoming = receive_named(group, layout, device)
     with torch.inference_mode():
-        for chunk in _chunks(receive_named(group, layout, device), LOAD_CHUNK_BYTES):
-            loaded |= set(model.load_weights(weights=iter(chunk)) or ())
+        try:
+            for chunk in _chunks(incoming, LOAD_CHUNK_BYTES):
+                loaded |= set(model.load_weights(weights=iter(chunk)) or ())
+        except BaseException:
+            # take the rest of the broadcast (into throwaway buffers) so the sender and the other workers
+            # finish this collective, then fail with the loader's own error (not a timeout at the sender)
+            for _ in incoming:
+                pass
+            raise
     if not checked:
         missing = sorted({n for n, _ in model.named_parameters()} - loaded)
         if missing:

@@ -171,21 +171,19 @@ def build_vllm_engine(
     )
     if not 0 < util < 1:
         raise ValueError(f"RELAYRL_VLLM_GPU_UTIL={util}: give a fraction of the GPU's memory in (0, 1)")
-    dtype = str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch.")
+    args: dict[str, Any] = dict(
+        dtype=str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch."),
+        gpu_memory_utilization=util,
+        max_num_seqs=max_seqs,
+        seed=0,
+        enable_prefix_caching=True,
+        trust_remote_code=source.trust_remote_code,
+        **placement,
+    )
+    args.update(rollout.vllm_engine_args())  # the user's EngineArgs win (layout keys are refused there)
     state = capture_rng_state()
     try:
-        return VLLMEngine(
-            source.name_or_path,
-            tokenizer,
-            max_seq_len=rollout.max_len,
-            dtype=dtype,
-            gpu_memory_utilization=util,
-            max_num_seqs=max_seqs,
-            seed=0,
-            enable_prefix_caching=True,
-            trust_remote_code=source.trust_remote_code,
-            **{**placement, **rollout.vllm_engine_args()},
-        )
+        return VLLMEngine(source.name_or_path, tokenizer, max_seq_len=rollout.max_len, **args)
     finally:
         restore_rng_state(state)
 

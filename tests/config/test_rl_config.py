@@ -204,3 +204,21 @@ def test_colocated_roles_need_the_policy_size_and_ema_one_rank():
         validate_rl_config(cfg)
     with pytest.raises(ConfigError, match=r"dist\.policy_num_gpus_per_node: 0 is invalid"):
         parse_cli(RLConfig, [*BASE, "--dist.policy_num_gpus_per_node", "0"])
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", r"vllm_args: .* a JSON object of vllm\.EngineArgs \(Expecting"),
+        ("[1, 2]", r"vllm_args: .* expected a JSON object of vllm\.EngineArgs"),
+        ('{"tensor_parallel_size": 2}', r"no 'tensor_parallel_size': relayrl sets it from dist\.engine_tp"),
+        ('{"max_model_len": 4096}', r"no 'max_model_len': relayrl sets it from rollout\.max_len"),
+    ],
+)
+def test_vllm_args_must_be_an_object_without_the_keys_relayrl_derives(text, match):
+    from relayrl.config.base import ConfigError
+    from relayrl.config.rl import RolloutConfig
+
+    with pytest.raises(ConfigError, match=match):
+        RolloutConfig(vllm_args=text)
+    assert RolloutConfig(vllm_args='{"enforce_eager": true}').vllm_engine_args() == {"enforce_eager": True}
