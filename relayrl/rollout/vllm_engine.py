@@ -83,16 +83,10 @@ Seeds: a seeded request with n samples gives sample i vLLM's seed + i (vLLM's pa
 Separate engine actors and tensor parallelism (relayrl/workers/engine.py, `dist.num_engines`, `dist.engine_tp`):
 the engine is built with `tensor_parallel_size=tp` and `distributed_executor_backend="mp"` (vLLM's worker
 processes, one per GPU of the actor, even for tp 1: they get a clean torch.distributed world of their own,
-apart from the actor's engine-role group). Weights then never pass through this process: every worker
-enters the policy's weight group (relayrl/distributed/weight_group.py) as rank `first_rank + its tp rank`
-(`join_weight_group`, through `collective_rpc`; the sender's layout is kept in the worker), and at each
-`receive_weights(version)` every worker receives every tensor of the layout from the policy's rank 0 and feeds
-them, chunk by chunk, to its model's `load_weights`, which keeps its own shard of each (vLLM's loaders
-shard by tp rank). The first receive checks that every parameter of vLLM's model was loaded (an HF-name
-mismatch fails loudly, not with stale weights; a name or shape vLLM's loader refuses raises its own error, after
-the worker has taken the rest of the broadcast, so the sender is not left waiting). Then, as for
-`load_weights`, the prefix cache is reset and running requests are preempted; the version moves between
-rounds (under the round lock). The colocated
+apart from the actor's engine-role group). Weights then never pass through this process: `run_in_workers`
+and `load_in_workers` run a function inside every worker (`collective_rpc`), the latter between two rounds
+followed by the same prefix-cache reset and version change as `load_weights`; what the workers run to join
+the policy's weight group and take its broadcast is relayrl/workers/vllm_receiver.py. The colocated
 `load_weights` path stays one-process (tp 1, `uni` executor): a multi-process executor would pickle the
 tensors it sends.
 `vllm` is imported only when this engine is built; without it an ImportError says how to install it.
@@ -391,7 +385,7 @@ class VLLMEngine(ThreadedEngine):
             self.llm.wake_up()  # weights must be resident to be overwritten
             self._asleep = False
         sent = 0
-        for chunk in _chunks(named_tensors, LOAD_CHUNK_BYTES):
+        for chunk in named_chunks(named_tensors, LOAD_CHUNK_BYTES):
             self.llm.collective_rpc(_load_into_worker, args=(chunk,))
             sent += len(chunk)
         if sent == 0:
@@ -400,33 +394,22 @@ class VLLMEngine(ThreadedEngine):
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             log.warning("vllm engine: prefix cache not reset after load_weights; cached K/V may be stale")
 
-    # ---- weights from a sender process (separate engines) ------------------------------------------------
-    def join_weight_group(
-        self,
-        address: str,
-        port: int,
-        *,
-        first_rank: int,
-        world: int,
-        backend: str,
-        timeout_s: float,
-        layout: list[tuple[str, tuple[int, ...], str]],
-    ) -> list[int]:
-        """Every vLLM worker enters the weight group as rank `first_rank` + its tp rank and keeps `layout`
-        (the sender's (name, shape, dtype) in broadcast order); returns the workers' ranks. Module doc."""
-        return self.llm.collective_rpc(
-            _join_in_worker, args=(address, port, first_rank, world, backend, timeout_s, list(layout))
-        )
+    # ---- code run inside vLLM's workers (separate engines) ----------------------------------------------
+    def run_in_workers(self, fn: Any, *args: Any) -> list[Any]:
+        """fn(worker, *args) in every vLLM worker process (`collective_rpc`; `fn` is pickled by reference, so
+        a module-level function), one result per worker in tp-rank order."""
+        return self.llm.collective_rpc(fn, args=args)
 
-    def receive_weights(self, version: int) -> None:
-        """Every worker takes the sender's next broadcast of the whole layout into its model; then the prefix
-        cache is reset (running requests preempted) and the version is `version`. Between two rounds."""
+    def load_in_workers(self, fn: Any, *args: Any, version: int) -> None:
+        """fn(worker, *args) in every worker between two rounds, to change the weights there (e.g. take a
+        broadcast: relayrl/workers/vllm_receiver.py); then, as after `load_weights`, the prefix cache is reset
+        (running requests preempted) and the weight version is `version`."""
         with self._round_lock:
             self._reacquire()
-            self.llm.collective_rpc(_receive_in_worker)
+            self.llm.collective_rpc(fn, args=args)
             if not self.llm.reset_prefix_cache(reset_running_requests=True):
                 log.warning(
-                    "vllm engine: prefix cache not reset after receive_weights; cached K/V may be stale"
+                    "vllm engine: prefix cache not reset after load_in_workers; cached K/V may be stale"
                 )
             self.version = int(version)
             self._version_changed()
@@ -444,7 +427,7 @@ class VLLMEngine(ThreadedEngine):
                 torch.cuda.empty_cache()
 
 
-def _chunks(
+def named_chunks(
     named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive lists of (name without a "module." prefix, tensor) of about `max_bytes` each."""
@@ -465,62 +448,3 @@ def _load_into_worker(worker: Any, named: list[tuple[str, torch.Tensor]]) -> int
     with torch.inference_mode():  # vLLM may hold its parameters as inference tensors
         loaded = worker.model_runner.get_model().load_weights(weights=iter(named))
     return len(loaded) if loaded is not None else len(named)
-
-
-_RECEIVER = "_relayrl_weights"
-"""Attribute of a vLLM worker holding its (WeightGroup, layout, checked) after `_join_in_worker`."""
-
-
-def _join_in_worker(
-    worker: Any,
-    address: str,
-    port: int,
-    first_rank: int,
-    world: int,
-    backend: str,
-    timeout_s: float,
-    layout: list[tuple[str, tuple[int, ...], str]],
-) -> int:
-    """Runs inside each vLLM worker: enter the weight group as rank first_rank + this worker's rank."""
-    from relayrl.distributed.weight_group import WeightGroup
-
-    rank = first_rank + int(worker.rank)
-    group = WeightGroup(address, port, rank=rank, world=world, backend=backend, timeout_s=timeout_s)
-    setattr(worker, _RECEIVER, [group, layout, False])
-    return rank
-
-
-def _receive_in_worker(worker: Any) -> int:
-    """Runs inside each vLLM worker: receive every tensor of the layout (relayrl.distributed.weight_group.
-    receive_named) and load them in chunks of about LOAD_CHUNK_BYTES; the first time, check that every
-    parameter of the model was loaded. Returns how many tensors were received."""
-    from relayrl.distributed.weight_group import receive_named
-
-    state = getattr(worker, _RECEIVER, None)
-    if state is None:
-        raise RuntimeError("vllm worker: receive_weights before join_weight_group")
-    group, layout, checked = state
-    model = worker.model_runner.get_model()
-    device = next(model.parameters()).device
-    loaded: set[str] = set()
-    incoming = receive_named(group, layout, device)
-    with torch.inference_mode():
-        try:
-            for chunk in _chunks(incoming, LOAD_CHUNK_BYTES):
-                loaded |= set(model.load_weights(weights=iter(chunk)) or ())
-        except BaseException:
-            # take the rest of the broadcast (into throwaway buffers) so the sender and the other workers
-            # finish this collective, then fail with the loader's own error (not a timeout at the sender)
-            for _ in incoming:
-                pass
-            raise
-    if not checked:
-        missing = sorted({n for n, _ in model.named_parameters()} - loaded)
-        if missing:
-            raise RuntimeError(
-                f"vllm worker {worker.rank}: the policy's weights left {len(missing)} of vLLM's parameters "
-                f"unloaded (e.g. {missing[:3]}); the policy's parameter names do not match the model folder's "
-                "architecture"
-            )
-        state[2] = True
-    return len(layout)

@@ -21,7 +21,7 @@ vLLM (`rollout.engine vllm`): the actor holds no model of its own; it starts vLL
 `dist.engine_tp` GPUs (tensor parallelism: the actor's placement bundle has that many GPUs, and vLLM runs one
 worker process per GPU), and each vLLM worker enters the weight group itself, as rank
 1 + engine rank x engine_tp + its tp rank, receiving the broadcast straight into its model's loader
-(relayrl/rollout/vllm_engine.py, "Separate engine actors"). The weight group then has 1 + num_engines x
+(relayrl/workers/vllm_receiver.py). The weight group then has 1 + num_engines x
 engine_tp ranks (`weight_ranks`).
 """
 
@@ -143,14 +143,11 @@ class EngineWorker:
         """Enter the weight group as rank 1 + this engine's rank (the policy's rank 0 is rank 0); vllm: its
         workers enter as ranks 1 + engine rank x tp + tp rank, keeping the sender's `layout`."""
         if self.vllm:
-            self.engine.join_weight_group(
-                address,
-                port,
-                first_rank=1 + rank() * self.spec.tp,
-                world=world,
-                backend=backend,
-                timeout_s=timeout_s,
-                layout=layout or [],
+            from relayrl.workers.vllm_receiver import join_weight_group
+
+            first = 1 + rank() * self.spec.tp
+            self.engine.run_in_workers(
+                join_weight_group, address, port, first, world, backend, timeout_s, layout
             )
             return
         from relayrl.distributed.weight_group import WeightGroup
@@ -170,7 +167,9 @@ class EngineWorker:
     def receive_weights(self, version: int) -> None:
         """Every parameter from the policy's rank 0, in place, while no round runs; then version `version`."""
         if self.vllm:
-            self.engine.receive_weights(version)
+            from relayrl.workers.vllm_receiver import receive_weights
+
+            self.engine.load_in_workers(receive_weights, version=version)
             return
         with self.engine.paused():
             for p in self.model.parameters():

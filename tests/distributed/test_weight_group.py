@@ -1,6 +1,6 @@
 """The weight group's receiving side without the sender's module (what each vLLM worker of a separate engine
 runs): `receive_named` yields every tensor of the sender's layout, in order, lazily; the vLLM worker functions
-(`_join_in_worker`, `_receive_in_worker`) over a real gloo group; and the placement of a tensor-parallel
+(relayrl/workers/vllm_receiver.py) over a real gloo group; and the placement of a tensor-parallel
 engine (its bundle's GPUs).
 
 vLLM does not run on a CPU: `_VLLMLikeModel` stands in for its model with the contract the worker functions
@@ -125,21 +125,20 @@ def _worker(model: torch.nn.Module) -> SimpleNamespace:
     return SimpleNamespace(rank=0, model_runner=SimpleNamespace(get_model=lambda: model))
 
 
-def _send_and_receive(sender, layout, worker, monkeypatch, chunk_bytes: int):
+def _send_and_receive(sender, layout, worker, chunk_bytes: int):
     """The sender (rank 0) broadcasts its parameters while the worker (rank 1) joins and receives; returns
-    (what _receive_in_worker returned or raised, seconds the sender took)."""
+    (what receive_weights returned or raised, seconds the sender took)."""
     import time
 
-    from relayrl.rollout import vllm_engine
+    from relayrl.workers.vllm_receiver import join_weight_group, receive_weights
 
-    monkeypatch.setattr(vllm_engine, "LOAD_CHUNK_BYTES", chunk_bytes)
     address, port = free_endpoint()
     out: dict = {}
 
     def receive() -> None:
         try:
-            out["rank"] = vllm_engine._join_in_worker(worker, address, port, 1, 2, "gloo", 20.0, layout)
-            out["result"] = vllm_engine._receive_in_worker(worker)
+            out["rank"] = join_weight_group(worker, address, port, 1, 2, "gloo", 20.0, layout)
+            out["result"] = receive_weights(worker, chunk_bytes)
         except BaseException as exc:
             out["result"] = exc
 
@@ -166,16 +165,16 @@ def _models(tiny_model_path):
     return sender, receiver
 
 
-def test_a_vllm_worker_loads_the_broadcast_in_chunks(tiny_model_path, monkeypatch):
+def test_a_vllm_worker_loads_the_broadcast_in_chunks(tiny_model_path):
     sender, receiver = _models(tiny_model_path)
     model = _VLLMLikeModel(receiver)
-    out, _ = _send_and_receive(sender, _layout(sender), _worker(model), monkeypatch, chunk_bytes=4096)
+    out, _ = _send_and_receive(sender, _layout(sender), _worker(model), chunk_bytes=4096)
     assert out["rank"] == 1 and out["result"] == len(_layout(sender))
     assert model.loads > 3  # several chunks
     assert all(torch.equal(a, b) for a, b in zip(receiver.parameters(), sender.parameters(), strict=True))
 
 
-def test_a_vllm_worker_refuses_a_layout_that_leaves_parameters_unloaded(tiny_model_path, monkeypatch):
+def test_a_vllm_worker_refuses_a_layout_that_leaves_parameters_unloaded(tiny_model_path):
     sender, receiver = _models(tiny_model_path)
     layout = _layout(sender)[:-1]  # the sender's layout misses one parameter of the engine's model
 
@@ -184,17 +183,17 @@ def test_a_vllm_worker_refuses_a_layout_that_leaves_parameters_unloaded(tiny_mod
             super().__init__()
             self.ps = torch.nn.ParameterList(list(sender.parameters())[:-1])
 
-    out, _ = _send_and_receive(Partial(), layout, _worker(_VLLMLikeModel(receiver)), monkeypatch, 1 << 20)
+    out, _ = _send_and_receive(Partial(), layout, _worker(_VLLMLikeModel(receiver)), 1 << 20)
     assert isinstance(out["result"], RuntimeError)
     assert "left 1 of vLLM's parameters unloaded" in str(out["result"])
 
 
-def test_a_loader_error_midway_still_completes_the_broadcast(tiny_model_path, monkeypatch):
+def test_a_loader_error_midway_still_completes_the_broadcast(tiny_model_path):
     """vLLM's loader raising on the 3rd tensor: the worker takes the rest of the broadcast and raises the
     loader's error; the sender finishes at once (not after its timeout)."""
     sender, receiver = _models(tiny_model_path)
     layout = _layout(sender)
     model = _VLLMLikeModel(receiver, refuse=layout[2][0])
-    out, seconds = _send_and_receive(sender, layout, _worker(model), monkeypatch, chunk_bytes=1)
+    out, seconds = _send_and_receive(sender, layout, _worker(model), chunk_bytes=1)
     assert isinstance(out["result"], ValueError) and layout[2][0] in str(out["result"])
     assert seconds < 10  # the group's timeout is 20 s

@@ -536,6 +536,7 @@ def _tp_child(folder: str) -> dict:
     from relayrl.distributed.weight_group import WeightGroup, free_endpoint
     from relayrl.models.loading import load_tokenizer
     from relayrl.rollout.vllm_engine import VLLMEngine
+    from relayrl.workers.vllm_receiver import join_weight_group, receive_weights
 
     tokenizer = load_tokenizer(folder)
     engine = VLLMEngine(
@@ -557,15 +558,13 @@ def _tp_child(folder: str) -> dict:
     ranks: list = []
     joiner = threading.Thread(
         target=lambda: ranks.extend(
-            engine.join_weight_group(
-                address, port, first_rank=1, world=3, backend="gloo", timeout_s=120.0, layout=layout
-            )
+            engine.run_in_workers(join_weight_group, address, port, 1, 3, "gloo", 120.0, layout)
         )
     )
     joiner.start()
     group = WeightGroup(address, port, rank=0, world=3, backend="gloo", timeout_s=120)
     joiner.join()
-    receiver = threading.Thread(target=engine.receive_weights, args=(7,))
+    receiver = threading.Thread(target=lambda: engine.load_in_workers(receive_weights, version=7))
     receiver.start()
     with torch.no_grad():
         for p in sent.parameters():
