@@ -10,17 +10,16 @@ denominators, a missing gradient reduction or a rank's share lost would move the
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from dp_fixtures import assert_metrics_close as _close
 
 from relayrl.config.rl import tiny_cpu_config
 from relayrl.trainers.rl import RLTrainer, run_rl
 
 DATA = Path(__file__).parents[1] / "trainers" / "data"
-VOLATILE = ("timing/", "perf/")
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +29,6 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-def _close(a: dict, b: dict, where: str) -> None:
-    keys = {k for k in a if not k.startswith(VOLATILE)}
-    assert keys == {k for k in b if not k.startswith(VOLATILE)}, where
-    for k in sorted(keys):
-        assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-5), f"{where} {k}: {a[k]} vs {b[k]}"
 
 
 def _rl_cfg(model: Path, out: Path, ranks: int, **ckpt):
@@ -94,29 +86,14 @@ def test_rl_two_ranks_equal_one_rank_and_resume_across_rank_counts(ray_cluster, 
 def test_sft_two_ranks_equal_one_rank_and_resume_across_rank_counts(ray_cluster, tiny_model_path, tmp_path):
     """`relayrl sft --dist.mode ray --dist.num_gpus_per_node 2` == one process, per step; resumes 2->1 and
     2->2 continue the uninterrupted run; final/ is the trained model in HF format."""
-    import json
-
     import torch
+    from dp_fixtures import addition_rows, run_sft
     from transformers import AutoModelForCausalLM
 
-    from relayrl.cli import main as cli_main
-    from relayrl.training.logging import read_jsonl
-
-    data = tmp_path / "train.jsonl"
-    rows = [{"input": f"{a}+{b}=", "output": str(a + b)} for a in range(10, 17) for b in range(20, 24)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = addition_rows(tmp_path / "train.jsonl")
 
     def sft(name: str, *extra: str) -> list[dict]:
-        argv = [
-            "sft",
-            *("--model.name_or_path", str(tiny_model_path), "--data.datasets", str(data)),
-            *("--data.eval_split_ratio", "0.15", "--train.batch_size", "8", "--train.micro_batch_size", "2"),
-            *("--train.output_dir", str(tmp_path / name), "--optim.lr", "3e-3", "--optim.warmup_steps", "1"),
-            *("--logger.progress_bar", "false", "--train.device", "cpu", "--train.max_steps", "4"),
-            *("--ckpt.save_every", "2", *extra),
-        ]
-        assert cli_main(argv) == 0
-        return read_jsonl(tmp_path / name / "metrics.jsonl")
+        return run_sft(tiny_model_path, data, tmp_path / name, *extra, batch_size=8)
 
     ray2 = ("--dist.mode", "ray", "--dist.num_gpus_per_node", "2")
     one, two = sft("one"), sft("two", *ray2)

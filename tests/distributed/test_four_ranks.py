@@ -28,8 +28,6 @@ on the step and the prompt, and the step-2 weights differ by rounding only.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 
 import pytest
 import torch
+from dp_fixtures import assert_metrics_close as _close
 
 from relayrl.config.rl import DistConfig, RLConfig, tiny_cpu_config
 from relayrl.distributed.group import shares
@@ -45,7 +44,6 @@ from relayrl.trainers.rl import RLResult, RLTrainer
 from relayrl.workers.base import split_rows
 
 DATA = Path(__file__).parents[1] / "trainers" / "data"
-VOLATILE = ("timing/", "perf/")
 RANKS = 4
 WEIGHT_ATOL = 1e-4
 LR = 3e-3  # tiny_cpu_config's
@@ -66,14 +64,6 @@ def ray_cluster():
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _close(a: dict, b: dict, where: str) -> None:
-    """The same metric names, and every value within rtol 1e-4 / atol 1e-5 (see module doc)."""
-    keys = {k for k in a if not k.startswith(VOLATILE)}
-    assert keys == {k for k in b if not k.startswith(VOLATILE)}, where
-    for k in sorted(keys):
-        assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-5), f"{where} {k}: {a[k]} vs {b[k]}"
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -263,24 +253,14 @@ def test_a_placement_that_cannot_fit_leaves_no_placement_group_behind(ray_cluste
 
 @pytest.mark.timeout(240)
 def test_sft_on_four_ranks_equals_one_rank_and_resumes_on_one(ray_cluster, tiny_model_path, tmp_path):
-    from relayrl.cli import main as cli_main
-    from relayrl.training.logging import read_jsonl
+    from dp_fixtures import addition_rows, run_sft
 
-    data = tmp_path / "train.jsonl"
-    rows = [{"input": f"{a}+{b}=", "output": str(a + b)} for a in range(10, 17) for b in range(20, 24)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = addition_rows(tmp_path / "train.jsonl")
 
     def sft(name: str, *extra: str) -> list[dict]:
-        argv = [
-            "sft",
-            *("--model.name_or_path", str(tiny_model_path), "--data.datasets", str(data)),
-            *("--data.eval_split_ratio", "0.15", "--train.batch_size", "10", "--train.micro_batch_size", "2"),
-            *("--train.output_dir", str(tmp_path / name), "--optim.lr", "3e-3", "--optim.warmup_steps", "1"),
-            *("--logger.progress_bar", "false", "--train.device", "cpu", "--train.max_steps", "4"),
-            *("--ckpt.save_every", "2", "--train.eval_every", "2", *extra),
-        ]
-        assert cli_main(argv) == 0
-        return read_jsonl(tmp_path / name / "metrics.jsonl")
+        return run_sft(
+            tiny_model_path, data, tmp_path / name, "--train.eval_every", "2", *extra, batch_size=10
+        )
 
     one = sft("one")
     four = sft("four", "--dist.mode", "ray", "--dist.num_gpus_per_node", str(RANKS))

@@ -1,0 +1,51 @@
+"""Helpers shared by the data-parallel tests (2 and 4 ranks against 1): a small addition dataset, one
+`relayrl sft` run through the CLI, and the per-step metric comparison (imported by name: tests/helpers is on
+pytest's pythonpath).
+
+    data = addition_rows(tmp_path / "train.jsonl")
+    metrics = run_sft(model, data, tmp_path / "one", batch_size=8)           # + extra CLI flags
+    assert_metrics_close(one[i], four[i], f"step {i}")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+VOLATILE = ("timing/", "perf/")
+"""Metric prefixes that differ between runs by nature (wall times, memory), left out of comparisons."""
+
+
+def assert_metrics_close(a: dict, b: dict, where: str) -> None:
+    """The same metric names (VOLATILE aside), every value within rtol 1e-4 / atol 1e-5: the ranks compute the
+    same sums in another order (fp32 rounding); a lost share or a wrong denominator moves a loss by > 1e-2."""
+    keys = {k for k in a if not k.startswith(VOLATILE)}
+    assert keys == {k for k in b if not k.startswith(VOLATILE)}, where
+    for k in sorted(keys):
+        assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-5), f"{where} {k}: {a[k]} vs {b[k]}"
+
+
+def addition_rows(path: Path) -> Path:
+    """28 rows "a+b=" -> "a+b" (a in 10..16, b in 20..23) as a jsonl file at `path`."""
+    rows = [{"input": f"{a}+{b}=", "output": str(a + b)} for a in range(10, 17) for b in range(20, 24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_sft(model: Path, data: Path, out: Path, *extra: str, batch_size: int) -> list[dict]:
+    """4 CPU steps of `relayrl sft` (micro-batches of 2, lr 3e-3, 15% eval split, a checkpoint every 2
+    steps) writing to `out`; returns its metrics.jsonl rows."""
+    from relayrl.cli import main as cli_main
+    from relayrl.training.logging import read_jsonl
+
+    argv = [
+        "sft",
+        *("--model.name_or_path", str(model), "--data.datasets", str(data)),
+        *("--data.eval_split_ratio", "0.15", "--train.batch_size", str(batch_size)),
+        *("--train.micro_batch_size", "2", "--train.output_dir", str(out)),
+        *("--optim.lr", "3e-3", "--optim.warmup_steps", "1", "--logger.progress_bar", "false"),
+        *("--train.device", "cpu", "--train.max_steps", "4", "--ckpt.save_every", "2", *extra),
+    ]
+    assert cli_main(argv) == 0
+    return read_jsonl(out / "metrics.jsonl")
