@@ -88,6 +88,27 @@ def _check_names(cfg: RLConfig) -> None:
         )
 
 
+def _check_engines(cfg: RLConfig) -> None:
+    """Separate engines (dist.num_engines) and tensor parallelism inside them (dist.engine_tp)."""
+    if cfg.dist.num_engines:
+        why = (
+            "needs dist.mode ray (in local mode put the engine on another GPU with rollout.engine_device)"
+            if cfg.dist.mode != "ray"
+            else "does not take LoRA yet (the engines hold plain weights); merge first or use 0"
+            if cfg.model.lora.rank > 0
+            else ""
+        )
+        if why:
+            raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
+    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or cfg.rollout.engine != "vllm"):
+        raise ConfigError(
+            f"dist.engine_tp={cfg.dist.engine_tp}: tensor parallelism inside an engine needs separate engines "
+            f"(dist.num_engines > 0, got {cfg.dist.num_engines}) and rollout.engine vllm (got "
+            f"{cfg.rollout.engine!r}); the colocated and native engines run on one GPU",
+            field="dist.engine_tp",
+        )
+
+
 def _check_values(cfg: RLConfig) -> None:
     a, r = cfg.algo, cfg.rollout
     if needs_groups(a.advantage) or cfg.filter.enabled:
@@ -140,23 +161,7 @@ def _check_values(cfg: RLConfig) -> None:
             "or run the policy on one rank",
             field="ema",
         )
-    if cfg.dist.num_engines:
-        why = (
-            "needs dist.mode ray (in local mode put the engine on another GPU with rollout.engine_device)"
-            if cfg.dist.mode != "ray"
-            else "does not take LoRA yet (the engines hold plain weights); merge first or use 0"
-            if cfg.model.lora.rank > 0
-            else ""
-        )
-        if why:
-            raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
-    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or cfg.rollout.engine != "vllm"):
-        raise ConfigError(
-            f"dist.engine_tp={cfg.dist.engine_tp}: tensor parallelism inside an engine needs separate engines "
-            f"(dist.num_engines > 0, got {cfg.dist.num_engines}) and rollout.engine vllm (got "
-            f"{cfg.rollout.engine!r}); the colocated and native engines run on one GPU",
-            field="dist.engine_tp",
-        )
+    _check_engines(cfg)
     if cfg.train.async_train:
         for flag, on in (
             ("engine_sleep", cfg.dist.engine_sleep == "yes"),
