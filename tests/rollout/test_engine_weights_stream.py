@@ -24,7 +24,7 @@ from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.distributed.weights import EngineWeights
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model
-from relayrl.rollout.vllm_engine import SUPPORTED_VLLM, VLLMEngine, _chunks, check_vllm_version
+from relayrl.rollout.vllm_engine import SUPPORTED_VLLM, VLLMEngine, check_vllm_version, named_chunks
 
 
 def _step(model: torch.nn.Module) -> None:
@@ -153,11 +153,11 @@ def test_vllm_version_check():
 
 def test_load_chunks_are_bounded_and_strip_module_prefix():
     named = [(f"module.w{i}", torch.zeros(i + 1, dtype=torch.float32)) for i in range(6)]  # 4..24 bytes
-    chunks = list(_chunks(iter(named), max_bytes=16))
+    chunks = list(named_chunks(iter(named), max_bytes=16))
     assert [[n for n, _ in c] for c in chunks] == [["w0", "w1", "w2"], ["w3"], ["w4"], ["w5"]]
     assert all(a is b for c, part in zip(chunks, [named[:3], named[3:4], named[4:5], named[5:]], strict=True)
                for (_, a), (_, b) in zip(c, part, strict=True))  # fmt: skip
-    assert list(_chunks(iter([]), max_bytes=16)) == []
+    assert list(named_chunks(iter([]), max_bytes=16)) == []
 
 
 def test_vllm_engine_wants_a_folder(tiny_model):
