@@ -108,8 +108,8 @@ class RolloutConfig:
     """Device of the engine and its weight copy (e.g. cuda:1: generation on a second GPU while the policy trains
     on the first; with train.async_train they overlap). Empty: the policy's device."""
     vllm_args: str = ""
-    """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g.
-    '{"disable_custom_all_reduce": true}' where GPU peer access is broken, '{"enforce_eager": true}')."""
+    """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g. '{"enforce_eager": true}',
+    '{"max_num_batched_tokens": 8192}'); the arguments relayrl derives from other settings are refused."""
     engine_slots: int = 0
     """Native engine: sequences decoded together (rows of its preallocated KV cache). More slots batch more
     samples per decode step (faster on a GPU) for KV memory of layers x slots x kv_heads x max_len x head_dim

@@ -548,9 +548,6 @@ def _tp_child(folder: str) -> dict:
         seed=0,
         tensor_parallel_size=2,
         distributed_executor_backend="mp",
-        # vLLM's custom all-reduce (CUDA IPC peer memory) hit an illegal memory access on the 2xH100 machine
-        # this was run on (a VM, peer access untrusted); NCCL's all-reduce works there
-        disable_custom_all_reduce=True,
     )
     sent = _lively(tokenizer, seed=1).to(torch.bfloat16)  # other weights than the folder's
     layout = [(n, tuple(p.shape), str(p.dtype)) for n, p in sent.named_parameters()]
