@@ -429,8 +429,7 @@ class NativeEngine(ThreadedEngine):
             )
             # the slot holds K/V of prompt + completion except its last token (sampled, never fed back);
             # a sample that ran across a weight change holds mixed K/V: not kept
-            mixed = len(run.marks) > 1
-            if mixed:
+            if len(run.marks) > 1 or not self.pool.enabled:
                 self.pool.release(s)
             else:
                 self.pool.park(s, list(run.pending.request.prompt_ids) + toks[i][a : b - 1])

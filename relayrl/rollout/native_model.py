@@ -219,16 +219,13 @@ class DecoderRunner:
         d, hkv, n_layers, dev = self.head_dim, self.n_kv, len(self.layers), ids.device
         kv_len = max(s + n for s, n in zip(start, lengths, strict=True))
         # per real token, in [B, Hkv, T] order: its row in k.reshape(-1, D) and its row in the cache viewed as
-        # [layers, slots * Hkv * max_len, D] (padding tokens are neither read nor written)
-        src, dst = [], []
-        for row, (slot, s0, n) in enumerate(zip(slots, start, lengths, strict=True)):
-            for h in range(hkv):
-                src.extend(range((row * hkv + h) * t, (row * hkv + h) * t + n))
-                dst.extend(
-                    range((slot * hkv + h) * self.max_len + s0, (slot * hkv + h) * self.max_len + s0 + n)
-                )
-        src_t = torch.tensor(src, device=dev)
-        dst_t = torch.tensor(dst, device=dev)
+        # [layers, slots * Hkv * max_len, D] (padding tokens are neither read nor written); built on the host
+        rows, heads, toks = torch.arange(b)[:, None, None], torch.arange(hkv)[None, :, None], torch.arange(t)
+        real = (toks < torch.tensor(lengths)[:, None, None]).expand(b, hkv, t)
+        src = ((rows * hkv + heads) * t + toks).expand(b, hkv, t)[real]
+        slot_rows = torch.tensor(slots)[:, None, None] * hkv + heads
+        dst = (slot_rows * self.max_len + torch.tensor(start)[:, None, None] + toks)[real]
+        src_t, dst_t = src.to(dev), dst.to(dev)
         start_t = torch.tensor(start, device=dev)
         slot_t = torch.tensor(slots, device=dev)
         last = torch.tensor([n - 1 for n in lengths], device=dev)

@@ -188,6 +188,24 @@ def build_vllm_engine(
         restore_rng_state(state)
 
 
+def build_generation(
+    rollout: RolloutConfig,
+    evaluation: EvalConfig,
+    model: torch.nn.Module | None,
+    tokenizer: Any,
+    *,
+    source: ModelConfig,
+    task_name: str,
+    step_timeout: float,
+    tp: int = 0,
+) -> tuple[Any, Any]:
+    """(engine, agent executor over it): what generates for a policy rank (colocated) or an engine actor;
+    `build_engine_for` and `build_executor`."""
+    engine = build_engine_for(rollout, evaluation, model, tokenizer, source=source, tp=tp)
+    executor = build_executor(rollout, engine, tokenizer, task_name=task_name, step_timeout=step_timeout)
+    return engine, executor
+
+
 def build_executor(
     rollout: RolloutConfig, engine: Any, tokenizer: Any, *, task_name: str = "", step_timeout: float = 60.0
 ) -> Any:

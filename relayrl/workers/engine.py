@@ -39,7 +39,7 @@ from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.distributed.group import merged, my_share, rank
 from relayrl.rollout.base import SamplingParams
 from relayrl.training.setup import resolve_device
-from relayrl.workers.builders import build_engine_for, build_executor, build_frozen, setup_process
+from relayrl.workers.builders import build_frozen, build_generation, setup_process
 
 
 def sampling_params(rollout: RolloutConfig, evaluation: EvalConfig, *, eval: bool = False) -> SamplingParams:
@@ -119,15 +119,15 @@ class EngineWorker:
         self.vllm = spec.rollout.engine == "vllm"
         # vllm loads the folder itself (in its tp workers); native / hf generate from this actor's copy
         self.model = None if self.vllm else build_frozen(m, self.device)
-        self.engine = build_engine_for(
-            spec.rollout, spec.eval, self.model, self.tokenizer, source=m, tp=spec.tp if self.vllm else 0
-        )
-        self.executor = build_executor(
+        self.engine, self.executor = build_generation(
             spec.rollout,
-            self.engine,
+            spec.eval,
+            self.model,
             self.tokenizer,
+            source=m,
             task_name=spec.task_name,
             step_timeout=spec.step_timeout,
+            tp=spec.tp if self.vllm else 0,
         )
         self.group: Any = None
 

@@ -43,8 +43,7 @@ from relayrl.training.setup import build_train_step, compute_precision, resolve_
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, split_rows
 from relayrl.workers.builders import (
-    build_engine_for,
-    build_executor,
+    build_generation,
     build_policy_objective,
     build_trainable,
     inference_dtype,
@@ -155,13 +154,12 @@ class PolicyWorker:
         self.executor: Any = None
         self.weight_group: Any = None
         if not spec.separate_engines:
-            self.engine = build_engine_for(
-                spec.rollout, spec.eval, self.weights.model, self.tokenizer, source=spec.model
-            )
-            self.executor = build_executor(
+            self.engine, self.executor = build_generation(
                 spec.rollout,
-                self.engine,
+                spec.eval,
+                self.weights.model,
                 self.tokenizer,
+                source=spec.model,
                 task_name=spec.task_name,
                 step_timeout=spec.step_timeout,
             )
