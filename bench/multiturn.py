@@ -48,7 +48,7 @@ def build(shape: str, device: str):
 
 
 def play(model, tok, *, cache: bool, prompts: int, n: int, max_new: int, seed: int) -> tuple[dict, list]:
-    from relayrl.agents.base import PromptSample
+    from relayrl.data.records import PromptSample
     from relayrl.data.templates import encode
     from relayrl.rollout import SamplingParams, build_engine
     from relayrl.tasks import get_task

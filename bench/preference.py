@@ -123,9 +123,9 @@ def cases(model: Path, teacher: Path, files: dict[str, Path], args: argparse.Nam
 
 def run_generate_case(model: Path, files: dict[str, Path], args: argparse.Namespace, tmp: Path) -> dict:
     """`relayrl generate` on the SFT file's prompts: 4 samples each, up to 256 new tokens, no reward."""
+    from relayrl.apps.generate import GenerateConfig, run_generate
     from relayrl.config.components import DataConfig, ModelConfig
     from relayrl.config.rl import RolloutConfig
-    from relayrl.trainers.generate import GenerateConfig, run_generate
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

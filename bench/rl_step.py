@@ -122,7 +122,7 @@ def run(
     ray_address: str = "",
 ) -> dict:
     from relayrl.config.rl import tiny_cpu_config
-    from relayrl.trainers.rl import run_rl
+    from relayrl.trainers.rl.loop import run_rl
 
     _, dtype, prompts, n, new_tokens, micro_tokens = SHAPES[shape]
     micro_tokens = micro_tokens_override or micro_tokens

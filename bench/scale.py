@@ -97,7 +97,7 @@ def _dist(cfg_dist, gpus: int, offload: bool, device: str):
 
 def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> dict:
     from relayrl.config.rl import tiny_cpu_config
-    from relayrl.trainers.rl import run_rl
+    from relayrl.trainers.rl.loop import run_rl
 
     cfg = tiny_cpu_config(str(model), str(out), steps=args.steps, reward=str(REWARD))
     cfg = replace(

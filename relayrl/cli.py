@@ -13,7 +13,7 @@ import sys
 # name -> ("module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "relayrl.trainers.demo:main",
+        "relayrl.apps.demo:main",
         "Embedded demo on CPU: tiny model, SFT then RL on a built-in task.",
     ),
     "sft": (
@@ -25,23 +25,23 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dpo": ("relayrl.trainers.dpo:main", "DPO / IPO / cDPO on preference pairs."),
     "kto": ("relayrl.trainers.kto:main", "KTO on desirable / undesirable responses."),
     "kd": ("relayrl.trainers.kd:main", "Knowledge distillation from a teacher (forward / reverse KL, JSD)."),
-    "rl": ("relayrl.trainers.rl:main", "RL training: PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO."),
+    "rl": ("relayrl.trainers.rl.loop:main", "RL training: PPO / REINFORCE++ / GRPO / RLOO / Dr.GRPO / GSPO."),
     "eval": (
-        "relayrl.trainers.rl_eval:main",
+        "relayrl.apps.eval:main",
         "Evaluate a model (pass@k, reward) on a task or eval set, no training.",
     ),
     "generate": (
-        "relayrl.trainers.generate:main",
+        "relayrl.apps.generate:main",
         "Batch generation: n samples, scoring, best-of-n, rejection sampling, DPO pairs.",
     ),
     "iterative-dpo": (
-        "relayrl.trainers.iterative_dpo:main",
+        "relayrl.apps.iterative_dpo:main",
         "Iterative DPO: generate -> score -> pairs -> DPO, for K rounds.",
     ),
-    "chat": ("relayrl.trainers.chat:main", "Interactive terminal chat with a model folder."),
-    "serve": ("relayrl.agents.openai_server:main", "OpenAI-compatible server over a rollout engine."),
-    "serve-rm": ("relayrl.agents.remote_rm:serve_main", "Serve a local reward model over HTTP."),
-    "merge-lora": ("relayrl.models.loading:merge_lora_main", "Merge a LoRA adapter into its base model."),
+    "chat": ("relayrl.apps.chat:main", "Interactive terminal chat with a model folder."),
+    "serve": ("relayrl.apps.serve:main", "OpenAI-compatible server over a rollout engine."),
+    "serve-rm": ("relayrl.apps.serve_rm:main", "Serve a local reward model over HTTP."),
+    "merge-lora": ("relayrl.apps.merge_lora:main", "Merge a LoRA adapter into its base model."),
 }
 
 

@@ -212,7 +212,7 @@ def ignore_eos_in_relayrl() -> None:
 
 
 def run_relayrl(w: Workload, model: str, steps: int) -> dict[str, Any]:
-    from relayrl.trainers.rl import run_rl
+    from relayrl.trainers.rl.loop import run_rl
 
     if w.ignore_eos:
         ignore_eos_in_relayrl()

@@ -14,13 +14,7 @@ the failure policy, the OpenAI-compatible server and `relayrl serve-rm`.
 Importing this package is light (no aiohttp); the HTTP modules are imported where used.
 """
 
-from relayrl.agents.base import (
-    AgentExecutorBase,
-    AgentInstanceBase,
-    PromptSample,
-    Trajectory,
-    TrajectoryStatus,
-)
+from relayrl.agents.base import AgentExecutorBase, AgentInstanceBase, Trajectory, TrajectoryStatus
 from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor, execute_all, load_agent_from_file
 from relayrl.agents.failures import (
     FailureLog,
@@ -29,6 +23,7 @@ from relayrl.agents.failures import (
     apply_failure_policy,
     mark_failed,
 )
+from relayrl.data.records import PromptSample
 
 MultiTurnAgentExecutor = MultiTurnExecutor
 """OpenRLHF's name for `MultiTurnExecutor` (its agent files subclass it)."""

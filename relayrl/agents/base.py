@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from relayrl.data.records import PromptSample
+
 if TYPE_CHECKING:
     from relayrl.rollout.base import SamplingParams
 
@@ -27,22 +29,6 @@ class TrajectoryStatus(str, Enum):  # noqa: UP042  (kept: the lead's record, str
     """A user step / reward raised, returned NaN or the wrong length, or timed out (see `error`)."""
 
 
-@dataclass(kw_only=True, slots=True)
-class PromptSample:
-    """One prompt from the dataset, tokenized once at the edge."""
-
-    index: int
-    """Position of the prompt in its dataset (stable across resume); groups are keyed by it."""
-    prompt: str
-    """Prompt text after templating (for reward functions and logs)."""
-    prompt_ids: list[int]
-    """Prompt token ids, [P] ints."""
-    label: Any = None
-    """Ground truth for verifiable rewards (task-defined), or None."""
-    datasource: str = "default"
-    """Name of the dataset it came from (metrics are split by it)."""
-    messages: list[dict[str, str]] | None = None
-    """The chat messages the prompt was built from, when it was a chat."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -29,13 +29,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from relayrl.agents.base import (
-    AgentExecutorBase,
-    AgentInstanceBase,
-    PromptSample,
-    Trajectory,
-)
+from relayrl.agents.base import AgentExecutorBase, AgentInstanceBase, Trajectory
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
 
 

@@ -26,11 +26,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from relayrl.agents.base import AgentExecutorBase, PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import AgentExecutorBase, Trajectory, TrajectoryStatus
 from relayrl.agents.executors import prompt_only
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
 from relayrl.agents.openai_server import OpenAIServer
 from relayrl.agents.traces import trace_to_trajectory
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 
 

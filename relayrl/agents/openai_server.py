@@ -33,12 +33,11 @@ import asyncio
 import itertools
 import json
 import logging
-import sys
 import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -443,69 +442,7 @@ class OpenAIServer:
             self._thread = self._loop = None
 
 
-@dataclass(kw_only=True, slots=True)
-class ServeConfig:
-    """`relayrl serve` options."""
-
-    model: str = ""
-    """Causal LM folder or hub id (loaded with AutoModelForCausalLM / AutoTokenizer)."""
-    engine: str = "native"
-    """Rollout engine: native (default), hf or vllm."""
-    host: str = "127.0.0.1"
-    """Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)."""
-    port: int = 8000
-    """TCP port."""
-    model_name: str = ""
-    """Name reported by /v1/models and in responses ('' = the model folder's name)."""
-    max_total_len: int = 0
-    """Prompt + completion length limit (0 = the engine's limit)."""
-    device: str = ""
-    """Device ('' = cuda when available, else cpu)."""
 
 
-def _serve(cfg: ServeConfig) -> int:
-    if not cfg.model:
-        print("relayrl serve: --model PATH is required", flush=True)
-        return 2
-    import os
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from relayrl.rollout import build_engine
-
-    if cfg.engine == "vllm" and cfg.device and torch.device(cfg.device).type != "cuda":
-        print(
-            f"relayrl serve: --engine vllm runs on a GPU; --device {cfg.device} is not one", file=sys.stderr
-        )
-        return 2
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        # vllm loads the weights itself from the folder: the HF module is not loaded at all then
-        model = (
-            cfg.model
-            if cfg.engine == "vllm"
-            else AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
-        )
-    except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
-        print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
-        return 2
-    opts: dict[str, Any] = {"max_seq_len": cfg.max_total_len} if cfg.max_total_len else {}
-    if cfg.engine == "vllm" and os.environ.get("RELAYRL_VLLM_GPU_UTIL"):  # else vLLM's default (0.9)
-        opts["gpu_memory_utilization"] = float(os.environ["RELAYRL_VLLM_GPU_UTIL"])
-    engine = build_engine(cfg.engine, model, tokenizer, **opts)
-    name = cfg.model_name or cfg.model.rstrip("/").split("/")[-1]
-    server = OpenAIServer(engine, tokenizer, model_name=name, max_total_len=cfg.max_total_len or None)
-    print(f"relayrl serve: {name} on http://{cfg.host}:{cfg.port}/v1 (engine {cfg.engine})", flush=True)
-    try:
-        web.run_app(server.app(), host=cfg.host, port=cfg.port, print=None, access_log=None)
-    finally:
-        engine.close()
-    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from relayrl.config.base import run_command
-
-    return run_command(ServeConfig, argv, "relayrl serve", _serve, description=__doc__.split("\n")[0])

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -113,60 +111,9 @@ def model_scorer(rm: Any) -> Scorer:
     return score
 
 
-@dataclass(kw_only=True, slots=True)
-class ServeRMConfig:
-    """`relayrl serve-rm` options."""
-
-    model: str = ""
-    """Reward model folder (AutoModelForSequenceClassification with num_labels=1); or use --reward-func."""
-    reward_func: str = ""
-    """A Python file defining reward_func(queries, prompts, labels) to serve instead of a model."""
-    host: str = "127.0.0.1"
-    """Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)."""
-    port: int = 5000
-    """TCP port."""
-    batch_size: int = 16
-    """Sequences per reward-model forward pass."""
-    max_len: int = 2048
-    """Longest sequence scored (longer ones keep their last max_len tokens)."""
-    device: str = ""
-    """Device for the model ('' = cuda when available, else cpu)."""
 
 
-def _build_scorer(cfg: ServeRMConfig) -> Scorer:
-    if bool(cfg.model) == bool(cfg.reward_func):
-        raise SystemExit("relayrl serve-rm: give exactly one of --model PATH or --reward-func FILE.py")
-    if cfg.reward_func:
-        from relayrl.agents.rewards.func import load_reward_func
-
-        return load_reward_func(cfg.reward_func)
-    from relayrl.agents.rewards.local_rm import LocalRewardModel
-
-    rm = LocalRewardModel.from_pretrained(
-        cfg.model, device=cfg.device or None, batch_size=cfg.batch_size, max_len=cfg.max_len
-    )
-    return model_scorer(rm)
 
 
-def _serve(cfg: ServeRMConfig) -> int:
-    try:
-        scorer = _build_scorer(cfg)
-    except SystemExit as e:
-        print(e, flush=True)
-        return 2
-    except (OSError, ImportError, AttributeError, ValueError) as e:  # a missing / broken model or file
-        print(
-            f"relayrl serve-rm: cannot load {cfg.model or cfg.reward_func!r}: {e}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 2
-    print(f"relayrl serve-rm: listening on http://{cfg.host}:{cfg.port}/get_reward", flush=True)
-    web.run_app(build_rm_app(scorer), host=cfg.host, port=cfg.port, print=None, access_log=None)
-    return 0
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    from relayrl.config.base import run_command
-
-    return run_command(ServeRMConfig, argv, "relayrl serve-rm", _serve, description=__doc__.split("\n")[0])

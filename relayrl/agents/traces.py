@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.agents.base import Trajectory
 from relayrl.agents.executors import append_action, append_feedback, prompt_only
 from relayrl.agents.failures import FailureLog, mark_failed
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import Completion, FinishReason, SamplingParams
 
 

@@ -25,10 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from relayrl.agents.base import PromptSample
 from relayrl.config.components import DataConfig
 from relayrl.data.loading import DataError, MalformedRowError, load_source
-from relayrl.data.records import LoadStats, RawRow, TokenizedSample
+from relayrl.data.records import LoadStats, PromptSample, RawRow, TokenizedSample
 from relayrl.data.templates import SFTMode, build_prompt, encode, tokenize_sft
 
 S = TypeVar("S")

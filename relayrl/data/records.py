@@ -10,7 +10,10 @@ RL prompts are `relayrl.agents.base.PromptSample` (built by `relayrl.data.build.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,3 +93,21 @@ class LoadStats:
             f"data[{self.split}] {self.source}: read {self.rows_read}, used {self.rows_used}, kept {self.kept}, "
             f"dropped_too_long {self.dropped_too_long}, skipped_malformed {self.skipped_malformed}{tail}"
         )
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptSample:
+    """One prompt from the dataset, tokenized once at the edge."""
+
+    index: int
+    """Position of the prompt in its dataset (stable across resume); groups are keyed by it."""
+    prompt: str
+    """Prompt text after templating (for reward functions and logs)."""
+    prompt_ids: list[int]
+    """Prompt token ids, [P] ints."""
+    label: Any = None
+    """Ground truth for verifiable rewards (task-defined), or None."""
+    datasource: str = "default"
+    """Name of the dataset it came from (metrics are split by it)."""
+    messages: list[dict[str, str]] | None = None
+    """The chat messages the prompt was built from, when it was a chat."""

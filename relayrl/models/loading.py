@@ -285,21 +285,3 @@ def merge_lora(
     return out_dir
 
 
-def merge_lora_main(argv: list[str]) -> int:
-    """`relayrl merge-lora ADAPTER_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--base PATH]`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="relayrl merge-lora", description=merge_lora.__doc__)
-    parser.add_argument("adapter_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--base", default=None, help="base model folder or Hub id (default: the adapter's)")
-    args = parser.parse_args(argv)
-    from relayrl.config.base import error_boundary
-
-    def go() -> int:
-        out = merge_lora(args.adapter_dir, args.out_dir, dtype=args.dtype, base=args.base)
-        print(f"merged model written to {out}")
-        return 0
-
-    return error_boundary("relayrl merge-lora", go)

@@ -23,7 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.agents.base import AgentInstanceBase, PromptSample
+from relayrl.agents.base import AgentInstanceBase
+from relayrl.data.records import PromptSample
 from relayrl.tasks.base import is_held_out, register_task
 
 PROMPT_RE = re.compile(r"guess (\d+)-(\d+): ")

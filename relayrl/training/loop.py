@@ -8,7 +8,7 @@ TrainStep.step -> eval -> log -> checkpoint, with exact resume.
 
 A recipe supplies `collate(indices) -> list[micro_batch]` (one optimizer step) and `eval_batches() ->
 Iterable[list[micro_batch]]`; the loss lives in the TrainStep. The RL controller has its own loop
-(relayrl/trainers/rl.py) but its workers run the same TrainStep.
+(relayrl/trainers/rl/loop.py) but its workers run the same TrainStep.
 """
 
 from __future__ import annotations

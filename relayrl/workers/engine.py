@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 
-from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.agents.base import Trajectory
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig
+from relayrl.data.records import PromptSample
 from relayrl.distributed.group import merged, my_share, rank
 from relayrl.rollout.base import SamplingParams
 from relayrl.training.setup import resolve_device

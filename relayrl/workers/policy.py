@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.agents.base import Trajectory
 from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.rl import AlgoConfig, DistConfig, EvalConfig, RolloutConfig
+from relayrl.data.records import PromptSample
 from relayrl.distributed.group import in_group, merged, world
 from relayrl.distributed.weights import EngineWeights
 from relayrl.models.forward import choose_layout, prepare_model, to_device

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.executors import MultiTurnExecutor, load_agent_from_file
 from relayrl.agents.openai_agent import OpenAIAgentExecutor
 from relayrl.agents.rewards import build_reward_source
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -8,9 +8,10 @@ import textwrap
 
 import pytest
 
-from relayrl.agents.base import AgentInstanceBase, PromptSample, TrajectoryStatus
+from relayrl.agents.base import AgentInstanceBase, TrajectoryStatus
 from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor, execute_all, load_agent_from_file
 from relayrl.agents.failures import FailureLog, apply_failure_policy
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 
 
@@ -258,8 +259,8 @@ def test_reset_may_rewrite_the_observation(engine, tiny_tokenizer):
 
 
 def test_cli_entry_points_parse():
-    from relayrl.agents.openai_server import main
-    from relayrl.agents.remote_rm import serve_main
+    from relayrl.apps.serve import main
+    from relayrl.apps.serve_rm import main as serve_main
 
     assert main(["--help"]) == 0 and serve_main(["--help"]) == 0
     assert main([]) == 2  # --model is required

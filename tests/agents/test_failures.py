@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import (
     FailureLog,
     RolloutFailure,
@@ -12,6 +12,7 @@ from relayrl.agents.failures import (
     check_scalar,
     mark_failed,
 )
+from relayrl.data.records import PromptSample
 
 
 def _batch() -> list[Trajectory]:

@@ -12,10 +12,11 @@ import urllib.request
 import openai
 import pytest
 
-from relayrl.agents.base import PromptSample, TrajectoryStatus
+from relayrl.agents.base import TrajectoryStatus
 from relayrl.agents.openai_agent import OpenAIAgentExecutor
 from relayrl.agents.openai_server import OpenAIServer
 from relayrl.agents.traces import trace_to_trajectory, trace_turn_trajectories
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 
 # ChatML, but earlier assistant turns are rendered without their content (like templates that drop reasoning)

@@ -12,11 +12,12 @@ from collections import Counter
 
 import pytest
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FailureLog
 from relayrl.agents.remote_rm import build_rm_app, start_app
 from relayrl.agents.rewards import LocalRewardModel, RemoteRewardSource
 from relayrl.agents.rewards.remote import RemoteRMError
+from relayrl.data.records import PromptSample
 
 
 def _trajs(n: int) -> list[Trajectory]:
@@ -268,7 +269,7 @@ def test_serve_rm_cli_round_trip(tiny_rm_path, tiny_tokenizer, free_port):
 
 def test_unreachable_servers_are_found_at_start(free_port, tiny_model_path, tmp_path, capsys):
     """A wrong URL fails the run at start-up in seconds, naming the URL, instead of after a few steps."""
-    from relayrl.trainers.rl import main
+    from relayrl.trainers.rl.loop import main
 
     url = f"http://127.0.0.1:{free_port()}/get_reward"
     source = RemoteRewardSource([url], retries=0)

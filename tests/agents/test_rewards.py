@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FailureLog
 from relayrl.agents.rewards import (
     LocalRewardModel,
@@ -20,6 +20,7 @@ from relayrl.agents.rewards import (
     TaskRewardSource,
     build_reward_source,
 )
+from relayrl.data.records import PromptSample
 from relayrl.tasks import get_task
 
 

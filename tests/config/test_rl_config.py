@@ -12,7 +12,7 @@ import pytest
 
 from relayrl.config import ConfigError, ConfigWarning, format_help, parse_cli
 from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig, resolve_algo
-from relayrl.trainers.rl_build import validate_rl_config
+from relayrl.trainers.rl.validate import validate_rl_config
 
 BASE = ["--model.name_or_path", "some/model", "--train.max_steps", "2"]
 

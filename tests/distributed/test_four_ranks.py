@@ -40,7 +40,7 @@ from dp_fixtures import assert_metrics_close as _close
 from relayrl.config.rl import DistConfig, RLConfig, tiny_cpu_config
 from relayrl.distributed.group import shares
 from relayrl.distributed.launch import RayLauncher, RoleError
-from relayrl.trainers.rl import RLResult, RLTrainer
+from relayrl.trainers.rl.loop import RLResult, RLTrainer
 from relayrl.workers.base import split_rows
 
 DATA = Path(__file__).parents[1] / "trainers" / "data"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer, run_rl
+from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 DATA = Path(__file__).parents[1] / "trainers" / "data"

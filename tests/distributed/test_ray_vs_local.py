@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.rl import run_rl
+from relayrl.trainers.rl.loop import run_rl
 
 DATA = Path(__file__).parents[1] / "trainers" / "data"
 VOLATILE = ("timing/", "perf/")

@@ -19,14 +19,14 @@ SHELL_OPS = {"&&", "||", "|", "&", ";", ">", "2>&1"}
 
 
 def _configs() -> dict:
-    from relayrl.agents.openai_server import ServeConfig
-    from relayrl.agents.remote_rm import ServeRMConfig
+    from relayrl.apps.chat import ChatConfig
+    from relayrl.apps.demo import DemoConfig
+    from relayrl.apps.generate import GenerateConfig
+    from relayrl.apps.iterative_dpo import IterativeDPOConfig
+    from relayrl.apps.serve import ServeConfig
+    from relayrl.apps.serve_rm import ServeRMConfig
     from relayrl.config.rl import RLConfig
-    from relayrl.trainers.chat import ChatConfig
-    from relayrl.trainers.demo import DemoConfig
     from relayrl.trainers.dpo import DPOConfig
-    from relayrl.trainers.generate import GenerateConfig
-    from relayrl.trainers.iterative_dpo import IterativeDPOConfig
     from relayrl.trainers.kd import KDConfig
     from relayrl.trainers.kto import KTOConfig
     from relayrl.trainers.prm import PRMConfig
@@ -181,7 +181,7 @@ def test_example_config_runs_as_written(name, tiny_model_path, tmp_path, monkeyp
     The remote-RM example gets two real `relayrl serve-rm` servers; the ports in its URLs are the only change."""
     import json
 
-    from relayrl.trainers.rl import main
+    from relayrl.trainers.rl.loop import main
 
     monkeypatch.chdir(ROOT)  # the examples name files relative to the repository root
     yaml_path = ROOT / "examples" / "configs" / f"{name}.yaml"

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from relayrl.apps.merge_lora import main as merge_lora_main
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.models.loading import (
     checkpointing_enabled,
@@ -15,7 +16,6 @@ from relayrl.models.loading import (
     load_model_and_tokenizer,
     load_tokenizer,
     merge_lora,
-    merge_lora_main,
 )
 
 IDS = torch.tensor([[5, 6, 7, 8, 9]])

@@ -117,7 +117,7 @@ def test_parked_slots_are_reused_when_slots_run_out(lively_model, tiny_tokenizer
 def test_multi_turn_episodes_reuse_their_conversation_and_stay_identical(tiny_model, tiny_tokenizer):
     """The built-in guess task (up to 4 turns, each turn's prompt = the conversation so far): with the cache the
     same seeded episodes come out, prefilling a fraction of the tokens (bench/multiturn.py measures the time)."""
-    from relayrl.agents.base import PromptSample
+    from relayrl.data.records import PromptSample
     from relayrl.data.templates import encode
     from relayrl.tasks import get_task
 

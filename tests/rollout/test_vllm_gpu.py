@@ -360,7 +360,7 @@ def _rl_child(folder: str, run_dir: str) -> dict:
     """RLTrainer (what `relayrl rl` runs) in local mode with the vllm engine; before the roles close, compare
     the engine's greedy log-probs with the trainer's weights and the initial ones (see the module doc)."""
     from relayrl.config.rl import tiny_cpu_config
-    from relayrl.trainers.rl import RLTrainer
+    from relayrl.trainers.rl.loop import RLTrainer
 
     cfg = tiny_cpu_config(folder, run_dir, steps=3, reward=DIGITS)
     cfg = replace(
@@ -608,9 +608,9 @@ def test_rl_ray_with_a_separate_vllm_engine_actor(tiny_tokenizer, tmp_path):
 def _rl_ray_child(folder: str, run_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from relayrl.agents.base import PromptSample
     from relayrl.config.rl import tiny_cpu_config
-    from relayrl.trainers.rl import RLTrainer
+    from relayrl.data.records import PromptSample
+    from relayrl.trainers.rl.loop import RLTrainer
 
     cfg = tiny_cpu_config(folder, run_dir, steps=3, reward=DIGITS)
     cfg = replace(

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from relayrl.agents.base import PromptSample, TrajectoryStatus
+from relayrl.agents.base import TrajectoryStatus
+from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 from relayrl.tasks import get_task
 from relayrl.tasks.guess import GuessAgent

@@ -41,6 +41,14 @@ import preference_fixtures as pf
 import pytest
 import torch
 
+from relayrl.apps.demo import (
+    DemoConfig,
+    build_base_model,
+    dev_accuracy,
+    greedy_answers,
+    make_demo_data,
+    sft_until_target,
+)
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
@@ -48,14 +56,6 @@ from relayrl.config.components import (
     ModelConfig,
     OptimConfig,
     TrainConfig,
-)
-from relayrl.trainers.demo import (
-    DemoConfig,
-    build_base_model,
-    dev_accuracy,
-    greedy_answers,
-    make_demo_data,
-    sft_until_target,
 )
 
 SEED = 0
@@ -280,8 +280,8 @@ def test_rejection_sampling_then_sft_raises_exact_match(add2, tmp_path):
     steps on the original SFT rows, reached 0.622 (and with 80 steps each 0.652 against 0.620): the fixture's
     SFT model is under-trained, so most of the gain here is more training; the test does not show that
     rejection sampling beats more SFT on this task."""
+    from relayrl.apps.generate import GenerateConfig, run_generate
     from relayrl.config.rl import RewardConfig, RolloutConfig
-    from relayrl.trainers.generate import GenerateConfig, run_generate
     from relayrl.trainers.sft import SFTConfig, run_sft
 
     prompts = pf.write_jsonl(tmp_path / "prompts.jsonl", _rows(add2.data["rl"])[:600])

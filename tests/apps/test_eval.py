@@ -7,7 +7,7 @@ from pathlib import Path
 
 from relayrl.cli import main as cli_main
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "trainers" / "data"
 
 
 def test_eval_a_model_on_a_task_without_training(tiny_model_path, tmp_path, capsys):

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer
+from relayrl.trainers.rl.loop import RLTrainer
 
-DIGITS = str(Path(__file__).parent / "data" / "digit_reward.py")
+DIGITS = str(Path(__file__).parents[1] / "data" / "digit_reward.py")
 
 
 @pytest.mark.gpu

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
-from relayrl.config.components import DataConfig, ModelConfig
-from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
-from relayrl.trainers.generate import (
+from relayrl.agents.base import Trajectory, TrajectoryStatus
+from relayrl.apps.generate import (
     SELECTORS,
     GenerateConfig,
     SelectOptions,
@@ -21,6 +19,9 @@ from relayrl.trainers.generate import (
     run_generate,
     write_jsonl_atomic,
 )
+from relayrl.config.components import DataConfig, ModelConfig
+from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
+from relayrl.data.records import PromptSample
 
 # The fraction of response characters with an even code point: spread over [0, 1] for a random model, so
 # prompts have distinct best and worst samples. Labels must reach the function (it checks them).
@@ -306,8 +307,8 @@ def test_config_errors_name_the_field(tmp_path, capsys, flags, message):
 
 
 def test_settings_without_effect_warn(tmp_path):
+    from relayrl.apps.generate import validate_generate_config
     from relayrl.config.base import ConfigWarning
-    from relayrl.trainers.generate import validate_generate_config
 
     cfg = config(
         tmp_path, tmp_path / "o.jsonl", threshold=0.9, reward=RewardConfig(source="task:add2", clip=1.0)

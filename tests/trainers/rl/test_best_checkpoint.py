@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer
+from relayrl.trainers.rl.loop import RLTrainer
 
 
 def test_keep_best_ranks_every_eval(tiny_model_path, tmp_path):

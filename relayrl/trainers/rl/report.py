@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.agents.base import Trajectory
+from relayrl.data.records import PromptSample
 from relayrl.training.logging import ConsoleProgress, _scalar, read_jsonl
 
 SAMPLES_FILE = "samples.jsonl"

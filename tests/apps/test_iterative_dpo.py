@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from relayrl.trainers.iterative_dpo import IterativeDPOConfig, main, run_iterative_dpo
+from relayrl.apps.iterative_dpo import IterativeDPOConfig, main, run_iterative_dpo
 
 DIGITS_REWARD = """
 def reward_func(queries, prompts, labels, **kwargs):

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.agents.base import Trajectory
 from relayrl.config.base import ConfigError, load_yaml
 from relayrl.config.rl import RLConfig, tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer, run_rl
-from relayrl.trainers.rl_async import Batch, RolloutPipeline, staleness_filter
+from relayrl.data.records import PromptSample
+from relayrl.trainers.rl.async_rollout import Batch, RolloutPipeline, staleness_filter
+from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def _cfg(model: Path, out: Path, *, steps: int = 5, staleness: int = 1, **train):
@@ -122,7 +123,7 @@ def test_async_training_raises_the_reward(tiny_model_path, tmp_path):
 @pytest.mark.parametrize("flag", ["--dist.engine_sleep yes", "--dist.offload_optimizer_in_rollout true"])
 def test_async_with_memory_juggling_flags_is_a_config_error(tiny_model_path, tmp_path, flag):
     from relayrl.config.base import parse_cli
-    from relayrl.trainers.rl_build import validate_rl_config
+    from relayrl.trainers.rl.validate import validate_rl_config
 
     argv = ["--model.name_or_path", str(tiny_model_path), "--train.async_train", "true", *flag.split()]
     with pytest.raises(ConfigError, match=flag.split()[0].removeprefix("--")):

@@ -12,7 +12,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from relayrl.trainers.demo import main
+from relayrl.apps.demo import main
 
 
 @pytest.mark.timeout(120)

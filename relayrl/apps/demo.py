@@ -234,7 +234,7 @@ def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, st
 
 def evaluate_only(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path) -> float:
     """Held-out greedy exact-match accuracy of `model` (the RL trainer's eval path, no training step)."""
-    from relayrl.trainers.rl import RLTrainer
+    from relayrl.trainers.rl.loop import RLTrainer
 
     rl = rl_config(cfg, model, data, out, steps=1)
     trainer = RLTrainer(rl)
@@ -247,7 +247,7 @@ def evaluate_only(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path
 
 def run_demo(cfg: DemoConfig) -> dict:
     """The whole demo; returns the summary (also written to <output_dir>/summary.json)."""
-    from relayrl.trainers.rl import RLTrainer
+    from relayrl.trainers.rl.loop import RLTrainer
 
     t0 = time.perf_counter()
     torch.set_num_threads(2)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.trainers.rl import main
+from relayrl.trainers.rl.loop import main
 from relayrl.training.logging import read_jsonl
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 REWARD_FUNCS = {
     "raises": "def reward_func(queries, prompts, labels, **kw):\n    raise RuntimeError('reward server exploded')\n",

@@ -10,9 +10,7 @@ import sys
 import pytest
 import torch
 
-from relayrl.config.components import ModelConfig
-from relayrl.data.templates import encode
-from relayrl.trainers.chat import (
+from relayrl.apps.chat import (
     ChatConfig,
     ChatSession,
     IncrementalDecoder,
@@ -22,6 +20,8 @@ from relayrl.trainers.chat import (
     render_plain,
     run_chat,
 )
+from relayrl.config.components import ModelConfig
+from relayrl.data.templates import encode
 
 
 class Recorder(io.StringIO):
@@ -159,7 +159,7 @@ def test_incremental_decoder_never_splits_a_character(text):
 
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, tiny_tokenizer):
-    from relayrl.trainers.chat import chat_loop
+    from relayrl.apps.chat import chat_loop
 
     class InterruptOnce(Recorder):
         def write(self, s: str) -> int:

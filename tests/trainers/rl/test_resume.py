@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer
+from relayrl.trainers.rl.loop import RLTrainer
 from relayrl.training.logging import read_jsonl
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 STEPS = 4
 VOLATILE = ("time", "timing/", "perf/")
 

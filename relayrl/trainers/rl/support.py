@@ -1,4 +1,4 @@
-"""Small helpers of the RL loop (relayrl/trainers/rl.py): step timer, SIGINT / SIGTERM flag, failure counts,
+"""Small helpers of the RL loop (relayrl/trainers/rl/loop.py): step timer, SIGINT / SIGTERM flag, failure counts,
 and the builders of the checkpoint manager and reward normaliser."""
 
 from __future__ import annotations

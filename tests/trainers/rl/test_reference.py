@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from relayrl.config.rl import tiny_cpu_config
-from relayrl.trainers.rl import run_rl
+from relayrl.trainers.rl.loop import run_rl
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 REFERENCE = DATA / "rl_reference.json"
 KEYS = (
     "rollout/reward_mean",

@@ -84,7 +84,7 @@ class IterativeDPOConfig:
 
 
 def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: str, seed: int) -> Any:
-    from relayrl.trainers.generate import GenerateConfig, run_generate
+    from relayrl.apps.generate import GenerateConfig, run_generate
 
     gen = GenerateConfig(
         model=replace(cfg.model, name_or_path=model_path),
@@ -176,7 +176,7 @@ def run_iterative_dpo(cfg: IterativeDPOConfig) -> dict[str, Any]:
 
 def _write_pairs(rows: list[dict[str, Any]], path: Path) -> None:
     """Best vs worst scored sample per prompt (ties skipped), from generate's `all` rows."""
-    from relayrl.trainers.generate import write_jsonl_atomic
+    from relayrl.apps.generate import write_jsonl_atomic
 
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for r in rows:

@@ -1,4 +1,4 @@
-"""The selection rules of `relayrl generate` (relayrl/trainers/generate.py): one prompt's scored samples ->
+"""The selection rules of `relayrl generate` (relayrl/apps/generate.py): one prompt's scored samples ->
 the rows written. Each rule is a function registered in SELECTORS; docs/generate.md shows a row of each.
 
     all          every sample (failed ones with reward null and their failure kind)
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import Trajectory, TrajectoryStatus
+from relayrl.data.records import PromptSample
 
 DEFAULT_CONDITION = "<rm_score>: {reward:.1f} {input}"
 """Conditional-SFT prompt: OpenRLHF's "{input} <rm_score>: {reward} " turned into a prefix, so the prompt keeps

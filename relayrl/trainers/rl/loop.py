@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
-from relayrl.agents.base import PromptSample, Trajectory
+from relayrl.agents.base import Trajectory
 from relayrl.config.rl import RLConfig
-from relayrl.trainers.rl_support import (
+from relayrl.data.records import PromptSample
+from relayrl.trainers.rl.support import (
     SignalFlag,
     Timer,
     add,
@@ -103,13 +104,9 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig, *, banner: bool = True) -> None:
         from relayrl.config.base import save_yaml
         from relayrl.models.loading import load_tokenizer, resolve_source
-        from relayrl.trainers.rl_build import (
-            build_kl_controller,
-            build_prompts,
-            build_roles,
-            check_labels,
-            validate_rl_config,
-        )
+        from relayrl.trainers.rl.prompts import build_prompts, check_labels
+        from relayrl.trainers.rl.roles import build_kl_controller, build_roles
+        from relayrl.trainers.rl.validate import validate_rl_config
         from relayrl.training.sampler import ResumableSampler
         from relayrl.training.setup import check_config_change, prepare_run_dir
         from relayrl.workers.builders import exact_on_policy, setup_process
@@ -195,7 +192,7 @@ class RLTrainer:
         `step`: the RL step the batch is for (seeds derive from it; default the current one)."""
         step = self.step if step is None else step
         from relayrl.agents.failures import RolloutFailure, apply_failure_policy
-        from relayrl.trainers.rl_experience import complete_groups, filter_groups, rollout_metrics
+        from relayrl.trainers.rl.experience import complete_groups, filter_groups, rollout_metrics
 
         r, f = self.cfg.rollout, self.cfg.filter
         kept: list[Trajectory] = []
@@ -249,7 +246,7 @@ class RLTrainer:
     def make_experience(self, trajs: list[Trajectory]) -> tuple[Experience, dict[str, float]]:
         """Old / reference log-probs and values (in parallel across roles), shaped rewards, advantages. The
         old-log-prob forward is skipped when the update is exactly on-policy (workers.builders.exact_on_policy)."""
-        from relayrl.trainers.rl_experience import compute_advantages, shape_rewards
+        from relayrl.trainers.rl.experience import compute_advantages, shape_rewards
 
         batch = collate(trajs, self.pad_id)
         rewards, metrics = shape_rewards(trajs, self.cfg, self.reward_norm)
@@ -310,7 +307,7 @@ class RLTrainer:
 
     # =========================================================================================== async
     def _start_async(self) -> None:
-        from relayrl.trainers.rl_async import AsyncRollout
+        from relayrl.trainers.rl.async_rollout import AsyncRollout
 
         r = self.cfg.rollout
         self._async = AsyncRollout(
@@ -331,7 +328,7 @@ class RLTrainer:
     # =========================================================================================== eval
     def evaluate(self) -> dict[str, float]:
         """eval/* on the eval prompts (reward, pass@1, pass@k, per data source)."""
-        from relayrl.trainers.rl_eval import eval_metrics
+        from relayrl.trainers.rl.eval import eval_metrics
 
         if not self.prompts.eval:
             return {}
@@ -347,7 +344,7 @@ class RLTrainer:
     def fit(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> RLResult:
         """Run to train.max_steps (resuming per ckpt.resume); SIGINT / SIGTERM finish the step, write a
         checkpoint and stop. `on_step(step, metrics)` is called after each logged step (hooks, tests)."""
-        from relayrl.trainers.rl_report import RLProgress, plot_curves
+        from relayrl.trainers.rl.report import RLProgress, plot_curves
 
         resumed = self.resume()
         self._start_step = self.step
@@ -377,7 +374,7 @@ class RLTrainer:
 
     def _loop(self, result: RLResult, stop: SignalFlag, logger: Any, progress: Any, on_step: Any) -> None:
         """train_step -> eval (every k) -> log -> checkpoint (every n, or on a signal), until done."""
-        from relayrl.trainers.rl_report import log_samples
+        from relayrl.trainers.rl.report import log_samples
 
         cfg = self.cfg
         while self.step < cfg.train.max_steps and stop.signum is None:
@@ -428,7 +425,7 @@ class RLTrainer:
             result.final_model = Path(self.roles.policy.call("export", str(self.run_dir / "final")))
 
     def _build_logger(self) -> Any:
-        from relayrl.trainers.rl_report import SAMPLES_FILE
+        from relayrl.trainers.rl.report import SAMPLES_FILE
         from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 
         lg = self.cfg.logger

@@ -18,8 +18,8 @@ from relayrl.algorithms.objective import PolicyTerms
 from relayrl.config.base import parse_cli
 from relayrl.config.help import format_help
 from relayrl.config.rl import RLConfig, resolve_algo, tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer, main
-from relayrl.trainers.rl_build import validate_rl_config
+from relayrl.trainers.rl.loop import RLTrainer, main
+from relayrl.trainers.rl.validate import validate_rl_config
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
 from relayrl.workers.model_ops import token_logprobs

@@ -45,11 +45,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from relayrl.agents.base import PromptSample, Trajectory, TrajectoryStatus
+from relayrl.agents.base import Trajectory, TrajectoryStatus
+from relayrl.apps.selection import DEFAULT_CONDITION, SELECTORS, SelectOptions
 from relayrl.config.base import ConfigError, ConfigWarning, check_choices, invalid, run_command, save_yaml
 from relayrl.config.components import DataConfig, ModelConfig
 from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
-from relayrl.trainers.selection import DEFAULT_CONDITION, SELECTORS, SelectOptions
+from relayrl.data.records import PromptSample
 
 SelectMode = Literal["all", "best_of_n", "rejection", "pairs", "conditional"]
 

@@ -186,7 +186,7 @@ class AsyncRollout:
             )
         metrics = {**batch.metrics, **m, "async/wait_s": waited}
         if len(keep) < len(batch.trajs):
-            from relayrl.trainers.rl_experience import rollout_metrics
+            from relayrl.trainers.rl.experience import rollout_metrics
 
             metrics.update(rollout_metrics(keep))
         return keep, metrics
