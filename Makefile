@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint typecheck install clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench examples
+	$(VENV)/bin/basedpyright
+
+typecheck: $(STAMP)
+	$(VENV)/bin/basedpyright
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
