@@ -45,6 +45,8 @@ from relayrl.config.rl import (
     RLTrainConfig,
     RolloutConfig,
 )
+from relayrl.rollout.base import EngineSettings, GenerationRequest, SamplingParams, generate_all
+from relayrl.rollout.build import build_engine
 
 
 @dataclass(kw_only=True, slots=True)
@@ -155,10 +157,9 @@ def greedy_answers(model: Any, tokenizer: Any, rows_file: Path) -> tuple[list[An
     6 new tokens: the arithmetic tasks' answers)."""
     from relayrl.agents.executors import decode_response
     from relayrl.data.build import build_prompt_data
-    from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
 
     prompts, _, _ = build_prompt_data(DataConfig(datasets=[str(rows_file)]), tokenizer, log=lambda _: None)
-    engine = build_engine("native", model, tokenizer, max_seq_len=64)
+    engine = build_engine("native", model, tokenizer, EngineSettings(max_seq_len=64))
     try:
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
         results = generate_all(

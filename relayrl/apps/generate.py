@@ -46,11 +46,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
+from relayrl.agents.executors import SingleTurnExecutor
 from relayrl.apps.selection import DEFAULT_CONDITION, SELECTORS, SelectOptions
 from relayrl.config.base import ConfigError, ConfigWarning, check_choices, invalid, run_command, save_yaml
 from relayrl.config.components import DataConfig, ModelConfig
 from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
 from relayrl.data.records import PromptSample
+from relayrl.rollout.base import EngineSettings, SamplingParams
+from relayrl.rollout.build import build_engine, engine_capabilities
+from relayrl.workers.builders import build_frozen
 
 SelectMode = Literal["all", "best_of_n", "rejection", "pairs", "conditional"]
 
@@ -271,14 +275,12 @@ def sample_groups(
     """n trajectories per prompt (one group per prompt, in prompt order) and the generation seconds."""
     import torch
 
-    from relayrl.agents.executors import SingleTurnExecutor
-    from relayrl.rollout import SamplingParams, build_engine
-
     r = cfg.rollout
-    opts: dict[str, Any] = {}
-    if r.engine == "native":
-        opts["max_slots"] = r.engine_slots or min(len(prompts), r.prompts_per_step) * r.n_samples
-    engine = build_engine(r.engine, model, tokenizer, max_seq_len=r.max_len, **opts)
+    # an engine with fixed slots is sized to the prompts in flight; others (vllm) size their batch themselves
+    slots = r.engine_slots or min(len(prompts), r.prompts_per_step) * r.n_samples
+    fixed = engine_capabilities(r.engine).fixed_slots
+    settings = EngineSettings(max_seq_len=r.max_len, max_seqs=slots if fixed else None)
+    engine = build_engine(r.engine, model, tokenizer, settings)
     executor = SingleTurnExecutor(engine, tokenizer, max_total_len=r.max_len, log=log)
     base = SamplingParams(
         n=r.n_samples,
@@ -349,11 +351,10 @@ def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def _load(cfg: GenerateConfig, device: Any) -> Any:
-    """The model the engine runs: a path for vllm (it loads its own copy), else a frozen causal LM."""
-    if cfg.rollout.engine == "vllm":
+    """The model the engine runs: a path for an engine that loads its own weights (vllm), else a frozen causal
+    LM."""
+    if engine_capabilities(cfg.rollout.engine).own_weights:
         return cfg.model.name_or_path
-    from relayrl.workers.builders import build_frozen
-
     return build_frozen(cfg.model, device)
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
 from relayrl.agents.openai_server import OpenAIServer
+from relayrl.config.base import run_command
+from relayrl.rollout.base import EngineSettings
+from relayrl.rollout.build import build_engine, engine_capabilities
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,34 +37,30 @@ def _serve(cfg: ServeConfig) -> int:
     if not cfg.model:
         print("relayrl serve: --model PATH is required", flush=True)
         return 2
-    import os
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relayrl.rollout import build_engine
-
-    if cfg.engine == "vllm" and cfg.device and torch.device(cfg.device).type != "cuda":
+    caps = engine_capabilities(cfg.engine)
+    if caps.needs_gpu and cfg.device and torch.device(cfg.device).type != "cuda":
         print(
-            f"relayrl serve: --engine vllm runs on a GPU; --device {cfg.device} is not one", file=sys.stderr
+            f"relayrl serve: --engine {cfg.engine} runs on a GPU; --device {cfg.device} is not one",
+            file=sys.stderr,
         )
         return 2
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        # vllm loads the weights itself from the folder: the HF module is not loaded at all then
+        # an engine that loads its own weights (vllm) reads the folder itself: the HF module is not loaded then
         model = (
             cfg.model
-            if cfg.engine == "vllm"
+            if caps.own_weights
             else AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
         )
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2
-    opts: dict[str, Any] = {"max_seq_len": cfg.max_total_len} if cfg.max_total_len else {}
-    if cfg.engine == "vllm" and os.environ.get("RELAYRL_VLLM_GPU_UTIL"):  # else vLLM's default (0.9)
-        opts["gpu_memory_utilization"] = float(os.environ["RELAYRL_VLLM_GPU_UTIL"])
-    engine = build_engine(cfg.engine, model, tokenizer, **opts)
+    settings = EngineSettings(max_seq_len=cfg.max_total_len or None, placement="alone")
+    engine = build_engine(cfg.engine, model, tokenizer, settings)
     name = cfg.model_name or cfg.model.rstrip("/").split("/")[-1]
     server = OpenAIServer(engine, tokenizer, model_name=name, max_total_len=cfg.max_total_len or None)
     print(f"relayrl serve: {name} on http://{cfg.host}:{cfg.port}/v1 (engine {cfg.engine})", flush=True)
@@ -74,6 +72,4 @@ def _serve(cfg: ServeConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relayrl.config.base import run_command
-
     return run_command(ServeConfig, argv, "relayrl serve", _serve, description=__doc__.split("\n")[0])

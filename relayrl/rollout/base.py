@@ -12,15 +12,28 @@ softmax(logits).
 
 Shaped after vLLM's async engine (`generate(prompt, params, request_id)`, `sleep`/`wake_up`,
 weight loading), so a vLLM adapter fits behind the same protocol without changing callers.
+
+Declared capabilities (what a caller may rely on beyond `RolloutEngine`; nobody tests an engine's name):
+
+    Pausable        engine.paused(): no round runs inside the block (a caller changes the weights the engine
+                    reads in place, then calls load_weights); `paused(engine)` refuses an engine without it
+    WorkerLoading   engine.run_in_workers(fn, ...) / load_in_workers(fn, ..., version=v): the model lives in
+                    worker processes of the engine (vllm), so weights are taken there, never through this process
+    EngineCapabilities  facts of an engine CLASS, readable before it is built (`Class.capabilities`, or
+                    relayrl.rollout.build.engine_capabilities(name)): it loads its own weights from a folder,
+                    spans several GPUs, preallocates a fixed number of sequence slots, needs a GPU
+    EngineSettings  what the one factory (rollout/build.py) builds any engine from; each engine class maps it
+                    to its own constructor options (`Class.options(settings)`)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -145,6 +158,107 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Stop background work and free everything; pending requests finish with ABORT."""
         ...
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """Capability: hold rounds back while the caller changes what the engine reads (every in-process engine:
+    native, hf, vllm, through driver.ThreadedEngine)."""
+
+    def paused(self) -> AbstractContextManager[None]:
+        """No round runs inside the block; requests submitted meanwhile wait, requests in flight resume after
+        it (under the new weights when the block changed them and called `load_weights`)."""
+        ...
+
+
+@runtime_checkable
+class WorkerLoading(Protocol):
+    """Capability: the model lives in worker processes of the engine (vllm's executor), so a separate engine
+    takes new weights inside those workers (relayrl/distributed/weights/vllm.py), not through this process."""
+
+    def run_in_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """fn(worker, *args) in every worker process (fn a module-level function: it is pickled by reference);
+        one result per worker, in worker (tp rank) order."""
+        ...
+
+    def load_in_workers(self, fn: Callable[..., Any], *args: Any, version: int) -> None:
+        """fn(worker, *args) in every worker between two rounds, to change the weights there; then what
+        `load_weights` does after a load (weight-dependent caches dropped, `version` set)."""
+        ...
+
+
+def paused(engine: RolloutEngine) -> AbstractContextManager[None]:
+    """`engine.paused()`; a TypeError naming the engine when it does not declare `Pausable` (its weights
+    cannot be changed in place under it)."""
+    if not isinstance(engine, Pausable):
+        raise TypeError(
+            f"{type(engine).__name__} does not declare pausing (relayrl.rollout.base.Pausable): its weights "
+            "cannot be changed in place; give it new weights through load_weights(named_tensors) only"
+        )
+    return engine.paused()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineCapabilities:
+    """What an engine class declares about itself (`Class.capabilities`), readable before it is built."""
+
+    own_weights: bool = False
+    """It loads the model from a folder itself and keeps its own copy (vllm): it is built from a path, not a
+    module; it shares nothing with a trainer, so every `load_weights` needs named tensors (never None) and
+    the trainer streams them (relayrl/distributed/weights/local.py, stream)."""
+    tensor_parallel: bool = False
+    """It can spread one model over several GPUs (`EngineSettings.tp`)."""
+    fixed_slots: bool = False
+    """It preallocates K/V for a fixed number of sequences (native: `EngineSettings.max_seqs` rows): a caller
+    sizes it to its workload. Engines without fixed slots size their batch themselves (vllm pages its cache;
+    max_seqs is only a cap there)."""
+    needs_gpu: bool = False
+    """It runs on a CUDA GPU only."""
+
+
+Placement = Literal["alone", "colocated", "separate"]
+"""Where an engine runs: alone (a command that only generates: generate, serve), colocated (beside a trainer
+on its GPU: the policy's ranks), separate (an engine actor of its own, `tp` GPUs, no trainer)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineSettings:
+    """What the factory (relayrl/rollout/build.py) builds any engine from; each engine class maps it to its
+    own constructor options (`Class.options`). Unset fields leave the engine's own default."""
+
+    max_seq_len: int | None = None
+    """Prompt + completion length limit (None: the engine's default)."""
+    max_seqs: int | None = None
+    """Sequences decoded at once (native: its K/V slots; vllm: max_num_seqs; hf: unused, it batches up to its
+    max_batch rows). None: the engine's default."""
+    prefix_cache: bool | None = None
+    """native: keep finished sequences' K/V for a later request that extends them (multi-turn); None: its
+    default for the device. vllm keeps its own prefix caching on."""
+    placement: Placement = "alone"
+    """Where the engine runs (decides vllm's GPU memory share, sleep mode and executor)."""
+    tp: int = 0
+    """GPUs of a separate engine (tensor parallelism, worker processes; engines with `tensor_parallel`)."""
+    dtype: str = ""
+    """Engines that load their own weights: the dtype they load in (e.g. bfloat16); '' = the folder's."""
+    trust_remote_code: bool = False
+    """Engines that load their own weights: run the folder's custom model code."""
+    gpu_util: float = 0.0
+    """vllm: share of the GPU's memory it takes; 0 = the default for the placement (vllm_engine.gpu_share)."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """vllm: more EngineArgs, over the ones derived here (rollout.vllm_args)."""
+
+
+class EngineClass(Protocol):
+    """A registered engine class (rollout/build.py ENGINES): its declared capabilities, its mapping of the
+    shared settings to its options, and its constructor."""
+
+    capabilities: ClassVar[EngineCapabilities]
+
+    def options(self, settings: EngineSettings) -> dict[str, Any]:
+        """Constructor keywords for `settings` (a classmethod on the engine class)."""
+        ...
+
+    def __call__(self, model: Any, tokenizer: Any = None, /, **opts: Any) -> RolloutEngine: ...
 
 
 def generate_all(engine: RolloutEngine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

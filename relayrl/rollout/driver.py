@@ -40,10 +40,18 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
-from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, GenerationResult
+from relayrl.rollout.base import (
+    Completion,
+    EngineCapabilities,
+    EngineSettings,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +104,16 @@ def default_driver(device: torch.device | str) -> str:
 
 class ThreadedEngine(ABC):
     """Async `RolloutEngine` front + a driver (a thread, or the callers' event loops); subclasses implement
-    the round hooks."""
+    the round hooks. Every such engine is `Pausable` (rollout/base.py)."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+    """What the engine class declares (rollout/base.py); subclasses override."""
+
+    @classmethod
+    def options(cls, settings: EngineSettings) -> dict[str, Any]:
+        """Constructor keywords for the factory's `settings` (rollout/build.py): the length limit when set;
+        subclasses add their own."""
+        return {} if settings.max_seq_len is None else {"max_seq_len": settings.max_seq_len}
 
     def __init__(self, *, name: str, driver: str = "thread") -> None:
         if driver not in DRIVERS:

@@ -57,10 +57,18 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
-from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
+from relayrl.rollout.base import (
+    Completion,
+    EngineCapabilities,
+    EngineSettings,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+)
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
@@ -93,6 +101,18 @@ class _Running:
 
 class NativeEngine(ThreadedEngine):
     """The built-in continuous-batching engine (see module doc)."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(fixed_slots=True)
+
+    @classmethod
+    def options(cls, settings: EngineSettings) -> dict[str, Any]:
+        """max_seq_len, max_slots (= settings.max_seqs) and prefix_cache, each when set."""
+        opts = super().options(settings)
+        if settings.max_seqs is not None:
+            opts["max_slots"] = settings.max_seqs
+        if settings.prefix_cache is not None:
+            opts["prefix_cache"] = settings.prefix_cache
+        return opts
 
     def __init__(
         self,

@@ -2,9 +2,8 @@
 
     engine = build_engine("vllm", "/path/to/hf-folder", None, max_seq_len=1024, gpu_memory_utilization=0.5)
 
-Pinned: vLLM 0.26 (the adapter uses in-process internals: `LLMEngine(multiprocess_mode=False)`,
-`collective_rpc`, `reset_prefix_cache(reset_running_requests=True)`); another version raises a RuntimeError
-naming both versions (`check_vllm_version`) unless RELAYRL_VLLM_ANY_VERSION=1.
+Pinned: vLLM 0.26; the version check, the import and the EngineArgs the factory derives (GPU memory share,
+placement, sleep mode) are in vllm_setup.py.
 
 Shape
 -----
@@ -51,7 +50,7 @@ Weights: the engine loads `model` itself and holds its own copy (`load_weights(N
 `model.load_weights(chunk)` inside vLLM's worker for each (through `collective_rpc`, by reference: the
 executor is in this process), which copies HF-named tensors into the existing parameters in place (q/k/v and
 gate/up are packed by vLLM's loaders; a tied lm_head may be absent), so captured CUDA graphs stay valid; a
-lazy iterator (EngineWeights(stream=True).engine_tensors(): a cast or an FSDP all-gather per tensor) is
+lazy iterator (LocalWeights(stream=True).engine_tensors(): a cast or an FSDP all-gather per tensor) is
 therefore never materialised whole. Then `reset_prefix_cache(reset_running_requests=True)`: vLLM's scheduler
 (vllm/v1/core/sched/scheduler.py) PREEMPTS every running request (back to its waiting queue, K/V blocks freed;
 not aborted) and empties the prefix cache, so no K/V computed with the old weights is ever reused. Partial
@@ -74,8 +73,9 @@ KV cache; 2 drops both, so `load_weights` must follow `wake_up`); without sleep 
 sleep-mode engine per process (its CuMem allocator is a singleton: a second one fails its start-up with
 "CuMem allocator can only be used for one instance per process").
 In-process side effects: vLLM seeds the process's global RNGs with `EngineArgs.seed` (default 0) when the
-engine is built (relayrl.workers.builders.build_engine_for restores them afterwards), and, without a
-torch.distributed group, starts a 1-process one for its worker.
+engine is built (`keep_rng=True`, which the factory passes beside a trainer, restores them afterwards, so the
+trainer's random stream does not depend on the engine), and, without a torch.distributed group, starts a
+1-process one for its worker.
 
 Lengths: `max_seq_len` is vLLM's `max_model_len`; a prompt of >= max_seq_len tokens returns empty LENGTH
 completions without reaching vLLM; max_tokens = min(max_new_tokens, max_seq_len - P).
@@ -86,7 +86,7 @@ processes, one per GPU of the actor, even for tp 1: they get a clean torch.distr
 apart from the actor's engine-role group). Weights then never pass through this process: `run_in_workers`
 and `load_in_workers` run a function inside every worker (`collective_rpc`), the latter between two rounds
 followed by the same prefix-cache reset and version change as `load_weights`; what the workers run to join
-the policy's weight group and take its broadcast is relayrl/workers/vllm_receiver.py. The colocated
+the policy's weight group and take its broadcast is relayrl/distributed/weights/vllm.py. The colocated
 `load_weights` path stays one-process (tp 1, `uni` executor): a multi-process executor would pickle the
 tensors it sends.
 `vllm` is imported only when this engine is built; without it an ImportError says how to install it.
@@ -94,76 +94,41 @@ tensors it sends.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import json
 import logging
-import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from relayrl.rollout.base import Completion, FinishReason, GenerationRequest
+from relayrl.rollout.base import (
+    Completion,
+    EngineCapabilities,
+    EngineSettings,
+    FinishReason,
+    GenerationRequest,
+)
 from relayrl.rollout.driver import Pending, ThreadedEngine
+from relayrl.rollout.vllm_setup import (
+    ENGINE_DEFAULTS,
+    engine_options,
+    folder_eos_ids,
+    import_vllm,
+    keeping_global_rng,
+)
 
 log = logging.getLogger(__name__)
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
-SUPPORTED_VLLM = "0.26"
-"""The vLLM release line this adapter is written and tested against (RELAYRL_VLLM_ANY_VERSION=1: any)."""
-
 LOAD_CHUNK_BYTES = 256 * 2**20
 """`load_weights` hands vLLM's loader this many bytes of tensors at a time (bounds what a lazy iterator,
 e.g. an FSDP all-gather per tensor, holds at once)."""
-
-ENGINE_DEFAULTS: dict[str, Any] = dict(
-    skip_tokenizer_init=True,
-    generation_config="vllm",
-    logprobs_mode="processed_logprobs",
-    disable_log_stats=True,
-    stream_interval=1,
-)
-"""vLLM `EngineArgs` this adapter sets unless the caller passes them (see the module doc)."""
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise a RuntimeError unless `version` is of the SUPPORTED_VLLM line (e.g. 0.26.0, 0.26.1rc2)."""
-    if version == SUPPORTED_VLLM or version.startswith(SUPPORTED_VLLM + "."):
-        return
-    raise RuntimeError(
-        f'rollout engine "vllm" supports vLLM {SUPPORTED_VLLM}.x, but vllm {version} is installed: '
-        f'pip install "vllm=={SUPPORTED_VLLM}.*", or set RELAYRL_VLLM_ANY_VERSION=1 to try this version '
-        "anyway (the adapter relies on vLLM internals that change between releases), or use engine native"
-    )
-
-
-def _import_vllm():
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(
-            'rollout engine "vllm" needs the vllm package (pip install "vllm==0.26.*", on a CUDA machine); '
-            'or use engine "native" (built in) or "hf"'
-        ) from exc
-    if os.environ.get("RELAYRL_VLLM_ANY_VERSION") != "1":
-        check_vllm_version(vllm.__version__)
-    return vllm
-
-
-def folder_eos_ids(model_dir: str) -> list[int]:
-    """EOS ids from a model folder: generation_config.json, else config.json; [] when neither names one."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            ids = json.loads(path.read_text()).get("eos_token_id")
-            if ids is not None:
-                return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
-    return []
 
 
 @dataclass(eq=False, slots=True)
@@ -196,6 +161,15 @@ class _Live:
 class VLLMEngine(ThreadedEngine):
     """`RolloutEngine` over an in-process `vllm.LLMEngine` holding its own copy of the weights."""
 
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
+        own_weights=True, tensor_parallel=True, needs_gpu=True
+    )
+
+    @classmethod
+    def options(cls, settings: EngineSettings) -> dict[str, Any]:
+        """Constructor keywords for the factory's `settings` (relayrl/rollout/vllm_setup.py)."""
+        return engine_options(settings)
+
     def __init__(
         self,
         model: str | Path,
@@ -204,12 +178,14 @@ class VLLMEngine(ThreadedEngine):
         max_seq_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
         sleep_level: int = 1,
+        keep_rng: bool = False,
         **engine_args: Any,
     ) -> None:
         """`model`: a local HF folder (or hub id); `max_seq_len`: vLLM's max_model_len; `eos_token_id`:
         stop ids for every request (default the tokenizer's EOS, else the folder's config; [] for none);
-        `sleep_level`: vLLM sleep level used by `sleep()`; `engine_args` go to `vllm.EngineArgs` (e.g.
-        dtype, gpu_memory_utilization, max_num_seqs, enable_sleep_mode=True, enforce_eager, seed) over
+        `sleep_level`: vLLM sleep level used by `sleep()`; `keep_rng`: restore the process's global RNG states
+        after vLLM's start-up seeded them; `engine_args` go to `vllm.EngineArgs` (e.g. dtype,
+        gpu_memory_utilization, max_num_seqs, enable_sleep_mode=True, enforce_eager, seed) over
         ENGINE_DEFAULTS."""
         super().__init__(name="vllm")
         t0 = time.perf_counter()
@@ -220,25 +196,8 @@ class VLLMEngine(ThreadedEngine):
                 "relayrl.workers.builders.build_engine_for does), or model.save_pretrained(folder) first; "
                 "later weights go in through load_weights"
             )
-        vllm = _import_vllm()
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.executor import Executor
-
-        args = {**ENGINE_DEFAULTS, "model": str(model), **engine_args}
-        if max_seq_len is not None:
-            args["max_model_len"] = int(max_seq_len)
-        config = vllm.EngineArgs(**args).create_engine_config(UsageContext.LLM_CLASS)
-        self._vllm = vllm
-        self._tokens_prompt = TokensPrompt
-        self._delta = RequestOutputKind.DELTA
-        self.llm = vllm.LLMEngine(
-            vllm_config=config,
-            executor_class=Executor.get_class(config),
-            log_stats=False,
-            multiprocess_mode=False,
-        )
+        with keeping_global_rng() if keep_rng else contextlib.nullcontext():
+            config = self._start(str(model), max_seq_len, engine_args)
         self.max_seq_len = int(config.model_config.max_model_len)
         self.vocab_size = int(config.model_config.get_vocab_size())
         self.sleep_mode = bool(config.model_config.enable_sleep_mode)
@@ -258,6 +217,30 @@ class VLLMEngine(ThreadedEngine):
         """`LLMEngine.step()` calls made (scheduler iterations)."""
         self.startup_s = time.perf_counter() - t0
         """Seconds spent in the constructor (model load, profiling, compile, CUDA graph capture)."""
+
+    def _start(self, model: str, max_seq_len: int | None, engine_args: dict[str, Any]) -> Any:
+        """Import vllm and build its in-process engine (`self.llm`) over ENGINE_DEFAULTS + `engine_args`;
+        returns vLLM's config."""
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.executor import Executor
+
+        args = {**ENGINE_DEFAULTS, "model": model, **engine_args}
+        if max_seq_len is not None:
+            args["max_model_len"] = int(max_seq_len)
+        config = vllm.EngineArgs(**args).create_engine_config(UsageContext.LLM_CLASS)
+        self._vllm = vllm
+        self._tokens_prompt = TokensPrompt
+        self._delta = RequestOutputKind.DELTA
+        self.llm = vllm.LLMEngine(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_stats=False,
+            multiprocess_mode=False,
+        )
+        return config
 
     # ---- requests -------------------------------------------------------------------------------------
     def _validate(self, request: GenerationRequest) -> None:
@@ -378,7 +361,7 @@ class VLLMEngine(ThreadedEngine):
         if named_tensors is None:
             raise ValueError(
                 "the vllm engine holds its own copy of the weights: load_weights needs the named tensors, "
-                "e.g. EngineWeights(model, dtype=..., stream=True).engine_tensors() (None means 'the weights "
+                "e.g. LocalWeights(model, dtype=..., stream=True).engine_tensors() (None means 'the weights "
                 "shared with the trainer changed in place', which only the native and hf engines have)"
             )
         if self._asleep:
@@ -395,14 +378,14 @@ class VLLMEngine(ThreadedEngine):
             log.warning("vllm engine: prefix cache not reset after load_weights; cached K/V may be stale")
 
     # ---- code run inside vLLM's workers (separate engines) ----------------------------------------------
-    def run_in_workers(self, fn: Any, *args: Any) -> list[Any]:
+    def run_in_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """fn(worker, *args) in every vLLM worker process (`collective_rpc`; `fn` is pickled by reference, so
         a module-level function), one result per worker in tp-rank order."""
         return self.llm.collective_rpc(fn, args=args)
 
-    def load_in_workers(self, fn: Any, *args: Any, version: int) -> None:
+    def load_in_workers(self, fn: Callable[..., Any], *args: Any, version: int) -> None:
         """fn(worker, *args) in every worker between two rounds, to change the weights there (e.g. take a
-        broadcast: relayrl/workers/vllm_receiver.py); then, as after `load_weights`, the prefix cache is reset
+        broadcast: relayrl/distributed/weights/vllm.py); then, as after `load_weights`, the prefix cache is reset
         (running requests preempted) and the weight version is `version`."""
         with self._round_lock:
             self._reacquire()

@@ -9,8 +9,9 @@ the controller never does.
     build_frozen(model_cfg, device)                  frozen causal LM in the inference dtype (reference)
     build_policy_objective(algo, max_new_tokens)     PolicyObjective from the resolved AlgoConfig
     exact_on_policy(algo)                            True when the update needs no separate old-log-prob pass
-    build_engine_for(rollout, eval, model, tok)      RolloutEngine over `model` (the engine copy or the policy);
-                                                     vllm: build_vllm_engine over the policy's folder
+    build_engine_for(rollout, eval, model, tok)      RolloutEngine over `model` (the engine copy or the policy)
+                                                     through the one factory (relayrl.rollout.build); an engine
+                                                     that loads its own weights (vllm): over the policy's folder
     build_executor(rollout, engine, tok, ...)        AgentExecutorBase: single / multi-turn / user file
 
 The objective's pieces are looked up by name in the algorithm registries; there is no branching on names.
@@ -24,9 +25,15 @@ from typing import Any
 
 import torch
 
+from relayrl.agents.base import AgentExecutorBase
+from relayrl.agents.executors import SingleTurnExecutor, load_agent_from_file
 from relayrl.algorithms.objective import PolicyObjective
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig, resolve_algo
+from relayrl.models.loading import load_causal_lm, load_tokenizer
+from relayrl.rollout.base import EngineSettings, RolloutEngine
+from relayrl.rollout.build import build_engine, engine_capabilities
+from relayrl.tasks import get_task
 from relayrl.training.rng import seed_everything
 
 
@@ -46,8 +53,6 @@ def inference_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
 
 def build_trainable(model: ModelConfig, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """(causal LM, tokenizer): the trained weights are fp32 masters (mixed precision computes in bf16)."""
-    from relayrl.models.loading import load_causal_lm, load_tokenizer
-
     tokenizer = load_tokenizer(
         model.tokenizer_name_or_path or model.name_or_path, trust_remote_code=model.trust_remote_code
     )
@@ -59,8 +64,6 @@ def build_frozen(
 ) -> torch.nn.Module:
     """A frozen causal LM on `device` in the inference dtype of device `like` (default `device`), without
     adapters (the reference policy; a sharded one is loaded on the CPU first)."""
-    from relayrl.models.loading import load_causal_lm
-
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
         inference_dtype(model, like or device)
     ]
@@ -99,93 +102,52 @@ def exact_on_policy(algo: AlgoConfig) -> bool:
     return a.epochs == 1 and a.mini_batches == 1 and a.kl_mode != "reward"
 
 
-VLLM_GPU_UTIL = 0.35
-"""Share of the GPU's memory a colocated vLLM engine takes (weights + KV cache; vLLM's
-gpu_memory_utilization): the rest stays for the trainer on the same GPU. Override with the environment
-variable RELAYRL_VLLM_GPU_UTIL (e.g. 0.6 when the trainer is small, or with --dist.engine_sleep yes)."""
-
-VLLM_SEPARATE_GPU_UTIL = 0.85
-"""The same for a separate engine actor (dist.num_engines), whose GPUs hold no trainer; the rest is the
-actor's own CUDA context and NCCL buffers (RELAYRL_VLLM_GPU_UTIL overrides it too)."""
-
-
 def build_engine_for(
     rollout: RolloutConfig,
     evaluation: EvalConfig,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     tokenizer: Any,
     *,
     source: ModelConfig | None = None,
     tp: int = 0,
-) -> Any:
-    """The rollout engine over `model` (the policy's engine copy, or the policy itself when they share).
-    vllm: an in-process vLLM engine that loads `source.name_or_path` itself (`model` is unused; the worker
-    streams its weights after every step, EngineWeights(stream=True)), see `build_vllm_engine`; `tp` > 0:
-    a separate engine actor's vLLM over `tp` GPUs, its workers receiving broadcast weights."""
-    from relayrl.rollout import build_engine
-
+) -> RolloutEngine:
+    """The rollout engine of a policy rank or an engine actor, through the one factory (relayrl/rollout/
+    build.py), over `model` (the policy's engine copy, or the policy itself when they share). An engine that
+    loads its own weights (vllm) loads `source.name_or_path` instead (`model` is unused; the policy streams its
+    weights after every step: LocalWeights(stream=True)) in the inference dtype, beside the trainer on its GPU;
+    `tp` > 0: a separate engine actor's engine over `tp` GPUs, taking broadcast weights in its workers. Slots:
+    rollout.engine_slots, else one per sample of a step (and at least the eval samples of a prompt)."""
+    caps = engine_capabilities(rollout.engine)
     slots = rollout.engine_slots or rollout.prompts_per_step * rollout.n_samples
-    slots = max(slots, evaluation.n_samples)
-    if rollout.engine == "vllm":
-        return build_vllm_engine(rollout, tokenizer, source=source, max_seqs=slots, tp=tp)
-    opts: dict[str, Any] = {}
-    if rollout.engine == "native":
-        opts["max_slots"] = slots
+    settings = EngineSettings(
+        max_seq_len=rollout.max_len,
+        max_seqs=max(slots, evaluation.n_samples),
         # multi-turn episodes send each turn as the whole conversation: the prefix cache prefills only the new
         # tokens (None: the engine's default for the device); single-turn rollouts (n samples of fresh prompts)
         # never hit it, so they skip its bookkeeping
-        opts["prefix_cache"] = None if rollout.agent != "single" else False
-    return build_engine(rollout.engine, model, tokenizer, max_seq_len=rollout.max_len, **opts)
-
-
-def build_vllm_engine(
-    rollout: RolloutConfig, tokenizer: Any, *, source: ModelConfig | None, max_seqs: int, tp: int = 0
-) -> Any:
-    """VLLMEngine over the policy's folder: dtype as the engine weights' (bf16 unless model.dtype is fp32 /
-    fp16), VLLM_GPU_UTIL of the GPU, sleep mode (dist.engine_sleep frees it during updates), at most
-    `max_seqs` sequences at once, prefix caching. vLLM seeds the global RNGs when it starts: they are restored
-    afterwards, so the trainer's random stream does not depend on the engine. `tp` > 0 (a separate engine):
-    `tp` tensor-parallel worker processes (vLLM's "mp" executor), VLLM_SEPARATE_GPU_UTIL, no sleep mode.
-    rollout.vllm_args (JSON) adds or overrides EngineArgs."""
-    from relayrl.rollout.vllm_engine import VLLMEngine
-    from relayrl.training.rng import capture_rng_state, restore_rng_state
-
+        prefix_cache=None if rollout.agent != "single" else False,
+        placement="separate" if tp else "colocated",
+        tp=tp,
+    )
+    if not caps.own_weights:
+        return build_engine(rollout.engine, model, tokenizer, settings)
     if source is None or not source.name_or_path:
         raise ValueError(
-            "rollout.engine vllm loads the policy from its folder: build_engine_for needs source= the "
-            "policy's ModelConfig (model.name_or_path)"
+            f"rollout.engine {rollout.engine} loads the policy from its folder: build_engine_for needs source= "
+            "the policy's ModelConfig (model.name_or_path)"
         )
     if rollout.engine_device and torch.device(rollout.engine_device) not in (
         torch.device("cuda"),
         torch.device("cuda", 0),
     ):
         raise ValueError(
-            f"rollout.engine_device={rollout.engine_device!r}: the in-process vllm engine always runs on the "
-            "process's first visible GPU (cuda:0; under Ray the worker's own GPU); leave engine_device empty"
+            f"rollout.engine_device={rollout.engine_device!r}: the in-process {rollout.engine} engine always runs "
+            "on the process's first visible GPU (cuda:0; under Ray the worker's own GPU); leave engine_device empty"
         )
-    util = float(os.environ.get("RELAYRL_VLLM_GPU_UTIL", VLLM_SEPARATE_GPU_UTIL if tp else VLLM_GPU_UTIL))
-    placement: dict[str, Any] = (
-        dict(tensor_parallel_size=tp, distributed_executor_backend="mp")
-        if tp
-        else dict(enable_sleep_mode=True)
-    )
-    if not 0 < util < 1:
-        raise ValueError(f"RELAYRL_VLLM_GPU_UTIL={util}: give a fraction of the GPU's memory in (0, 1)")
-    args: dict[str, Any] = dict(
-        dtype=str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch."),
-        gpu_memory_utilization=util,
-        max_num_seqs=max_seqs,
-        seed=0,
-        enable_prefix_caching=True,
-        trust_remote_code=source.trust_remote_code,
-        **placement,
-    )
-    args.update(rollout.vllm_engine_args())  # the user's EngineArgs win (layout keys are refused there)
-    state = capture_rng_state()
-    try:
-        return VLLMEngine(source.name_or_path, tokenizer, max_seq_len=rollout.max_len, **args)
-    finally:
-        restore_rng_state(state)
+    settings.dtype = str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch.")
+    settings.trust_remote_code = source.trust_remote_code
+    settings.engine_args = rollout.vllm_engine_args()
+    return build_engine(rollout.engine, source.name_or_path, tokenizer, settings)
 
 
 def build_generation(
@@ -198,7 +160,7 @@ def build_generation(
     task_name: str,
     step_timeout: float,
     tp: int = 0,
-) -> tuple[Any, Any]:
+) -> tuple[RolloutEngine, AgentExecutorBase]:
     """(engine, agent executor over it): what generates for a policy rank (colocated) or an engine actor;
     `build_engine_for` and `build_executor`."""
     engine = build_engine_for(rollout, evaluation, model, tokenizer, source=source, tp=tp)
@@ -207,13 +169,16 @@ def build_generation(
 
 
 def build_executor(
-    rollout: RolloutConfig, engine: Any, tokenizer: Any, *, task_name: str = "", step_timeout: float = 60.0
-) -> Any:
+    rollout: RolloutConfig,
+    engine: RolloutEngine,
+    tokenizer: Any,
+    *,
+    task_name: str = "",
+    step_timeout: float = 60.0,
+) -> AgentExecutorBase:
     """single -> SingleTurnExecutor; multi -> the multi-turn task's executor (`rollout.agent_file` naming a
     built-in task, default `task_name`) or a MultiTurnExecutor over a user file's AgentInstance; a path
     ending in .py -> the user's AgentExecutor / AgentInstance."""
-    from relayrl.agents.executors import SingleTurnExecutor, load_agent_from_file
-
     r = rollout
     if r.agent == "single":
         return SingleTurnExecutor(engine, tokenizer, max_total_len=r.max_len)
@@ -227,8 +192,6 @@ def build_executor(
             max_turns=r.max_turns,
             step_timeout=step_timeout,
         )
-    from relayrl.tasks import get_task
-
     task = get_task(source) if source else None
     if task is None or not hasattr(task, "executor"):
         raise ValueError(

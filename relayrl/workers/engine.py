@@ -2,7 +2,8 @@
 
     rollout(samples, seed, eval=False) -> list[Trajectory]   this engine's share of the prompts (merged in
                                                              rank order: the engines' shares concatenate back)
-    join_weights(address, port, world)                       enter the weight group (rank 1 + engine rank)
+    weight_layout() -> Layout | None                         what its receiver expects (checked by the controller)
+    join_weights(channel, layout)                            enter the weight group (after the policy's rank 0)
     receive_weights(version)                                 take the policy's new weights (a broadcast from
                                                              the policy's rank 0), as weight version `version`
     weight_checksum() -> float                               sum of |w| over the weights (tests compare it)
@@ -11,34 +12,37 @@ Each engine actor holds a full copy of the policy in the inference dtype (bf16 o
 and agent executor the policy builds when the engine is colocated (relayrl.workers.builders), so rollout
 results do not depend on where the engine runs: request seeds derive from (step seed, prompt index).
 
-Weights (relayrl/distributed/weight_group.py): after each update the policy refreshes its full replica (a
-cast-copy, or FSDP all-gathers across its ranks) and its rank 0 broadcasts every parameter, in
-`named_parameters()` order, to the engines over NCCL (gloo on CPUs); each engine receives in the same order
-straight into its parameters while its rounds are paused (`engine.paused()`), so requests in flight (async
-training) continue under the new weights, their later tokens tagged with the new version.
-
-vLLM (`rollout.engine vllm`): the actor holds no model of its own; it starts vLLM over the policy's folder with
-`dist.engine_tp` GPUs (tensor parallelism: the actor's placement bundle has that many GPUs, and vLLM runs one
-worker process per GPU), and each vLLM worker enters the weight group itself, as rank
-1 + engine rank x engine_tp + its tp rank, receiving the broadcast straight into its model's loader
-(relayrl/workers/vllm_receiver.py). The weight group then has 1 + num_engines x
-engine_tp ranks (`weight_ranks`).
+Weights (relayrl/distributed/weights/, the broadcast transport): after each update the policy refreshes its
+full replica (a cast-copy, or FSDP all-gathers across its ranks) and its rank 0 broadcasts every parameter, in
+`named_parameters()` order, to the engines over NCCL (gloo on CPUs); each engine's receiver takes them:
+- an engine over this actor's own module (native / hf): `ModuleReceiver`, straight into its parameters while
+  its rounds are paused, so requests in flight (async training) continue under the new weights, their later
+  tokens tagged with the new version;
+- an engine whose model lives in worker processes (`WorkerLoading`: vllm, `dist.engine_tp` GPUs, one worker
+  process per GPU): the actor holds no model of its own (the engine loads the policy's folder itself), and each
+  worker enters the weight group itself, as rank 1 + engine rank x engine_tp + its tp rank, receiving the
+  broadcast straight into its model's loader (`VLLMReceiver`). The weight group then has 1 + num_engines x
+  engine_tp ranks (`weight_ranks`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
-from relayrl.agents.base import Trajectory
+from relayrl.agents.base import AgentExecutorBase, Trajectory
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
 from relayrl.distributed.group import merged, my_share, rank
-from relayrl.rollout.base import SamplingParams
+from relayrl.distributed.weights.base import Channel, Layout, WeightReceiver
+from relayrl.distributed.weights.broadcast import ModuleReceiver
+from relayrl.distributed.weights.vllm import VLLMReceiver
+from relayrl.models.loading import load_tokenizer
+from relayrl.rollout.base import RolloutEngine, SamplingParams, WorkerLoading
+from relayrl.rollout.build import engine_capabilities
 from relayrl.training.setup import resolve_device
 from relayrl.workers.builders import build_frozen, build_generation, setup_process
 
@@ -59,7 +63,7 @@ def sampling_params(rollout: RolloutConfig, evaluation: EvalConfig, *, eval: boo
 
 
 def generate_share(
-    executor: Any, base: SamplingParams, samples: list[PromptSample], seed: int, budget: int
+    executor: AgentExecutorBase, base: SamplingParams, samples: list[PromptSample], seed: int, budget: int
 ) -> list[Trajectory]:
     """This rank's contiguous share of `samples` (balanced by prompt + `budget` tokens), n trajectories per
     prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume)."""
@@ -99,17 +103,24 @@ class EngineSpec:
     """GPUs of this engine (tensor parallelism; vllm only)."""
 
 
-def weight_ranks(num_engines: int, tp: int) -> int:
-    """Ranks of the weight group: the policy's rank 0 + every engine's tp workers."""
-    return 1 + num_engines * tp
+def weight_receiver(
+    engine: RolloutEngine, model: torch.nn.Module | None, engine_rank: int, tp: int
+) -> WeightReceiver:
+    """The receiving end of the weight group for `engine`: its workers' (WorkerLoading), else its module's."""
+    if isinstance(engine, WorkerLoading):
+        return VLLMReceiver(engine, engine_rank, tp)
+    if model is None:
+        raise ValueError(
+            f"{type(engine).__name__} loads its own weights but cannot take them in worker processes "
+            "(relayrl.rollout.base.WorkerLoading): it cannot be a separate engine; leave dist.num_engines 0"
+        )
+    return ModuleReceiver(engine, model, engine_rank)
 
 
 class EngineWorker:
     """A separate rollout engine (see module doc)."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        from relayrl.models.loading import load_tokenizer
-
         setup_process(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
@@ -117,9 +128,11 @@ class EngineWorker:
         self.tokenizer = load_tokenizer(
             m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
         )
-        self.vllm = spec.rollout.engine == "vllm"
-        # vllm loads the folder itself (in its tp workers); native / hf generate from this actor's copy
-        self.model = None if self.vllm else build_frozen(m, self.device)
+        caps = engine_capabilities(spec.rollout.engine)
+        # an engine that loads its own weights (vllm, in its tp workers) needs no copy here; native / hf
+        # generate from this actor's copy
+        self.model = None if caps.own_weights else build_frozen(m, self.device)
+        tp = spec.tp if caps.tensor_parallel else 0
         self.engine, self.executor = build_generation(
             spec.rollout,
             spec.eval,
@@ -128,9 +141,9 @@ class EngineWorker:
             source=m,
             task_name=spec.task_name,
             step_timeout=spec.step_timeout,
-            tp=spec.tp if self.vllm else 0,
+            tp=tp,
         )
-        self.group: Any = None
+        self.receiver = weight_receiver(self.engine, self.model, rank(), tp)
 
     @merged("concat")
     def rollout(self, samples: list[PromptSample], seed: int, eval: bool = False) -> list[Trajectory]:
@@ -138,51 +151,28 @@ class EngineWorker:
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
         return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
 
-    def join_weights(
-        self, address: str, port: int, world: int, backend: str, timeout_s: float, layout: list | None = None
-    ) -> None:
-        """Enter the weight group as rank 1 + this engine's rank (the policy's rank 0 is rank 0); vllm: its
-        workers enter as ranks 1 + engine rank x tp + tp rank, keeping the sender's `layout`."""
-        if self.vllm:
-            from relayrl.workers.vllm_receiver import join_weight_group
+    def weight_layout(self) -> Layout | None:
+        """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's); None when
+        the receiver takes whatever HF-named tensors the sender's layout lists (vllm; checked on the first
+        receive)."""
+        return self.receiver.layout()
 
-            first = 1 + rank() * self.spec.tp
-            self.engine.run_in_workers(
-                join_weight_group, address, port, first, world, backend, timeout_s, layout
-            )
-            return
-        from relayrl.distributed.weight_group import WeightGroup
-
-        self.group = WeightGroup(
-            address, port, rank=1 + rank(), world=world, backend=backend, timeout_s=timeout_s
-        )
-
-    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]] | None:
-        """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's); None for
-        vllm, which loads whatever HF-named tensors the sender's layout lists (checked on the first receive)."""
-        if self.vllm:
-            return None
-        return [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
+    def join_weights(self, channel: Channel, layout: Layout) -> None:
+        """Enter the weight group after the policy's rank 0 (rank 1 + this engine's rank; workers: 1 + engine
+        rank x tp + tp rank), keeping the sender's `layout`."""
+        self.receiver.join(channel, layout)
 
     @torch.no_grad()
     def receive_weights(self, version: int) -> None:
-        """Every parameter from the policy's rank 0, in place, while no round runs; then version `version`."""
-        if self.vllm:
-            from relayrl.workers.vllm_receiver import receive_weights
-
-            self.engine.load_in_workers(receive_weights, version=version)
-            return
-        with self.engine.paused():
-            for p in self.model.parameters():
-                self.group.broadcast(p.data)
-            self.engine.load_weights(None, version=version)
+        """Every parameter from the policy's rank 0, while no round runs; then version `version`."""
+        self.receiver.receive(version)
 
     @merged("concat")
     @torch.no_grad()
     def weight_checksum(self) -> list[float]:
         """[sum of |w| over every parameter, in float64], one per engine (native / hf)."""
         if self.model is None:
-            raise RuntimeError("weight_checksum: a vllm engine's weights live in its workers")
+            raise RuntimeError("weight_checksum: the engine's weights live in its workers")
         return [float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))]
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """PolicyWorker: the actor. Owns the policy model (fp32 master weights), its TrainStep (optimizer, schedule,
 mixed precision), the policy objective, optional EMA, and the rollout engine + agent executor colocated with
-it. The engine runs on `EngineWeights`: the policy module itself when its compute weights have the engine's
-dtype (fp32 on a CPU; on a GPU the bf16 compute weights that TrainStep refreshes from the fp32 masters after
-every optimizer step), else its own copy refreshed on the device by `sync`.
+it. The engine runs on `LocalWeights` (relayrl/distributed/weights/local.py): the policy module itself when its
+compute weights have the engine's dtype (fp32 on a CPU; on a GPU the bf16 compute weights that TrainStep
+refreshes from the fp32 masters after every optimizer step), else its own copy refreshed on the device by
+`sync`; an engine that loads its own weights (vllm) is streamed them. With separate engines
+(dist.num_engines) the policy keeps a full replica and its rank 0 broadcasts it (distributed/weights/broadcast).
 
 Methods (called by the controller through a RoleHandle, in-process or on a Ray actor):
 
@@ -15,6 +17,8 @@ Methods (called by the controller through a RoleHandle, in-process or on a Ray a
                                                                scheduler, EMA, RNG; loads with weights_only)
     export(folder)                                             HF model + tokenizer (EMA weights when on)
     weight_canary() -> float                                   max |engine - trainer| weight difference
+    weight_endpoint() / weight_layout() / join_weights(channel)  the sending end of the weight group (separate
+                                                               engines; the controller's connect_engines)
 
 Every optimizer step is one `TrainStep.step` over the mini-batch's micro-batches: the objective returns each
 micro-batch's (loss_sum, count) and the step divides by the mini-batch's total count (relayrl/training/step.py),
@@ -31,14 +35,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relayrl.agents.base import Trajectory
+from relayrl.agents.base import AgentExecutorBase, Trajectory
 from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.rl import AlgoConfig, DistConfig, EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
-from relayrl.distributed.group import in_group, merged, world
-from relayrl.distributed.weights import EngineWeights
+from relayrl.distributed.group import in_group, merged, rank, world
+from relayrl.distributed.weights.base import Channel, Layout, module_layout
+from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
+from relayrl.distributed.weights.local import LocalWeights
 from relayrl.models.forward import choose_layout, prepare_model, to_device
+from relayrl.rollout.base import RolloutEngine
+from relayrl.rollout.build import engine_capabilities
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
 from relayrl.training.step import LossOutput
@@ -111,17 +119,19 @@ class PolicyWorker:
         precision = compute_precision(spec.model.dtype, self.device)
         engine_dtype = inference_dtype(spec.model, self.device)
         engine_device = torch.device(spec.rollout.engine_device) if spec.rollout.engine_device else None
+        # an engine holding its own copy (vllm) is streamed the weights; separate engines take a broadcast
+        stream = engine_capabilities(spec.rollout.engine).own_weights and not spec.separate_engines
         if grouped:
             if spec.ema > 0:
                 raise ValueError(
                     "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
                 )
-            self.weights = EngineWeights(
+            self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,
                 gather=True,
                 device=engine_device or self.device,
-                stream=spec.rollout.engine == "vllm" and not spec.separate_engines,
+                stream=stream,
             )
             shard_if_grouped(self.model, spec.dist, self.device, precision)
         self.train = build_train_step(
@@ -139,21 +149,21 @@ class PolicyWorker:
             with self.train.full_precision():  # the EMA tracks the fp32 weights
                 self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if not grouped:
-            self.weights = EngineWeights(
+            self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,
                 device=engine_device,
                 own_copy=spec.async_train or engine_device is not None or spec.separate_engines,
-                stream=spec.rollout.engine == "vllm" and not spec.separate_engines,
+                stream=stream,
             )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
         sleep = spec.dist.engine_sleep if spec.dist else "auto"
         self.engine_sleep = sleep == "yes"
         self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
         self._asleep = False
-        self.engine: Any = None
-        self.executor: Any = None
-        self.weight_group: Any = None
+        self.engine: RolloutEngine | None = None
+        self.executor: AgentExecutorBase | None = None
+        self.sender: BroadcastSender | None = None
         if not spec.separate_engines:
             self.engine, self.executor = build_generation(
                 spec.rollout,
@@ -172,7 +182,7 @@ class PolicyWorker:
         `seed` and the prompt's dataset index, so a resumed run samples exactly what the original did. Under
         N ranks each rank's engine generates a contiguous share of the prompts (balanced by expected tokens:
         prompt + max_new_tokens), and the shares concatenate back in order (workers/engine.generate_share)."""
-        if self.engine is None:
+        if self.engine is None or self.executor is None:
             raise RuntimeError(
                 "the policy has no engine of its own (dist.num_engines > 0): call the engine role"
             )
@@ -284,44 +294,39 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------- sync
     def weight_endpoint(self) -> tuple[str, int]:
         """(address, free port) on this rank's host: where the weight group's store listens (rank 0's)."""
-        from relayrl.distributed.weight_group import free_endpoint
-
         return free_endpoint()
 
-    def weight_layout(self) -> list[tuple[str, tuple[int, ...], str]]:
+    def weight_layout(self) -> Layout:
         """(name, shape, dtype) of every parameter of the replica the engines receive, in broadcast order."""
-        return [(n, tuple(p.shape), str(p.dtype)) for n, p in self.weights.model.named_parameters()]
+        return module_layout(self.weights.model)
 
-    def join_weights(self, address: str, port: int, world: int, backend: str, timeout_s: float) -> None:
+    def join_weights(self, channel: Channel) -> None:
         """Rank 0 enters the weight group as its sender (rank 0); the other ranks only help gather."""
-        from relayrl.distributed.group import rank
-        from relayrl.distributed.weight_group import WeightGroup
-
         if rank() == 0:
-            self.weight_group = WeightGroup(
-                address, port, rank=0, world=world, backend=backend, timeout_s=timeout_s
-            )
+            self.sender = BroadcastSender()
+            self.sender.join(channel)
 
     def sync(self, version: int | None = None) -> dict[str, float]:
         """New weights to the engine, as weight version `version` (the RL step; None: the engine's + 1):
         cast-copy into its buffers (or nothing when it runs on the policy's own parameters), or stream named
         tensors to an engine holding its own copy (vllm); the engine then drops weight-dependent caches.
-        Rounds are paused meanwhile: requests in flight (async training) continue under the new weights."""
+        Rounds are paused meanwhile: requests in flight (async training) continue under the new weights.
+        Separate engines: the replica is refreshed (every rank: a gather is a collective) and rank 0
+        broadcasts it."""
         t0 = time.perf_counter()
-        if self.engine is None:  # separate engines: refresh the replica, rank 0 broadcasts it
+        if self.engine is None:
             seconds = self.train.last_refresh_s + self.weights.refresh()
-            if self.weight_group is not None:
-                with torch.no_grad():
-                    for p in self.weights.model.parameters():
-                        self.weight_group.broadcast(p.data)
+            if self.sender is not None:
+                self.sender.send(self.weights.model)
         else:
-            with self.engine.paused():
-                seconds = self.train.last_refresh_s + self.weights.refresh()
-                if self._asleep:
-                    self.engine.wake_up()
-                    self._asleep = False
-                self.engine.load_weights(self.weights.engine_tensors(), version=version)
+            seconds = self.train.last_refresh_s + self.weights.load_into(self.engine, version, self._wake)
         return {"timing/engine_refresh": max(seconds, time.perf_counter() - t0)}
+
+    def _wake(self) -> None:
+        """Wake an engine that slept through the update (dist.engine_sleep), before its weights load."""
+        if self._asleep and self.engine is not None:
+            self.engine.wake_up()
+            self._asleep = False
 
     @merged("max")
     def weight_canary(self) -> float:

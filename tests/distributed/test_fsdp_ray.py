@@ -10,7 +10,7 @@ pickles them by reference, and the actors import this module (the repository roo
   per-step loss and gradient norm (both global) within rtol 1e-5, final weights within 1e-4 (see below).
 - uneven shares: 3 sequences on 2 ranks, and 1 sequence on 2 ranks (rank 1's share is empty: it passes a
   padding micro-batch with num_real=0, which adds nothing), still equal 1 rank.
-- engine refresh: EngineWeights(gather=True) built before sharding holds a full replica on every rank; after
+- engine refresh: LocalWeights(gather=True) built before sharding holds a full replica on every rank; after
   a step it is stale (canary > 0), after `refresh` (FSDP's per-unit all-gather) the canary is exactly 0 on
   every rank and the replica differs from the initial weights; with LoRA only the adapters train (the
   base weights of the replica never change) and the canary is 0 too.
@@ -43,7 +43,7 @@ from relayrl.config.rl import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_share, rank, shares, world
 from relayrl.distributed.launch import LocalLauncher, RayLauncher, RoleError
-from relayrl.distributed.weights import EngineWeights
+from relayrl.distributed.weights.local import LocalWeights
 from relayrl.models.forward import token_logprobs
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from relayrl.training.setup import build_train_step
@@ -84,7 +84,7 @@ class Probe:
 
             model = apply_lora(model, LoraConfig(rank=4, alpha=8))
         self.initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        self.engine = EngineWeights(model, dtype=torch.float32, gather=True, device=CPU) if engine else None
+        self.engine = LocalWeights(model, dtype=torch.float32, gather=True, device=CPU) if engine else None
         if in_group():
             shard_model(model, ShardSpec(device=CPU))
         self.model = model

@@ -533,10 +533,10 @@ def test_tensor_parallel_engine_receives_broadcast_weights(tiny_tokenizer, tmp_p
 
 
 def _tp_child(folder: str) -> dict:
-    from relayrl.distributed.weight_group import WeightGroup, free_endpoint
+    from relayrl.distributed.weights.broadcast import WeightGroup, free_endpoint
+    from relayrl.distributed.weights.vllm import join_weight_group, receive_weights
     from relayrl.models.loading import load_tokenizer
     from relayrl.rollout.vllm_engine import VLLMEngine
-    from relayrl.workers.vllm_receiver import join_weight_group, receive_weights
 
     tokenizer = load_tokenizer(folder)
     engine = VLLMEngine(

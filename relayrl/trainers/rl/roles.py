@@ -10,7 +10,9 @@ from relayrl.algorithms.registry import (
     needs_reference,
 )
 from relayrl.config.rl import RLConfig, resolve_algo
-from relayrl.distributed.launch import RoleHandle, build_launcher
+from relayrl.distributed.launch import Launcher, RoleHandle, build_launcher
+from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
+from relayrl.workers.engine import EngineSpec, EngineWorker
 
 
 # ------------------------------------------------------------------------------------------------ roles
@@ -118,10 +120,10 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
     )
 
 
-def spawn_engines(cfg: RLConfig, launcher: Any, policy: Any, n: int, run: dict[str, Any]) -> Any:
+def spawn_engines(
+    cfg: RLConfig, launcher: Launcher, policy: RoleHandle, n: int, run: dict[str, Any]
+) -> RoleHandle:
     """The separate engine role (n EngineWorker actors), connected to the policy and given its weights."""
-    from relayrl.workers.engine import EngineSpec, EngineWorker
-
     spec = EngineSpec(
         model=cfg.model,
         rollout=cfg.rollout,
@@ -134,40 +136,6 @@ def spawn_engines(cfg: RLConfig, launcher: Any, policy: Any, n: int, run: dict[s
     engines = launcher.spawn("engine", EngineWorker, spec)
     connect_engines(policy, engines, launcher, n, cfg.dist.timeout_s, cfg.dist.engine_tp)
     return engines
-
-
-def connect_engines(policy: Any, engines: Any, launcher: Any, n: int, timeout_s: float, tp: int = 1) -> None:
-    """Form the weight group (the policy's rank 0 + the n engines' tp workers each) and send the engines the
-    policy's weights as version 0 (so they start from exactly the trainer's weights, cast to the engine dtype).
-    vllm engines take the policy's layout (their own parameter names differ: packed q/k/v)."""
-    from relayrl.workers.engine import weight_ranks
-
-    sent, received = policy.call("weight_layout"), engines.call("weight_layout")
-    if received is not None and sent != received:  # mismatched tensors would hang or corrupt: refuse before
-        diff = next((a, b) for a, b in zip([*sent, None], [*received, None], strict=False) if a != b)
-        raise RuntimeError(
-            f"dist.num_engines: the engines' weights differ from the policy's replica ({len(sent)} vs "
-            f"{len(received)} tensors; first difference: policy {diff[0]} vs engine {diff[1]})"
-        )
-    address, port = policy.call("weight_endpoint")
-    backend = "nccl" if getattr(launcher, "use_gpus", False) else "gloo"
-    world = weight_ranks(n, tp)
-    launcher.wait(
-        [
-            policy.submit("join_weights", address, port, world, backend, timeout_s),
-            engines.submit("join_weights", address, port, world, backend, timeout_s, sent),
-        ]
-    )
-    sync_weights(launcher, policy, engines, 0)
-
-
-def sync_weights(launcher: Any, policy: Any, engines: Any, version: int) -> dict[str, float]:
-    """policy.sync(version); with separate engines their receive_weights at the same time (the policy's rank 0
-    broadcasts, they receive: both sides of one collective). Returns the policy's sync metrics."""
-    if engines is None:
-        return policy.call("sync", version)
-    out, _ = launcher.wait([policy.submit("sync", version), engines.submit("receive_weights", version)])
-    return out
 
 
 def build_kl_controller(cfg: RLConfig) -> Any:

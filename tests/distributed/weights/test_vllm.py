@@ -1,7 +1,6 @@
-"""The weight group's receiving side without the sender's module (what each vLLM worker of a separate engine
-runs): `receive_named` yields every tensor of the sender's layout, in order, lazily; the vLLM worker functions
-(relayrl/workers/vllm_receiver.py) over a real gloo group; and the placement of a tensor-parallel
-engine (its bundle's GPUs).
+"""The vllm transport without vLLM: the functions each vLLM worker of a separate engine runs
+(relayrl/distributed/weights/vllm.py) over a real gloo group, and the engine actor's VLLMReceiver (its
+workers' ranks, what it runs in them).
 
 vLLM does not run on a CPU: `_VLLMLikeModel` stands in for its model with the contract the worker functions
 use (vLLM 0.26: `load_weights(iterable of (HF name, tensor))` copies into its parameters and returns the names
@@ -12,94 +11,16 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from relayrl.config.rl import DistConfig
-from relayrl.distributed.launch import rank_gpus
-from relayrl.distributed.weight_group import WeightGroup, free_endpoint, receive_named
-from relayrl.workers.engine import weight_ranks
+from relayrl.distributed.weights.base import Channel
+from relayrl.distributed.weights.broadcast import WeightGroup, free_endpoint
+from relayrl.distributed.weights.vllm import VLLMReceiver, join_weight_group, receive_weights
+from relayrl.rollout.base import WorkerLoading
 
 
 def _layout(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-
-
-def test_receivers_rebuild_the_senders_state_dict_lazily_in_layout_order(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    sender = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
-    with torch.no_grad():  # weights no receiver can have from the folder
-        for p in sender.parameters():
-            p.add_(torch.randn_like(p))
-    layout = _layout(sender)
-    address, port = free_endpoint()
-    world = weight_ranks(num_engines=1, tp=2)  # the sender + one engine's two tp workers
-    assert world == 3
-    received: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    errors: list[BaseException] = []
-
-    def receiver(r: int) -> None:
-        try:
-            group = WeightGroup(address, port, rank=r, world=world, backend="gloo", timeout_s=60)
-            received[r] = list(receive_named(group, layout, "cpu"))
-        except BaseException as exc:  # surfaced in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
-    for t in threads:
-        t.start()
-    group = WeightGroup(address, port, rank=0, world=world, backend="gloo", timeout_s=60)
-    with torch.no_grad():
-        for p in sender.parameters():
-            group.broadcast(p.data)
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    want = dict(sender.named_parameters())
-    for r in (1, 2):
-        names = [n for n, _ in received[r]]
-        assert names == [n for n, _, _ in layout]
-        for name, tensor in received[r]:
-            assert tensor.dtype == torch.bfloat16
-            assert torch.equal(tensor, want[name].detach())
-    rebuilt = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
-    rebuilt.load_state_dict(dict(received[1]), strict=False)
-    assert all(torch.equal(a, b) for a, b in zip(rebuilt.parameters(), sender.parameters(), strict=True))
-
-
-def test_a_tensor_parallel_engine_rank_holds_engine_tp_gpus():
-    cfg = DistConfig(mode="ray", num_engines=2, engine_tp=2)
-    assert rank_gpus(cfg, "engine") == 2
-    assert rank_gpus(cfg, "policy") == 1
-    assert weight_ranks(cfg.num_engines, cfg.engine_tp) == 5
-    with pytest.raises(ValueError, match="engine_tp"):
-        DistConfig(engine_tp=0)
-
-
-class _CountingGroup:
-    """A weight group that fills each received tensor with its call number (counts the broadcasts)."""
-
-    backend = "gloo"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        self.calls += 1
-        tensor.fill_(self.calls)
-
-
-def test_receive_named_receives_one_tensor_per_item_asked_for():
-    layout = [("a", (2, 3), "torch.float32"), ("b", (4,), "torch.bfloat16"), ("c", (1,), "torch.float32")]
-    group = _CountingGroup()
-    it = receive_named(group, layout, "cpu")
-    assert group.calls == 0
-    name, t = next(it)
-    assert group.calls == 1 and name == "a" and t.shape == (2, 3) and torch.all(t == 1)
-    rest = list(it)
-    assert group.calls == 3 and [n for n, _ in rest] == ["b", "c"]
-    assert rest[0][1].dtype == torch.bfloat16 and torch.all(rest[1][1] == 3)
 
 
 class _VLLMLikeModel(torch.nn.Module):
@@ -129,8 +50,6 @@ def _send_and_receive(sender, layout, worker, chunk_bytes: int):
     """The sender (rank 0) broadcasts its parameters while the worker (rank 1) joins and receives; returns
     (what receive_weights returned or raised, seconds the sender took)."""
     import time
-
-    from relayrl.workers.vllm_receiver import join_weight_group, receive_weights
 
     address, port = free_endpoint()
     out: dict = {}
@@ -197,3 +116,31 @@ def test_a_loader_error_midway_still_completes_the_broadcast(tiny_model_path):
     out, seconds = _send_and_receive(sender, layout, _worker(model), chunk_bytes=1)
     assert isinstance(out["result"], ValueError) and layout[2][0] in str(out["result"])
     assert seconds < 10  # the group's timeout is 20 s
+
+
+class _WorkerEngine:
+    """Records what a VLLMReceiver runs in the engine's workers."""
+
+    def __init__(self) -> None:
+        self.ran: list = []
+
+    def run_in_workers(self, fn, *args):
+        self.ran.append((fn, args))
+        return [None]
+
+    def load_in_workers(self, fn, *args, version):
+        self.ran.append((fn, args, version))
+
+
+def test_a_vllm_receiver_runs_the_worker_functions_at_its_workers_ranks():
+    engine = _WorkerEngine()
+    assert isinstance(engine, WorkerLoading)
+    receiver = VLLMReceiver(engine, engine_rank=2, tp=4)  # ranks 9..12 of the group
+    assert receiver.layout() is None
+    layout = [("w", (2,), "torch.float32")]
+    receiver.join(Channel(address="h", port=7, world=13, backend="nccl", timeout_s=5.0), layout)
+    receiver.receive(3)
+    assert engine.ran == [
+        (join_weight_group, ("h", 7, 9, 13, "nccl", 5.0, layout)),
+        (receive_weights, (), 3),
+    ]

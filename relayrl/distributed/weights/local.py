@@ -1,9 +1,11 @@
-"""The rollout engine's weights beside a trainer's: one seam for "the engine sees the new policy".
+"""The local transport (base.py): the rollout engine's weights beside a trainer's, in the same process.
 
-    ew = EngineWeights(policy, dtype=torch.bfloat16)   ew.model: what the engine runs on
+    lw = LocalWeights(policy, dtype=torch.bfloat16)    lw.model: what the engine runs on
     ...optimizer step on `policy`...
-    seconds = ew.refresh()                             on-device cast-copy into the engine's buffers
-    ew.max_abs_diff()                                  the weight canary: 0 when the engine matches the
+    seconds = lw.load_into(engine, version=step)       rounds paused; on-device cast-copy into the engine's
+                                                       buffers (`refresh`); engine.load_weights(
+                                                       lw.engine_tensors(), version=step)
+    lw.max_abs_diff()                                  the weight canary: 0 when the engine matches the
                                                        trainer's weights cast to the engine dtype
 
 The cases, decided once at construction:
@@ -36,16 +38,19 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from relayrl.distributed.fsdp import full_tensors, unit_tensors
 from relayrl.models.forward import hf_model
+from relayrl.rollout.base import RolloutEngine, paused
 
 
-class EngineWeights:
-    """The engine-side weights of a trained module (see module doc)."""
+class LocalWeights:
+    """The engine-side weights of a trained module, in the trainer's process (a `WeightSource`, base.py; see
+    the module doc)."""
 
     def __init__(
         self,
@@ -114,8 +119,6 @@ class EngineWeights:
             return 0.0
         t0 = time.perf_counter()
         if self.gather:
-            from relayrl.distributed.fsdp import unit_tensors
-
             for name, full in unit_tensors(self.source, self.trained):
                 self._targets[name].copy_(full)
         else:
@@ -133,12 +136,23 @@ class EngineWeights:
         if not self.stream:
             return None
         if self.gather:
-            from relayrl.distributed.fsdp import full_tensors
-
             return full_tensors(self.source, self.dtype)
         if self._lora:
             return _merged_lora(self.source, self.dtype)
         return ((n, p.detach().to(self.dtype)) for n, p in self.source.named_parameters())
+
+    def load_into(
+        self, engine: RolloutEngine, version: int | None, before_load: Callable[[], None] | None = None
+    ) -> float:
+        """The same-process load: with the engine's rounds paused, `refresh`, then `before_load` (e.g. wake a
+        sleeping engine), then engine.load_weights(engine_tensors(), version=version); requests in flight go
+        on under the new weights. Returns `refresh`'s seconds."""
+        with paused(engine):
+            seconds = self.refresh()
+            if before_load is not None:
+                before_load()
+            engine.load_weights(self.engine_tensors(), version=version)
+        return seconds
 
     @torch.no_grad()
     def max_abs_diff(self) -> float:
@@ -148,8 +162,6 @@ class EngineWeights:
         if self.shared or self.stream:
             return 0.0
         if self.gather:
-            from relayrl.distributed.fsdp import full_tensors
-
             pairs = ((full, self._targets[n]) for n, full in full_tensors(self.source, self.dtype))
         else:
             src = dict(self.source.named_parameters())

@@ -1,11 +1,14 @@
-"""What each vLLM worker process of a separate engine actor runs to take the policy's weights.
+"""The vllm transport (base.py): what each vLLM worker process of a separate engine actor runs to take the
+policy's weights, and the engine actor's receiver that runs it there.
 
-    engine.run_in_workers(join_weight_group, address, port, first_rank, world, backend, timeout_s, layout)
-    engine.load_in_workers(receive_weights, version=step)          # at every sync, between two rounds
+    receiver = VLLMReceiver(engine, engine_rank, tp)        engine: WorkerLoading (rollout/base.py)
+    receiver.join(channel, layout)  = engine.run_in_workers(join_weight_group, address, port, first_rank, world,
+                                                            backend, timeout_s, layout)
+    receiver.receive(version)       = engine.load_in_workers(receive_weights, version=version)   between rounds
 
 A separate vLLM engine (relayrl/workers/engine.py, `dist.num_engines`, `dist.engine_tp`) runs its model in
 `engine_tp` worker processes (vLLM's "mp" executor, one per GPU). The weights never pass through the engine
-actor: each worker enters the policy's weight group (relayrl/distributed/weight_group.py) itself, as rank
+actor: each worker enters the policy's weight group (broadcast.py) itself, as rank
 `first_rank + its tp rank` (the policy's rank 0 is rank 0, engine e's workers are 1 + e x tp + tp rank), and
 keeps the sender's layout ((HF name, shape, dtype) in broadcast order: vLLM's own parameter names differ,
 q/k/v and gate/up being packed). At each sync every worker receives every tensor of the layout
@@ -30,7 +33,9 @@ from typing import Any
 
 import torch
 
-from relayrl.distributed.weight_group import Layout, WeightGroup, receive_named
+from relayrl.distributed.weights.base import Channel, Layout
+from relayrl.distributed.weights.broadcast import WeightGroup, receive_named
+from relayrl.rollout.base import WorkerLoading
 from relayrl.rollout.vllm_engine import LOAD_CHUNK_BYTES, named_chunks
 
 RECEIVER = "_relayrl_weights"
@@ -83,3 +88,24 @@ def receive_weights(worker: Any, chunk_bytes: int = LOAD_CHUNK_BYTES) -> int:
             )
         state[2] = True
     return len(layout)
+
+
+class VLLMReceiver:
+    """A separate vLLM engine's end of the group (a `WeightReceiver`, base.py): its tp workers are ranks
+    1 + engine_rank x tp + tp rank, each taking every tensor of the sender's layout (module doc)."""
+
+    def __init__(self, engine: WorkerLoading, engine_rank: int, tp: int) -> None:
+        self.engine, self.first_rank = engine, 1 + engine_rank * tp
+
+    def layout(self) -> None:
+        """None: vLLM loads whatever HF-named tensors the sender's layout lists (checked on the first receive)."""
+        return None
+
+    def join(self, channel: Channel, layout: Layout) -> None:
+        c = channel
+        self.engine.run_in_workers(
+            join_weight_group, c.address, c.port, self.first_rank, c.world, c.backend, c.timeout_s, layout
+        )
+
+    def receive(self, version: int) -> None:
+        self.engine.load_in_workers(receive_weights, version=version)
