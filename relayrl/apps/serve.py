@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -51,11 +52,10 @@ def _serve(cfg: ServeConfig) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         # an engine that loads its own weights (vllm) reads the folder itself: the HF module is not loaded then
-        model = (
-            cfg.model
-            if caps.own_weights
-            else AutoModelForCausalLM.from_pretrained(cfg.model).to(device).eval()
-        )
+        model: Any = cfg.model
+        if not caps.own_weights:
+            hf: Any = AutoModelForCausalLM.from_pretrained(cfg.model)
+            model = hf.to(device).eval()
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -72,4 +72,4 @@ def _serve(cfg: ServeConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(ServeConfig, argv, "relayrl serve", _serve, description=__doc__.split("\n")[0])
+    return run_command(ServeConfig, argv, "relayrl serve", _serve, description=(__doc__ or "").split("\n")[0])

@@ -328,7 +328,7 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     Names may carry or omit a leading "module." (DDP/FSDP wrappers). Unknown names raise a KeyError that
     lists a few valid ones.
     """
-    targets = dict(model.named_parameters())
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     count = 0
     with torch.no_grad():

@@ -14,6 +14,7 @@ i.e. before top-p / top-k truncation, the protocol's semantics.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -155,12 +156,13 @@ class HFEngine(ThreadedEngine):
                 do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0)
             )
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device))
+        generate = cast(Any, self.model).generate  # a transformers model (GenerationMixin)
         if params.seed is None:
-            out = self.model.generate(**inputs, **kwargs)
+            out = generate(**inputs, **kwargs)
         else:  # the seed alone decides the samples; the global RNG is left as it was
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(params.seed)
-                out = self.model.generate(**inputs, **kwargs)
+                out = generate(**inputs, **kwargs)
         self.generate_calls += 1
         gen = out.sequences[:, width:]
         lps = recorder.finish(gen[:, -1]).cpu()
@@ -182,7 +184,7 @@ class _LogprobRecorder(LogitsProcessor):
         self.prev: torch.Tensor | None = None
         self.out: list[torch.Tensor] = []
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride] (transformers' own stub: FloatTensor)
         if self.prev is not None:
             self.out.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
@@ -190,6 +192,7 @@ class _LogprobRecorder(LogitsProcessor):
 
     def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """[R, G] log-probs of every generated token, given the last generated token per row."""
+        assert self.prev is not None, "finish before any generation step"
         self.out.append(self.prev.gather(-1, last_tokens[:, None]).squeeze(-1))
         self.prev = None
         return torch.stack(self.out, dim=1)

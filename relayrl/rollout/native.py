@@ -342,6 +342,7 @@ class NativeEngine(ThreadedEngine):
     def _prefill_cached(self, extends: list[tuple[_Running, int]], width: int) -> None:
         """Admit requests onto slots holding a prefix of their prompt: only the rest is prefilled."""
         st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
         ids = torch.zeros((len(extends), width), dtype=torch.long)
         settings = []
         for b, (run, m) in enumerate(extends):
@@ -365,6 +366,7 @@ class NativeEngine(ThreadedEngine):
 
     def _prefill(self, batch: list[_Running], width: int) -> None:
         st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         slot_rows, settings = [], []
         for b, run in enumerate(batch):
@@ -419,6 +421,7 @@ class NativeEngine(ThreadedEngine):
 
     def _decode_step(self, bs: int, kv_len: int, mode: str) -> None:
         st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
         logits = self.runner.decode(
             st.cur_tok[:bs], st.pos[:bs], st.k_cache, st.v_cache, kv_len, st.rows[:bs]
         )
@@ -427,6 +430,7 @@ class NativeEngine(ThreadedEngine):
     # ---- retire ---------------------------------------------------------------------------------------
     def _retire(self) -> None:
         st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
         taken = sorted(self._slot_owner)
         idx = torch.tensor(taken, device=self.device)
         flags = torch.stack([st.done[idx].long(), st.stopped[idx].long(), st.pos[idx]]).tolist()

@@ -161,6 +161,9 @@ class _Live:
 class VLLMEngine(ThreadedEngine):
     """`RolloutEngine` over an in-process `vllm.LLMEngine` holding its own copy of the weights."""
 
+    llm: Any
+    """vllm.LLMEngine (None once closed)."""
+
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
         own_weights=True, tensor_parallel=True, needs_gpu=True
     )
@@ -222,10 +225,10 @@ class VLLMEngine(ThreadedEngine):
         """Import vllm and build its in-process engine (`self.llm`) over ENGINE_DEFAULTS + `engine_args`;
         returns vLLM's config."""
         vllm = import_vllm()
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.executor import Executor
+        from vllm.inputs import TokensPrompt  # pyright: ignore[reportMissingImports] (optional package)
+        from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]
+        from vllm.usage.usage_lib import UsageContext  # pyright: ignore[reportMissingImports]
+        from vllm.v1.executor import Executor  # pyright: ignore[reportMissingImports]
 
         args = {**ENGINE_DEFAULTS, "model": model, **engine_args}
         if max_seq_len is not None:

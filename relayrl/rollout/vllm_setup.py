@@ -99,7 +99,7 @@ def check_vllm_version(version: str) -> None:
 def import_vllm() -> Any:
     """The vllm module (an ImportError saying how to install it; a RuntimeError for another version)."""
     try:
-        import vllm
+        import vllm  # pyright: ignore[reportMissingImports] (optional package)
     except ImportError as exc:
         raise ImportError(
             'rollout engine "vllm" needs the vllm package (pip install "vllm==0.26.*", on a CUDA machine); '

@@ -193,9 +193,10 @@ def build_executor(
             step_timeout=step_timeout,
         )
     task = get_task(source) if source else None
-    if task is None or not hasattr(task, "executor"):
+    executor = getattr(task, "executor", None)
+    if executor is None:
         raise ValueError(
             f"rollout.agent=multi needs a multi-turn agent: rollout.agent_file={source!r} is neither a .py file "
             "defining AgentInstance / AgentExecutor nor a multi-turn task (e.g. guess)"
         )
-    return task.executor(engine, tokenizer, max_total_len=r.max_len, step_timeout=step_timeout)
+    return executor(engine, tokenizer, max_total_len=r.max_len, step_timeout=step_timeout)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,9 +64,12 @@ class WeightGroup:
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world, self.backend = rank, world, backend
-        self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        # torch's stubs lag its runtime here: TCPStore is public, ProcessGroupNCCL's options default, and
+        # both process groups have broadcast
+        self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)  # pyright: ignore[reportPrivateImportUsage]
+        self.pg: Any
         if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world)
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world)  # pyright: ignore[reportCallIssue]
         elif backend == "gloo":
             self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
         else:
