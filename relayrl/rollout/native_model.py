@@ -28,10 +28,56 @@ and pointing at engine "hf".
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+"""A module or a fused function standing in for one (`_norm_fn`, `_linear_fn`, `_mlp_fn`)."""
+
+
+class _Attention(Protocol):
+    """The attention modules DecoderRunner reads (q_norm / k_norm: Qwen3 only, read with getattr)."""
+
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    o_proj: torch.nn.Module
+    q_norm: torch.nn.Module
+    k_norm: torch.nn.Module
+
+
+class _Layer(Protocol):
+    self_attn: _Attention
+    mlp: torch.nn.Module
+    input_layernorm: torch.nn.Module
+    post_attention_layernorm: torch.nn.Module
+
+
+class _Rotary(Protocol):
+    inv_freq: torch.Tensor
+
+
+class _Body(Protocol):
+    """`model.model` of a Llama-like HF decoder (the attributes `check_supported` checks)."""
+
+    embed_tokens: torch.nn.Embedding
+    layers: Sequence[_Layer]
+    norm: torch.nn.Module
+    rotary_emb: _Rotary
+
+
+class _CausalLM(Protocol):
+    """A Llama-like HF causal LM as DecoderRunner reads it; `config` is a transformers PretrainedConfig,
+    whose fields (num_attention_heads, ...) are set per model type and so are untyped."""
+
+    config: Any
+    model: _Body
+    lm_head: torch.nn.Module
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -41,15 +87,21 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+class _RMSNorm(Protocol):
+    weight: torch.Tensor
+    variance_epsilon: float
+
+
 _PLAIN_RMSNORMS = {f"{name}RMSNorm" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
 
 
-def _norm_fn(module: torch.nn.Module):
+def _norm_fn(module: torch.nn.Module) -> TensorFn:
     """A fused callable equal to HF's plain RMSNorm module (fp32 normalise, cast, times weight), reading the
     module's live weight; other norm modules are called as they are. Fewer kernels per decode step."""
     if type(module).__name__ not in _PLAIN_RMSNORMS or not hasattr(module, "variance_epsilon"):
         return module
-    weight, eps = module.weight, float(module.variance_epsilon)
+    rms = cast(_RMSNorm, module)
+    weight, eps = rms.weight, float(rms.variance_epsilon)
     shape = tuple(weight.shape)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
@@ -65,18 +117,19 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def _linear_fn(module: torch.nn.Module):
+def _linear_fn(module: torch.nn.Module) -> TensorFn:
     """F.linear over a plain nn.Linear's live weight and bias (no module-call overhead per decode step);
     other modules (LoRA-wrapped projections) and hooked ones are called as they are."""
     if type(module) is not torch.nn.Linear or _hooked(module):
         return module
-    return lambda x: F.linear(x, module.weight, module.bias)
+    linear = cast(torch.nn.Linear, module)
+    return lambda x: F.linear(x, linear.weight, linear.bias)
 
 
 _PLAIN_MLPS = {f"{name}MLP" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
 
 
-def _mlp_fn(mlp: torch.nn.Module):
+def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
     """down(silu(gate(x)) * up(x)) over a plain HF gated MLP's live Linears, the product in place; other MLP
     modules are called as they are."""
     projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -85,7 +138,7 @@ def _mlp_fn(mlp: torch.nn.Module):
         return mlp
     if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs):
         return mlp
-    gate, up, down = (_linear_fn(p) for p in projs)
+    gate, up, down = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = F.silu(gate(x))
@@ -101,21 +154,23 @@ class DecoderRunner:
     def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto") -> None:
         """`decode_attention`: "sdpa" (fused kernel), "math" (matmul + softmax; faster on CPU for short
         query groups) or "auto" (sdpa on CUDA, math elsewhere)."""
-        if hasattr(model, "get_base_model"):  # peft: run the base model, whose projections carry the adapters
-            model = model.get_base_model()
-        cfg = model.config
+        base = getattr(model, "get_base_model", None)
+        if base is not None:  # peft: run the base model, whose projections carry the adapters
+            model = base()
         if decode_attention not in ("auto", "sdpa", "math"):
             raise ValueError(f"decode_attention must be 'auto', 'sdpa' or 'math', got {decode_attention!r}")
         check_supported(model, max_len)
-        self.model = model
-        self.body = model.model
+        lm = cast(_CausalLM, model)  # laid out as checked above
+        cfg = lm.config
+        self.model = lm
+        self.body = lm.model
         self.layers = list(self.body.layers)
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.n_heads: int = cfg.num_attention_heads
+        self.n_kv: int = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.group = self.n_heads // self.n_kv
         self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5))
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size: int = cfg.vocab_size
         emb = self.body.embed_tokens.weight
         self.device, self.dtype = emb.device, emb.dtype
         self.max_len = max_len
@@ -132,7 +187,7 @@ class DecoderRunner:
             for layer in self.layers
         ]
         self.mlps = [_mlp_fn(layer.mlp) for layer in self.layers]
-        self.qk_norms = [
+        self.qk_norms: list[tuple[TensorFn, TensorFn] | None] = [
             (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
             if getattr(layer.self_attn, "q_norm", None) is not None
             else None
@@ -165,8 +220,9 @@ class DecoderRunner:
         q = q_proj(h).view(*shape, self.n_heads, self.head_dim)
         k = k_proj(h).view(*shape, self.n_kv, self.head_dim)
         v = v_proj(h).view(*shape, self.n_kv, self.head_dim)
-        if self.qk_norms[li] is not None:
-            q_norm, k_norm = self.qk_norms[li]
+        qk_norms = self.qk_norms[li]
+        if qk_norms is not None:
+            q_norm, k_norm = qk_norms
             q, k = q_norm(q), k_norm(k)
         return q, k, v
 

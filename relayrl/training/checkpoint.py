@@ -377,9 +377,10 @@ def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
         f"checkpoint {folder} does not match the model: missing {untied[:5]}, unexpected "
         f"{result.unexpected_keys[:5]}; was it saved from the same architecture?"
     )
-    if not hasattr(type(model), "from_pretrained"):
+    from_pretrained = getattr(type(model), "from_pretrained", None)
+    if from_pretrained is None:
         raise ValueError(mismatch)
-    fresh = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
+    fresh = from_pretrained(folder, dtype=next(model.parameters()).dtype)
     try:
         model.load_state_dict(fresh.state_dict(), strict=True)
     except RuntimeError as err:

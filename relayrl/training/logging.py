@@ -144,7 +144,7 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if wandb:
             try:
-                import wandb as wandb_mod
+                import wandb as wandb_mod  # pyright: ignore[reportMissingImports]  (optional, not installed)
             except ImportError as err:
                 raise ImportError(
                     "logger.wandb is on but the `wandb` package is missing: `pip install wandb` "

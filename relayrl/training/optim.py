@@ -15,12 +15,34 @@ Schedule: linear warmup, then cosine / linear / constant down to `min_lr_ratio` 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 SCHEDULES = ("cosine", "linear", "constant")
 NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+class OptimSettings(Protocol):
+    """The fields of an optimizer section (config's OptimConfig) that `build_optim` and `schedule_lr` read."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def adam_betas(self) -> Sequence[float]: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def scheduler(self) -> str: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def warmup_ratio(self) -> float: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
 
 
 def param_groups(model: torch.nn.Module | NamedParams, weight_decay: float) -> list[dict[str, Any]]:
@@ -129,7 +151,7 @@ def build_scheduler(
     return Schedule(optimizer, factor)
 
 
-def schedule_lr(optim: Any, step: int, total_steps: int) -> float:
+def schedule_lr(optim: OptimSettings, step: int, total_steps: int) -> float:
     """The lr that `build_optim(model, optim, total_steps)`'s schedule sets for 0-based optimizer step `step`
     (`optim`: an OptimConfig): optim.lr x lr_factor(step), the same product the scheduler computes."""
     total = max(1, total_steps)
@@ -144,12 +166,13 @@ def schedule_lr(optim: Any, step: int, total_steps: int) -> float:
 
 
 def build_optim(
-    model: torch.nn.Module | NamedParams, optim: Any, total_steps: int
-) -> tuple[torch.optim.AdamW, Any]:
+    model: torch.nn.Module | NamedParams, optim: OptimSettings, total_steps: int
+) -> tuple[torch.optim.AdamW, Schedule]:
     """(AdamW, LambdaLR) from an OptimConfig (lr, weight_decay, adam_betas, eps, scheduler, warmup_*,
     min_lr_ratio) for `total_steps` optimizer steps."""
+    beta1, beta2 = optim.adam_betas  # two floats (OptimConfig checks)
     opt = build_optimizer(
-        model, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.adam_betas), eps=optim.eps
+        model, lr=optim.lr, weight_decay=optim.weight_decay, betas=(beta1, beta2), eps=optim.eps
     )
     sched = build_scheduler(
         opt,

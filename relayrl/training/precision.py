@@ -69,10 +69,12 @@ class MasterWeights:
     @staticmethod
     def _hook(master: torch.nn.Parameter):
         def accumulate(p: torch.Tensor) -> None:
+            grad = p.grad
+            assert grad is not None  # a post-accumulate-grad hook runs once p.grad is set
             if master.grad is None:
-                master.grad = p.grad.to(torch.float32)
+                master.grad = grad.to(torch.float32)
             else:
-                master.grad.add_(p.grad)
+                master.grad.add_(grad)
             p.grad = None
 
         return accumulate

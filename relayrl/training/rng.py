@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+
+_LegacyState = tuple[str, np.ndarray, int, int, float]
+"""numpy's legacy global RNG state: (bit generator name, keys uint32 [624], pos, has_gauss, cached_gaussian)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -24,7 +27,9 @@ def seed_everything(seed: int) -> None:
 
 def _numpy_state() -> tuple[str, torch.Tensor, int, int, float]:
     """numpy's global state as plain types and a tensor (loadable with torch.load(weights_only=True))."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default) returns the tuple; numpy's stubs type the no-argument call as the dict
+    state = cast(_LegacyState, np.random.get_state(legacy=True))
+    name, keys, pos, has_gauss, cached = state
     return str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
 
 

@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -74,6 +74,12 @@ class LossOutput:
     """Per-micro-batch SUMS; each is divided by the step's total of its denominator (`metric_counts`)."""
     metric_counts: dict[str, float | torch.Tensor] = field(default_factory=dict)
     """Denominator share of a metric when it is not `count` (e.g. a token metric of a per-sequence loss)."""
+
+
+class _GradSync(Protocol):
+    """An FSDP2 module (`FSDPModule`): its gradient reduce-scatter can be deferred to the last micro-batch."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
 
 
 class LossFn(Protocol):
@@ -215,7 +221,10 @@ class TrainStep:
         defer_grad_sync: bool = False,
     ):
         self.model = model
-        self._fsdp = next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None)
+        self._fsdp = cast(
+            "_GradSync | None",
+            next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None),
+        )
         self.defer_grad_sync = defer_grad_sync
         """FSDP: reduce-scatter the gradients once, after the step's last micro-batch (gradients accumulate
         unsharded in fp32 until then: + 4 bytes per parameter per rank) instead of after every micro-batch."""
@@ -263,9 +272,10 @@ class TrainStep:
         loss, count, metrics = sums.result()
         scale = (torch.distributed.get_world_size() if _group() else 1.0) / max(count, 1e-12)
         params = [p for p in self._params() if p.grad is not None]
+        grads = cast(list[torch.Tensor], [p.grad for p in params])  # none is None (filtered above)
         if params:
-            torch._foreach_mul_([p.grad for p in params], scale)
-        grad_norm = self._clip(params)
+            torch._foreach_mul_(grads, scale)  # pyright: ignore[reportPrivateImportUsage]  (public in torch)
+        grad_norm = self._clip(params, grads)
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = not (math.isfinite(grad_norm) and (count == 0 or math.isfinite(loss)))
         if skipped:
@@ -288,12 +298,11 @@ class TrainStep:
             skipped=skipped,
         )
 
-    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+    def _clip(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> float:
         """Clip to grad_clip (<= 0: no clipping); returns the global norm before clipping (FSDP: over every
-        shard of every rank)."""
+        shard of every rank). `grads`: the gradients of `params`, in order."""
         if not params:
             return 0.0
-        grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: reduce the partial norms
         if full is not None:
@@ -338,6 +347,8 @@ class TrainStep:
         """Unit-weighted eval loss (and metrics) over every micro-batch (of every rank): {prefix/loss,
         prefix/count, ...}. `num_real`: as in `step`, over the flattened micro-batches."""
         loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise ValueError("TrainStep.evaluate needs a loss_fn (given here or to the constructor)")
         was_training = self.model.training
         self.model.eval()
         sums = _Sums()
