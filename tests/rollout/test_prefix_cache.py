@@ -152,28 +152,3 @@ def test_multi_turn_episodes_reuse_their_conversation_and_stay_identical(tiny_mo
     assert sum(t.num_turns for t in trajs) > len(trajs)  # several turns per episode
     assert off_cached == 0 and on_cached > 0
     assert on_prefilled + on_cached == off_prefilled and on_prefilled < off_prefilled / 2
-
-
-def test_slot_pool_bookkeeping():
-    from relayrl.rollout.slots import PREFIX_STRIDE, SlotPool
-
-    pool = SlotPool(3, min_prefix_tokens=4)
-    a, b, c = pool.take(), pool.take(), pool.take()
-    assert (a, b, c) == (0, 1, 2) and pool.available() == 0
-    seq = list(range(100, 130))  # 30 tokens
-    pool.park(b, seq)
-    pool.park(a, [7, 7, 7])  # shorter than min_prefix_tokens: freed, not parked
-    assert pool.available() == 2 and list(pool.parked) == [b]
-    # a next turn extends the whole parked sequence: all of it is reused
-    assert pool.match([*seq, 1, 2, 3]) == (b, len(seq))
-    # a repeat of a prefix: the longest indexed length below the prompt's last token
-    hit = pool.match(seq[:21])
-    assert hit is not None and hit[0] == b and 20 - PREFIX_STRIDE < hit[1] <= 20
-    assert pool.match([100, 101, 102, 999, 104]) is None  # diverges before min_prefix_tokens
-    assert pool.match([5, *seq]) is None
-    # empty slots first (lowest id), then the least recently parked one
-    pool.park(c, list(range(200, 210)))
-    assert pool.take() == a
-    assert pool.take() == b and pool.match([*seq, 1]) is None  # evicted: no longer matched
-    pool.drop_parked()
-    assert not pool.parked and not pool.index and pool.free == [c]
