@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck install clean
+.PHONY: demo test test-fast lint typecheck install clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/relayrl demo
 
+# Everything (what CI runs, .ci/run).
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
+
+# The development lane: every test but those marked `slow` (multi-rank and Ray runs, async RL, kill -9 and
+# signal subprocesses, whole learning runs); run `make test` before you push.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow" --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench examples

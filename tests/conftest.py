@@ -1,37 +1,40 @@
-"""Shared fixtures: tiny models and tokenizers are built here, never downloaded."""
+"""Shared fixtures: tiny models and tokenizers are built here, never downloaded.
+
+Markers (pyproject.toml): `gpu` tests skip without CUDA; `slow` tests (multi-rank / Ray runs, async RL,
+subprocesses killed or signalled, whole learning runs) are left out by `make test-fast` (`-m "not slow"`) and
+run by `make test`, which is what CI runs.
+"""
 
 from __future__ import annotations
 
 import os
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# after the environment above: huggingface_hub reads HF_HUB_OFFLINE when it is first imported
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, save_tiny
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from relayrl.models.tiny import build_tiny_tokenizer
-
     return build_tiny_tokenizer()
 
 
 @pytest.fixture()
 def tiny_model(tiny_tokenizer):
     """A fresh fp32 2-layer Qwen2 (hidden 64) per test."""
-    from relayrl.models.tiny import TinyModelSpec, build_tiny_model
-
     return build_tiny_model(tiny_tokenizer, TinyModelSpec(hidden=64, layers=2, seed=0))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A saved tiny model + tokenizer folder, loadable by from_pretrained."""
-    from relayrl.models.tiny import save_tiny
-
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
 

@@ -19,6 +19,8 @@ from dp_fixtures import assert_metrics_close as _close
 from relayrl.config.rl import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
+pytestmark = pytest.mark.slow  # multi-rank runs compared with one rank
+
 DATA = Path(__file__).parents[1] / "trainers" / "data"
 
 

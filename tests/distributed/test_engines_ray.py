@@ -14,6 +14,8 @@ import torch
 from relayrl.config.rl import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
+pytestmark = pytest.mark.slow  # engine actors on Ray
+
 DATA = Path(__file__).parents[1] / "trainers" / "data"
 
 

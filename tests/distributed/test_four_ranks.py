@@ -43,6 +43,8 @@ from relayrl.distributed.launch import RayLauncher, RoleError
 from relayrl.trainers.rl.loop import RLResult, RLTrainer
 from relayrl.workers.base import split_rows
 
+pytestmark = pytest.mark.slow  # Ray with four gloo ranks
+
 DATA = Path(__file__).parents[1] / "trainers" / "data"
 RANKS = 4
 WEIGHT_ATOL = 1e-4

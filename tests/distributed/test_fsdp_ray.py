@@ -49,6 +49,8 @@ from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_toke
 from relayrl.training.setup import build_train_step
 from relayrl.training.step import LossOutput
 
+pytestmark = pytest.mark.slow  # FSDP2 ranks as Ray actors
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 LR = 1e-2

@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from relayrl.cli import main as cli_main
 from relayrl.training.logging import read_jsonl
 
+pytestmark = pytest.mark.slow  # preference recipes on Ray
+
 VOLATILE = ("time", "perf/", "timing/")
 LOSSES = ("train/loss", "eval/loss")
 

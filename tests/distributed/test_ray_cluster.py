@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts a Ray cluster with `ray start`
+
 DATA = Path(__file__).parents[1] / "trainers" / "data"
 RAY = str(Path(sys.executable).parent / "ray")
 

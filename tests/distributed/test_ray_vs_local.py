@@ -17,6 +17,8 @@ import pytest
 from relayrl.config.rl import tiny_cpu_config
 from relayrl.trainers.rl.loop import run_rl
 
+pytestmark = pytest.mark.slow  # an RL run on Ray beside a local one
+
 DATA = Path(__file__).parents[1] / "trainers" / "data"
 VOLATILE = ("timing/", "perf/")
 

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from relayrl.training.logging import read_jsonl
 
+pytestmark = pytest.mark.slow  # kill -9 of RL and SFT subprocesses, several resumes (minutes)
+
 DATA = Path(__file__).parent / "data"
 VOLATILE = ("timing/", "perf/")
 

@@ -58,6 +58,8 @@ from relayrl.config.components import (
     TrainConfig,
 )
 
+pytestmark = pytest.mark.slow  # learning curves of whole DPO / KTO / RM runs
+
 SEED = 0
 
 

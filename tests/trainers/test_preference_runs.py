@@ -81,6 +81,7 @@ def test_recipe_runs_from_the_cli(command, data, tiny_model_path, tmp_path, caps
 
 
 # ---------------------------------------------------------------------------------------------- resume
+@pytest.mark.slow  # three DPO runs (interrupted, resumed, straight through)
 @pytest.mark.timeout(180)
 def test_dpo_resume_is_bit_identical(data, tiny_model_path, tmp_path):
     """A 4-step dpo run (checkpoint every 2 steps) against two interrupted ones: (a) the process died before

@@ -30,6 +30,7 @@ def _argv(model, data, out, *extra):
             "--logger.progress_bar", "false", *extra]  # fmt: skip
 
 
+@pytest.mark.slow  # a CLI subprocess signalled mid-run
 @pytest.mark.timeout(120)
 def test_sigterm_writes_a_checkpoint_and_exits_143(tiny_model_path, data, tmp_path):
     out = tmp_path / "run"

@@ -24,6 +24,8 @@ from relayrl.data.records import PromptSample
 from relayrl.trainers.rl.async_rollout import Batch, RolloutPipeline, staleness_filter
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
+pytestmark = pytest.mark.slow  # async RL runs, several of them on Ray
+
 DATA = Path(__file__).parents[1] / "data"
 
 

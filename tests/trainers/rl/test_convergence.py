@@ -17,6 +17,8 @@ import pytest
 from relayrl.config.rl import tiny_cpu_config
 from relayrl.trainers.rl.loop import run_rl
 
+pytestmark = pytest.mark.slow  # every estimator trained for 16 RL steps
+
 DATA = Path(__file__).parents[1] / "data"
 STEPS = 16
 

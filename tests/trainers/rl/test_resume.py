@@ -81,6 +81,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_model_path, tmp_
             assert torch.equal(wa[k], wb[k]), f"{name}:{k} differs after resume"
 
 
+@pytest.mark.slow  # a CLI subprocess signalled mid-run
 @pytest.mark.timeout(120)
 def test_sigterm_writes_a_checkpoint_and_exits_143(tiny_model_path, tmp_path):
     import subprocess
