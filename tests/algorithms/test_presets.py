@@ -11,9 +11,9 @@ from relayrl.algorithms import (
     ALGORITHM_PRESETS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
-    AdvantageInputs,
-    PolicyLossInputs,
 )
+from relayrl.algorithms.advantages import AdvantageInputs
+from relayrl.algorithms.policy_losses import PolicyLossInputs
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHM_PRESETS))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from relayrl.algorithms.objective import PolicyTerms
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
 from relayrl.workers.model_ops import micro_batches, token_logprobs
