@@ -134,7 +134,7 @@ class CriticWorker:
                 groups = micro_batches(mb.tokens, self.spec.micro_batch_tokens, self.layout)
                 out = self.train.step(
                     groups,
-                    lambda model, r, mb=mb: self._loss(model, mb, r),
+                    lambda model, batch, mb=mb: self._loss(model, mb, batch),
                     num_real=len(groups) if mine else 0,
                 )
                 for k, v in {**out.metrics, "loss": out.loss, "grad_norm": out.grad_norm}.items():
@@ -144,6 +144,7 @@ class CriticWorker:
 
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int]) -> LossOutput:
         micro = mb.select(rows)
+        assert micro.values is not None and micro.returns is not None, "critic: no values or returns"
         v = critic_values(model, mb.tokens, rows, self.layout)
         dev = v.device
         terms = ValueTerms(

@@ -22,6 +22,12 @@ from relayrl.algorithms.filtering import dynamic_filter, group_rows
 from relayrl.config.rl import FilterConfig, ResolvedRL, RLConfig
 
 
+def _reward(t: Trajectory) -> float:
+    """`t.reward` as a float: every trajectory that reaches shaping or filtering has been scored."""
+    assert t.reward is not None, f"the trajectory of prompt {t.sample.index} was not scored"
+    return float(t.reward)
+
+
 def trajectory_rewards(
     trajs: list[Trajectory], cfg: RLConfig, norm: RewardNorm | None
 ) -> tuple[Tensor, dict[str, float]]:
@@ -29,7 +35,7 @@ def trajectory_rewards(
     .shape_rewards: overlong penalty, truncation penalty, clipping, running normalisation)."""
     r = cfg.reward
     return shape_rewards(
-        torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32),
+        torch.tensor([_reward(t) for t in trajs], dtype=torch.float32),
         torch.tensor([t.response_len for t in trajs]),
         torch.tensor([t.truncated for t in trajs]),
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -48,7 +54,7 @@ def filter_groups(
     [min_mean, max_mean]; returns the kept trajectories (groups intact) and filter/* counts."""
     if not trajs:
         return [], {"filter/groups_kept": 0.0, "filter/groups_dropped": 0.0}
-    scores = torch.tensor([float(t.score if t.score is not None else t.reward) for t in trajs])
+    scores = torch.tensor([float(t.score) if t.score is not None else _reward(t) for t in trajs])
     kept, _, m = dynamic_filter(scores, group_size=group_size, mean_range=(cfg.min_mean, cfg.max_mean))
     rows = group_rows(kept, group_size).tolist()
     return [trajs[i] for i in rows], {f"filter/{k}": v for k, v in m.items()}
@@ -96,7 +102,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     if not trajs:
         return {}
     n = len(trajs)
-    rewards = [float(t.reward) for t in trajs if t.reward is not None]
+    rewards = [float(r) for t in trajs if (r := t.reward) is not None]
     lengths = [t.response_len for t in trajs]
     out = {
         "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
