@@ -235,3 +235,88 @@ def test_vllm_args_must_be_an_object_without_the_keys_relayrl_derives(text, matc
     with pytest.raises(ConfigError, match=match):
         RolloutConfig(vllm_args=text)
     assert RolloutConfig(vllm_args='{"enforce_eager": true}').vllm_engine_args() == {"enforce_eager": True}
+
+
+def test_validate_rl_returns_a_resolved_copy_and_leaves_the_config_alone():
+    cfg = parse_cli(RLConfig, [*BASE, "--algo.preset", "ppo", "--train.async_train", "true"])
+    before = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo))
+    resolved = validate_rl(cfg)
+    assert cfg == before and cfg.algo.advantage == "" and cfg.algo.off_policy == ""
+    a = resolved.algo
+    assert (a.advantage, a.policy_loss, a.kl_mode, a.kl_estimator, a.off_policy) == (
+        "gae",
+        "ppo",
+        "reward",
+        "k1",
+        "tis",  # the async default
+    )
+    assert dataclasses.replace(resolved, algo=cfg.algo) == cfg  # only the algo names were filled in
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--algo.preset", "grpo2"], r"algo\.preset: 'grpo2' is not known; choose one of ppo, reinforce\+\+"),
+        (["--algo.advantage", "gea"], r"algo\.advantage: 'gea' is not known; choose one of gae, reinforce"),
+        (["--algo.off_policy", "is"], r"algo\.off_policy: 'is' is not known; choose one of none, tis"),
+        (["--rollout.engine", "fast"], r"rollout\.engine: 'fast' is not known"),
+    ],
+)
+def test_unknown_names_are_checked_once_by_the_validation_pass(argv, match):
+    cfg = parse_cli(RLConfig, [*BASE, *argv])  # parsing reads no registry
+    with pytest.raises(ConfigError, match=match):
+        validate_rl(cfg)
+
+
+def test_critic_optimizer_defaults_to_the_policy_schedule_with_the_critic_lr():
+    cfg = parse_cli(
+        RLConfig, ["--optim.lr", "3e-6", "--optim.scheduler", "linear", "--optim.warmup_steps", "5"]
+    )
+    assert cfg.critic.optimizer(cfg.optim) == dataclasses.replace(cfg.optim, lr=1e-4)
+    cfg = parse_cli(
+        RLConfig,
+        [
+            "--critic.lr",
+            "2e-5",
+            "--critic.optim.scheduler",
+            "constant",
+            "--critic.optim.max_grad_norm",
+            "0.5",
+        ],
+    )
+    opt = cfg.critic.optimizer(cfg.optim)
+    assert (opt.lr, opt.scheduler, opt.max_grad_norm, opt.warmup_ratio) == (2e-5, "constant", 0.5, 0.03)
+    with pytest.raises(
+        ConfigError, match=r"critic\.optim\.warmup_ratio: 1\.5 is invalid; expected a float in"
+    ):
+        parse_cli(RLConfig, ["--critic.optim.warmup_ratio", "1.5"])
+    with pytest.raises(ConfigError, match=r"critic\.lr: 0\.0 is invalid; expected a float > 0"):
+        parse_cli(RLConfig, ["--critic.lr", "0"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (
+            ["--critic.optim.scheduler", "constant"],
+            "critic.optim.scheduler has no effect: algo.advantage='group_norm'",
+        ),
+        (
+            ["--train.gil_switch_s", "0.0002"],
+            "train.gil_switch_s has no effect: only the async rollout pipeline",
+        ),
+        (
+            ["--rollout.vllm_gpu_util", "0.6"],
+            "rollout.vllm_gpu_util has no effect: rollout.engine='native' is not",
+        ),
+    ],
+)
+def test_new_fields_warn_when_ineffective(argv, want):
+    msgs = _validate(argv)
+    assert len(msgs) == 1 and msgs[0].startswith(want), msgs
+
+
+def test_vllm_gpu_util_is_a_fraction():
+    with pytest.raises(ConfigError, match=r"rollout\.vllm_gpu_util: 1\.0 is invalid"):
+        parse_cli(RLConfig, ["--rollout.vllm_gpu_util", "1"])
+    assert _validate(["--rollout.engine", "vllm", "--rollout.vllm_gpu_util", "0.6"]) == []
