@@ -73,9 +73,10 @@ def build_frozen(
     return m
 
 
-def build_policy_objective(a: AlgoConfig, max_new_tokens: int) -> PolicyObjective:
+def build_policy_objective(algo: AlgoConfig, max_new_tokens: int) -> PolicyObjective:
     """The policy objective of the resolved algorithm config (relayrl.trainers.rl.validate.validate_rl). Clip
     ranges the user and the preset left unset go to the loss as None, so each loss applies its own default."""
+    a = algo
     return PolicyObjective(
         policy_loss=a.policy_loss,
         eps_low=a.clip_eps_low,

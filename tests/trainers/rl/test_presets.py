@@ -3,7 +3,8 @@
 - `--algo.preset gspo`: the policy worker's loss step runs GSPO with the paper's clip range 3e-4 / 4e-4
   (seen through clip_frac on sequences whose ratio sits just inside / outside that range), not PPO's 0.2.
 - a flag (or YAML value) set explicitly overrides the preset's value; the resolved config is saved.
-- an unknown preset fails while parsing (exit 2), listing every preset; `--help` lists them too.
+- an unknown preset fails before any work (exit 2, the validation pass), listing every preset; `--help` lists
+  them too.
 - preset ppo builds a critic and a reference model; kl_mode=reward defaults to the k1 estimator.
 """
 
