@@ -185,7 +185,7 @@ VLLM_ARGS_FROM_CONFIG = {
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
     """The RL algorithm: every choice is a registry name (relayrl.algorithms). Empty names / None clip ranges
-    mean "the preset's choice, else the built-in default"; `resolve_algo` fills them in."""
+    mean "the preset's choice, else the built-in default"; the validation pass (`validate_rl`) fills them in."""
 
     preset: str = ""
     """Algorithm preset, one setting for a known recipe: ppo, reinforce++, reinforce++_baseline, rloo, grpo,
