@@ -67,7 +67,7 @@ def write_data(folder: Path, rows: int, seed: int = 0) -> dict[str, Path]:
 
 
 def _common(cfg, model: Path, data: Path, args: argparse.Namespace, out: Path):
-    from relayrl.config.components import DataParallelConfig
+    from relayrl.config.dist import DistConfig
 
     return replace(
         cfg,
@@ -85,7 +85,7 @@ def _common(cfg, model: Path, data: Path, args: argparse.Namespace, out: Path):
         ),
         ckpt=replace(cfg.ckpt, save_every=0, save_hf_model=True),
         logger=replace(cfg.logger, progress_bar=False),
-        dist=DataParallelConfig(
+        dist=DistConfig(
             mode="ray" if args.gpus > 1 else "local",
             num_cpus=max(2, 4 * args.gpus),
             gpus="yes" if args.device == "cuda" else "no",
@@ -97,12 +97,23 @@ def _common(cfg, model: Path, data: Path, args: argparse.Namespace, out: Path):
 
 def cases(model: Path, teacher: Path, files: dict[str, Path], args: argparse.Namespace, tmp: Path):
     """name -> (run function, config) for every trainer."""
-    from relayrl.trainers.dpo import DPOConfig, DPOSection, run_dpo
-    from relayrl.trainers.kd import KDConfig, KDSection, run_kd
-    from relayrl.trainers.kto import KTOConfig, run_kto
-    from relayrl.trainers.prm import PRMConfig, PRMSection, run_prm
-    from relayrl.trainers.rm import RMConfig, run_rm
-    from relayrl.trainers.sft import SFTConfig, run_sft
+    from relayrl.config.recipes import (
+        DPOConfig,
+        DPOSection,
+        KDConfig,
+        KDSection,
+        KTOConfig,
+        PRMConfig,
+        PRMSection,
+        RMConfig,
+        SFTConfig,
+    )
+    from relayrl.trainers.dpo import run_dpo
+    from relayrl.trainers.kd import run_kd
+    from relayrl.trainers.kto import run_kto
+    from relayrl.trainers.prm import run_prm
+    from relayrl.trainers.rm import run_rm
+    from relayrl.trainers.sft import run_sft
 
     def c(cfg, data, name):
         return _common(cfg, model, files[data], args, tmp / name)
@@ -123,8 +134,9 @@ def cases(model: Path, teacher: Path, files: dict[str, Path], args: argparse.Nam
 
 def run_generate_case(model: Path, files: dict[str, Path], args: argparse.Namespace, tmp: Path) -> dict:
     """`relayrl generate` on the SFT file's prompts: 4 samples each, up to 256 new tokens, no reward."""
-    from relayrl.apps.generate import GenerateConfig, run_generate
+    from relayrl.apps.generate import run_generate
     from relayrl.config.components import DataConfig, ModelConfig
+    from relayrl.config.generate import GenerateConfig
     from relayrl.config.rl import RolloutConfig
 
     if torch.cuda.is_available():

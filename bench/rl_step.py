@@ -121,7 +121,7 @@ def run(
     policy_nodes: int = 1,
     ray_address: str = "",
 ) -> dict:
-    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
 
     _, dtype, prompts, n, new_tokens, micro_tokens = SHAPES[shape]

@@ -96,7 +96,7 @@ def _dist(cfg_dist, gpus: int, offload: bool, device: str):
 
 
 def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> dict:
-    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
 
     cfg = tiny_cpu_config(str(model), str(out), steps=args.steps, reward=str(REWARD))
@@ -148,12 +148,13 @@ def _sft_data(path: Path, rows: int, lo: int, hi: int, seed: int) -> Path:
 
 
 def run_sft_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> dict:
-    from relayrl.config.components import DataParallelConfig
-    from relayrl.trainers.sft import SFTConfig, run_sft
+    from relayrl.config.dist import DistConfig
+    from relayrl.config.recipes import SFTConfig
+    from relayrl.trainers.sft import run_sft
 
     data = _sft_data(out.parent / "sft.jsonl", args.batch * (args.steps + 1), 64, 1000, 0)
     cfg = SFTConfig()
-    d = DataParallelConfig(
+    d = DistConfig(
         mode="ray" if gpus > 1 else "local",
         num_cpus=max(2, 4 * gpus) if args.device == "cuda" else 2,
         gpus="yes" if args.device == "cuda" else "no",

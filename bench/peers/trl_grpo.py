@@ -139,7 +139,7 @@ def build_model(shape: str, folder: Path) -> Path:
 
 def relayrl_config(w: Workload, model: str, run_dir: str, steps: int) -> Any:
     """The relayrl RLConfig of workload `w` (TRL reads its prompt rows from it too)."""
-    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.config.presets import tiny_cpu_config
 
     cfg = tiny_cpu_config(model, run_dir, steps=steps, reward=str(REWARD))
     return replace(

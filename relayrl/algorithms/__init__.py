@@ -16,9 +16,15 @@ imported on first lookup, so reading names and requirements imports no torch):
 - `KL_MODES`, `FAILURE_POLICIES`, `AGENTS`: {name: Entry} of behaviours the trainer carries out itself
 - `needs_critic(advantage)`, `needs_groups(advantage)`, `needs_reference(kl_mode)`: requirements by name
 - `ALGORITHM_PRESETS[name] -> AlgorithmPreset` (ppo, reinforce++, reinforce++_baseline, rloo, grpo, dr_grpo,
-  dapo, gspo, cispo): the registry names that make up each algorithm
-- `value_loss`, `entropy_bonus`, shaping (`clip_rewards`, `overlong_penalty`, `truncation_penalty`,
-  `RunningRewardNorm`), filtering (`dynamic_filter`, `group_rows`).
+  dapo, gspo, cispo): the registry names that make up each algorithm; `resolve_names` fills a config's unset
+  choices from them (relayrl.algorithms.presets)
+
+This package's namespace holds only that torch-free catalogue, so `import relayrl.algorithms` loads no torch.
+The tensor functions are imported from their modules: `advantages` (AdvantageInputs), `policy_losses`
+(PolicyLossInputs), `aggregation`, `off_policy`, `kl`, `value_loss`, `entropy`, `shaping` (clip_rewards,
+overlong_penalty, truncation_penalty, RunningRewardNorm), `filtering` (dynamic_filter, group_rows),
+`experience` (shape_rewards, compute_advantages: rewards -> advantages from explicit scalars), `objective`
+(PolicyObjective, ValueObjective) and `preference` (BT, DPO / IPO / cDPO, KTO, KD).
 
 Shapes: B sequences (n samples of a prompt contiguous), T token positions, action_mask [B, T].
 See docs/algorithms.md for formulas, defaults and papers.
@@ -26,10 +32,7 @@ See docs/algorithms.md for formulas, defaults and papers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-from relayrl.algorithms.presets import ALGORITHM_PRESETS, AlgorithmPreset
+from relayrl.algorithms.presets import ALGORITHM_PRESETS, AlgoNames, AlgorithmPreset, resolve_names
 from relayrl.algorithms.registry import (
     ADVANTAGES,
     AGENTS,
@@ -47,45 +50,6 @@ from relayrl.algorithms.registry import (
     needs_reference,
 )
 
-# The tensor functions load on first attribute access (PEP 562), so `import relayrl.algorithms` (and the
-# config, which reads the registries' names) stays torch-free.
-_TORCH_NAMES = {
-    "AdvantageInputs": "relayrl.algorithms.advantages",
-    "PolicyLossInputs": "relayrl.algorithms.policy_losses",
-    "RunningRewardNorm": "relayrl.algorithms.shaping",
-    "clip_rewards": "relayrl.algorithms.shaping",
-    "overlong_penalty": "relayrl.algorithms.shaping",
-    "truncation_penalty": "relayrl.algorithms.shaping",
-    "dynamic_filter": "relayrl.algorithms.filtering",
-    "group_rows": "relayrl.algorithms.filtering",
-    "entropy_bonus": "relayrl.algorithms.entropy",
-    "entropy_from_logits": "relayrl.algorithms.entropy",
-    "kl_estimate": "relayrl.algorithms.kl",
-    "kl_loss": "relayrl.algorithms.kl",
-    "value_loss": "relayrl.algorithms.value_loss",
-}
-
-if TYPE_CHECKING:
-    from relayrl.algorithms.advantages import AdvantageInputs
-    from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
-    from relayrl.algorithms.filtering import dynamic_filter, group_rows
-    from relayrl.algorithms.kl import kl_estimate, kl_loss
-    from relayrl.algorithms.policy_losses import PolicyLossInputs
-    from relayrl.algorithms.shaping import (
-        RunningRewardNorm,
-        clip_rewards,
-        overlong_penalty,
-        truncation_penalty,
-    )
-    from relayrl.algorithms.value_loss import value_loss
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_NAMES:
-        return getattr(importlib.import_module(_TORCH_NAMES[name]), name)
-    raise AttributeError(f"module 'relayrl.algorithms' has no attribute {name!r}")
-
-
 __all__ = [
     "ADVANTAGES",
     "AGENTS",
@@ -97,23 +61,12 @@ __all__ = [
     "KL_MODES",
     "OFF_POLICY",
     "POLICY_LOSSES",
-    "AdvantageInputs",
+    "AlgoNames",
     "AlgorithmPreset",
     "Entry",
-    "PolicyLossInputs",
     "Registry",
-    "RunningRewardNorm",
-    "clip_rewards",
-    "dynamic_filter",
-    "entropy_bonus",
-    "entropy_from_logits",
-    "group_rows",
-    "kl_estimate",
-    "kl_loss",
     "needs_critic",
     "needs_groups",
     "needs_reference",
-    "overlong_penalty",
-    "truncation_penalty",
-    "value_loss",
+    "resolve_names",
 ]

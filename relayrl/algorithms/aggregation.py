@@ -37,12 +37,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from relayrl.algorithms.registry import AGGREGATIONS
-
 Metrics = dict[str, float]
 
 __all__ = [
-    "AGGREGATIONS",
     "Aggregation",
     "seq_mean_token_mean",
     "seq_mean_token_sum_norm",

@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from relayrl.algorithms.aggregation import AGGREGATIONS
 from relayrl.algorithms.entropy import entropy_bonus
 from relayrl.algorithms.kl import kl_loss
-from relayrl.algorithms.off_policy import OFF_POLICY
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
+from relayrl.algorithms.registry import AGGREGATIONS, OFF_POLICY
 from relayrl.algorithms.value_loss import value_loss
 
 SUMMABLE_POLICY_METRICS = ("clip_frac", "ratio_mean", "approx_kl")

@@ -36,15 +36,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from relayrl.algorithms.registry import OFF_POLICY
-
 Metrics = dict[str, float]
 
 LOG_W_CLAMP = 20.0
 
 __all__ = [
     "LOG_W_CLAMP",
-    "OFF_POLICY",
     "OffPolicyCorrection",
     "icepop",
     "logprob_mismatch",

@@ -1,8 +1,8 @@
 """Every name an RL config can pick, with what it needs: a catalogue that imports no torch.
 
-Config parsing (`relayrl.config.rl`) and validation (`validate_rl_config`) read only this module, so
-`relayrl rl --help` and a bad flag answer without loading torch; an implementation is imported from its
-entry's `target` on the first lookup and cached.
+The validation pass of `relayrl rl` (relayrl.trainers.rl.validate, through relayrl.algorithms.presets) reads
+the names and requirements here without loading torch; an implementation is imported from its entry's
+`target` on the first lookup and cached. relayrl.config imports nothing from this package.
 
     Entry(name=, target="package.module:attribute", doc=, needs_critic=, needs_groups=, needs_reference=,
           applies_kl=, keeps_groups=, uses_bounds=)

@@ -30,11 +30,12 @@ import inspect
 import random
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal, TextIO
+from dataclasses import dataclass
+from typing import Any, TextIO
 
-from relayrl.config.base import ConfigError, check_choices, invalid, run_command
-from relayrl.config.components import ModelConfig
+from relayrl.config.apps import ChatConfig
+from relayrl.config.base import ConfigError
+from relayrl.config.command_line import run_command
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
 PLAIN_STOPS = ("\nUser:",)
@@ -42,37 +43,6 @@ PLAIN_STOPS = ("\nUser:",)
 COMMANDS = "/reset clears the history, /exit (or Ctrl-D) quits"
 
 
-@dataclass(kw_only=True, slots=True)
-class ChatConfig:
-    """`relayrl chat`: an interactive chat with a model folder, streamed token by token."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The model to talk to (a local folder or Hub id; LoRA settings are not applied)."""
-    system: str = ""
-    """System prompt at the start of every conversation; empty = none."""
-    temperature: float = 0.7
-    """Sampling temperature; 0 = greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables it."""
-    top_k: int = 0
-    """Sample among the k most likely tokens; 0 disables it."""
-    max_new_tokens: int = 512
-    """Most tokens per reply."""
-    seed: int | None = None
-    """Sampling seed (the same seed and inputs replay the same replies); None = a fresh one per session."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the model runs; auto = cuda when available, else cpu."""
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        if self.temperature < 0:
-            raise invalid("temperature", self.temperature, "a float >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise invalid("top_p", self.top_p, "a float in (0, 1]")
-        if self.top_k < 0:
-            raise invalid("top_k", self.top_k, "an int >= 0 (0 = off)")
-        if self.max_new_tokens < 1:
-            raise invalid("max_new_tokens", self.max_new_tokens, "an int >= 1")
 
 
 # ---------------------------------------------------------------------------------------------- text

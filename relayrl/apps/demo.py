@@ -22,12 +22,12 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from relayrl.config.apps import DemoConfig
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
@@ -47,51 +47,6 @@ from relayrl.config.rl import (
 )
 from relayrl.rollout.base import EngineSettings, GenerationRequest, SamplingParams, generate_all
 from relayrl.rollout.build import build_engine
-
-
-@dataclass(kw_only=True, slots=True)
-class DemoConfig:
-    """`relayrl demo`: tiny model, SFT then RL on a built-in task, on CPU."""
-
-    output_dir: str = "runs/demo"
-    """Run folder (summary.json, curves.png, final/, sft/, rl/)."""
-    seed: int = 0
-    """Seed of the model init, data and training."""
-    task: str = "add2"
-    """Built-in task (relayrl/tasks)."""
-    hidden: int = 128
-    """Tiny model hidden size."""
-    layers: int = 4
-    """Tiny model layers."""
-    sft_rows: int = 1000
-    """SFT training rows (few on purpose: leaves room for RL; 500 left one seed in three unable to generalise)."""
-    sft_steps: int = 1200
-    """Most SFT optimizer steps (batch 64, constant lr after a 30-step warmup)."""
-    sft_chunk: int = 50
-    """SFT runs in chunks of this many steps; after each, greedy accuracy on the dev rows is measured."""
-    sft_target: float = 0.4
-    """SFT stops at the first chunk whose dev accuracy reaches this: RL then starts from a model that is
-    right often enough to learn from and wrong often enough to have room (seeds differ a lot at a fixed
-    step count: 0.59 vs 0.79 after 600 steps for seeds 0 and 1)."""
-    dev_rows: int = 200
-    """Rows (disjoint from SFT, RL and eval rows) for the SFT stopping rule."""
-    sft_lr: float = 2e-3
-    """SFT peak learning rate."""
-    rl_steps: int = 600
-    """RL steps (32 prompts x 8 samples each)."""
-    rl_lr: float = 1e-4
-    """RL learning rate."""
-    rl_rows: int = 3000
-    """Distinct training prompts available to RL (disjoint from the SFT and eval rows)."""
-    rl_filter: bool = True
-    """Dynamic filtering of zero-variance groups in RL (a toy-sized demo whose groups are all alike turns it
-    off, else every step is filtered and the run reports that it made no update)."""
-    eval_rows: int = 500
-    """Held-out prompts for the accuracy measurements."""
-    control: bool = False
-    """Also run the control: continue SFT for as long as RL took, and measure it the same way."""
-    device: str = "cpu"
-    """Device (the demo is sized for 2 CPU cores)."""
 
 
 def build_base_model(cfg: DemoConfig, folder: Path) -> Path:
@@ -131,7 +86,8 @@ def make_demo_data(cfg: DemoConfig, folder: Path) -> dict[str, Path]:
 def run_sft_phase(cfg: DemoConfig, base: Path, data_file: Path, run_dir: Path, steps: int) -> Any:
     """SFT through relayrl.trainers.sft.run_sft up to `steps` (resuming the run folder's checkpoint, so it
     can be called again with more steps); returns the SFTResult."""
-    from relayrl.trainers.sft import SFTConfig, run_sft
+    from relayrl.config.recipes import SFTConfig
+    from relayrl.trainers.sft import run_sft
 
     sft = SFTConfig(
         model=ModelConfig(name_or_path=str(base)),
@@ -321,7 +277,7 @@ def _copy_outputs(out: Path, rl_dir: Path, final: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl demo [--seed N] [--control true] ...`."""
-    from relayrl.config.base import run_command
+    from relayrl.config.command_line import run_command
 
     def go(cfg: DemoConfig) -> int:
         s = run_demo(cfg)

@@ -36,7 +36,7 @@ def run_eval(cfg: Any) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl eval --model.name_or_path PATH (--task.name T | --data.eval_dataset F --reward.source R)`."""
-    from relayrl.config.base import run_command
+    from relayrl.config.command_line import run_command
     from relayrl.config.rl import RLConfig
 
     def go(cfg: RLConfig) -> int:

@@ -36,81 +36,24 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import string
 import tempfile
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.executors import SingleTurnExecutor
-from relayrl.apps.selection import DEFAULT_CONDITION, SELECTORS, SelectOptions
-from relayrl.config.base import ConfigError, ConfigWarning, check_choices, invalid, run_command, save_yaml
-from relayrl.config.components import DataConfig, ModelConfig
-from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
+from relayrl.apps.selection import SELECTORS, SelectOptions
+from relayrl.config.base import ConfigError, ConfigWarning, save_yaml
+from relayrl.config.command_line import run_command
+from relayrl.config.generate import GenerateConfig
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import EngineSettings, SamplingParams
 from relayrl.rollout.build import build_engine, engine_capabilities
 from relayrl.workers.builders import build_frozen
-
-SelectMode = Literal["all", "best_of_n", "rejection", "pairs", "conditional"]
-
-
-@dataclass(kw_only=True, slots=True)
-class GenerateConfig:
-    """`relayrl generate`: n samples per prompt, optional reward, a selection rule, one JSONL file."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The model that generates (a local folder or Hub id; LoRA settings are not applied)."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompt data (the training sources: data.datasets, mixing, max_samples; eval settings are unused)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """A built-in task as the prompt source (its train_rows prompts) and default reward, instead of data."""
-    rollout: RolloutConfig = field(
-        default_factory=lambda: RolloutConfig(n_samples=4, max_new_tokens=512, max_len=2048)
-    )
-    """Engine and sampling (engine, engine_slots, n_samples, temperature, top_p, top_k, max_new_tokens,
-    max_len). With engine_slots 0 the native engine decodes prompts_per_step x n_samples sequences at once."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """The reward source (reward.source, reward.timeout_s); rewards are written raw (no shaping)."""
-    output: str = ""
-    """The JSONL file to write (required); replaced atomically when the run completes."""
-    select: SelectMode = "all"
-    """Which rows to write: all (every sample), best_of_n (the best per prompt), rejection (reward >=
-    threshold), pairs (best vs worst per prompt, DPO), conditional (every sample, its reward in the prompt).
-    Every mode but all needs a reward."""
-    threshold: float = 0.5
-    """rejection: keep samples whose reward is >= this."""
-    max_per_prompt: int = 0
-    """rejection: keep at most this many (the best) samples per prompt; 0 = every sample that passes."""
-    condition_template: str = DEFAULT_CONDITION
-    """conditional: the prompt written for each sample, a Python format string with {input} (the prompt, or
-    for a chat the last user message) and {reward} (a float; a format spec such as {reward:.1f} is allowed)."""
-    seed: int = 42
-    """Sampling seed: the same seed, model, prompts and settings write the same file."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the model runs; auto = cuda when available, else cpu."""
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        if self.max_per_prompt < 0:
-            raise invalid("max_per_prompt", self.max_per_prompt, "an int >= 0 (0 = no limit)")
-        check_condition_template(self.condition_template)
-
-
-def check_condition_template(template: str) -> None:
-    """`invalid(...)` unless `template` is a format string using exactly the fields {input} and {reward}."""
-    want = "a format string with {input} and {reward} (e.g. '<rm_score>: {reward:.1f} {input}')"
-    try:
-        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-        template.format(input="x", reward=1.0)
-    except (ValueError, KeyError, IndexError) as e:
-        raise invalid("condition_template", template, f"{want}; it does not format ({e})") from None
-    if names != {"input", "reward"}:
-        raise invalid("condition_template", template, f"{want}; it has fields {sorted(names)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -279,7 +222,12 @@ def sample_groups(
     # an engine with fixed slots is sized to the prompts in flight; others (vllm) size their batch themselves
     slots = r.engine_slots or min(len(prompts), r.prompts_per_step) * r.n_samples
     fixed = engine_capabilities(r.engine).fixed_slots
-    settings = EngineSettings(max_seq_len=r.max_len, max_seqs=slots if fixed else None)
+    settings = EngineSettings(
+        max_seq_len=r.max_len,
+        max_seqs=slots if fixed else None,
+        gpu_util=r.vllm_gpu_util,
+        any_version=r.vllm_any_version,
+    )
     engine = build_engine(r.engine, model, tokenizer, settings)
     executor = SingleTurnExecutor(engine, tokenizer, max_total_len=r.max_len, log=log)
     base = SamplingParams(

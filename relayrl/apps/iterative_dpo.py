@@ -23,68 +23,21 @@ continues where it stopped. The prompts of round k are sampled with seed + k.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from relayrl.config.base import invalid, run_command, save_yaml
+from relayrl.config.base import save_yaml
+from relayrl.config.command_line import run_command
 from relayrl.config.components import (
-    CkptConfig,
     DataConfig,
-    DataParallelConfig,
-    LoggerConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
 )
-from relayrl.config.rl import RewardConfig, RolloutConfig, TaskConfig
-from relayrl.trainers.dpo import DPOSection
-
-
-@dataclass(kw_only=True, slots=True)
-class IterativeDPOConfig:
-    """Iterative DPO: generate, score, pair and DPO, for several rounds."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The starting model (LoRA settings apply to each round's DPO)."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompt data (as `relayrl generate`), unless task.name is set."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """A built-in task as the prompt source and reward."""
-    rollout: RolloutConfig = field(
-        default_factory=lambda: RolloutConfig(n_samples=4, max_new_tokens=512, max_len=2048)
-    )
-    """Sampling of each round (n_samples per prompt, temperature, max_new_tokens, engine)."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """The reward source that ranks each prompt's samples."""
-    dpo: DPOSection = field(default_factory=DPOSection)
-    """DPO options of each round (the reference is always the round's starting model)."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer of each round's DPO."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Each round's DPO loop (batch size, epochs / max_steps per round); output_dir is the whole run's folder."""
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    """Checkpoints of each round's DPO."""
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    """Metrics sinks of each round's DPO."""
-    dist: DataParallelConfig = field(default_factory=DataParallelConfig)
-    """Data parallelism of each round's DPO."""
-    rounds: int = 3
-    """Rounds of generate -> score -> pair -> DPO."""
-    seed: int = 42
-    """Sampling seed (round k samples with seed + k)."""
-
-    def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise invalid("rounds", self.rounds, "an int >= 1")
-        if self.dpo.ref_model:
-            raise invalid(
-                "dpo.ref_model", self.dpo.ref_model, "empty: each round's reference is its start model"
-            )
+from relayrl.config.generate import IterativeDPOConfig
 
 
 def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: str, seed: int) -> Any:
-    from relayrl.apps.generate import GenerateConfig, run_generate
+    from relayrl.apps.generate import run_generate
+    from relayrl.config.generate import GenerateConfig
 
     gen = GenerateConfig(
         model=replace(cfg.model, name_or_path=model_path),
@@ -103,7 +56,8 @@ def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: str, 
 
 
 def _dpo(cfg: IterativeDPOConfig, model_path: str, pairs: Path, folder: Path) -> Any:
-    from relayrl.trainers.dpo import DPOConfig, run_dpo
+    from relayrl.config.recipes import DPOConfig
+    from relayrl.trainers.dpo import run_dpo
 
     dpo_cfg = DPOConfig(
         model=replace(cfg.model, name_or_path=model_path),

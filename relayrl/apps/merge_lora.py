@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from relayrl.config.base import error_boundary
+from relayrl.config.command_line import error_boundary
 from relayrl.models.loading import DTYPES, merge_lora
 
 

@@ -15,13 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
+from relayrl.config.generate import DEFAULT_CONDITION
 from relayrl.data.records import PromptSample
-
-DEFAULT_CONDITION = "<rm_score>: {reward:.1f} {input}"
-"""Conditional-SFT prompt: OpenRLHF's "{input} <rm_score>: {reward} " turned into a prefix, so the prompt keeps
-its own ending and the prompt/response boundary tokenizes as it did when sampling (with the condition
-appended, a BPE tokenizer would merge the trailing space into the response's first word, and the SFT mask
-builder refuses such rows)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from relayrl.agents.openai_server import OpenAIServer
-from relayrl.config.base import run_command
+from relayrl.config.apps import ServeConfig
+from relayrl.config.command_line import run_command
 from relayrl.rollout.base import EngineSettings
 from relayrl.rollout.build import build_engine, engine_capabilities
-
-
-@dataclass(kw_only=True, slots=True)
-class ServeConfig:
-    """`relayrl serve` options."""
-
-    model: str = ""
-    """Causal LM folder or hub id (loaded with AutoModelForCausalLM / AutoTokenizer)."""
-    engine: str = "native"
-    """Rollout engine: native (default), hf or vllm."""
-    host: str = "127.0.0.1"
-    """Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)."""
-    port: int = 8000
-    """TCP port."""
-    model_name: str = ""
-    """Name reported by /v1/models and in responses ('' = the model folder's name)."""
-    max_total_len: int = 0
-    """Prompt + completion length limit (0 = the engine's limit)."""
-    device: str = ""
-    """Device ('' = cuda when available, else cpu)."""
 
 
 def _serve(cfg: ServeConfig) -> int:
@@ -59,7 +39,12 @@ def _serve(cfg: ServeConfig) -> int:
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2
-    settings = EngineSettings(max_seq_len=cfg.max_total_len or None, placement="alone")
+    settings = EngineSettings(
+        max_seq_len=cfg.max_total_len or None,
+        placement="alone",
+        gpu_util=cfg.vllm_gpu_util,
+        any_version=cfg.vllm_any_version,
+    )
     engine = build_engine(cfg.engine, model, tokenizer, settings)
     name = cfg.model_name or cfg.model.rstrip("/").split("/")[-1]
     server = OpenAIServer(engine, tokenizer, model_name=name, max_total_len=cfg.max_total_len or None)

@@ -3,31 +3,11 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from relayrl.agents.remote_rm import Scorer, build_rm_app, model_scorer
-
-
-@dataclass(kw_only=True, slots=True)
-class ServeRMConfig:
-    """`relayrl serve-rm` options."""
-
-    model: str = ""
-    """Reward model folder (AutoModelForSequenceClassification with num_labels=1); or use --reward-func."""
-    reward_func: str = ""
-    """A Python file defining reward_func(queries, prompts, labels) to serve instead of a model."""
-    host: str = "127.0.0.1"
-    """Address to bind (127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)."""
-    port: int = 5000
-    """TCP port."""
-    batch_size: int = 16
-    """Sequences per reward-model forward pass."""
-    max_len: int = 2048
-    """Longest sequence scored (longer ones keep their last max_len tokens)."""
-    device: str = ""
-    """Device for the model ('' = cuda when available, else cpu)."""
+from relayrl.config.apps import ServeRMConfig
 
 
 def _build_scorer(cfg: ServeRMConfig) -> Scorer:
@@ -64,6 +44,6 @@ def _serve(cfg: ServeRMConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relayrl.config.base import run_command
+    from relayrl.config.command_line import run_command
 
     return run_command(ServeRMConfig, argv, "relayrl serve-rm", _serve, description=__doc__.split("\n")[0])

@@ -6,8 +6,8 @@ A config is built in layers, each strictly checked, so every error happens befor
     default instance (or a preset function)  ->  --config run.yaml  ->  dotted CLI flags (--optim.lr 1e-5)
 
 Seams:
-- `parse_cli(cls, argv, ...)`   the whole command line -> an instance (prints `--help` and exits 0).
-- `run_command(cls, argv, prog, fn)`   parse, print a `ConfigError` to stderr and return 2, else `fn(cfg)`.
+- `command_line.py`   `parse_cli(cls, argv, ...)` (the whole command line -> an instance; `--help`) and
+  `run_command(cls, argv, prog, fn)` (parse, print a `ConfigError` to stderr and return 2, else `fn(cfg)`).
 - `to_dict` / `from_dict` (strict) / `save_yaml` / `load_yaml`.
 - `field_docs(cls)`   attribute docstrings (the string literal under each field), read with `ast`; they are
   the `--help` text.
@@ -30,11 +30,10 @@ import functools
 import inspect
 import itertools
 import operator
-import sys
 import textwrap
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -76,7 +75,7 @@ def check_choices(obj: Any) -> None:
     """Raise `invalid` for any Literal / Enum field of dataclass `obj` holding a value outside its choices
     (dataclasses do not check types; `from_dict` does, this covers direct construction in Python)."""
     for name, tp in config_fields(type(obj)):
-        inner, optional = _strip_optional(tp)
+        inner, optional = strip_optional(tp)
         value = getattr(obj, name)
         if value is None and optional:
             continue
@@ -127,7 +126,7 @@ def config_fields(cls: type) -> list[tuple[str, Any]]:
     return [(f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
 
 
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
+def strip_optional(tp: Any) -> tuple[Any, bool]:
     """(X, True) for X | None, else (tp, False)."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -136,17 +135,17 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _is_dataclass_type(tp: Any) -> bool:
+def is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _is_list_type(tp: Any) -> bool:
-    return typing.get_origin(_strip_optional(tp)[0]) in (list, tuple)
+def is_list_type(tp: Any) -> bool:
+    return typing.get_origin(strip_optional(tp)[0]) in (list, tuple)
 
 
 def type_name(tp: Any) -> str:
     """A short human name for a field type: 'float', 'one of fp32, bf16', 'list of str', 'int or None'."""
-    inner, optional = _strip_optional(tp)
+    inner, optional = strip_optional(tp)
     origin = typing.get_origin(inner)
     if origin is Literal:
         name = "one of " + ", ".join(repr(c) for c in typing.get_args(inner))
@@ -160,7 +159,7 @@ def type_name(tp: Any) -> str:
         name = " or ".join(type_name(a) for a in typing.get_args(inner))
     elif inner is Any:
         name = "any value"
-    elif _is_dataclass_type(inner):
+    elif is_dataclass_type(inner):
         name = f"a {inner.__name__} mapping"
     elif inner is Path:
         name = "path"
@@ -183,7 +182,7 @@ def coerce(value: Any, tp: Any, path: str, *, from_cli: bool = False) -> Any:
 
     `from_cli` values are strings (or lists of strings for list fields) and are parsed; YAML values are
     checked, with the lossless conversions ints -> float, str -> Path and list -> tuple."""
-    inner, optional = _strip_optional(tp)
+    inner, optional = strip_optional(tp)
     null_word = from_cli and isinstance(value, str) and value.lower() in NONE_WORDS
     if value is None or (null_word and optional):
         if optional or inner is Any:
@@ -208,11 +207,11 @@ def _null_error(path: str, tp: Any) -> ConfigError:
 
 def _coerce_value(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
     """`coerce` for a value that is not null."""
-    inner = _strip_optional(tp)[0]
+    inner = strip_optional(tp)[0]
     origin = typing.get_origin(inner)
     if inner is Any:
         return value
-    if _is_dataclass_type(inner):
+    if is_dataclass_type(inner):
         if isinstance(value, inner):
             return value
         if not isinstance(value, Mapping):
@@ -316,7 +315,7 @@ def _coerce_scalar(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _join(path: str, name: str) -> str:
+def join_path(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
@@ -327,7 +326,7 @@ def unknown_key_error(cls: type, path: str, key: str, *, option: str | None = No
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
     where = f"'{path}' ({cls.__name__})" if path else cls.__name__
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    full = _join(path, key)
+    full = join_path(path, key)
     head = f"unknown option --{option}" if option else f"unknown key '{full}'"
     return ConfigError(
         f"{head}: {where} has no field {key!r}.{hint} Valid keys: {', '.join(valid)}", field=full
@@ -345,13 +344,13 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
         name = str(key).replace("-", "_")
         if name not in types_:
             raise unknown_key_error(cls, path, str(key))
-        kwargs[name] = coerce(value, types_[name], _join(path, name))
+        kwargs[name] = coerce(value, types_[name], join_path(path, name))
     try:
         return cls(**kwargs)
     except ConfigError as e:
         if not path or e.field is None or e.detail is None:
             raise
-        full = _join(path, e.field)
+        full = join_path(path, e.field)
         raise ConfigError(f"{full}: {e.detail}", field=full, detail=e.detail) from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path or cls.__name__}: {e}", field=path or None) from None
@@ -425,176 +424,9 @@ def load_yaml(cls: type[T], path: str | Path, default: T | None = None) -> T:
         raise ConfigError(f"in {path}: {e}", field=e.field) from None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _lookup(cls: type, dotted: str) -> Any:
-    """The type of the field at dotted path `dotted` under `cls` (ConfigError for unknown keys)."""
-    parts = dotted.split(".")
-    cur: Any = cls
-    for i, part in enumerate(parts):
-        prefix = ".".join(parts[:i])
-        inner = _strip_optional(cur)[0]
-        if not _is_dataclass_type(inner):
-            raise ConfigError(f"unknown option --{dotted}: '{prefix}' is a {type_name(cur)}, not a group")
-        fields_ = dict(config_fields(inner))
-        if part not in fields_:
-            raise unknown_key_error(inner, prefix, part, option=dotted)
-        cur = fields_[part]
-    if _is_dataclass_type(_strip_optional(cur)[0]):
-        sub = ", ".join(f"--{dotted}.{n}" for n, _ in config_fields(_strip_optional(cur)[0]))
-        raise ConfigError(f"--{dotted} is a group of options; set its fields: {sub}")
-    return cur
-
-
-def _split_flags(argv: Sequence[str]) -> list[tuple[str, list[str], bool]]:
-    """[(flag name without --, values, had '=')] in order; bare tokens before any flag are errors."""
-    out: list[tuple[str, list[str], bool]] = []
-    for tok in argv:
-        if tok.startswith("--") and len(tok) > 2:
-            name, eq, val = tok[2:].partition("=")
-            out.append((name, [val] if eq else [], bool(eq)))
-        elif tok == "--":
-            continue
-        elif not out:
-            raise ConfigError(f"unexpected argument {tok!r}: options look like --group.field VALUE")
-        else:
-            out[-1][1].append(tok)
-    return out
-
-
-def _cli_overrides(cls: type, flags: list[tuple[str, list[str], bool]]) -> dict[str, Any]:
-    """Nested dict of typed values from parsed flags (later flags win)."""
-    overrides: dict[str, Any] = {}
-    for name, values, had_eq in flags:
-        dotted = name.replace("-", "_")
-        tp = _lookup(cls, dotted)
-        inner = _strip_optional(tp)[0]
-        if _is_list_type(tp):
-            raw: Any = values if not had_eq else values[0]
-            if _strip_optional(tp)[1] and [v.lower() for v in values] in (["none"], ["null"]):
-                raw = None
-        elif inner is bool and not values:
-            raw = "true"  # a bare --train.packing means true
-        elif len(values) != 1:
-            what = "a value" if not values else f"one value, got {len(values)}: {' '.join(values)}"
-            raise ConfigError(f"--{name} expects {what} ({type_name(tp)})", field=dotted)
-        else:
-            raw = values[0]
-        value = coerce(raw, tp, dotted, from_cli=True)
-        node = overrides
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return overrides
-
-
-def parse_cli(
-    cls: type[T],
-    argv: Sequence[str] | None = None,
-    prog: str | None = None,
-    description: str | None = None,
-    *,
-    default: T | None = None,
-    presets: Mapping[str, Callable[[], T]] | None = None,
-) -> T:
-    """Build a `cls` config from the command line: `default` (or `--preset NAME` from `presets`), then
-    `--config FILE.yaml`, then dotted flags. `--help` prints the generated help and exits 0.
-
-    Raises `ConfigError` (before any work starts) for unknown keys, wrong types and invalid values."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    prog = prog or cls.__name__
-    if "-h" in argv or "--help" in argv:
-        from relayrl.config.help import format_help  # help.py builds on this module
-
-        print(format_help(cls, prog=prog, description=description, default=default, presets=presets))
-        raise SystemExit(0)
-    flags = _split_flags(argv)
-    cfg = default
-    rest = []
-    for name, values, had_eq in flags:
-        if name == "preset":
-            cfg = _pick_preset(presets, values)
-        elif name != "config":
-            rest.append((name, values, had_eq))
-    for name, values, _ in flags:
-        if name == "config":
-            if len(values) != 1:
-                raise ConfigError("--config expects one YAML file path")
-            cfg = load_yaml(cls, values[0], cfg if cfg is not None else _default_instance(cls))
-    overrides = _cli_overrides(cls, rest)
-    base = cfg if cfg is not None else _default_instance(cls)
-    return merge(base, overrides)
-
-
-def _pick_preset(presets: Mapping[str, Callable[[], Any]] | None, values: list[str]) -> Any:
-    if not presets:
-        raise ConfigError("--preset: this command has no presets")
-    if len(values) != 1 or values[0] not in presets:
-        got = " ".join(values) or "nothing"
-        raise ConfigError(f"--preset: {got!r} is not a preset; choose one of: {', '.join(presets)}")
-    return presets[values[0]]()
-
-
-def _default_instance(cls: type[T]) -> T:
+def default_instance(cls: type[T]) -> T:
+    """`cls()`, or a ConfigError naming the class when it has required fields."""
     try:
         return cls()
     except TypeError as e:
         raise ConfigError(f"{cls.__name__} has required fields without defaults: {e}") from None
-
-
-def run_command(
-    cls: type[T],
-    argv: Sequence[str] | None,
-    prog: str,
-    fn: Callable[[T], int | None],
-    *,
-    description: str | None = None,
-    default: T | None = None,
-    presets: Mapping[str, Callable[[], T]] | None = None,
-) -> int:
-    """A command's `main`: parse the config; on `ConfigError` print it to stderr and return 2; on --help
-    return 0; else return `fn(cfg)` (None -> 0) behind the error boundary (`error_boundary`)."""
-    try:
-        cfg = parse_cli(cls, argv, prog, description, default=default, presets=presets)
-    except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        print(f"Run `{prog} --help` for the options.", file=sys.stderr)
-        return 2
-    except SystemExit as e:
-        return int(e.code or 0)
-    return error_boundary(prog, lambda: fn(cfg))
-
-
-DEBUG_ENV = "RELAYRL_DEBUG"
-"""Set to 1 to get the full traceback of a failing command instead of its one-line error."""
-
-_PLAIN = (ValueError, RuntimeError, OSError, ImportError, KeyError, TypeError)
-
-
-def error_boundary(prog: str, body: Callable[[], int | None]) -> int:
-    """Run a command's body; any error becomes ONE line on stderr, `<prog>: error: <message>`, and exit code 1
-    (2 for a ConfigError, 130 for Ctrl-C); the traceback only with RELAYRL_DEBUG=1. The messages of relayrl's
-    own errors name the file, row, key or field and what to do."""
-    import os
-
-    try:
-        return int(body() or 0)
-    except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
-            raise
-        text = str(e).strip() or type(e).__name__
-        if not isinstance(e, _PLAIN) or type(e) in (KeyError, TypeError):
-            text = f"{type(e).__name__}: {text}"
-        print(f"{prog}: error: {text}", file=sys.stderr)
-        print(f"{prog}: (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
-        return 1

@@ -1,7 +1,9 @@
 """Config components: one dataclass per component; a command's config is a tree of them.
 
-    SFTConfig(model: ModelConfig, data: DataConfig, optim: OptimConfig, train: TrainConfig,
-              ckpt: CkptConfig, logger: LoggerConfig)            (a command composes the ones it needs)
+    ModelConfig(lora: LoraConfig)  DataConfig  OptimConfig  TrainConfig  CkptConfig  LoggerConfig
+    OneModelConfig(model, data, optim, train, ckpt, logger, dist: DistConfig)
+        the sections every one-model training command shares (sft, rm, prm, dpo, kto, kd: relayrl.config.recipes
+        adds each command's own section); the shared recipe runner (relayrl.trainers.recipe) reads only these
 
 Every field carries a docstring (the string under it): that text is the `--help`. Values are checked in
 `__post_init__` with `invalid(field, value, valid)`, so a bad value fails before any work starts with a
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from relayrl.config.base import check_choices, invalid
+from relayrl.config.dist import DistConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -271,43 +274,6 @@ class LoggerConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class DataParallelConfig:
-    """Data parallelism of a one-model recipe (SFT): local (this process) or N Ray actors holding FSDP2 shards
-    (docs/distributed.md). The RL command has its own per-role `dist` (relayrl.config.rl.DistConfig)."""
-
-    mode: Literal["local", "ray"] = "local"
-    """local (one process) or ray (num_nodes x num_gpus_per_node ranks, FSDP2-sharded)."""
-    ray_address: str = ""
-    """Ray cluster address (e.g. HEAD_IP:6379 after `ray start --head`); empty starts a local cluster."""
-    num_cpus: int = 2
-    """CPUs of the local Ray cluster started when no address is given."""
-    gpus: Literal["auto", "yes", "no"] = "auto"
-    """auto (use GPUs when the Ray cluster has them), yes, no (CPU processes, gloo)."""
-    num_nodes: int = 1
-    """Nodes."""
-    num_gpus_per_node: int = 1
-    """Ranks per node (one GPU each; CPU processes without GPUs)."""
-    offload: bool = False
-    """FSDP2 CPU offload of parameters, gradients and optimizer states."""
-    reshard_after_forward: bool = True
-    """Free each layer's gathered weights after its forward (ZeRO-3); False keeps them for the backward."""
-    timeout_s: float = 600.0
-    """Bound on collectives and on waiting for a straggling rank (a dead rank stops the run with its name)."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_nodes", "num_gpus_per_node", "num_cpus"):
-            if getattr(self, name) < 1:
-                raise invalid(name, getattr(self, name), "an int >= 1")
-        if self.timeout_s <= 0:
-            raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
-        check_choices(self)
-
-    @property
-    def ranks(self) -> int:
-        return self.num_nodes * self.num_gpus_per_node if self.mode == "ray" else 1
-
-
-@dataclass(kw_only=True, slots=True)
 class OneModelConfig:
     """What every one-model training command (sft, rm, prm, dpo, kto, kd) shares; each adds its own section."""
 
@@ -323,8 +289,9 @@ class OneModelConfig:
     """Checkpoints and resume."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """Metrics sinks."""
-    dist: DataParallelConfig = field(default_factory=DataParallelConfig)
-    """Data parallelism: one process, or Ray ranks with FSDP2 shards."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Data parallelism: one process, or Ray ranks with FSDP2 shards (dist.num_nodes x dist.num_gpus_per_node)."""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        self.dist.check_command("model")

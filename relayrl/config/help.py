@@ -13,7 +13,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from relayrl.config.base import _default_instance, _join, _strip_optional, config_fields, field_docs, to_dict
+from relayrl.config.base import (
+    config_fields,
+    default_instance,
+    field_docs,
+    join_path,
+    strip_optional,
+    to_dict,
+)
 
 
 def _fmt_default(v: Any) -> str:
@@ -24,7 +31,7 @@ def _fmt_default(v: Any) -> str:
 
 
 def _metavar(tp: Any) -> str:
-    inner, _ = _strip_optional(tp)
+    inner, _ = strip_optional(tp)
     origin = typing.get_origin(inner)
     if origin is Literal:
         return "{" + ",".join(str(c) for c in typing.get_args(inner)) + "}"
@@ -48,13 +55,13 @@ def _help_groups(obj: Any, path: str, out: list[str]) -> None:
         title = (inspect.getdoc(cls) or cls.__name__).splitlines()[0]
         out.append(f"\n{path or 'options'}: {title}" if path else "\noptions:")
         for name, tp, value in leaves:
-            flag = f"--{_join(path, name)} {_metavar(tp)}"
+            flag = f"--{join_path(path, name)} {_metavar(tp)}"
             out.append(f"  {flag}  (default: {_fmt_default(value)})")
             doc = docs.get(name, "")
             for line in textwrap.wrap(doc, 96) if doc else []:
                 out.append(f"      {line}")
     for name, _, value in groups:
-        _help_groups(value, _join(path, name), out)
+        _help_groups(value, join_path(path, name), out)
 
 
 def format_help(
@@ -66,7 +73,7 @@ def format_help(
     presets: Mapping[str, Callable[[], Any]] | None = None,
 ) -> str:
     """The `--help` text: usage, description, then every field grouped by component with type and default."""
-    obj = default if default is not None else _default_instance(cls)
+    obj = default if default is not None else default_instance(cls)
     out = [f"usage: {prog} [--config FILE.yaml] [--group.field VALUE ...]"]
     desc = description or inspect.getdoc(cls) or ""
     if desc:

@@ -13,47 +13,39 @@
       reward: RewardConfig      where rewards come from (task / reward_func file / remote RM / local RM / agent)
                                 and how they are shaped
       filter: FilterConfig      dynamic filtering (DAPO dynamic sampling) with bounded refill
-      critic: CriticConfig      the critic (only built for `gae`)
+      critic: CriticConfig      the critic (only built for `gae`) and its optimizer (critic.optim)
       eval: EvalConfig          eval every k steps, pass@k, best-checkpoint metric
-      dist: DistConfig          execution mode (local / ray)
+      dist: DistConfig          execution mode (local / ray) and placement (relayrl.config.dist)
 
 Every algorithm choice is a *name* looked up in a registry of relayrl.algorithms (see docs/rl.md for the
-table); the trainer never branches on the name. The names and what each needs (critic, groups, reference
-model) come from relayrl.algorithms.registry, which imports no torch, so parsing this config never loads
-torch. Unknown names fail while parsing (`AlgoConfig.__post_init__` -> `check_algo_names`), naming the field,
-the bad value and the valid choices; `validate_rl_config` checks the rest before any work starts.
+table); the trainer never branches on the name. This module imports nothing from relayrl.algorithms:
+parsing checks types and ranges only, and the one validation pass (`relayrl.trainers.rl.validate.validate_rl`)
+checks the names against the registries, fills in the preset's choices and returns a `ResolvedRL`.
 
 Presets: `algo.preset NAME` (relayrl.algorithms.ALGORITHM_PRESETS) picks advantage, policy loss, aggregation,
 KL mode / estimator and clip range in one setting. Those fields default to "" / None ("not set"), so a value
-set explicitly (flag or YAML) wins; `resolve_algo(algo) -> AlgoConfig` fills the rest from the preset or the
-built-in defaults (rl_build.validate_rl_config applies it before the run's config.yaml is written).
+set explicitly (flag or YAML) wins; `validate_rl` fills the rest from the preset or the built-in defaults
+(relayrl.algorithms.presets.resolve_names) in the copy it returns. The user's RLConfig is never changed.
+
+    ResolvedRL    an RLConfig that `validate_rl` returned: every algo name filled in and checked; what the
+                  builders, the workers' specs and the run's config.yaml get
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, NewType
 
-from relayrl.algorithms.presets import ALGORITHM_PRESETS
-from relayrl.algorithms.registry import (
-    ADVANTAGES,
-    AGGREGATIONS,
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
-    KL_MODES,
-    OFF_POLICY,
-    POLICY_LOSSES,
-)
 from relayrl.config.base import check_choices, invalid
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
-    DataParallelConfig,
     LoggerConfig,
     ModelConfig,
     OptimConfig,
 )
+from relayrl.config.dist import DistConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,9 +76,16 @@ class RLTrainConfig:
     so no token is more than max_staleness versions older than the weights it is trained on (older samples'
     groups are dropped and counted as async/dropped_stale); 0 = no overlap (each batch waits for the
     previous step's weights)."""
+    gil_switch_s: float = 0.0
+    """Async training: CPython's GIL switch interval in seconds (sys.setswitchinterval) while the rollout
+    pipeline runs. Two Python threads (producer + engine driver) share the GIL with the trainer, which launches
+    many small kernels, each needing the GIL; a shorter interval makes it wait less per launch behind a busy
+    thread. 0: CPython's own (5 ms)."""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.gil_switch_s < 0:
+            raise invalid("gil_switch_s", self.gil_switch_s, "a number of seconds >= 0 (0 = CPython's own)")
         if self.max_staleness < 0:
             raise invalid("max_staleness", self.max_staleness, "an int >= 0 (policy versions)")
         if self.log_every < 1:
@@ -110,6 +109,14 @@ class RolloutConfig:
     vllm_args: str = ""
     """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g. '{"enforce_eager": true}',
     '{"max_num_batched_tokens": 8192}'); the arguments relayrl derives from other settings are refused."""
+    vllm_gpu_util: float = 0.0
+    """vllm engine: share of each GPU's memory vLLM takes (weights + KV cache; vLLM's gpu_memory_utilization),
+    in (0, 1). 0: relayrl rl takes 0.35 for an engine colocated with the trainer (the rest stays for training;
+    e.g. 0.6 when the trainer is small, or with --dist.engine_sleep yes) and 0.85 for a separate engine
+    (dist.num_engines: its GPUs hold no trainer); relayrl generate leaves vLLM's own default (0.9)."""
+    vllm_any_version: bool = False
+    """vllm engine: start with an installed vLLM outside the release line relayrl supports (at your own risk:
+    the adapter relies on vLLM internals that change between releases); false refuses, naming both versions."""
     engine_slots: int = 0
     """Native engine: sequences decoded together (rows of its preallocated KV cache). More slots batch more
     samples per decode step (faster on a GPU) for KV memory of layers x slots x kv_heads x max_len x head_dim
@@ -139,6 +146,10 @@ class RolloutConfig:
     """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.vllm_gpu_util < 1.0:
+            raise invalid(
+                "vllm_gpu_util", self.vllm_gpu_util, "a fraction of the GPU's memory in (0, 1), or 0"
+            )
         self.vllm_engine_args()
 
     def vllm_engine_args(self) -> dict:
@@ -171,19 +182,10 @@ VLLM_ARGS_FROM_CONFIG = {
 """vllm.EngineArgs that `rollout.vllm_args` may not set, and the setting that decides each."""
 
 
-BUILTIN_ALGO = {
-    "advantage": "group_norm",
-    "policy_loss": "ppo",
-    "aggregation": "token_mean",
-    "kl_mode": "none",
-}
-"""What an empty preset-controlled name means when no preset is chosen."""
-
-
 @dataclass(kw_only=True, slots=True)
 class AlgoConfig:
     """The RL algorithm: every choice is a registry name (relayrl.algorithms). Empty names / None clip ranges
-    mean "the preset's choice, else the built-in default"; `resolve_algo` fills them in."""
+    mean "the preset's choice, else the built-in default"; the validation pass (`validate_rl`) fills them in."""
 
     preset: str = ""
     """Algorithm preset, one setting for a known recipe: ppo, reinforce++, reinforce++_baseline, rloo, grpo,
@@ -244,57 +246,6 @@ class AlgoConfig:
     value_clip: float = 0.2
     """Value clipping range of the critic loss (gae)."""
 
-    def __post_init__(self) -> None:
-        check_algo_names(self)
-
-
-def algo_choices() -> dict[str, tuple[str, ...]]:
-    """{AlgoConfig field: its valid registry names} (read from the registries, so new entries count; no
-    implementation is imported)."""
-    return {
-        "preset": tuple(ALGORITHM_PRESETS),
-        "advantage": tuple(ADVANTAGES),
-        "policy_loss": tuple(POLICY_LOSSES),
-        "aggregation": tuple(AGGREGATIONS),
-        "kl_mode": tuple(KL_MODES),
-        "kl_estimator": tuple(KL_ESTIMATORS),
-        "kl_controller": tuple(KL_CONTROLLERS),
-        "off_policy": tuple(OFF_POLICY),
-    }
-
-
-def check_algo_names(a: AlgoConfig) -> None:
-    """`invalid(...)` naming the field, the bad name and the valid choices, for any unknown registry name
-    (runs in `AlgoConfig.__post_init__`, so a bad flag or YAML value fails while parsing)."""
-    may_be_empty = ("preset", *BUILTIN_ALGO, "kl_estimator", "off_policy")
-    for name, choices in algo_choices().items():
-        value = getattr(a, name)
-        if value not in choices and not (value == "" and name in may_be_empty):
-            raise invalid(name, value, "one of: " + ", ".join(choices))
-
-
-def resolve_algo(a: AlgoConfig) -> AlgoConfig:
-    """A copy of `a` with every preset-controlled name filled in: the field's own value when set, else the
-    preset's (`algo.preset`), else the built-in default (BUILTIN_ALGO; KL estimator k1 for kl_mode=reward,
-    k3 otherwise). Clip ranges stay None when neither the user nor the preset sets them: each policy loss
-    then uses its own default. Idempotent."""
-    p = ALGORITHM_PRESETS.get(a.preset) if a.preset else None
-    names = {k: getattr(a, k) or (str(getattr(p, k)) if p else v) for k, v in BUILTIN_ALGO.items()}
-    if a.kl_estimator:
-        estimator = a.kl_estimator
-    elif p is not None and p.kl_mode != "none" and names["kl_mode"] == str(p.kl_mode):
-        estimator = p.kl_estimator
-    else:
-        estimator = "k1" if names["kl_mode"] == "reward" else "k3"
-    return replace(
-        a,
-        **names,
-        off_policy=a.off_policy or "none",
-        kl_estimator=estimator,
-        clip_eps_low=a.clip_eps_low if a.clip_eps_low is not None else (p.eps_low if p else None),
-        clip_eps_high=a.clip_eps_high if a.clip_eps_high is not None else (p.eps_high if p else None),
-    )
-
 
 @dataclass(kw_only=True, slots=True)
 class TaskConfig:
@@ -345,15 +296,57 @@ class FilterConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CriticOptimConfig:
+    """The critic's optimizer and schedule: a field left None takes the policy's (optim.*); the peak learning
+    rate is critic.lr. Defaults: the policy's AdamW settings and schedule with the critic's lr."""
+
+    weight_decay: float | None = None
+    """AdamW decoupled weight decay; None: optim.weight_decay."""
+    adam_betas: tuple[float, float] | None = None
+    """AdamW (beta1, beta2), each in [0, 1); None: optim.adam_betas."""
+    eps: float | None = None
+    """AdamW epsilon; None: optim.eps."""
+    max_grad_norm: float | None = None
+    """Clip the critic's global gradient norm to this value (0 = no clipping); None: optim.max_grad_norm."""
+    scheduler: Literal["cosine", "linear", "constant"] | None = None
+    """Decay after warmup: cosine, linear or constant; None: optim.scheduler."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (> 0 overrides warmup_ratio); None: optim.warmup_steps."""
+    warmup_ratio: float | None = None
+    """Warmup as a fraction of the critic's optimizer steps; None: optim.warmup_ratio."""
+    min_lr_ratio: float | None = None
+    """Final learning rate as a fraction of critic.lr, in [0, 1]; None: optim.min_lr_ratio."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        OptimConfig(**self.overrides())  # the same range checks as the policy's section
+
+    def overrides(self) -> dict[str, Any]:
+        """{field: value} of the fields set (not None)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(kw_only=True, slots=True)
 class CriticConfig:
     """The critic (value model); built only for estimators that need values (gae)."""
 
     model_path: str = ""
     """Critic initial weights; empty uses the policy's path (value head freshly initialised)."""
     lr: float = 1e-4
-    """Critic learning rate."""
+    """Critic peak learning rate."""
     epochs: int = 1
     """Critic passes over each step's experience."""
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    """The critic's optimizer and schedule (unset fields: the policy's optim.*)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise invalid("lr", self.lr, "a float > 0")
+
+    def optimizer(self, policy: OptimConfig) -> OptimConfig:
+        """The critic's whole optimizer section: the policy's `policy`, with lr = critic.lr and every
+        critic.optim field that is set."""
+        return replace(policy, lr=self.lr, **self.optim.overrides())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -370,105 +363,6 @@ class EvalConfig:
     """Evaluate on at most this many prompts (0: all)."""
     correct_threshold: float = 0.5
     """A sample counts as correct for pass@k when its score is above this."""
-
-
-ROLE_SIZE_FIELDS = tuple(
-    f"{role}_{what}" for role in ("policy", "ref", "critic") for what in ("num_nodes", "num_gpus_per_node")
-)
-"""The DistConfig fields that size the model roles (nodes x ranks per node)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class DistConfig:
-    """Execution and placement: every role in this process (local), or Ray actors with data-parallel,
-    FSDP2-sharded roles (ray). Role sizes and colocation use OpenRLHF's terms (docs/distributed.md)."""
-
-    mode: str = "local"
-    """local (every role in this process, one rank each) or ray (each role a group of Ray actors)."""
-    ray_address: str = ""
-    """Ray cluster address (e.g. HEAD_IP:6379 after `ray start --head`); empty starts a local cluster."""
-    num_cpus: int = 2
-    """CPUs of the local Ray cluster started when no address is given."""
-    gpus: Literal["auto", "yes", "no"] = "auto"
-    """auto (use GPUs when the Ray cluster has them), yes, no. Without GPUs every rank is a CPU process
-    (gloo) and the *_num_gpus_per_node values count processes."""
-    policy_num_nodes: int = 1
-    """Nodes of the policy (actor) role."""
-    policy_num_gpus_per_node: int = 1
-    """Ranks of the policy role per node (one GPU each): the policy is sharded over nodes x this."""
-    ref_num_nodes: int = 1
-    """Nodes of the reference role."""
-    ref_num_gpus_per_node: int = 1
-    """Ranks of the reference role per node."""
-    critic_num_nodes: int = 1
-    """Nodes of the critic role."""
-    critic_num_gpus_per_node: int = 1
-    """Ranks of the critic role per node."""
-    num_engines: int = 0
-    """Rollout engines as actors of their own, engine_tp GPUs each (OpenRLHF's --vllm_num_engines; ray mode):
-    each holds a full copy of the policy (vllm: sharded over its tp workers) and generates a share of the
-    prompts; the policy's rank 0 broadcasts new weights to them over NCCL (gloo on CPUs) after every step.
-    0: each policy rank runs its own engine on its GPU (colocated). Engine native, hf or vllm."""
-    engine_tp: int = 1
-    """GPUs of each separate engine (tensor parallelism inside the engine, OpenRLHF's
-    --vllm_tensor_parallel_size): > 1 needs dist.num_engines > 0 and rollout.engine vllm (vLLM shards the
-    model over the engine actor's GPUs; each of its workers receives the broadcast weights)."""
-    colocate_policy_ref: bool = False
-    """Reference ranks share the policy's GPUs (same sizes required), as OpenRLHF's --colocate_actor_ref."""
-    colocate_critic_reward: bool = False
-    """The reward role shares the critic's first GPU, as OpenRLHF's --colocate_critic_reward (rule-based and
-    remote rewards need no GPU: then it only places the reward actor beside the critic)."""
-    colocate_all: bool = False
-    """Every role on the policy's GPUs (reference and critic need the policy's sizes), as OpenRLHF's
-    --colocate_all_models (add --dist.engine_sleep yes to free the KV cache during updates)."""
-    offload: bool = False
-    """FSDP2 CPU offload of the trained roles' parameters, gradients and optimizer states (the optimizer
-    step runs on the CPU): for models that do not fit the GPUs' memory otherwise."""
-    reshard_after_forward: bool = True
-    """Free each layer's gathered weights after its forward (ZeRO-3); False keeps them until the backward
-    (ZeRO-2-like: faster, more memory)."""
-    engine_sleep: Literal["auto", "yes", "no"] = "auto"
-    """The rollout engine frees its KV cache (and CUDA graphs) while the policy trains and re-allocates them
-    before the next rollout, so training can use that memory: yes, no, auto (= no: waking re-allocates and
-    re-captures, ~0.5 s per step measured on an H100 for a 0.5B model; turn it on when memory is short)."""
-    offload_optimizer_in_rollout: bool = False
-    """Move the policy's optimizer states to CPU memory during rollout (back before the update)."""
-    timeout_s: float = 600.0
-    """Bound on every collective and on waiting for a role: a dead or stuck rank stops the run with an error
-    naming the role, rank and host within this time."""
-
-    def __post_init__(self) -> None:
-        for name in ROLE_SIZE_FIELDS:
-            if getattr(self, name) < 1:
-                raise invalid(name, getattr(self, name), "an int >= 1")
-        if self.timeout_s <= 0:
-            raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
-        if self.num_engines < 0:
-            raise invalid("num_engines", self.num_engines, "an int >= 0 (0: the engine is colocated)")
-        if self.engine_tp < 1:
-            raise invalid("engine_tp", self.engine_tp, "an int >= 1 (GPUs per separate engine)")
-        check_choices(self)
-
-    @classmethod
-    def for_one_model(cls, d: DataParallelConfig) -> DistConfig:
-        """The placement of a one-model recipe (SFT; RM / DPO / KTO next): its model is the "policy"-sized role."""
-        return cls(
-            mode=d.mode,
-            ray_address=d.ray_address,
-            num_cpus=d.num_cpus,
-            gpus=d.gpus,
-            policy_num_nodes=d.num_nodes,
-            policy_num_gpus_per_node=d.num_gpus_per_node,
-            offload=d.offload,
-            reshard_after_forward=d.reshard_after_forward,
-            timeout_s=d.timeout_s,
-        )
-
-    def ranks(self, role: str) -> int:
-        """Ranks of `role` (policy / ref / critic) in ray mode; 1 in local mode."""
-        if self.mode != "ray":
-            return 1
-        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -506,18 +400,11 @@ class RLConfig:
     ema: float = 0.0
     """Decay of an exponential moving average of the policy saved beside it (0 disables)."""
 
+    def __post_init__(self) -> None:
+        self.dist.check_command("rl")
 
-def tiny_cpu_config(model_path: str, output_dir: str, *, steps: int = 4, reward: str = "") -> RLConfig:
-    """A preset for smoke tests and CPU benchmarks: the add2 prompts, 8 prompts x 4 samples, 6 new tokens,
-    GRPO, no checkpoints in between, no console output. Change fields with dataclasses.replace."""
-    return RLConfig(
-        model=ModelConfig(name_or_path=model_path),
-        optim=OptimConfig(lr=3e-3, scheduler="constant", warmup_steps=0),
-        train=RLTrainConfig(max_steps=steps, output_dir=output_dir, seed=0, device="cpu"),
-        ckpt=CkptConfig(resume="none", save_every=0, best_metric="eval/pass@1", best_mode="max"),
-        logger=LoggerConfig(progress_bar=False),
-        task=TaskConfig(name="add2", train_rows=256, eval_rows=0),
-        reward=RewardConfig(source=reward),
-        rollout=RolloutConfig(prompts_per_step=8, n_samples=4, max_new_tokens=6, max_len=64),
-        algo=AlgoConfig(),  # group_norm + ppo; names left unset so `algo.preset` can still pick them
-    )
+
+ResolvedRL = NewType("ResolvedRL", RLConfig)
+"""An RLConfig returned by `relayrl.trainers.rl.validate.validate_rl`: the algo names filled in from the preset
+and the built-in defaults (algo.off_policy too: tis under train.async_train, else none) and every check passed.
+Only `validate_rl` makes one; what builds the run takes one, so nothing re-resolves or re-checks."""

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from relayrl.config.rl import DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.group import GroupSpec, join_group, leave_group, merge_results
 
 PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH")

@@ -244,6 +244,8 @@ class EngineSettings:
     """Engines that load their own weights: run the folder's custom model code."""
     gpu_util: float = 0.0
     """vllm: share of the GPU's memory it takes; 0 = the default for the placement (vllm_engine.gpu_share)."""
+    any_version: bool = False
+    """vllm: start with an installed vLLM outside the supported release line (--rollout.vllm_any_version)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     """vllm: more EngineArgs, over the ones derived here (rollout.vllm_args)."""
 

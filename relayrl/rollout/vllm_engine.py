@@ -182,12 +182,13 @@ class VLLMEngine(ThreadedEngine):
         eos_token_id: int | list[int] | None = None,
         sleep_level: int = 1,
         keep_rng: bool = False,
+        any_version: bool = False,
         **engine_args: Any,
     ) -> None:
         """`model`: a local HF folder (or hub id); `max_seq_len`: vLLM's max_model_len; `eos_token_id`:
         stop ids for every request (default the tokenizer's EOS, else the folder's config; [] for none);
         `sleep_level`: vLLM sleep level used by `sleep()`; `keep_rng`: restore the process's global RNG states
-        after vLLM's start-up seeded them; `engine_args` go to `vllm.EngineArgs` (e.g. dtype,
+        after vLLM's start-up seeded them; `any_version`: start with any installed vLLM release; `engine_args` go to `vllm.EngineArgs` (e.g. dtype,
         gpu_memory_utilization, max_num_seqs, enable_sleep_mode=True, enforce_eager, seed) over
         ENGINE_DEFAULTS."""
         super().__init__(name="vllm")
@@ -200,7 +201,7 @@ class VLLMEngine(ThreadedEngine):
                 "later weights go in through load_weights"
             )
         with keeping_global_rng() if keep_rng else contextlib.nullcontext():
-            config = self._start(str(model), max_seq_len, engine_args)
+            config = self._start(str(model), max_seq_len, engine_args, any_version)
         self.max_seq_len = int(config.model_config.max_model_len)
         self.vocab_size = int(config.model_config.get_vocab_size())
         self.sleep_mode = bool(config.model_config.enable_sleep_mode)
@@ -221,10 +222,12 @@ class VLLMEngine(ThreadedEngine):
         self.startup_s = time.perf_counter() - t0
         """Seconds spent in the constructor (model load, profiling, compile, CUDA graph capture)."""
 
-    def _start(self, model: str, max_seq_len: int | None, engine_args: dict[str, Any]) -> Any:
-        """Import vllm and build its in-process engine (`self.llm`) over ENGINE_DEFAULTS + `engine_args`;
-        returns vLLM's config."""
-        vllm = import_vllm()
+    def _start(
+        self, model: str, max_seq_len: int | None, engine_args: dict[str, Any], any_version: bool
+    ) -> Any:
+        """Import vllm (any release when `any_version`, else the supported line) and build its in-process engine
+        (`self.llm`) over ENGINE_DEFAULTS + `engine_args`; returns vLLM's config."""
+        vllm = import_vllm(any_version)
         from vllm.inputs import TokensPrompt  # pyright: ignore[reportMissingImports] (optional package)
         from vllm.sampling_params import RequestOutputKind  # pyright: ignore[reportMissingImports]
         from vllm.usage.usage_lib import UsageContext  # pyright: ignore[reportMissingImports]

@@ -7,11 +7,12 @@ EngineArgs the factory derives from its settings (relayrl/rollout/build.py, `VLL
 
 Pinned: vLLM 0.26 (the adapter uses in-process internals: `LLMEngine(multiprocess_mode=False)`,
 `collective_rpc`, `reset_prefix_cache(reset_running_requests=True)`); another version raises a RuntimeError
-naming both versions (`check_vllm_version`) unless RELAYRL_VLLM_ANY_VERSION=1.
+naming both versions (`check_vllm_version`) unless EngineSettings.any_version (--rollout.vllm_any_version).
 
 GPU memory: `gpu_share` is the one decision of vLLM's gpu_memory_utilization: VLLM_GPU_UTIL beside a trainer
 on its GPU, VLLM_SEPARATE_GPU_UTIL for a separate engine actor, vLLM's own default (0.9) for a command that
-only generates (generate, serve); the environment variable RELAYRL_VLLM_GPU_UTIL overrides each.
+only generates (generate, serve); EngineSettings.gpu_util (--rollout.vllm_gpu_util, serve: --vllm_gpu_util)
+overrides each.
 Beside a trainer (colocated or separate) the engine also gets seed 0, prefix caching, the model's
 trust_remote_code and `keep_rng` (vLLM seeds the process's global RNGs when it starts: they are restored, so
 the trainer's random stream does not depend on the engine), and either sleep mode (colocated:
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +34,7 @@ import torch
 from relayrl.rollout.base import EngineSettings, Placement
 
 SUPPORTED_VLLM = "0.26"
-"""The vLLM release line this adapter is written and tested against (RELAYRL_VLLM_ANY_VERSION=1: any)."""
+"""The vLLM release line this adapter is written and tested against (EngineSettings.any_version: any)."""
 
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     skip_tokenizer_init=True,
@@ -47,12 +47,12 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
 
 VLLM_GPU_UTIL = 0.35
 """Share of the GPU's memory a colocated vLLM engine takes (weights + KV cache; vLLM's
-gpu_memory_utilization): the rest stays for the trainer on the same GPU. Override with the environment
-variable RELAYRL_VLLM_GPU_UTIL (e.g. 0.6 when the trainer is small, or with --dist.engine_sleep yes)."""
+gpu_memory_utilization): the rest stays for the trainer on the same GPU. --rollout.vllm_gpu_util overrides it
+(e.g. 0.6 when the trainer is small, or with --dist.engine_sleep yes)."""
 
 VLLM_SEPARATE_GPU_UTIL = 0.85
 """The same for a separate engine actor (dist.num_engines), whose GPUs hold no trainer; the rest is the
-actor's own CUDA context and NCCL buffers (RELAYRL_VLLM_GPU_UTIL overrides it too)."""
+actor's own CUDA context and NCCL buffers (--rollout.vllm_gpu_util overrides it too)."""
 
 _DEFAULT_SHARE: dict[str, float | None] = {
     "alone": None,
@@ -62,13 +62,12 @@ _DEFAULT_SHARE: dict[str, float | None] = {
 
 
 def gpu_share(placement: Placement, explicit: float = 0.0) -> float | None:
-    """The one decision of vLLM's gpu_memory_utilization: `explicit` when > 0, else the environment variable
-    RELAYRL_VLLM_GPU_UTIL when set, else the placement's default (None: alone, vLLM's own default). A
-    ValueError unless the share is in (0, 1)."""
-    env = os.environ.get("RELAYRL_VLLM_GPU_UTIL")
-    util = explicit or (float(env) if env else _DEFAULT_SHARE[placement])
+    """The one decision of vLLM's gpu_memory_utilization: `explicit` (EngineSettings.gpu_util, from
+    --rollout.vllm_gpu_util / serve's --vllm_gpu_util) when > 0, else the placement's default (None: alone,
+    vLLM's own default). A ValueError unless the share is in (0, 1)."""
+    util = explicit or _DEFAULT_SHARE[placement]
     if util is not None and not 0 < util < 1:
-        raise ValueError(f"RELAYRL_VLLM_GPU_UTIL={util}: give a fraction of the GPU's memory in (0, 1)")
+        raise ValueError(f"vllm gpu_memory_utilization {util}: give a fraction of the GPU's memory in (0, 1)")
     return util
 
 
@@ -91,13 +90,15 @@ def check_vllm_version(version: str) -> None:
         return
     raise RuntimeError(
         f'rollout engine "vllm" supports vLLM {SUPPORTED_VLLM}.x, but vllm {version} is installed: '
-        f'pip install "vllm=={SUPPORTED_VLLM}.*", or set RELAYRL_VLLM_ANY_VERSION=1 to try this version '
-        "anyway (the adapter relies on vLLM internals that change between releases), or use engine native"
+        f'pip install "vllm=={SUPPORTED_VLLM}.*", or set --rollout.vllm_any_version true (serve: '
+        "--vllm_any_version true) to try this version anyway (the adapter relies on vLLM internals that change "
+        "between releases), or use engine native"
     )
 
 
-def import_vllm() -> Any:
-    """The vllm module (an ImportError saying how to install it; a RuntimeError for another version)."""
+def import_vllm(any_version: bool = False) -> Any:
+    """The vllm module (an ImportError saying how to install it; a RuntimeError for another version unless
+    `any_version`)."""
     try:
         import vllm  # pyright: ignore[reportMissingImports] (optional package)
     except ImportError as exc:
@@ -105,7 +106,7 @@ def import_vllm() -> Any:
             'rollout engine "vllm" needs the vllm package (pip install "vllm==0.26.*", on a CUDA machine); '
             'or use engine "native" (built in) or "hf"'
         ) from exc
-    if os.environ.get("RELAYRL_VLLM_ANY_VERSION") != "1":
+    if not any_version:
         check_vllm_version(vllm.__version__)
     return vllm
 
@@ -141,5 +142,7 @@ def engine_options(settings: EngineSettings) -> dict[str, Any]:
             args.update(tensor_parallel_size=s.tp, distributed_executor_backend="mp")
         else:
             args["enable_sleep_mode"] = True
+    if s.any_version:
+        args["any_version"] = True
     args.update(s.engine_args)  # the layout keys are refused by the config (VLLM_ARGS_FROM_CONFIG)
     return args

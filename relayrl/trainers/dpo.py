@@ -20,56 +20,15 @@ and rejected_logp (summed over the response), nll.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 from relayrl.algorithms.preference import DPO_LOSSES, dpo_rewards
-from relayrl.config.base import check_choices, invalid
-from relayrl.config.components import OneModelConfig
+from relayrl.config.recipes import DPOConfig
 from relayrl.trainers.pairs import PairBatch, pair_batch, response_sums
 from relayrl.trainers.recipe import Recipe, RecipeResult, plan_groups, recipe_main, run_recipe, step_chunks
 from relayrl.training.step import LossOutput
-
-
-@dataclass(kw_only=True, slots=True)
-class DPOSection:
-    """DPO options."""
-
-    loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
-    """dpo (sigmoid), ipo (squared), cdpo (dpo with label smoothing)."""
-    beta: float = 0.1
-    """Strength of the KL constraint to the reference (the implicit reward scale)."""
-    label_smoothing: float = 0.0
-    """cDPO: probability that a preference label is flipped, in (0, 0.5); only with loss cdpo."""
-    nll_coef: float = 0.0
-    """Weight of an extra NLL term on the chosen response (mean over its tokens); 0 disables."""
-    ref_model: str = ""
-    """Reference model folder or Hub id; empty: the model being trained, as loaded (its base under LoRA)."""
-    ref_mode: Literal["precompute", "on_the_fly"] = "precompute"
-    """precompute: reference log-probs once before training, then the reference is freed; on_the_fly: in
-    every step (no start-up pass, the reference stays in memory)."""
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        if self.beta <= 0:
-            raise invalid("beta", self.beta, "a number > 0")
-        if self.loss == "cdpo" and not 0 < self.label_smoothing < 0.5:
-            raise invalid("label_smoothing", self.label_smoothing, "a number in (0, 0.5) with loss cdpo")
-        if self.loss != "cdpo" and self.label_smoothing != 0:
-            raise invalid(
-                "label_smoothing", self.label_smoothing, "0 unless dpo.loss is cdpo (set --dpo.loss cdpo)"
-            )
-        if self.nll_coef < 0:
-            raise invalid("nll_coef", self.nll_coef, "a number >= 0")
-
-
-@dataclass(kw_only=True, slots=True)
-class DPOConfig(OneModelConfig):
-    """Direct preference optimisation on preference pairs."""
-
-    dpo: DPOSection = field(default_factory=DPOSection)
-    """DPO options."""
 
 
 def side_logps(model: Any, batch: Any) -> tuple[Any, Any]:

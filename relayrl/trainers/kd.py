@@ -17,56 +17,19 @@ ce (the student's cross-entropy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import chunked_divergence
-from relayrl.config.base import check_choices, invalid
-from relayrl.config.components import OneModelConfig
+from relayrl.config.base import invalid
+from relayrl.config.recipes import KDConfig
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.trainers.sft import sft_batch
 from relayrl.training.step import LossOutput
-
-
-@dataclass(kw_only=True, slots=True)
-class KDSection:
-    """Distillation options."""
-
-    teacher: str = ""
-    """Teacher model folder or Hub id (required); it must share the student's tokenizer."""
-    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
-    """forward_kl KL(teacher || student), reverse_kl KL(student || teacher), jsd (generalised, kd.jsd_beta)."""
-    coef: float = 0.4
-    """Weight of the divergence; 1 - coef weighs the student's cross-entropy on the data (OpenRLHF's kd_coef)."""
-    temperature: float = 1.0
-    """Softmax temperature of both distributions in the divergence."""
-    jsd_beta: float = 0.5
-    """jsd: weight of the teacher in the mixture m = beta p + (1 - beta) q, in (0, 1)."""
-    chunk: int = 1024
-    """Tokens per LM-head chunk (peak memory ~ 4 x chunk x vocab floats)."""
-
-    def __post_init__(self) -> None:
-        check_choices(self)
-        if not 0 <= self.coef <= 1:
-            raise invalid("coef", self.coef, "a number in [0, 1]")
-        if self.temperature <= 0:
-            raise invalid("temperature", self.temperature, "a number > 0")
-        if not 0 < self.jsd_beta < 1:
-            raise invalid("jsd_beta", self.jsd_beta, "a number in (0, 1)")
-        if self.chunk < 1:
-            raise invalid("chunk", self.chunk, "an int >= 1")
-
-
-@dataclass(kw_only=True, slots=True)
-class KDConfig(OneModelConfig):
-    """Knowledge distillation from a teacher model."""
-
-    kd: KDSection = field(default_factory=KDSection)
-    """Distillation options."""
 
 
 @dataclass(kw_only=True, slots=True)

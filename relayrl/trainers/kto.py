@@ -17,7 +17,7 @@ samples), kl (z0).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -25,40 +25,11 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import kto, kto_reference_point
-from relayrl.config.base import invalid
-from relayrl.config.components import OneModelConfig
+from relayrl.config.recipes import KTOConfig
 from relayrl.data.preference import UnpairedSample
 from relayrl.trainers.dpo import side_logps
 from relayrl.trainers.recipe import Recipe, RecipeResult, plan_groups, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
-
-
-@dataclass(kw_only=True, slots=True)
-class KTOSection:
-    """KTO options."""
-
-    beta: float = 0.1
-    """Implicit reward scale."""
-    desirable_weight: float = 1.0
-    """lambda_D: weight of desirable samples' losses."""
-    undesirable_weight: float = 1.0
-    """lambda_U: weight of undesirable samples' losses (the paper keeps lambda_D n_D / (lambda_U n_U) in
-    [1, 4/3])."""
-    ref_model: str = ""
-    """Reference model folder or Hub id; empty: the model being trained, as loaded (its base under LoRA)."""
-
-    def __post_init__(self) -> None:
-        for name in ("beta", "desirable_weight", "undesirable_weight"):
-            if getattr(self, name) <= 0:
-                raise invalid(name, getattr(self, name), "a number > 0")
-
-
-@dataclass(kw_only=True, slots=True)
-class KTOConfig(OneModelConfig):
-    """KTO on desirable / undesirable responses."""
-
-    kto: KTOSection = field(default_factory=KTOSection)
-    """KTO options."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,7 +14,7 @@ placeholder after each step and read p(good) at each placeholder. Metrics: acc (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -22,33 +22,9 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import step_loss
-from relayrl.config.base import invalid
-from relayrl.config.components import OneModelConfig
+from relayrl.config.recipes import PRMConfig
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
-
-
-@dataclass(kw_only=True, slots=True)
-class PRMSection:
-    """Process-reward-model options."""
-
-    placeholder: str = "ки"
-    """The token that closes every step in the input (one token of the tokenizer; Math-Shepherd's default)."""
-    reward_tokens: list[str] = field(default_factory=lambda: ["+", "-"])
-    """The (good, bad) tokens whose logits at a placeholder score the step; hard labels may be written as
-    these strings."""
-
-    def __post_init__(self) -> None:
-        if len(self.reward_tokens) != 2 or self.reward_tokens[0] == self.reward_tokens[1]:
-            raise invalid("reward_tokens", self.reward_tokens, "two different tokens: good, bad")
-
-
-@dataclass(kw_only=True, slots=True)
-class PRMConfig(OneModelConfig):
-    """Process reward model training (per-step labels)."""
-
-    prm: PRMSection = field(default_factory=PRMSection)
-    """Process-reward-model options."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -5,7 +5,7 @@ exact resume, signals, logging, final export) is this file plus relayrl/training
     recipe = Recipe(name="dpo", cfg=cfg, loss_fn=dpo_loss, load_data=..., to_batch=..., frozen=..., prepare=...)
     result = run_recipe(recipe)          -> RecipeResult(model, tokenizer, run_dir, metrics, final_model, ...)
 
-`cfg` is the command's config: it has model, data, optim, train, ckpt, logger and dist (DataParallelConfig)
+`cfg` is the command's config: it has model, data, optim, train, ckpt, logger and dist (DistConfig)
 sections, plus the recipe's own. The data builder returns typed samples with a `num_tokens` property;
 `to_batch(samples, layout)` turns one micro-batch's samples into the loss's batch record. Micro-batches are
 planned per optimizer step from the samples' token counts (train.packing with
@@ -211,7 +211,6 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     step's micro-batches go to the role; each rank trains on its share, gradients are reduced over all
     ranks and the loss is normalised by the global count, so the update equals the one-process update on the
     same global batch. The trained model is exported to <run>/final."""
-    from relayrl.config.rl import DistConfig
     from relayrl.distributed.launch import build_launcher
     from relayrl.models.loading import load_tokenizer
     from relayrl.workers.trained import RemoteTrainer
@@ -227,10 +226,9 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     )
     train_samples, eval_samples = recipe.load_data(tokenizer)
     total = _total_steps(cfg, len(train_samples))
-    dist = DistConfig.for_one_model(cfg.dist)
-    launcher = build_launcher(dist, {"model": cfg.dist.ranks})
+    launcher = build_launcher(cfg.dist, {"model": cfg.dist.ranks("model")})
     try:
-        handle, layout = _model_role(recipe, launcher, dist, total, run_dir)
+        handle, layout = _model_role(recipe, launcher, cfg.dist, total, run_dir)
         if recipe.before_fit is not None:
             recipe.before_fit(handle, train_samples, eval_samples, layout)
         trainer = RemoteTrainer(
@@ -290,7 +288,7 @@ def recipe_main(
 ) -> int:
     """`relayrl <name>`: parse `config_cls`, run, print the end-of-run lines with the `shown` metrics
     ((key, label) pairs, those present in the last row), return the exit code."""
-    from relayrl.config.base import run_command
+    from relayrl.config.command_line import run_command
 
     def go(cfg: Any) -> int:
         result = run(cfg)

@@ -18,11 +18,10 @@ with them. The folder works with `relayrl serve-rm` and anything that loads a se
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from relayrl.algorithms.preference import bradley_terry
-from relayrl.config.components import OneModelConfig
+from relayrl.config.recipes import RMConfig
 from relayrl.trainers.pairs import PairBatch, last_token, pair_batch
 from relayrl.trainers.recipe import (
     Recipe,
@@ -33,22 +32,6 @@ from relayrl.trainers.recipe import (
     step_chunks,
 )
 from relayrl.training.step import LossOutput
-
-
-@dataclass(kw_only=True, slots=True)
-class RMSection:
-    """Reward-model options."""
-
-    margin_key: str | None = None
-    """Key of an optional per-pair margin (a number): loss -log sigmoid(r_chosen - r_rejected - margin)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RMConfig(OneModelConfig):
-    """Reward model training (Bradley-Terry on preference pairs)."""
-
-    rm: RMSection = field(default_factory=RMSection)
-    """Reward-model options."""
 
 
 def _scores(model: Any, batch: PairBatch) -> Any:

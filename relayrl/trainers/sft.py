@@ -28,11 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from relayrl.config.components import OneModelConfig, TrainConfig
+from relayrl.config.components import TrainConfig
+from relayrl.config.recipes import SFTConfig
 from relayrl.trainers.recipe import (
     Recipe,
     RecipeResult,
@@ -42,15 +43,6 @@ from relayrl.trainers.recipe import (
     run_recipe,
 )
 from relayrl.training.step import LossOutput
-
-
-@dataclass(kw_only=True, slots=True)
-class SFTConfig(OneModelConfig):
-    """Supervised fine-tuning."""
-
-    mode: Literal["response", "multiturn", "pretrain"] = "response"
-    """Which tokens carry loss: response (the answer only), multiturn (every assistant turn), pretrain (all)."""
-
 
 SFTResult = RecipeResult
 """What `run_sft` returns."""

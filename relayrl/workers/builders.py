@@ -29,7 +29,7 @@ from relayrl.agents.base import AgentExecutorBase
 from relayrl.agents.executors import SingleTurnExecutor, load_agent_from_file
 from relayrl.algorithms.objective import PolicyObjective
 from relayrl.config.components import ModelConfig
-from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig, resolve_algo
+from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.models.loading import load_causal_lm, load_tokenizer
 from relayrl.rollout.base import EngineSettings, RolloutEngine
 from relayrl.rollout.build import build_engine, engine_capabilities
@@ -74,9 +74,9 @@ def build_frozen(
 
 
 def build_policy_objective(algo: AlgoConfig, max_new_tokens: int) -> PolicyObjective:
-    """The policy objective of the (resolved) algorithm config. Clip ranges the user and the preset left
-    unset go to the loss as None, so each loss applies its own documented default."""
-    a = resolve_algo(algo)
+    """The policy objective of the resolved algorithm config (relayrl.trainers.rl.validate.validate_rl). Clip
+    ranges the user and the preset left unset go to the loss as None, so each loss applies its own default."""
+    a = algo
     return PolicyObjective(
         policy_loss=a.policy_loss,
         eps_low=a.clip_eps_low,
@@ -97,9 +97,9 @@ def exact_on_policy(algo: AlgoConfig) -> bool:
     optimizer step per RL step), so pi_old = pi_theta at the update and the old-log-prob forward is skipped:
     the detached current log-probs stand in (ratio 1, as PPO's first epoch), and an off-policy correction
     (tis, icepop, ...) weighs with exp(detached current - rollout), the same pi_old / pi_rollout the pass would
-    give. A KL in the reward still needs the trainer's log-probs before the update, so it keeps the forward."""
-    a = resolve_algo(algo)
-    return a.epochs == 1 and a.mini_batches == 1 and a.kl_mode != "reward"
+    give. A KL in the reward still needs the trainer's log-probs before the update, so it keeps the forward.
+    `algo`: resolved (validate_rl)."""
+    return algo.epochs == 1 and algo.mini_batches == 1 and algo.kl_mode != "reward"
 
 
 def build_engine_for(
@@ -147,6 +147,7 @@ def build_engine_for(
     settings.dtype = str(inference_dtype(source, torch.device("cuda"))).removeprefix("torch.")
     settings.trust_remote_code = source.trust_remote_code
     settings.engine_args = rollout.vllm_engine_args()
+    settings.gpu_util, settings.any_version = rollout.vllm_gpu_util, rollout.vllm_any_version
     return build_engine(rollout.engine, source.name_or_path, tokenizer, settings)
 
 

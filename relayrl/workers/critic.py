@@ -21,9 +21,12 @@ from torch import Tensor
 
 from relayrl.algorithms.objective import ValueObjective, ValueTerms
 from relayrl.config.components import ModelConfig, OptimConfig
-from relayrl.config.rl import AlgoConfig, CriticConfig, DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.group import in_group, merged
 from relayrl.models.forward import choose_layout, prepare_model, to_device
+from relayrl.models.loading import load_tokenizer
+from relayrl.models.value_head import build_value_model
+from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.setup import build_train_step, compute_precision, resolve_device
 from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, SequenceBatch, split_rows
@@ -39,14 +42,24 @@ class CriticSpec:
     model: ModelConfig
     """The policy's model config (its path is the default critic init; dtype, LoRA)."""
     optim: OptimConfig
-    """Optimizer settings (the critic's lr comes from `critic.lr`)."""
-    critic: CriticConfig
-    """Critic path, lr, epochs."""
-    algo: AlgoConfig
-    """Mini-batches, micro-batch tokens, value clip."""
+    """The critic's own optimizer and schedule (RLConfig: `critic.optimizer(optim)`: the policy's section with
+    critic.lr and the critic.optim fields that are set)."""
+    model_path: str = ""
+    """Critic initial weights (critic.model_path); empty: `model.name_or_path`."""
+    epochs: int = 1
+    """Critic passes over each step's experience (critic.epochs)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (algo.mini_batches)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (algo.micro_batch_tokens)."""
+    value_clip: float = 0.2
+    """Value clipping range of the loss (algo.value_clip; 0 = no clipping)."""
     seed: int = 0
+    """Seed of the role's process (the critic uses seed + 1)."""
     device: str = "auto"
+    """auto, cpu or cuda (train.device)."""
     total_steps: int = 1
+    """RL steps of the run (the schedule spans total_steps x epochs x mini_batches optimizer steps)."""
     dist: DistConfig | None = None
     """Sharding options when the role runs on several ranks (ray mode)."""
 
@@ -55,8 +68,6 @@ class CriticWorker:
     """The critic role."""
 
     def __init__(self, spec: CriticSpec) -> None:
-        from relayrl.models.loading import load_tokenizer
-
         setup_process(spec.seed + 1)
         self.spec = spec
         self.device = resolve_device(spec.device)
@@ -66,35 +77,30 @@ class CriticWorker:
         self.model = self._build(torch.device("cpu") if grouped else self.device)
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
-        steps = spec.total_steps * spec.critic.epochs * max(1, spec.algo.mini_batches)
+        steps = spec.total_steps * spec.epochs * max(1, spec.mini_batches)
         precision = compute_precision(spec.model.dtype, self.device)
         shard_if_grouped(self.model, spec.dist, self.device, precision)
-        optim = replace(spec.optim, lr=spec.critic.lr)
         self.train = build_train_step(
             self.model,
-            optim,
+            spec.optim,
             steps,
             precision=precision,
             device=self.device,
             sharded=grouped,
             defer_grad_sync=defer_sync(spec.dist),
         )
-        self.objective = ValueObjective(clip_eps=spec.algo.value_clip or None)
+        self.objective = ValueObjective(clip_eps=spec.value_clip or None)
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
 
     def _build(self, device: torch.device) -> torch.nn.Module:
-        from relayrl.models.value_head import build_value_model
-
         m = replace(
             self.spec.model,
-            name_or_path=self.spec.critic.model_path or self.spec.model.name_or_path,
+            name_or_path=self.spec.model_path or self.spec.model.name_or_path,
             dtype="fp32",
         )
         return build_value_model(m, init="zeros", pad_token_id=self.tokenizer.pad_token_id, device=device)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
-        from relayrl.training.checkpoint import load_weights_into
-
         cpu = self._build(torch.device("cpu"))
         load_weights_into(cpu, folder)
         return cpu.state_dict()
@@ -109,7 +115,7 @@ class CriticWorker:
     def _values(self, batch: SequenceBatch) -> Tensor:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for rows, weight in padded_passes(
-            micro_batches(batch, self.spec.algo.micro_batch_tokens, self.layout), None
+            micro_batches(batch, self.spec.micro_batch_tokens, self.layout), None
         ):
             with self.train.autocast():
                 v = critic_values(self.model, batch, rows, self.layout)
@@ -121,14 +127,14 @@ class CriticWorker:
         """Critic epochs over the experience; returns critic/* metrics averaged over optimizer steps."""
         sums: dict[str, float] = {}
         steps = 0
-        for _ in range(self.spec.critic.epochs):
-            for rows in split_rows(len(exp.rewards), self.spec.algo.mini_batches):
+        for _ in range(self.spec.epochs):
+            for rows in split_rows(len(exp.rewards), self.spec.mini_batches):
                 mine = my_rows(exp.tokens.select(rows))
                 mb = exp.select([rows[i] for i in mine] or rows[:1])  # no rows here: a padding pass
-                groups = micro_batches(mb.tokens, self.spec.algo.micro_batch_tokens, self.layout)
+                groups = micro_batches(mb.tokens, self.spec.micro_batch_tokens, self.layout)
                 out = self.train.step(
                     groups,
-                    lambda model, r, mb=mb: self._loss(model, mb, r),
+                    lambda model, batch, mb=mb: self._loss(model, mb, batch),
                     num_real=len(groups) if mine else 0,
                 )
                 for k, v in {**out.metrics, "loss": out.loss, "grad_norm": out.grad_norm}.items():
@@ -138,6 +144,7 @@ class CriticWorker:
 
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int]) -> LossOutput:
         micro = mb.select(rows)
+        assert micro.values is not None and micro.returns is not None, "critic: no values or returns"
         v = critic_values(model, mb.tokens, rows, self.layout)
         dev = v.device
         terms = ValueTerms(

@@ -38,7 +38,8 @@ from torch import Tensor
 from relayrl.agents.base import AgentExecutorBase, Trajectory
 from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
-from relayrl.config.rl import AlgoConfig, DistConfig, EvalConfig, RolloutConfig
+from relayrl.config.dist import DistConfig
+from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
 from relayrl.distributed.group import in_group, merged, rank, world
 from relayrl.distributed.weights.base import Channel, Layout, module_layout

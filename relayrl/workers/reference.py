@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from relayrl.config.components import ModelConfig
-from relayrl.config.rl import DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
@@ -37,7 +37,9 @@ class ReferenceSpec:
     temperature: float = 1.0
     """The sampling temperature."""
     seed: int = 0
+    """Seed of the role's process."""
     device: str = "auto"
+    """auto, cpu or cuda (train.device)."""
     dist: DistConfig | None = None
     """Sharding options when the role runs on several ranks (ray mode)."""
 

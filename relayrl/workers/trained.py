@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from relayrl.config.components import ModelConfig, OptimConfig
-from relayrl.config.rl import DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.checkpoint import (
     export_full,
     is_sharded_checkpoint,

@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
-from relayrl.algorithms.aggregation import AGGREGATIONS
 from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
 from relayrl.algorithms.kl import kl_loss
-from relayrl.algorithms.off_policy import OFF_POLICY
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
+from relayrl.algorithms.registry import AGGREGATIONS, OFF_POLICY
 from relayrl.algorithms.value_loss import value_loss
 
 F64 = torch.float64

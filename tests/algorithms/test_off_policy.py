@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from relayrl.algorithms.off_policy import OFF_POLICY
+from relayrl.algorithms.registry import OFF_POLICY
 
 F64 = torch.float64
 

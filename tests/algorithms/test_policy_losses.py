@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from relayrl.algorithms.aggregation import AGGREGATIONS
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
+from relayrl.algorithms.registry import AGGREGATIONS
 
 F64 = torch.float64
 

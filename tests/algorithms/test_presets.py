@@ -11,9 +11,9 @@ from relayrl.algorithms import (
     ALGORITHM_PRESETS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
-    AdvantageInputs,
-    PolicyLossInputs,
 )
+from relayrl.algorithms.advantages import AdvantageInputs
+from relayrl.algorithms.policy_losses import PolicyLossInputs
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHM_PRESETS))
@@ -39,3 +39,25 @@ def test_preset_runs_end_to_end(name):
     total.backward()
     # the rewarded sequence is pushed up, the other down (ratio 1: no clipping at the first step)
     assert logp.grad[0, 1] < 0 < logp.grad[1, 1]
+
+
+def test_resolve_names_fills_unset_choices_and_is_idempotent():
+    from relayrl.algorithms.presets import AlgoNames, resolve_names
+
+    none = resolve_names(AlgoNames())
+    assert (none.advantage, none.policy_loss, none.aggregation, none.kl_mode, none.kl_estimator) == (
+        "group_norm",
+        "ppo",
+        "token_mean",
+        "none",
+        "k3",
+    )
+    assert none.off_policy == "none" and resolve_names(AlgoNames(), async_train=True).off_policy == "tis"
+    assert resolve_names(AlgoNames(off_policy="icepop"), async_train=True).off_policy == "icepop"
+    dapo = resolve_names(AlgoNames(preset="dapo", clip_eps_high=0.3))
+    assert (dapo.clip_eps_low, dapo.clip_eps_high) == (0.2, 0.3)
+    for name in ALGORITHM_PRESETS:
+        once = resolve_names(AlgoNames(preset=name))
+        assert resolve_names(once) == once and once.advantage == ALGORITHM_PRESETS[name].advantage
+    with pytest.raises(KeyError):
+        resolve_names(AlgoNames(preset="grpo2"))  # the validation pass checks the name first

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from relayrl.algorithms import ALGORITHM_PRESETS, AdvantageInputs
+from relayrl.algorithms import ALGORITHM_PRESETS
+from relayrl.algorithms.advantages import AdvantageInputs
 from relayrl.algorithms.registry import (
     ADVANTAGES,
     AGGREGATIONS,

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from relayrl.algorithms.advantages import ADVANTAGES, AdvantageInputs
-from relayrl.algorithms.aggregation import AGGREGATIONS
 from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
 from relayrl.algorithms.filtering import dynamic_filter
 from relayrl.algorithms.kl import KL_CONTROLLERS, kl_estimate, kl_loss
-from relayrl.algorithms.off_policy import OFF_POLICY
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
+from relayrl.algorithms.registry import AGGREGATIONS, OFF_POLICY
 from relayrl.algorithms.shaping import RunningRewardNorm, clip_rewards, truncation_penalty
 from relayrl.algorithms.value_loss import value_loss
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from relayrl.apps.iterative_dpo import IterativeDPOConfig, main, run_iterative_dpo
+from relayrl.apps.iterative_dpo import main, run_iterative_dpo
+from relayrl.config.generate import IterativeDPOConfig
 
 DIGITS_REWARD = """
 def reward_func(queries, prompts, labels, **kwargs):
@@ -79,7 +80,7 @@ def test_an_interrupted_round_reuses_its_pairs(tiny_model_path, prompts, tmp_pat
 def test_later_rounds_score_higher_than_the_first(tiny_model_path, prompts, tmp_path):
     """Learning: with the digit-share reward, the samples of rounds 2 and 3 and the final model score higher
     than round 1's (the starting model's). Measured (seed 3, 2-core CPU): 0.104 -> 0.146 -> 0.242, final 0.438."""
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
 
     cfg = parse_cli(IterativeDPOConfig, _args(tiny_model_path, prompts, tmp_path / "it", 3))
     summary = run_iterative_dpo(cfg)

@@ -11,8 +11,8 @@ import warnings
 import pytest
 
 from relayrl.config import ConfigError, ConfigWarning, format_help, parse_cli
-from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig, resolve_algo
-from relayrl.trainers.rl.validate import validate_rl_config
+from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig
+from relayrl.trainers.rl.validate import resolve_algo, validate_rl
 
 BASE = ["--model.name_or_path", "some/model", "--train.max_steps", "2"]
 
@@ -21,10 +21,13 @@ def test_parsing_an_rl_config_imports_no_torch():
     code = (
         "import sys\n"
         "from relayrl.config import parse_cli\n"
-        "from relayrl.config.rl import RLConfig, resolve_algo\n"
+        "from relayrl.config.rl import RLConfig\n"
         "cfg = parse_cli(RLConfig, ['--algo.preset', 'ppo', '--algo.off_policy', 'icepop', '--train.max_steps', '3'])\n"
-        "a = resolve_algo(cfg.algo)\n"
-        "assert (a.advantage, a.kl_mode, a.kl_estimator, cfg.train.max_steps) == ('gae', 'reward', 'k1', 3)\n"
+        "assert not any(m.startswith('relayrl.algorithms') for m in sys.modules), 'config imported algorithms'\n"
+        "from relayrl.algorithms.presets import AlgoNames, resolve_names\n"
+        "a = resolve_names(AlgoNames(preset=cfg.algo.preset, off_policy=cfg.algo.off_policy))\n"
+        "assert (a.advantage, a.kl_mode, a.kl_estimator, a.off_policy) == ('gae', 'reward', 'k1', 'icepop')\n"
+        "assert cfg.train.max_steps == 3\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -32,7 +35,16 @@ def test_parsing_an_rl_config_imports_no_torch():
 
 def test_rl_train_config_holds_only_what_rl_reads():
     names = [f.name for f in dataclasses.fields(RLTrainConfig)]
-    assert names == ["seed", "max_steps", "log_every", "device", "output_dir", "async_train", "max_staleness"]
+    assert names == [
+        "seed",
+        "max_steps",
+        "log_every",
+        "device",
+        "output_dir",
+        "async_train",
+        "max_staleness",
+        "gil_switch_s",
+    ]
     text = format_help(RLConfig, prog="relayrl rl")
     for gone in (
         "batch_size",
@@ -54,17 +66,18 @@ def test_off_policy_bounds_default_to_the_method_own():
     a = AlgoConfig()
     assert (a.off_policy, a.off_policy_low, a.off_policy_high) == ("", None, None)
     assert resolve_algo(a).off_policy == "none"  # empty = none unless train.async_train (then tis)
+    assert resolve_algo(a, async_train=True).off_policy == "tis"
     a = parse_cli(RLConfig, ["--algo.off_policy", "tis", "--algo.off_policy_high", "3"]).algo
     assert (a.off_policy_low, a.off_policy_high) == (None, 3.0)
 
 
 def _validate(argv: list[str]) -> list[str]:
-    """validate_rl_config on the parsed flags; the ConfigWarning messages it issued."""
+    """validate_rl on the parsed flags; the ConfigWarning messages it issued."""
     cfg = parse_cli(RLConfig, [*BASE, *argv])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        validate_rl_config(cfg)
-        validate_rl_config(cfg)  # idempotent: a resolved config warns the same way again
+        resolved = validate_rl(cfg)
+        assert validate_rl(resolved) == resolved  # idempotent: a resolved config warns the same way again
     msgs = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     assert len(msgs) % 2 == 0 and msgs[: len(msgs) // 2] == msgs[len(msgs) // 2 :]
     return msgs[: len(msgs) // 2]
@@ -166,17 +179,17 @@ def test_kl_coef_without_a_kl_term_is_an_error(mode):
     with pytest.raises(
         ConfigError, match=rf"algo.kl_coef: 0.1 has no effect with algo.kl_mode='{mode}'.*reward or loss"
     ):
-        validate_rl_config(cfg)
+        validate_rl(cfg)
 
 
 def test_drop_sample_is_rejected_for_group_estimators():
     cfg = parse_cli(RLConfig, [*BASE, "--rollout.failure_policy", "drop_sample"])
     with pytest.raises(ConfigError, match="choose one of drop_group, zero_reward, raise"):
-        validate_rl_config(cfg)
+        validate_rl(cfg)
     cfg = parse_cli(
         RLConfig, [*BASE, "--rollout.failure_policy", "drop_sample", "--algo.advantage", "reinforce"]
     )
-    validate_rl_config(cfg)
+    validate_rl(cfg)
 
 
 def test_dist_placement_in_local_mode_warns_and_in_ray_mode_does_not():
@@ -194,14 +207,14 @@ def test_colocated_roles_need_the_policy_size_and_ema_one_rank():
     with pytest.raises(
         ConfigError, match=r"dist.colocate_policy_ref: the ref role \(1 ranks\) must have the policy"
     ):
-        validate_rl_config(cfg)
+        validate_rl(cfg)
     ok = parse_cli(
         RLConfig, [*BASE, *ray2, *kl, "--dist.colocate_all", "true", "--dist.ref_num_gpus_per_node", "2"]
     )
-    validate_rl_config(ok)
+    validate_rl(ok)
     cfg = parse_cli(RLConfig, [*BASE, *ray2, "--ema", "0.99"])
     with pytest.raises(ConfigError, match="ema: an EMA of a policy sharded over 2 ranks"):
-        validate_rl_config(cfg)
+        validate_rl(cfg)
     with pytest.raises(ConfigError, match=r"dist\.policy_num_gpus_per_node: 0 is invalid"):
         parse_cli(RLConfig, [*BASE, "--dist.policy_num_gpus_per_node", "0"])
 
@@ -222,3 +235,88 @@ def test_vllm_args_must_be_an_object_without_the_keys_relayrl_derives(text, matc
     with pytest.raises(ConfigError, match=match):
         RolloutConfig(vllm_args=text)
     assert RolloutConfig(vllm_args='{"enforce_eager": true}').vllm_engine_args() == {"enforce_eager": True}
+
+
+def test_validate_rl_returns_a_resolved_copy_and_leaves_the_config_alone():
+    cfg = parse_cli(RLConfig, [*BASE, "--algo.preset", "ppo", "--train.async_train", "true"])
+    before = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo))
+    resolved = validate_rl(cfg)
+    assert cfg == before and cfg.algo.advantage == "" and cfg.algo.off_policy == ""
+    a = resolved.algo
+    assert (a.advantage, a.policy_loss, a.kl_mode, a.kl_estimator, a.off_policy) == (
+        "gae",
+        "ppo",
+        "reward",
+        "k1",
+        "tis",  # the async default
+    )
+    assert dataclasses.replace(resolved, algo=cfg.algo) == cfg  # only the algo names were filled in
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--algo.preset", "grpo2"], r"algo\.preset: 'grpo2' is not known; choose one of ppo, reinforce\+\+"),
+        (["--algo.advantage", "gea"], r"algo\.advantage: 'gea' is not known; choose one of gae, reinforce"),
+        (["--algo.off_policy", "is"], r"algo\.off_policy: 'is' is not known; choose one of none, tis"),
+        (["--rollout.engine", "fast"], r"rollout\.engine: 'fast' is not known"),
+    ],
+)
+def test_unknown_names_are_checked_once_by_the_validation_pass(argv, match):
+    cfg = parse_cli(RLConfig, [*BASE, *argv])  # parsing reads no registry
+    with pytest.raises(ConfigError, match=match):
+        validate_rl(cfg)
+
+
+def test_critic_optimizer_defaults_to_the_policy_schedule_with_the_critic_lr():
+    cfg = parse_cli(
+        RLConfig, ["--optim.lr", "3e-6", "--optim.scheduler", "linear", "--optim.warmup_steps", "5"]
+    )
+    assert cfg.critic.optimizer(cfg.optim) == dataclasses.replace(cfg.optim, lr=1e-4)
+    cfg = parse_cli(
+        RLConfig,
+        [
+            "--critic.lr",
+            "2e-5",
+            "--critic.optim.scheduler",
+            "constant",
+            "--critic.optim.max_grad_norm",
+            "0.5",
+        ],
+    )
+    opt = cfg.critic.optimizer(cfg.optim)
+    assert (opt.lr, opt.scheduler, opt.max_grad_norm, opt.warmup_ratio) == (2e-5, "constant", 0.5, 0.03)
+    with pytest.raises(
+        ConfigError, match=r"critic\.optim\.warmup_ratio: 1\.5 is invalid; expected a float in"
+    ):
+        parse_cli(RLConfig, ["--critic.optim.warmup_ratio", "1.5"])
+    with pytest.raises(ConfigError, match=r"critic\.lr: 0\.0 is invalid; expected a float > 0"):
+        parse_cli(RLConfig, ["--critic.lr", "0"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (
+            ["--critic.optim.scheduler", "constant"],
+            "critic.optim.scheduler has no effect: algo.advantage='group_norm'",
+        ),
+        (
+            ["--train.gil_switch_s", "0.0002"],
+            "train.gil_switch_s has no effect: only the async rollout pipeline",
+        ),
+        (
+            ["--rollout.vllm_gpu_util", "0.6"],
+            "rollout.vllm_gpu_util has no effect: rollout.engine='native' is not",
+        ),
+    ],
+)
+def test_new_fields_warn_when_ineffective(argv, want):
+    msgs = _validate(argv)
+    assert len(msgs) == 1 and msgs[0].startswith(want), msgs
+
+
+def test_vllm_gpu_util_is_a_fraction():
+    with pytest.raises(ConfigError, match=r"rollout\.vllm_gpu_util: 1\.0 is invalid"):
+        parse_cli(RLConfig, ["--rollout.vllm_gpu_util", "1"])
+    assert _validate(["--rollout.engine", "vllm", "--rollout.vllm_gpu_util", "0.6"]) == []

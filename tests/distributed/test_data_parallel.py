@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from dp_fixtures import assert_metrics_close as _close
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
 pytestmark = pytest.mark.slow  # multi-rank runs compared with one rank

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
 pytestmark = pytest.mark.slow  # engine actors on Ray
@@ -80,12 +80,12 @@ def test_async_training_with_separate_engines(tiny_model_path, tmp_path):
 
 def test_num_engines_needs_ray_mode(tiny_model_path, tmp_path):
     from relayrl.config.base import ConfigError
-    from relayrl.trainers.rl.validate import validate_rl_config
+    from relayrl.trainers.rl.validate import validate_rl
 
     cfg = _cfg(tiny_model_path, tmp_path / "run", steps=1, mode="local")
     cfg = replace(cfg, dist=replace(cfg.dist, num_engines=2))
     with pytest.raises(ConfigError, match=r"dist\.num_engines=2 needs dist\.mode ray"):
-        validate_rl_config(cfg)
+        validate_rl(cfg)
 
 
 @pytest.mark.parametrize(
@@ -97,9 +97,9 @@ def test_num_engines_needs_ray_mode(tiny_model_path, tmp_path):
 )
 def test_engine_tp_needs_separate_vllm_engines(tiny_model_path, tmp_path, engine, engines, match):
     from relayrl.config.base import ConfigError
-    from relayrl.trainers.rl.validate import validate_rl_config
+    from relayrl.trainers.rl.validate import validate_rl
 
     cfg = _cfg(tiny_model_path, tmp_path, steps=1, engines=engines)
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine), dist=replace(cfg.dist, engine_tp=2))
     with pytest.raises(ConfigError, match=match):
-        validate_rl_config(cfg)
+        validate_rl(cfg)

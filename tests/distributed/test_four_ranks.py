@@ -37,7 +37,9 @@ import pytest
 import torch
 from dp_fixtures import assert_metrics_close as _close
 
-from relayrl.config.rl import DistConfig, RLConfig, tiny_cpu_config
+from relayrl.config.dist import DistConfig
+from relayrl.config.presets import tiny_cpu_config
+from relayrl.config.rl import RLConfig
 from relayrl.distributed.group import shares
 from relayrl.distributed.launch import RayLauncher, RoleError
 from relayrl.trainers.rl.loop import RLResult, RLTrainer

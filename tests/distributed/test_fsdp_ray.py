@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from relayrl.config.components import LoraConfig, OptimConfig
-from relayrl.config.rl import DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_share, rank, shares, world
 from relayrl.distributed.launch import LocalLauncher, RayLauncher, RoleError

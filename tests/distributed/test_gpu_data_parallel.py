@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]

@@ -30,7 +30,7 @@ def _ray(env: dict, *args: str) -> str:
 DRIVER = """
 import json, sys
 from dataclasses import replace
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl import RLTrainer
 model, out, reward, address = sys.argv[1:]
 cfg = tiny_cpu_config(model, out, steps=1, reward=reward)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import run_rl
 
 pytestmark = pytest.mark.slow  # an RL run on Ray beside a local one

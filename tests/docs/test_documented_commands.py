@@ -19,19 +19,10 @@ SHELL_OPS = {"&&", "||", "|", "&", ";", ">", "2>&1"}
 
 
 def _configs() -> dict:
-    from relayrl.apps.chat import ChatConfig
-    from relayrl.apps.demo import DemoConfig
-    from relayrl.apps.generate import GenerateConfig
-    from relayrl.apps.iterative_dpo import IterativeDPOConfig
-    from relayrl.apps.serve import ServeConfig
-    from relayrl.apps.serve_rm import ServeRMConfig
+    from relayrl.config.apps import ChatConfig, DemoConfig, ServeConfig, ServeRMConfig
+    from relayrl.config.generate import GenerateConfig, IterativeDPOConfig
+    from relayrl.config.recipes import DPOConfig, KDConfig, KTOConfig, PRMConfig, RMConfig, SFTConfig
     from relayrl.config.rl import RLConfig
-    from relayrl.trainers.dpo import DPOConfig
-    from relayrl.trainers.kd import KDConfig
-    from relayrl.trainers.kto import KTOConfig
-    from relayrl.trainers.prm import PRMConfig
-    from relayrl.trainers.rm import RMConfig
-    from relayrl.trainers.sft import SFTConfig
 
     return {
         "demo": DemoConfig,
@@ -115,7 +106,8 @@ def test_the_docs_document_the_commands():
 @pytest.mark.parametrize("where,argv", COMMANDS, ids=[f"{w}:{' '.join(a)[:40]}" for w, a in COMMANDS])
 def test_documented_command_parses(where, argv):
     from relayrl.cli import COMMANDS as CLI
-    from relayrl.config.base import ConfigError, parse_cli
+    from relayrl.config.base import ConfigError
+    from relayrl.config.command_line import parse_cli
 
     if not argv or argv[0].startswith(("-", "<")):  # `relayrl --help`, `relayrl <command>`
         return

@@ -1,12 +1,13 @@
 """The vllm adapter's CPU-side checks (no vllm package needed): the version check, the chunking of
 `load_weights`, the EngineArgs the factory derives from its settings (the one GPU-memory-share decision:
-placement defaults, RELAYRL_VLLM_GPU_UTIL, an explicit share; seed, prefix caching, RNG kept, sleep mode or tp
+placement defaults, an explicit share (rollout.vllm_gpu_util); seed, prefix caching, RNG kept, sleep mode or tp
 worker processes beside a trainer; the user's EngineArgs last), and clear errors without the package or with
 a module instead of a folder."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +33,9 @@ def test_vllm_version_check():
     for ok in ("0.26", "0.26.0", "0.26.1", "0.26.0rc1", "0.26.1.dev3+gffd46bf"):
         check_vllm_version(ok)
     for bad in ("0.25.1", "0.27.0", "0.260.0", "1.26.0", "0.2"):
-        with pytest.raises(RuntimeError, match=rf"vllm {bad} is installed.*RELAYRL_VLLM_ANY_VERSION=1") as e:
+        with pytest.raises(
+            RuntimeError, match=rf"vllm {bad} is installed.*--rollout.vllm_any_version true"
+        ) as e:
             check_vllm_version(bad)
         assert "0.26" in str(e.value)
 
@@ -69,31 +72,25 @@ def test_build_engine_for_vllm_without_the_package(tiny_model, tiny_tokenizer, t
 # ---- the EngineArgs the factory derives (vllm_setup.engine_options) ----------------------------------------
 
 
-@pytest.fixture()
-def no_env_share(monkeypatch):
-    monkeypatch.delenv("RELAYRL_VLLM_GPU_UTIL", raising=False)
-    return monkeypatch
-
-
-def test_the_gpu_share_is_decided_in_one_place(no_env_share):
+def test_the_gpu_share_is_decided_in_one_place(monkeypatch):
     assert (gpu_share("alone"), gpu_share("colocated"), gpu_share("separate")) == (None, 0.35, 0.85)
     assert (VLLM_GPU_UTIL, VLLM_SEPARATE_GPU_UTIL) == (0.35, 0.85)
-    no_env_share.setenv("RELAYRL_VLLM_GPU_UTIL", "0.6")
-    assert (gpu_share("alone"), gpu_share("colocated"), gpu_share("separate")) == (0.6, 0.6, 0.6)
-    assert gpu_share("colocated", explicit=0.5) == 0.5  # an explicit share wins over the environment
-    no_env_share.setenv("RELAYRL_VLLM_GPU_UTIL", "1.5")
-    with pytest.raises(ValueError, match=r"RELAYRL_VLLM_GPU_UTIL=1.5: .* in \(0, 1\)"):
-        gpu_share("separate")
+    for placement in ("alone", "colocated", "separate"):  # --rollout.vllm_gpu_util wins everywhere
+        assert gpu_share(placement, explicit=0.6) == 0.6
+    monkeypatch.setenv("RELAYRL_VLLM_GPU_UTIL", "0.6")  # a config field now, not the environment
+    assert gpu_share("colocated") == 0.35
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 1.5: .* in \(0, 1\)"):
+        gpu_share("separate", explicit=1.5)
 
 
-def test_alone_leaves_vllms_defaults(no_env_share):
+def test_alone_leaves_vllms_defaults():
     assert engine_options(EngineSettings(max_seq_len=512)) == {"max_seq_len": 512}
     assert engine_options(EngineSettings()) == {}
-    no_env_share.setenv("RELAYRL_VLLM_GPU_UTIL", "0.2")
-    assert engine_options(EngineSettings()) == {"gpu_memory_utilization": 0.2}
+    assert engine_options(EngineSettings(gpu_util=0.2)) == {"gpu_memory_utilization": 0.2}
+    assert engine_options(EngineSettings(any_version=True)) == {"any_version": True}
 
 
-def test_beside_a_trainer(no_env_share):
+def test_beside_a_trainer():
     common = dict(max_seq_len=256, max_seqs=32, dtype="bfloat16", trust_remote_code=True)
     colocated = engine_options(EngineSettings(placement="colocated", **common))
     assert colocated == {
@@ -119,7 +116,7 @@ def test_beside_a_trainer(no_env_share):
     assert (user["seed"], user["gpu_memory_utilization"]) == (3, 0.5)  # the user's EngineArgs win
 
 
-def test_the_rl_builder_asks_the_factory_for_what_it_always_passed(no_env_share, tiny_tokenizer):
+def test_the_rl_builder_asks_the_factory_for_what_it_always_passed(monkeypatch, tiny_tokenizer):
     """build_engine_for(vllm) reaches VLLMEngine with the policy's folder and exactly the arguments the old
     build_vllm_engine gave it (the constructor is replaced: vllm is not needed)."""
     seen: dict = {}
@@ -127,7 +124,7 @@ def test_the_rl_builder_asks_the_factory_for_what_it_always_passed(no_env_share,
     def fake_init(self, model, tokenizer=None, **kwargs):
         seen.update(model=model, tokenizer=tokenizer, **kwargs)
 
-    no_env_share.setattr(VLLMEngine, "__init__", fake_init)
+    monkeypatch.setattr(VLLMEngine, "__init__", fake_init)
     rollout = RolloutConfig(engine="vllm", prompts_per_step=2, n_samples=4, max_len=128)
     source = ModelConfig(name_or_path="/models/policy")
     build_engine_for(rollout, EvalConfig(n_samples=9), None, tiny_tokenizer, source=source)
@@ -151,6 +148,10 @@ def test_the_rl_builder_asks_the_factory_for_what_it_always_passed(no_env_share,
         2,
         8,
     )
+    seen.clear()
+    knobs = replace(rollout, vllm_gpu_util=0.6, vllm_any_version=True)
+    build_engine_for(knobs, EvalConfig(), None, tiny_tokenizer, source=source)
+    assert (seen["gpu_memory_utilization"], seen["any_version"]) == (0.6, True)
     with pytest.raises(ValueError, match=r"engine_device='cuda:1'.*leave engine_device empty"):
         build_engine_for(
             RolloutConfig(engine="vllm", engine_device="cuda:1"),

@@ -25,7 +25,7 @@ Weights streamed and partial rollout:
   sync), vLLM's greedy completions are the argmax and their log-probs match a teacher-forced forward of the
   trainer's fp32 master weights within the bf16 tolerance, and DIFFER from the initial model's by more than
   it (the engine generates from the streamed, trained weights, not from the folder it loaded).
-- `relayrl serve --engine vllm` (child process on 127.0.0.1, RELAYRL_VLLM_GPU_UTIL=0.2): /v1/completions
+- `relayrl serve --engine vllm` (child process on 127.0.0.1, --vllm_gpu_util 0.2): /v1/completions
   answers greedily and deterministically with the folder's model: argmax tokens and log-probs of a
   teacher-forced fp32 forward of the folder within the bf16 tolerance (vLLM serves an fp32 folder in bf16).
 """
@@ -359,7 +359,7 @@ def test_rl_local_with_vllm_trains_and_streams_weights(tiny_tokenizer, tmp_path)
 def _rl_child(folder: str, run_dir: str) -> dict:
     """RLTrainer (what `relayrl rl` runs) in local mode with the vllm engine; before the roles close, compare
     the engine's greedy log-probs with the trainer's weights and the initial ones (see the module doc)."""
-    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import RLTrainer
 
     cfg = tiny_cpu_config(folder, run_dir, steps=3, reward=DIGITS)
@@ -451,8 +451,10 @@ def test_serve_with_vllm_answers_completions(tiny_tokenizer, tmp_path):
         str(port),
         "--max_total_len",
         "128",
+        "--vllm_gpu_util",
+        "0.2",  # beside the fixture
     ]
-    env = {**os.environ, "RELAYRL_VLLM_GPU_UTIL": "0.2", "PYTHONPATH": _pythonpath()}  # beside the fixture
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
     log = tmp_path / "serve.log"  # a file, not a pipe: vLLM's start-up logs would fill a pipe nobody reads
     with log.open("w") as sink:
         server = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
@@ -608,7 +610,7 @@ def test_rl_ray_with_a_separate_vllm_engine_actor(tiny_tokenizer, tmp_path):
 def _rl_ray_child(folder: str, run_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.config.presets import tiny_cpu_config
     from relayrl.data.records import PromptSample
     from relayrl.trainers.rl.loop import RLTrainer
 

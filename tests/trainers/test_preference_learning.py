@@ -142,7 +142,8 @@ def _config(model: Path, train: Path, evals: Path, out: Path, *, lr: float, step
 def test_reward_model_ranks_held_out_answers(add2, tmp_path):
     """Bradley-Terry RM from the SFT model, on (correct sum, a sum 20-60 off) pairs: held-out pair accuracy
     >= 0.9 after 200 steps (measured 0.994 / 0.978 for seeds 0 / 1; 0.5 is chance)."""
-    from relayrl.trainers.rm import RMConfig, run_rm
+    from relayrl.config.recipes import RMConfig
+    from relayrl.trainers.rm import run_rm
 
     rng = random.Random(SEED)
 
@@ -167,7 +168,8 @@ def test_dpo_raises_margin_and_exact_match(add2, own_pairs, tmp_path):
     implicit-reward margin goes from 0 (policy = reference at step 0) to > 1 with pair accuracy >= 0.75, and
     held-out greedy exact match rises by >= 8 points (measured 0.464 -> 0.630 / 0.550 -> 0.712, seeds 0 / 1;
     pair accuracy 0.822 / 0.868, margin 2.33 / 2.50)."""
-    from relayrl.trainers.dpo import DPOConfig, DPOSection, run_dpo
+    from relayrl.config.recipes import DPOConfig, DPOSection
+    from relayrl.trainers.dpo import run_dpo
 
     cfg = _config(add2.model, own_pairs["train"], own_pairs["eval"], tmp_path / "dpo", lr=1e-4, steps=240)
     result = run_dpo(DPOConfig(**cfg, dpo=DPOSection(beta=2.0)))
@@ -185,7 +187,8 @@ def test_kto_raises_reward_gap_and_exact_match(add2, own_pairs, tmp_path):
     answers ends above that of undesirable ones by > 0.5 (both 0 at step 0; measured 1.90 / 1.75), desirable
     above 0 (0.32 / 0.33: the desirable answers became likelier than under the reference), and held-out exact
     match rises by >= 8 points (measured 0.464 -> 0.618 / 0.550 -> 0.764, seeds 0 / 1)."""
-    from relayrl.trainers.kto import KTOConfig, KTOSection, run_kto
+    from relayrl.config.recipes import KTOConfig, KTOSection
+    from relayrl.trainers.kto import run_kto
 
     cfg = _config(add2.model, own_pairs["train"], own_pairs["eval"], tmp_path / "kto", lr=1e-4, steps=240)
     result = run_kto(KTOConfig(**cfg, kto=KTOSection(beta=1.0, desirable_weight=1.33)))
@@ -226,8 +229,9 @@ def test_distillation_lowers_kl_to_teacher(add2, tmp_path):
     0 / 1: 4.5x / 5.6x); the recipe's eval/kd equals the same KL computed with plain forwards (~1e-8)."""
     from transformers import AutoModelForCausalLM
 
+    from relayrl.config.recipes import KDConfig, KDSection
     from relayrl.models.tiny import TinyModelSpec, build_tiny_model
-    from relayrl.trainers.kd import KDConfig, KDSection, run_kd
+    from relayrl.trainers.kd import run_kd
 
     student = build_tiny_model(add2.tokenizer, TinyModelSpec(hidden=64, layers=2, seed=SEED + 1)).eval()
     student.save_pretrained(tmp_path / "student")
@@ -249,7 +253,8 @@ def test_process_reward_model_beats_majority_baseline(add2, tmp_path):
     """PRM from the SFT model on two-step sums "a+b=s1;s1+c=s2;" whose wrong steps are 20-60 off (label per
     step: is its arithmetic right), 400 steps: held-out step accuracy >= majority baseline + 0.25
     (measured 0.932 / 0.965 vs baselines 0.517 / 0.514, seeds 0 / 1)."""
-    from relayrl.trainers.prm import PRMConfig, PRMSection, run_prm
+    from relayrl.config.recipes import PRMConfig, PRMSection
+    from relayrl.trainers.prm import run_prm
 
     rng = random.Random(SEED)
 
@@ -282,9 +287,11 @@ def test_rejection_sampling_then_sft_raises_exact_match(add2, tmp_path):
     steps on the original SFT rows, reached 0.622 (and with 80 steps each 0.652 against 0.620): the fixture's
     SFT model is under-trained, so most of the gain here is more training; the test does not show that
     rejection sampling beats more SFT on this task."""
-    from relayrl.apps.generate import GenerateConfig, run_generate
+    from relayrl.apps.generate import run_generate
+    from relayrl.config.generate import GenerateConfig
+    from relayrl.config.recipes import SFTConfig
     from relayrl.config.rl import RewardConfig, RolloutConfig
-    from relayrl.trainers.sft import SFTConfig, run_sft
+    from relayrl.trainers.sft import run_sft
 
     prompts = pf.write_jsonl(tmp_path / "prompts.jsonl", _rows(add2.data["rl"])[:600])
     gen = run_generate(

@@ -136,10 +136,10 @@ def rm_run(data, tiny_model_path, tmp_path_factory):
 
 def _pair_data(argv: list[str]) -> tuple[list, list]:
     """(train, eval) pairs as the rm command built them (same config, same held-out split)."""
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
+    from relayrl.config.recipes import RMConfig
     from relayrl.data.preference import build_pair_data
     from relayrl.models.loading import load_tokenizer
-    from relayrl.trainers.rm import RMConfig
 
     cfg = parse_cli(RMConfig, argv)
     train, evals, _ = build_pair_data(cfg.data, load_tokenizer(cfg.model.name_or_path), log=lambda _: None)

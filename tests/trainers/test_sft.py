@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from relayrl.cli import main as cli_main
 from relayrl.config.base import load_yaml
-from relayrl.trainers.sft import SFTConfig, run_sft
+from relayrl.config.recipes import SFTConfig
+from relayrl.trainers.sft import run_sft
 from relayrl.training.logging import read_jsonl
 
 
@@ -89,7 +90,7 @@ def test_cli_end_to_end(tmp_path, tiny_model_path, train_file, capsys):
 
 
 def test_run_sft_result_and_hf_folder(tmp_path, tiny_model_path, train_file):
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
 
     cfg = parse_cli(
         SFTConfig,
@@ -144,7 +145,7 @@ def test_raising_max_steps_says_how_the_lr_schedule_changes_and_does_it(
 ):
     """2 cosine steps, then the same run continued to 4: one line names the new schedule and the lr of the
     first resumed step, and that is the lr step 3 actually ran at (steps 1-2 keep theirs)."""
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
     from relayrl.training.optim import schedule_lr
 
     out = tmp_path / "run"
@@ -182,7 +183,7 @@ def test_config_errors_fail_before_work(tmp_path, tiny_model_path, train_file, c
 
 
 def test_batch_larger_than_data_is_a_clear_error(tmp_path, tiny_model_path, train_file):
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
 
     cfg = parse_cli(SFTConfig, _argv(tiny_model_path, train_file, tmp_path / "r", "--train.batch_size", "64"))
     with pytest.raises(ValueError, match=r"train\.batch_size"):
@@ -214,7 +215,7 @@ def test_config_yaml_is_fully_resolved(tmp_path, tiny_model_path, train_file):
 def test_same_update_whatever_the_micro_batching(tmp_path, tiny_model_path, train_file):
     """4 AdamW steps of 8 samples: one pass of 8, four padded passes of 2, or packed passes of <= 30 tokens
     give the same per-step losses and weights (only float summation order differs: ~1e-6 observed)."""
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
 
     runs = {}
     for name, extra in [
@@ -237,7 +238,7 @@ def test_same_update_whatever_the_micro_batching(tmp_path, tiny_model_path, trai
 def test_lora_sft_checkpoints_adapter_resumes_and_merges(tmp_path, tiny_model_path, train_file):
     import shutil
 
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
     from relayrl.models.loading import merge_lora
 
     argv = _argv(

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from relayrl.algorithms.objective import PolicyTerms
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
+from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
 from relayrl.workers.model_ops import micro_batches, token_logprobs
@@ -54,7 +55,7 @@ def test_packed_logprobs_equal_padded_forward(tiny_model):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_policy_gradient_is_invariant_to_micro_batching(tiny_model, tmp_path, aggregation):
-    cfg = tiny_cpu_config("unused", str(tmp_path))
+    cfg = validate_rl(tiny_cpu_config("unused", str(tmp_path)))  # the objective takes the resolved algo
     batch = _batch([7, 12, 5, 9, 11], seed=1)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():

@@ -25,7 +25,6 @@ step k's sync), while the resumed run generates it all with version k. In sync m
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -65,6 +64,7 @@ class RolloutPipeline:
         last_step: int,
         max_staleness: int,
         steps_done: int,
+        gil_switch_s: float = 0.0,
     ) -> None:
         self._produce = produce
         self._last = last_step
@@ -75,10 +75,9 @@ class RolloutPipeline:
         self._stop = False
         # Two Python threads (producer + engine driver beside the trainer) take turns on the GIL; the trainer
         # launches many small kernels, each needing the GIL, and with CPython's default 5 ms switch interval
-        # it can wait that long per launch behind a busy thread. RELAYRL_GIL_SWITCH_S sets the interval.
-        switch = os.environ.get("RELAYRL_GIL_SWITCH_S")
-        if switch:
-            sys.setswitchinterval(float(switch))
+        # it can wait that long per launch behind a busy thread. `gil_switch_s` (train.gil_switch_s) sets it.
+        if gil_switch_s:
+            sys.setswitchinterval(gil_switch_s)
         self._thread = threading.Thread(
             target=self._run, args=(first_step,), name="relayrl-rollout-pipeline", daemon=True
         )
@@ -148,6 +147,7 @@ class AsyncRollout:
         max_staleness: int,
         steps_done: int,
         group_size: int | None,
+        gil_switch_s: float = 0.0,
     ) -> None:
         self._rollout, self._sampler, self._skip = rollout, sampler, skip
         self.max_staleness, self.group_size = max_staleness, group_size
@@ -159,6 +159,7 @@ class AsyncRollout:
             last_step=last_step,
             max_staleness=max_staleness,
             steps_done=steps_done,
+            gil_switch_s=gil_switch_s,
         )
 
     def _produce(self, step: int) -> Batch:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from relayrl.agents.base import Trajectory
-from relayrl.config.rl import RLConfig
+from relayrl.config.rl import ResolvedRL, RLConfig
 from relayrl.data.records import PromptSample
 from relayrl.trainers.rl.support import (
     SignalFlag,
@@ -106,12 +106,12 @@ class RLTrainer:
         from relayrl.models.loading import load_tokenizer, resolve_source
         from relayrl.trainers.rl.prompts import build_prompts, check_labels
         from relayrl.trainers.rl.roles import build_kl_controller, build_roles
-        from relayrl.trainers.rl.validate import validate_rl_config
+        from relayrl.trainers.rl.validate import validate_rl
         from relayrl.training.sampler import ResumableSampler
         from relayrl.training.setup import check_config_change, prepare_run_dir
         from relayrl.workers.builders import exact_on_policy, setup_process
 
-        validate_rl_config(cfg)
+        cfg = validate_rl(cfg)
         self.cfg = cfg
         self.run_dir = prepare_run_dir(Path(cfg.train.output_dir or "runs/rl"), cfg.ckpt, "relayrl rl")
         a = cfg.algo  # the policy's schedule spans max_steps x epochs x mini_batches optimizer steps
@@ -128,7 +128,7 @@ class RLTrainer:
         check_labels(cfg, self.prompts)
         if cfg.train.max_steps == 0:  # one pass over the training prompts
             steps = -(-len(self.prompts.train) // cfg.rollout.prompts_per_step)
-            cfg = self.cfg = replace(cfg, train=replace(cfg.train, max_steps=steps))
+            cfg = self.cfg = ResolvedRL(replace(cfg, train=replace(cfg.train, max_steps=steps)))
             print(
                 f"relayrl rl: train.max_steps 0 = one pass over the {len(self.prompts.train)} training prompts: "
                 f"{steps} steps of {cfg.rollout.prompts_per_step} prompts"
@@ -246,10 +246,10 @@ class RLTrainer:
     def make_experience(self, trajs: list[Trajectory]) -> tuple[Experience, dict[str, float]]:
         """Old / reference log-probs and values (in parallel across roles), shaped rewards, advantages. The
         old-log-prob forward is skipped when the update is exactly on-policy (workers.builders.exact_on_policy)."""
-        from relayrl.trainers.rl.experience import compute_advantages, shape_rewards
+        from relayrl.trainers.rl.experience import step_advantages, trajectory_rewards
 
         batch = collate(trajs, self.pad_id)
-        rewards, metrics = shape_rewards(trajs, self.cfg, self.reward_norm)
+        rewards, metrics = trajectory_rewards(trajs, self.cfg, self.reward_norm)
         jobs = {}
         if not self.on_policy:
             jobs["old"] = self.roles.policy.submit("logprobs", batch)
@@ -258,7 +258,7 @@ class RLTrainer:
         if self.roles.critic is not None:
             jobs["values"] = self.roles.critic.submit("values", batch)
         got = dict(zip(jobs, self.roles.launcher.wait(list(jobs.values())), strict=True))
-        adv, ret, _, m = compute_advantages(
+        adv, ret, _, m = step_advantages(
             self.cfg,
             rewards=rewards,
             action_mask=batch.action_mask,
@@ -319,6 +319,7 @@ class RLTrainer:
             max_staleness=self.cfg.train.max_staleness,
             steps_done=self.step,
             group_size=r.n_samples if r.failure_policy != "drop_sample" else None,
+            gil_switch_s=self.cfg.train.gil_switch_s,
         )
 
     def _stop_async(self, timeout: float = 0) -> None:
@@ -550,7 +551,8 @@ def _run_cli(cfg: RLConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl rl [--config run.yaml] [--section.field value ...]`."""
-    from relayrl.config.base import ConfigError, run_command
+    from relayrl.config.base import ConfigError
+    from relayrl.config.command_line import run_command
 
     def fn(cfg: RLConfig) -> int:
         try:

@@ -9,7 +9,7 @@ from relayrl.algorithms.registry import (
     needs_critic,
     needs_reference,
 )
-from relayrl.config.rl import RLConfig, resolve_algo
+from relayrl.config.rl import ResolvedRL, RLConfig
 from relayrl.distributed.launch import Launcher, RoleHandle, build_launcher
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
 from relayrl.workers.engine import EngineSpec, EngineWorker
@@ -46,7 +46,7 @@ class Roles:
             self.launcher.shutdown()
 
 
-def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
+def build_roles(cfg: ResolvedRL, total_steps: int) -> Roles:
     """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
     the component configs it reads."""
     from relayrl.workers.critic import CriticSpec, CriticWorker
@@ -54,7 +54,7 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
     from relayrl.workers.reference import ReferenceSpec, ReferenceWorker
     from relayrl.workers.reward import RewardWorker, reward_spec
 
-    algo = resolve_algo(cfg.algo)  # a no-op after validate_rl_config
+    algo = cfg.algo
     want_ref = needs_reference(algo.kl_mode)
     want_critic = needs_critic(algo.advantage)
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
@@ -102,9 +102,12 @@ def build_roles(cfg: RLConfig, total_steps: int) -> Roles:
         if want_critic:
             critic_spec = CriticSpec(
                 model=cfg.model,
-                optim=cfg.optim,
-                critic=cfg.critic,
-                algo=algo,
+                optim=cfg.critic.optimizer(cfg.optim),
+                model_path=cfg.critic.model_path,
+                epochs=cfg.critic.epochs,
+                mini_batches=algo.mini_batches,
+                micro_batch_tokens=algo.micro_batch_tokens,
+                value_clip=algo.value_clip,
                 total_steps=total_steps,
                 dist=cfg.dist,
                 **run,

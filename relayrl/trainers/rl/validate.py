@@ -1,21 +1,31 @@
-"""One validation pass of `relayrl rl`'s config."""
+"""The one validation pass of `relayrl rl`'s config: `validate_rl(cfg) -> ResolvedRL`.
+
+    validate_rl(cfg: RLConfig) -> ResolvedRL
+        1. names: algo.preset, then (after resolving) every algo.* registry name, rollout.engine /
+           failure_policy / agent, against the registries (relayrl.algorithms, torch-free); checked once, here
+        2. resolve: a copy whose unset algo names are filled from the preset and the built-in defaults
+           (relayrl.algorithms.presets.resolve_names; algo.off_policy: tis under train.async_train, else none)
+        3. values: what a component's own `__post_init__` cannot see (fields of several sections together)
+        4. warnings: one ConfigWarning per group of fields that are set but have no effect
+
+The user's config is never changed; callers build the run from the returned ResolvedRL (the roles, the
+workers' specs, the experience maker) and save it as the run's config.yaml. Validating a resolved config
+again gives the same config and the same warnings.
+"""
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
-from typing import Any
+from collections.abc import Collection, Iterable
+from dataclasses import fields, replace
 
+from relayrl.algorithms.presets import AlgoNames, algo_choices, resolve_names
 from relayrl.algorithms.registry import (
     ADVANTAGES,
     AGENTS,
-    AGGREGATIONS,
     FAILURE_POLICIES,
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
     KL_MODES,
     OFF_POLICY,
-    POLICY_LOSSES,
     applies_kl,
     keeps_groups,
     needs_critic,
@@ -23,44 +33,47 @@ from relayrl.algorithms.registry import (
     needs_reference,
 )
 from relayrl.config.base import ConfigError, ConfigWarning
-from relayrl.config.rl import ROLE_SIZE_FIELDS, AlgoConfig, RLConfig, resolve_algo
-from relayrl.distributed.launch import LAUNCHERS
+from relayrl.config.dist import ROLE_SIZE_FIELDS
+from relayrl.config.rl import AlgoConfig, CriticOptimConfig, ResolvedRL, RLConfig
+from relayrl.rollout import ENGINES
+
+_NAMES = tuple(f.name for f in fields(AlgoNames))
+"""The algo.* fields a preset controls (resolved by `resolve_algo`)."""
 
 
-def _choice(field: str, value: str, choices: Any) -> None:
+def _choice(field: str, value: str, choices: Collection[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{field}: {value!r} is not known; choose one of {', '.join(choices)}", field=field)
 
 
-def validate_rl_config(cfg: RLConfig) -> None:
-    """Resolve `cfg.algo` in place (`resolve_algo`: the preset's and built-in defaults fill the unset names, so
-    the workers, the experience maker and the saved config.yaml all see the final values); then raise
-    ConfigError naming the field, the bad value and the valid choices, and warn (ConfigWarning, one line
-    each) about values that are accepted but have no effect. What a name requires (critic, groups, reference
-    model, whole groups, weight bounds) is read from its registry entry (relayrl.algorithms.registry)."""
-    raw = cfg.algo
-    if not cfg.algo.off_policy:  # async samples are stale: correct with TIS unless the user chose otherwise
-        cfg.algo = replace(cfg.algo, off_policy="tis" if cfg.train.async_train else "none")
-    cfg.algo = resolve_algo(cfg.algo)
-    _check_names(cfg)
-    _check_values(cfg)
-    _warn_ineffective(cfg, raw)
+def validate_rl(cfg: RLConfig) -> ResolvedRL:
+    """Check `cfg` and return it resolved (a copy; `cfg` is not changed): raise ConfigError naming the field,
+    the bad value and the valid choices, and warn (ConfigWarning, one line each) about values that are
+    accepted but have no effect. What a name requires (critic, groups, reference model, whole groups, weight
+    bounds) is read from its registry entry (relayrl.algorithms.registry)."""
+    if cfg.algo.preset:  # before resolving: the preset's names fill the others
+        _choice("algo.preset", cfg.algo.preset, algo_choices()["preset"])
+    resolved = replace(cfg, algo=resolve_algo(cfg.algo, async_train=cfg.train.async_train))
+    _check_names(resolved)
+    _check_values(resolved)
+    _warn_ineffective(resolved, cfg.algo)
+    return ResolvedRL(resolved)
+
+
+def resolve_algo(a: AlgoConfig, *, async_train: bool = False) -> AlgoConfig:
+    """A copy of `a` with every preset-controlled name filled in (`resolve_names`; `a.preset` must be "" or a
+    known preset). Idempotent."""
+    names = resolve_names(AlgoNames(**{k: getattr(a, k) for k in _NAMES}), async_train=async_train)
+    return replace(a, **{k: getattr(names, k) for k in _NAMES})
 
 
 def _check_names(cfg: RLConfig) -> None:
-    from relayrl.rollout import ENGINES
-
     a, r = cfg.algo, cfg.rollout
-    _choice("algo.advantage", a.advantage, ADVANTAGES)
-    _choice("algo.policy_loss", a.policy_loss, POLICY_LOSSES)
-    _choice("algo.aggregation", a.aggregation, AGGREGATIONS)
-    _choice("algo.kl_mode", a.kl_mode, KL_MODES)
-    _choice("algo.kl_estimator", a.kl_estimator, KL_ESTIMATORS)
-    _choice("algo.kl_controller", a.kl_controller, KL_CONTROLLERS)
-    _choice("algo.off_policy", a.off_policy, OFF_POLICY)
+    for name, choices in algo_choices().items():
+        if name != "preset":
+            _choice(f"algo.{name}", getattr(a, name), choices)
     _choice("rollout.engine", r.engine, ENGINES)
     _choice("rollout.failure_policy", r.failure_policy, FAILURE_POLICIES)
-    _choice("dist.mode", cfg.dist.mode, LAUNCHERS)
     if r.agent not in AGENTS and not r.agent.endswith(".py"):
         raise ConfigError(
             f"rollout.agent: {r.agent!r}; choose {', '.join(AGENTS)}, or a path to a .py file",
@@ -94,37 +107,10 @@ def _check_engines(cfg: RLConfig) -> None:
 
 
 def _check_values(cfg: RLConfig) -> None:
-    a, r = cfg.algo, cfg.rollout
-    if needs_groups(a.advantage) or cfg.filter.enabled:
-        if r.n_samples < 2:
-            raise ConfigError(
-                f"rollout.n_samples: {r.n_samples} is invalid; {a.advantage!r} / dynamic filtering compare the "
-                "samples of a prompt, so use >= 2 (or a critic-free single-sample estimator: reinforce)",
-                field="rollout.n_samples",
-            )
-        if not keeps_groups(r.failure_policy):
-            keeping = [n for n, e in FAILURE_POLICIES.items() if e.keeps_groups]
-            raise ConfigError(
-                f"rollout.failure_policy: {r.failure_policy!r} leaves groups of unequal size, which group "
-                f"estimators and dynamic filtering cannot use; choose one of {', '.join(keeping)}",
-                field="rollout.failure_policy",
-            )
-    for name in ("prompts_per_step", "n_samples", "max_new_tokens", "max_len"):
-        if getattr(r, name) < 1:
-            raise ConfigError(
-                f"rollout.{name}: {getattr(r, name)} is invalid; expected an int >= 1",
-                field=f"rollout.{name}",
-            )
-    if r.engine_slots < 0:
-        raise ConfigError(
-            f"rollout.engine_slots: {r.engine_slots} is invalid; expected 0 (auto) or an int >= 1",
-            field="rollout.engine_slots",
-        )
-    for name in ("epochs", "mini_batches", "micro_batch_tokens"):
-        if getattr(a, name) < 1:
-            raise ConfigError(
-                f"algo.{name}: {getattr(a, name)} is invalid; expected an int >= 1", field=f"algo.{name}"
-            )
+    """Values that depend on several fields (each section's `__post_init__` checks its own ranges)."""
+    _check_groups(cfg)
+    _check_sizes(cfg)
+    a = cfg.algo
     if a.kl_coef > 0 and not applies_kl(a.kl_mode):
         using = [n for n, e in KL_MODES.items() if e.applies_kl]
         raise ConfigError(
@@ -160,6 +146,47 @@ def _check_values(cfg: RLConfig) -> None:
     _validate_placement(cfg)
 
 
+def _check_groups(cfg: RLConfig) -> None:
+    """Group estimators and dynamic filtering compare whole groups of >= 2 samples."""
+    a, r = cfg.algo, cfg.rollout
+    if not (needs_groups(a.advantage) or cfg.filter.enabled):
+        return
+    if r.n_samples < 2:
+        raise ConfigError(
+            f"rollout.n_samples: {r.n_samples} is invalid; {a.advantage!r} / dynamic filtering compare the "
+            "samples of a prompt, so use >= 2 (or a critic-free single-sample estimator: reinforce)",
+            field="rollout.n_samples",
+        )
+    if not keeps_groups(r.failure_policy):
+        keeping = [n for n, e in FAILURE_POLICIES.items() if e.keeps_groups]
+        raise ConfigError(
+            f"rollout.failure_policy: {r.failure_policy!r} leaves groups of unequal size, which group "
+            f"estimators and dynamic filtering cannot use; choose one of {', '.join(keeping)}",
+            field="rollout.failure_policy",
+        )
+
+
+def _check_sizes(cfg: RLConfig) -> None:
+    """Sizes of a step: prompts, samples, lengths, engine slots, epochs and batching."""
+    a, r = cfg.algo, cfg.rollout
+    for name in ("prompts_per_step", "n_samples", "max_new_tokens", "max_len"):
+        if getattr(r, name) < 1:
+            raise ConfigError(
+                f"rollout.{name}: {getattr(r, name)} is invalid; expected an int >= 1",
+                field=f"rollout.{name}",
+            )
+    if r.engine_slots < 0:
+        raise ConfigError(
+            f"rollout.engine_slots: {r.engine_slots} is invalid; expected 0 (auto) or an int >= 1",
+            field="rollout.engine_slots",
+        )
+    for name in ("epochs", "mini_batches", "micro_batch_tokens"):
+        if getattr(a, name) < 1:
+            raise ConfigError(
+                f"algo.{name}: {getattr(a, name)} is invalid; expected an int >= 1", field=f"algo.{name}"
+            )
+
+
 _PLACEMENT = (
     *ROLE_SIZE_FIELDS,
     "colocate_policy_ref",
@@ -190,7 +217,7 @@ def _validate_placement(cfg: RLConfig) -> None:
             )
 
 
-def _changed(obj: Any, names: Any, prefix: str) -> list[str]:
+def _changed(obj: object, names: Iterable[str], prefix: str) -> list[str]:
     """`prefix.name` of each field of dataclass `obj` among `names` whose value differs from its default."""
     default = type(obj)()
     return [f"{prefix}.{n}" for n in names if getattr(obj, n) != getattr(default, n)]
@@ -205,13 +232,26 @@ def _explicit_kl_estimator(raw: AlgoConfig) -> bool:
     )
 
 
+Ineffective = tuple[list[str], bool, str]
+"""(fields set away from their default, whether they have no effect, why): one possible ConfigWarning."""
+
+
 def _warn_ineffective(cfg: RLConfig, raw: AlgoConfig) -> None:
     """One ConfigWarning per group of fields that were set but are not read under the rest of the config.
     `raw` is the algo config before `resolve_algo` (to tell an explicit kl_estimator from a filled-in one)."""
+    for names, ineffective, why in [*_algo_groups(cfg, raw), *_run_groups(cfg)]:
+        if names and ineffective:
+            verb = "has" if len(names) == 1 else "have"
+            warnings.warn(f"{', '.join(names)} {verb} no effect: {why}", ConfigWarning, stacklevel=3)
+
+
+def _algo_groups(cfg: RLConfig, raw: AlgoConfig) -> list[Ineffective]:
+    """The critic, KL and off-policy settings that the chosen algorithm does not read."""
     a, kl_fields = cfg.algo, ("kl_controller", "kl_target", "kl_horizon")
-    checks = [
+    return [
         (
             _changed(cfg.critic, ("model_path", "lr", "epochs"), "critic")
+            + _changed(cfg.critic.optim, [f.name for f in fields(CriticOptimConfig)], "critic.optim")
             + _changed(a, ("value_clip",), "algo"),
             not needs_critic(a.advantage),
             f"algo.advantage={a.advantage!r} trains no critic (estimators with one: "
@@ -237,6 +277,13 @@ def _warn_ineffective(cfg: RLConfig, raw: AlgoConfig) -> None:
             not OFF_POLICY.entry(a.off_policy).uses_bounds,
             f"algo.off_policy={a.off_policy!r} uses no weight bounds",
         ),
+    ]
+
+
+def _run_groups(cfg: RLConfig) -> list[Ineffective]:
+    """Filter, eval, reward shaping, placement, async and engine settings that the rest does not read."""
+    a, d = cfg.algo, cfg.dist
+    return [
         (
             _changed(cfg.filter, ("min_mean", "max_mean", "max_refills"), "filter"),
             not cfg.filter.enabled,
@@ -253,24 +300,28 @@ def _warn_ineffective(cfg: RLConfig, raw: AlgoConfig) -> None:
             "the overlong penalty is off (reward.overlong_buffer=0)",
         ),
         (
-            _changed(cfg.dist, _PLACEMENT, "dist"),
-            cfg.dist.mode == "local",
+            _changed(d, _PLACEMENT, "dist"),
+            d.mode == "local",
             "dist.mode=local runs every role in this process on one rank (placement applies with dist.mode=ray)",
         ),
         (
-            _changed(
-                cfg.dist, ("critic_num_nodes", "critic_num_gpus_per_node", "colocate_critic_reward"), "dist"
-            ),
-            cfg.dist.mode == "ray" and not needs_critic(a.advantage),
+            _changed(d, ("critic_num_nodes", "critic_num_gpus_per_node", "colocate_critic_reward"), "dist"),
+            d.mode == "ray" and not needs_critic(a.advantage),
             f"algo.advantage={a.advantage!r} trains no critic",
         ),
         (
-            _changed(cfg.dist, ("ref_num_nodes", "ref_num_gpus_per_node", "colocate_policy_ref"), "dist"),
-            cfg.dist.mode == "ray" and not needs_reference(a.kl_mode),
+            _changed(d, ("ref_num_nodes", "ref_num_gpus_per_node", "colocate_policy_ref"), "dist"),
+            d.mode == "ray" and not needs_reference(a.kl_mode),
             f"algo.kl_mode={a.kl_mode!r} needs no reference model",
         ),
+        (
+            _changed(cfg.train, ("gil_switch_s",), "train"),
+            not cfg.train.async_train,
+            "only the async rollout pipeline sets it (train.async_train=false)",
+        ),
+        (
+            _changed(cfg.rollout, ("vllm_gpu_util", "vllm_any_version"), "rollout"),
+            cfg.rollout.engine != "vllm",
+            f"rollout.engine={cfg.rollout.engine!r} is not vllm",
+        ),
     ]
-    for fields, ineffective, why in checks:
-        if fields and ineffective:
-            verb = "has" if len(fields) == 1 else "have"
-            warnings.warn(f"{', '.join(fields)} {verb} no effect: {why}", ConfigWarning, stacklevel=3)

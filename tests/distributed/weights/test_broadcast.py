@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from relayrl.config.rl import DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.launch import rank_gpus
 from relayrl.distributed.weights.base import Channel, module_layout
 from relayrl.distributed.weights.broadcast import (

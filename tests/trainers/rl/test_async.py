@@ -19,7 +19,8 @@ import pytest
 
 from relayrl.agents.base import Trajectory
 from relayrl.config.base import ConfigError, load_yaml
-from relayrl.config.rl import RLConfig, tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
+from relayrl.config.rl import RLConfig
 from relayrl.data.records import PromptSample
 from relayrl.trainers.rl.async_rollout import Batch, RolloutPipeline, staleness_filter
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
@@ -124,16 +125,16 @@ def test_async_training_raises_the_reward(tiny_model_path, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--dist.engine_sleep yes", "--dist.offload_optimizer_in_rollout true"])
 def test_async_with_memory_juggling_flags_is_a_config_error(tiny_model_path, tmp_path, flag):
-    from relayrl.config.base import parse_cli
-    from relayrl.trainers.rl.validate import validate_rl_config
+    from relayrl.config.command_line import parse_cli
+    from relayrl.trainers.rl.validate import validate_rl
 
     argv = ["--model.name_or_path", str(tiny_model_path), "--train.async_train", "true", *flag.split()]
     with pytest.raises(ConfigError, match=flag.split()[0].removeprefix("--")):
-        validate_rl_config(parse_cli(RLConfig, argv))
+        validate_rl(parse_cli(RLConfig, argv))
 
 
 def test_negative_max_staleness_is_a_config_error():
-    from relayrl.config.base import parse_cli
+    from relayrl.config.command_line import parse_cli
 
     with pytest.raises(ConfigError, match="max_staleness"):
         parse_cli(RLConfig, ["--train.max_staleness", "-1"])

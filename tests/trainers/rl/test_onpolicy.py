@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer
 
 DIGITS = str(Path(__file__).parents[1] / "data" / "digit_reward.py")  # graded reward: groups have variance

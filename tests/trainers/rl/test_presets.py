@@ -3,7 +3,8 @@
 - `--algo.preset gspo`: the policy worker's loss step runs GSPO with the paper's clip range 3e-4 / 4e-4
   (seen through clip_frac on sequences whose ratio sits just inside / outside that range), not PPO's 0.2.
 - a flag (or YAML value) set explicitly overrides the preset's value; the resolved config is saved.
-- an unknown preset fails while parsing (exit 2), listing every preset; `--help` lists them too.
+- an unknown preset fails before any work (exit 2, the validation pass), listing every preset; `--help` lists
+  them too.
 - preset ppo builds a critic and a reference model; kl_mode=reward defaults to the k1 estimator.
 """
 
@@ -15,11 +16,12 @@ import yaml
 
 from relayrl.algorithms import ALGORITHM_PRESETS
 from relayrl.algorithms.objective import PolicyTerms
-from relayrl.config.base import parse_cli
+from relayrl.config.command_line import parse_cli
 from relayrl.config.help import format_help
-from relayrl.config.rl import RLConfig, resolve_algo, tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
+from relayrl.config.rl import RLConfig
 from relayrl.trainers.rl.loop import RLTrainer, main
-from relayrl.trainers.rl.validate import validate_rl_config
+from relayrl.trainers.rl.validate import resolve_algo, validate_rl
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
 from relayrl.workers.model_ops import token_logprobs
@@ -69,8 +71,7 @@ def _clip_frac(model, cfg: RLConfig) -> float:
 
 
 def test_gspo_preset_reaches_the_loss_with_its_own_clip_range(tiny_model, tmp_path):
-    cfg = _cfg(tmp_path, "--algo.preset", "gspo")
-    validate_rl_config(cfg)
+    cfg = validate_rl(_cfg(tmp_path, "--algo.preset", "gspo"))
     a = cfg.algo
     assert (a.advantage, a.policy_loss, a.aggregation, a.kl_mode) == (
         "group_norm",
@@ -82,13 +83,13 @@ def test_gspo_preset_reaches_the_loss_with_its_own_clip_range(tiny_model, tmp_pa
     # equal lengths: the first two of four sequences are clipped -> clip_frac = 2/4
     assert _clip_frac(tiny_model, cfg) == pytest.approx(0.5, abs=1e-6)
     # explicit flags win over the preset: with PPO's +-0.2 nothing is clipped
-    wide = _cfg(
-        tmp_path, "--algo.preset", "gspo", "--algo.clip_eps_low", "0.2", "--algo.clip_eps_high", "0.2"
+    wide = validate_rl(
+        _cfg(tmp_path, "--algo.preset", "gspo", "--algo.clip_eps_low", "0.2", "--algo.clip_eps_high", "0.2")
     )
     assert (wide.algo.clip_eps_low, wide.algo.clip_eps_high) == (0.2, 0.2)
     assert _clip_frac(tiny_model, wide) == 0.0
     # only eps_high 3e-4 set: sequence 3 (s = 1.00035) is clipped too -> 3/4
-    tight = _cfg(tmp_path, "--algo.preset", "gspo", "--algo.clip_eps_high", "3e-4")
+    tight = validate_rl(_cfg(tmp_path, "--algo.preset", "gspo", "--algo.clip_eps_high", "3e-4"))
     assert _clip_frac(tiny_model, tight) == pytest.approx(0.75, abs=1e-6)
 
 
@@ -168,6 +169,7 @@ def test_help_lists_every_preset():
 def test_ppo_preset_builds_critic_and_reference_and_saves_resolved_config(tiny_model_path, tmp_path):
     cfg = _cfg(tmp_path, "--algo.preset", "ppo", model=str(tiny_model_path))
     trainer = RLTrainer(cfg)
+    assert cfg.algo.advantage == ""  # the user's config is not changed; the trainer holds the resolved one
     try:
         assert trainer.roles.critic is not None and trainer.roles.reference is not None
     finally:
@@ -177,11 +179,11 @@ def test_ppo_preset_builds_critic_and_reference_and_saves_resolved_config(tiny_m
     assert (saved["advantage"], saved["kl_mode"], saved["kl_estimator"]) == ("gae", "reward", "k1")
     # the saved (resolved) config reloads to the same algorithm
     again = parse_cli(RLConfig, ["--config", str(tmp_path / "run" / "config.yaml")])
-    assert resolve_algo(again.algo) == cfg.algo
+    assert validate_rl(again).algo == trainer.cfg.algo == validate_rl(cfg).algo
 
 
 def test_native_engine_slots_default_to_the_samples_of_a_step(tiny_model_path, tmp_path):
-    from relayrl.config.rl import tiny_cpu_config
+    from relayrl.config.presets import tiny_cpu_config
     from relayrl.models.tiny import build_tiny_model, build_tiny_tokenizer
     from relayrl.workers.builders import build_engine_for
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import run_rl
 
 DATA = Path(__file__).parents[1] / "data"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from relayrl.agents.base import Trajectory
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.data.records import PromptSample
 from relayrl.trainers.rl.loop import RLTrainer
 from relayrl.trainers.rl.report import prompt_view, response_view, special_token_texts

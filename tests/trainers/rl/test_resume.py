@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relayrl.config.rl import tiny_cpu_config
+from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer
 from relayrl.training.logging import read_jsonl
 
