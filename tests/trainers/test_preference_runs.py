@@ -184,7 +184,8 @@ def test_served_rm_scores_equal_the_trainers_values(rm_run):
     last step) are the means of LocalRewardModel's scores of those pairs."""
     import aiohttp
 
-    from relayrl.agents.remote_rm import build_rm_app, model_scorer, start_app
+    from relayrl.agents.http import start_app
+    from relayrl.agents.remote_rm import build_rm_app, model_scorer
     from relayrl.agents.rewards import LocalRewardModel
 
     argv, out, _ = rm_run

@@ -23,7 +23,8 @@ import torch
 
 from relayrl.agents.base import Trajectory
 from relayrl.agents.failures import FailureLog
-from relayrl.agents.rewards.base import RewardBatch, chunks, fail_all, fill, pending, run_in_thread
+from relayrl.agents.rewards.base import RewardBatch, chunks, fail_all, fill, pending
+from relayrl.agents.user_code import run_in_thread
 
 
 class LocalRewardModel:
