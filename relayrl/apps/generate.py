@@ -362,8 +362,7 @@ def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = Non
     policy of an iterative-DPO loop, in eval mode; a path for the vllm engine) instead of loading
     model.name_or_path."""
     from relayrl.agents.failures import FailureLog
-    from relayrl.models.loading import load_tokenizer
-    from relayrl.training.setup import resolve_device
+    from relayrl.models.loading import load_tokenizer, resolve_device
 
     # no global reseeding: every request carries its own seed, and an in-process caller keeps its RNG state
     validate_generate_config(cfg, model_given=model is not None and tokenizer is not None)

@@ -15,8 +15,8 @@ from relayrl.models.loading import (
     load_causal_lm,
     load_model_and_tokenizer,
     load_tokenizer,
-    merge_lora,
 )
+from relayrl.models.merge import merge_lora
 
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 

@@ -244,7 +244,7 @@ def test_lora_dpo_saves_an_adapter(data, tiny_model_path, tmp_path):
     merge-lora turns it into a plain causal LM with the same outputs."""
     from peft import PeftModel
 
-    from relayrl.models.loading import merge_lora
+    from relayrl.models.merge import merge_lora
 
     out = tmp_path / "run"
     argv = pf.cli_args(
