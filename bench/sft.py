@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 from relayrl.config.components import OptimConfig
+from relayrl.data.batches import SFTBatch
 from relayrl.models.forward import choose_layout, prepare_model
-from relayrl.trainers.sft import SFTBatch, next_token_loss, sft_micro_batches
+from relayrl.trainers.sft import next_token_loss, sft_micro_batches
 from relayrl.training.precision import resolve_precision
 from relayrl.training.setup import build_train_step
 from relayrl.training.step import LossOutput
@@ -94,7 +95,7 @@ def make_steps(args: argparse.Namespace, vocab: int) -> list[list[Sample]]:
 
 def dense_mask_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
     """The previous packed path: one row, restarting positions, transformers' own (dense) block mask."""
-    from relayrl.models.logprobs import token_logprobs
+    from relayrl.models.logprobs import head_logprobs
 
     ids = torch.cat(batch.input_ids)[None].to(model.device)
     pos = torch.cat([torch.arange(len(s)) for s in batch.input_ids])[None].to(model.device)
@@ -102,7 +103,7 @@ def dense_mask_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
     targets = torch.cat(batch.targets).to(model.device)
     starts = torch.tensor([0, *[len(s) for s in batch.input_ids]]).cumsum(0)[:-1].to(model.device)
     targets[starts] = False
-    lp, _ = token_logprobs(hidden[:-1], model.lm_head.weight, ids[0, 1:])
+    lp, _ = head_logprobs(hidden[:-1], model.lm_head.weight, ids[0, 1:])
     keep = targets[1:]
     return LossOutput(loss_sum=-torch.where(keep, lp, 0.0).sum(), count=keep.sum().float())
 

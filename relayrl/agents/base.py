@@ -12,12 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from relayrl.data.records import PromptSample
-
-if TYPE_CHECKING:
-    from relayrl.rollout.base import SamplingParams
+from relayrl.rollout.base import SamplingParams
 
 
 class TrajectoryStatus(str, Enum):  # noqa: UP042  (kept: the lead's record, str mixin semantics)
@@ -27,8 +25,6 @@ class TrajectoryStatus(str, Enum):  # noqa: UP042  (kept: the lead's record, str
     """Finished normally (reward may still be pending from a reward source)."""
     FAILED = "failed"
     """A user step / reward raised, returned NaN or the wrong length, or timed out (see `error`)."""
-
-
 
 
 @dataclass(kw_only=True, slots=True)

@@ -5,7 +5,6 @@
                          [prompt][action 1][feedback 1][action 2][feedback 2]...  action tokens are trained
                          on (action_mask True, rollout log-probs kept); feedback tokens are tokenized once,
                          appended as ids and masked out. `max_total_len` bounds prompt + every turn.
-    load_agent_from_file a user's Python file with `AgentExecutor` (an executor class) or `AgentInstance`.
 
 Seams: the engine is only used through `engine.generate(GenerationRequest)`. User code (agent __init__,
 reset, step) runs under a timeout; anything it does wrong (raises, returns NaN / inf, a reward with several
@@ -19,18 +18,15 @@ Text: `action_text` given to `step` and `Trajectory.response_text` are decoded w
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
-import sys
-import types
 import uuid
 from collections.abc import Callable
 from dataclasses import fields, replace
-from pathlib import Path
 from typing import Any
 
 from relayrl.agents.base import AgentExecutorBase, AgentInstanceBase, Trajectory
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
+from relayrl.agents.user_code import run_in_thread
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
 
@@ -162,7 +158,6 @@ async def _user_call(fn: Callable[..., Any], *args: Any, what: str, timeout: flo
     An `async def` runs on the event loop; a plain `def` (allowed for `reset` / `step`) runs on a daemon
     worker thread, so a blocking one cannot stall the other episodes or outlive its timeout. A
     `TimeoutError` raised *by* the user code (e.g. its own HTTP client) is an "exception", not a "timeout"."""
-    from relayrl.agents.rewards.base import run_in_thread  # lazy: relayrl.agents.rewards imports this module
 
     def raised(e: Exception) -> _UserError:
         return _UserError("exception", f"{what} raised {type(e).__name__}: {e}")
@@ -199,10 +194,11 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
-async def _instantiate(cls: type, kwargs: dict[str, Any]) -> Any:
+async def _instantiate(cls: type[Any], kwargs: dict[str, Any]) -> Any:
     """`cls(**kwargs)`; also supports OpenRLHF's `async def __init__` example."""
     if inspect.iscoroutinefunction(cls.__init__):
-        obj = cls.__new__(cls)
+        new: Any = cls.__new__  # the class's own __new__, as `cls(...)` would call it
+        obj = new(cls)
         await obj.__init__(**kwargs)
         return obj
     return cls(**kwargs)
@@ -356,105 +352,3 @@ class MultiTurnExecutor(AgentExecutorBase):
             mark_failed(traj, "prompt_too_long", msg, source="executor", log=self.log)
             return
         traj.reward, traj.score = total, (total if score is None else score)
-
-
-def _openrlhf_shim() -> None:
-    """Let files written for OpenRLHF (`from openrlhf.utils.agent import ...`) load unchanged."""
-    if "openrlhf.utils.agent" in sys.modules:
-        return
-    try:
-        if importlib.util.find_spec("openrlhf") is not None:
-            return  # the real OpenRLHF is installed: its classes are not ours, the loader will say so
-    except (ImportError, ValueError):
-        pass
-    shim = types.ModuleType("openrlhf.utils.agent")
-    shim.AgentInstanceBase = AgentInstanceBase
-    shim.AgentExecutorBase = AgentExecutorBase
-    shim.MultiTurnAgentExecutor = MultiTurnExecutor
-    shim.SingleTurnAgentExecutor = SingleTurnExecutor
-    for name in ("openrlhf", "openrlhf.utils"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["openrlhf.utils.agent"] = shim
-
-
-def _user_line(err: BaseException, path: Path) -> int | None:
-    """The line of `path` where `err` was raised (the innermost frame in that file)."""
-    import traceback
-
-    target = str(path.resolve())
-    lines = [
-        f.lineno for f in traceback.extract_tb(err.__traceback__) if str(Path(f.filename).resolve()) == target
-    ]
-    return lines[-1] if lines else None
-
-
-def load_module_from_file(path: str | Path, prefix: str) -> types.ModuleType:
-    """Import a user's Python file as a fresh module; errors name the path."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{prefix} file {str(path)!r} does not exist")
-    name = f"relayrl_user_{prefix}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {str(path)!r}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # SyntaxError, a failing import, a raise at module level: name the file
-        del sys.modules[name]
-        line = e.lineno if isinstance(e, SyntaxError) else _user_line(e, path)
-        where = f" (line {line})" if line else ""
-        raise ImportError(
-            f"cannot load {prefix} file {str(path)!r}{where}: {type(e).__name__}: {e}; fix the file "
-            "(try `python FILE` to see the full traceback)"
-        ) from e
-    return module
-
-
-def load_agent_from_file(
-    path: str | Path,
-    engine: Any = None,
-    tokenizer: Any = None,
-    *,
-    max_total_len: int | None = None,
-    **executor_kwargs: Any,
-) -> AgentExecutorBase:
-    """The executor a user file defines, bound to `engine` / `tokenizer`.
-
-    The file defines (first match wins) `AgentExecutor` (an `AgentExecutorBase` subclass constructed with no
-    arguments, e.g. OpenRLHF's `class AgentExecutor(MultiTurnAgentExecutor): super().__init__(AgentInstance)`),
-    `AgentInstance` (wrapped in `MultiTurnExecutor(AgentInstance, **executor_kwargs)`), or
-    `async def openai_agent(base_url, session_id, sample)` (an agent using the OpenAI API, wrapped in
-    `OpenAIAgentExecutor`).
-    """
-    _openrlhf_shim()
-    module = load_module_from_file(path, "agent")
-    if hasattr(module, "AgentExecutor"):
-        try:
-            executor = module.AgentExecutor()
-        except Exception as e:
-            raise TypeError(
-                f"{path}: AgentExecutor() (called with no arguments) raised {type(e).__name__}: {e}"
-            ) from e
-        if not isinstance(executor, AgentExecutorBase):
-            raise TypeError(f"{path}: AgentExecutor must subclass relayrl.agents.base.AgentExecutorBase")
-        for key, value in executor_kwargs.items():
-            setattr(executor, key, value)
-    elif hasattr(module, "AgentInstance"):
-        try:
-            executor = MultiTurnExecutor(module.AgentInstance, **executor_kwargs)
-        except TypeError as e:
-            raise TypeError(f"{path}: {e}") from e
-    elif hasattr(module, "openai_agent"):
-        from relayrl.agents.openai_agent import OpenAIAgentExecutor
-
-        known = set(inspect.signature(OpenAIAgentExecutor.__init__).parameters)  # max_turns etc. do not apply
-        executor = OpenAIAgentExecutor(
-            module.openai_agent, **{k: v for k, v in executor_kwargs.items() if k in known}
-        )
-    else:
-        raise AttributeError(
-            f"{path} defines none of `AgentExecutor`, `AgentInstance` or `openai_agent`; define one of them"
-        )
-    return executor.bind(engine, tokenizer, max_total_len=max_total_len)

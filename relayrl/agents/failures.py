@@ -29,6 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import Any
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 
@@ -96,7 +97,7 @@ def mark_failed(
     (log or FAILURES).record(traj, source, kind, message)
 
 
-def check_scalar(value: object, what: str) -> float:
+def check_scalar(value: Any, what: str) -> float:
     """`value` as a finite float; ValueError("nan"/"wrong_length"...). The rule: a reward is a NUMBER (int,
     float, a numpy scalar, a 1-element tensor); strings (numeric or not) and booleans are refused as
     bad_output, so "0.5" and "yes" fail alike instead of one passing by accident."""

@@ -91,7 +91,8 @@ class OpenAIAgentExecutor(AgentExecutorBase):
         sid = f"sample{sample.index}-ep{i}-{uuid.uuid4().hex[:12]}"
         seed = None if params.seed is None else params.seed + 1_000_003 * i
         self.server.open_session(sid, replace(params, n=1, seed=seed))
-        kind = message = None
+        kind: str | None = None
+        message = ""
         out: Any = None
         cm = None
         try:

@@ -43,6 +43,7 @@ from typing import Any
 from aiohttp import web
 
 from relayrl.agents.executors import decode_response
+from relayrl.agents.http import start_app
 from relayrl.agents.traces import SessionTrace, TraceCall, first_diff
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
 
@@ -340,7 +341,7 @@ class OpenAIServer:
         """The aiohttp application (routes in the module doc)."""
 
         def guarded(handler):
-            async def run(request: web.Request) -> web.Response:
+            async def run(request: web.Request) -> web.StreamResponse:
                 try:
                     return await handler(request)
                 except (RequestError, ValueError) as e:
@@ -350,10 +351,10 @@ class OpenAIServer:
 
             return run
 
-        async def chat(request: web.Request) -> web.Response:
+        async def chat(request: web.Request) -> web.StreamResponse:
             return await self._generate(request, chat=True)
 
-        async def completions(request: web.Request) -> web.Response:
+        async def completions(request: web.Request) -> web.StreamResponse:
             return await self._generate(request, chat=False)
 
         app = web.Application(client_max_size=64 * 1024**2)
@@ -401,8 +402,6 @@ class OpenAIServer:
     # ---- running --------------------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve in the running event loop; returns the bound port (port 0 picks a free one)."""
-        from relayrl.agents.remote_rm import start_app
-
         self._runner, bound = await start_app(self.app(), host, port)
         return bound
 
@@ -440,9 +439,3 @@ class OpenAIServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
             self._thread = self._loop = None
-
-
-
-
-
-

@@ -12,7 +12,8 @@ Binds 127.0.0.1 unless `--host` says otherwise. Requests are scored one batch at
 model) on a worker thread, so the server keeps answering /health while it scores. A bad request gets
 HTTP 400 naming the problem; a scorer that raises gets HTTP 500 with the error text.
 
-In Python (tests, embedding): `app = build_rm_app(scorer)`; `runner, port = await start_app(app)`.
+In Python (tests, embedding): `app = build_rm_app(scorer)`; `runner, port = await start_app(app)`
+(relayrl.agents.http).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+
+from relayrl.agents.rewards.base import parse_reward_output
+from relayrl.agents.rewards.local_rm import LocalRewardModel
 
 logger = logging.getLogger("relayrl.serve_rm")
 
@@ -41,8 +45,6 @@ def _jsonable(x: Any) -> Any:
 
 
 def _normalise(out: Any, n: int) -> dict[str, Any]:
-    from relayrl.agents.rewards.base import parse_reward_output
-
     parse_reward_output(out, n)  # raises (-> HTTP 500) on a wrong length / shape
     out = _jsonable(out)
     if not isinstance(out, dict):
@@ -89,19 +91,7 @@ def build_rm_app(scorer: Scorer) -> web.Application:
     return app
 
 
-async def start_app(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0
-) -> tuple[web.AppRunner, int]:
-    """Start `app` on host:port (0 = a free port) in the running loop; returns (runner, bound port)."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # aiohttp has no public getter
-    return runner, int(sockets[0].getsockname()[1]) if sockets else port
-
-
-def model_scorer(rm: Any) -> Scorer:
+def model_scorer(rm: LocalRewardModel) -> Scorer:
     """Scorer over a `LocalRewardModel`: scores the query texts."""
 
     def score(queries: list[str], prompts: list[str] | None, labels: list[Any] | None) -> dict[str, Any]:
@@ -109,11 +99,3 @@ def model_scorer(rm: Any) -> Scorer:
         return {"rewards": rewards, "scores": rewards}
 
     return score
-
-
-
-
-
-
-
-

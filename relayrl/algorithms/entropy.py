@@ -5,7 +5,7 @@ The distribution is the one the rollout engine sampled from: p = softmax(logits 
 
     H_t = logsumexp(z) - sum_v p_v z_v,  z = logits / temperature
 
-For long sequences and big vocabularies compute it with `relayrl.models.logprobs.token_logprobs(...,
+For long sequences and big vocabularies compute it with `relayrl.models.logprobs.head_logprobs(...,
 with_entropy=True)` (chunked, never a full [B, T, V] fp32 tensor); `entropy_from_logits` is for small
 logits. The bonus is a per-token loss -coef * H_t aggregated like the policy loss.
 """

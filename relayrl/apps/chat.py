@@ -288,8 +288,7 @@ def chat_loop(session: ChatSession, lines: Iterable[str], out: TextIO, *, intera
 def run_chat(cfg: ChatConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> ChatSession:
     """Load the model and chat over `stdin` / `stdout` (default the process's) until /exit or end of input;
     returns the session (its history and per-turn prompt ids)."""
-    from relayrl.models.loading import load_tokenizer
-    from relayrl.training.setup import resolve_device
+    from relayrl.models.loading import load_tokenizer, resolve_device
     from relayrl.workers.builders import build_frozen
 
     stdin = sys.stdin if stdin is None else stdin

@@ -46,6 +46,7 @@ from typing import Any
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.executors import SingleTurnExecutor
+from relayrl.agents.rewards import build_reward_source, parse_reward_spec, resolve_reward_spec
 from relayrl.apps.selection import SELECTORS, SelectOptions
 from relayrl.config.base import ConfigError, ConfigWarning, save_yaml
 from relayrl.config.command_line import run_command
@@ -53,6 +54,7 @@ from relayrl.config.generate import GenerateConfig
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import EngineSettings, SamplingParams
 from relayrl.rollout.build import build_engine, engine_capabilities
+from relayrl.tasks import get_task
 from relayrl.workers.builders import build_frozen
 
 
@@ -102,7 +104,7 @@ class GenerateResult:
 # ---------------------------------------------------------------------------------------------- validation
 def reward_spec_of(cfg: GenerateConfig) -> str:
     """The reward source spec: reward.source, else task:<task.name>, else "" (no scoring)."""
-    return cfg.reward.source or (f"task:{cfg.task.name}" if cfg.task.name else "")
+    return resolve_reward_spec(cfg.reward.source, task=cfg.task.name)
 
 
 def validate_generate_config(cfg: GenerateConfig, *, model_given: bool = False) -> None:
@@ -190,8 +192,6 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any) -> list[PromptSample]:
 
     if not cfg.task.name:
         return build_prompt_data(cfg.data, tokenizer)[0]
-    from relayrl.tasks import get_task
-
     rows = get_task(cfg.task.name).make_rows("train", cfg.task.train_rows, cfg.data.seed)
     with tempfile.TemporaryDirectory(prefix="relayrl-generate-") as tmp:
         path = Path(tmp) / f"{cfg.task.name}.jsonl"
@@ -254,21 +254,20 @@ def sample_groups(
 def build_scorer(cfg: GenerateConfig, tokenizer: Any, log: Any, device: str) -> Any:
     """The reward source of `reward_spec_of(cfg)`, or None. A reward_func file gets batches of one prompt's
     n samples, so its raise fails that prompt only."""
-    from relayrl.agents.rewards import build_reward_source
-
     spec = reward_spec_of(cfg)
     if not spec:
         return None
-    if spec.startswith("task:"):
-        return build_reward_source(spec, log=log)
+    parsed = parse_reward_spec(spec)
+    if parsed.kind == "task":
+        return build_reward_source(parsed, get_task=get_task, log=log)
     opts: dict[str, Any] = {"log": log}
-    if spec.startswith("rm:") or Path(spec).is_dir():
+    if parsed.kind == "rm":
         opts["device"] = device
     else:
         opts["timeout"] = cfg.reward.timeout_s
-    if spec.endswith(".py"):
+    if parsed.kind == "file":
         opts["batch_size"] = cfg.rollout.n_samples
-    return build_reward_source(spec, tokenizer=tokenizer, **opts)
+    return build_reward_source(parsed, tokenizer=tokenizer, **opts)
 
 
 def score_groups(source: Any, groups: list[list[Trajectory]], prompts_per_call: int) -> None:
@@ -311,8 +310,7 @@ def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = Non
     policy of an iterative-DPO loop, in eval mode; a path for the vllm engine) instead of loading
     model.name_or_path."""
     from relayrl.agents.failures import FailureLog
-    from relayrl.models.loading import load_tokenizer
-    from relayrl.training.setup import resolve_device
+    from relayrl.models.loading import load_tokenizer, resolve_device
 
     # no global reseeding: every request carries its own seed, and an in-process caller keeps its RNG state
     validate_generate_config(cfg, model_given=model is not None and tokenizer is not None)

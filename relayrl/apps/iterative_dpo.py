@@ -149,7 +149,7 @@ def _merged(final: Path, folder: Path, cfg: IterativeDPOConfig) -> str:
     """The round's model as a full folder: LoRA adapters are merged (the next round starts from it)."""
     if not (Path(final) / "adapter_config.json").is_file():
         return str(final)
-    from relayrl.models.loading import merge_lora
+    from relayrl.models.merge import merge_lora
 
     merged = folder / "merged"
     if not (merged / "config.json").is_file():

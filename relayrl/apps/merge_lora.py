@@ -1,11 +1,12 @@
-"""`relayrl merge-lora`: merge a LoRA adapter into its base model (relayrl.models.loading.merge_lora)."""
+"""`relayrl merge-lora`: merge a LoRA adapter into its base model (relayrl.models.merge.merge_lora)."""
 
 from __future__ import annotations
 
 import argparse
 
 from relayrl.config.command_line import error_boundary
-from relayrl.models.loading import DTYPES, merge_lora
+from relayrl.models.loading import DTYPES
+from relayrl.models.merge import merge_lora
 
 
 def main(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ from aiohttp import web
 from relayrl.agents.openai_server import OpenAIServer
 from relayrl.config.apps import ServeConfig
 from relayrl.config.command_line import run_command
+from relayrl.models.loading import load_pretrained, resolve_device
 from relayrl.rollout.base import EngineSettings
 from relayrl.rollout.build import build_engine, engine_capabilities
 
@@ -28,14 +29,13 @@ def _serve(cfg: ServeConfig) -> int:
             file=sys.stderr,
         )
         return 2
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device, "device")
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         # an engine that loads its own weights (vllm) reads the folder itself: the HF module is not loaded then
         model: Any = cfg.model
         if not caps.own_weights:
-            hf: Any = AutoModelForCausalLM.from_pretrained(cfg.model)
-            model = hf.to(device).eval()
+            model = load_pretrained(AutoModelForCausalLM, cfg.model, what="model", device=device).eval()
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -215,6 +215,7 @@ def build_prompt_data(
         for i, smp in enumerate(samples):
             smp.index = i
             if smp.label is None:  # kept prompts without a label, per source
-                by_source[origin[id(smp)]].no_label += 1
+                st = by_source[origin[id(smp)]]
+                st.no_label = (st.no_label or 0) + 1
     report_stats(stats, log, len(train))
     return train, evals, stats

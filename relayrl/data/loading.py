@@ -104,6 +104,7 @@ def _read_jsonl(path: Path, source: str, skip_malformed: bool) -> tuple[list[Raw
     bad = 0
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
+            data: Any = None
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:

@@ -14,8 +14,8 @@ softmax(logits / temperature); it is scored by the hidden state of token j - 1 o
 first token of every sequence has no prefix and gets logp = 0 and entropy = 0. `token_values` is NOT
 shifted: v[j] is the value head on token j's own hidden state (the caller shifts, as for any critic).
 
-Layouts (pick one with `choose_layout`, apply it once with `prepare_model`, cut rows with
-`plan_micro_batches`):
+Layouts (relayrl.data.packing.LAYOUTS; pick one with `choose_layout`, apply it once with `prepare_model`,
+cut rows with relayrl.data.packing.plan_micro_batches):
 
     varlen  the S sequences concatenated into ONE [1, N] row, position ids restarting at 0 per sequence,
             cu_seqlens int32 [S + 1] and the longest length passed to the model as the FlashAttention
@@ -57,8 +57,9 @@ from torch import Tensor
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from relayrl.data.packing import plan_token_budget
-from relayrl.models.logprobs import token_logprobs as head_logprobs
+from relayrl.data.packing import check_layout
+from relayrl.models.logprobs import head_logprobs
+from relayrl.models.value_head import head_values
 
 try:  # torch >= 2.10, CUDA (flash) only
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -67,7 +68,6 @@ except ImportError:  # pragma: no cover - older torch
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("varlen", "padded")
 ATTN_NAME = "relayrl_varlen"
 """Name of our attention function in transformers' AttentionInterface / AttentionMaskInterface."""
 
@@ -121,7 +121,10 @@ def _kernel(
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
+    assert _varlen_attn is not None  # _kernel_usable checked it
+    out = _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
+    assert isinstance(out, Tensor)  # no return_aux requested
+    return out
 
 
 def _per_sequence(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scale: float | None) -> Tensor:
@@ -236,11 +239,6 @@ def choose_layout(model: Any, device: torch.device | str) -> str:
     return "padded"
 
 
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
 def _set_attention(hf: Any, name: str) -> None:
     if hf.config._attn_implementation == name:
         return
@@ -255,7 +253,7 @@ def prepare_model(model: Any, layout: str) -> Any:
     varlen: register our attention and mask functions (once) and switch the model to them. padded: keep
     sdpa or eager, switch anything else (our varlen, flash, flex) to sdpa.
     """
-    _check_layout(layout)
+    check_layout(layout)
     hf = hf_model(model)
     if layout == "varlen":
         blocker = _architecture_blocker(hf)
@@ -266,29 +264,6 @@ def prepare_model(model: Any, layout: str) -> Any:
     elif hf.config._attn_implementation not in ("sdpa", "eager"):
         _set_attention(hf, "sdpa")
     return model
-
-
-def plan_micro_batches(lengths: Sequence[int], budget: int, layout: str) -> list[list[int]]:
-    """Row indices of each micro-batch (every index exactly once; ascending inside a bin).
-
-    varlen: bins of at most `budget` real tokens, first-fit-decreasing (relayrl.data.packing).
-    padded: rows sorted by length (descending, stable), cut into consecutive runs with
-    rows * longest <= budget, so rows of similar length share a bin and padding stays small.
-    Either way a row longer than the budget gets a bin of its own.
-    """
-    _check_layout(layout)
-    if budget <= 0:
-        raise ValueError(f"token budget must be > 0, got {budget}")
-    if layout == "varlen":
-        return plan_token_budget(lengths, budget)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    for i in order:
-        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
-            bins[-1].append(i)
-        else:
-            bins.append([i])
-    return [sorted(b) for b in bins]
 
 
 # ---------------------------------------------------------------- forwards
@@ -351,7 +326,7 @@ def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
     Works for causal LMs and value-head models (the trunk is `hf.<base_model_prefix>`), under peft too.
     Differentiable. The varlen layout needs `prepare_model(model, "varlen")` first.
     """
-    _check_layout(layout)
+    check_layout(layout)
     lengths = _lengths(seqs)
     hf = hf_model(model)
     if layout == "varlen" and hf.config._attn_implementation != ATTN_NAME:
@@ -459,8 +434,7 @@ def token_logprobs(
 
 def token_values(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
     """Value head (`score`, hidden -> 1) on every token's own hidden state: [N] float32, not shifted."""
-    hf = hf_model(model)
-    return hf.score(forward_hidden(model, seqs, layout)).squeeze(-1).float()
+    return head_values(model, forward_hidden(model, seqs, layout))
 
 
 # ---------------------------------------------------------------- flat <-> per-sequence helpers

@@ -3,11 +3,12 @@
     tok = load_tokenizer("path/or/hub-id")                       pad token falls back to eos (with a warning)
     model = load_causal_lm(ModelConfig(name_or_path=...))        dtype, attention kernel, grad checkpointing,
                                                                  LoRA (lora.rank > 0), QLoRA (load_in_4bit)
-    merge_lora("runs/sft/ckpt/step_100/model", "merged/")        adapter folder -> full HF model folder
+    device = resolve_device("auto")                              the ONE device rule (cuda when available)
 
 Errors teach: a name that is neither a local folder nor reachable on the Hub (offline) says so and how to fix
 it; QLoRA without bitsandbytes or without CUDA names what is missing. Value-head models (critic / reward
-model) live in value_head.py and reuse `resolve_source`, `torch_dtype` and `apply_lora`.
+model) live in value_head.py and reuse `resolve_source`, `torch_dtype` and `apply_lora`; merging an adapter
+(merge_lora) is merge.py, above both.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def torch_dtype(name: str, device: torch.device | str | None = None) -> torch.dt
     if name not in DTYPES:
         raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+def resolve_device(name: str | None, what: str = "train.device") -> torch.device:
+    """ "auto" (or "" / None) -> cuda when available else cpu; "cuda" without a GPU is an error naming the
+    field `what` and the fix."""
+    if not name or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"{what}={name} but no CUDA device is available; use --{what} cpu or auto")
+    return torch.device(name)
 
 
 def _offline() -> bool:
@@ -65,7 +76,7 @@ def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
     return name_or_path
 
 
-def _hub_error(err: Exception, source: str, what: str) -> OSError:
+def hub_error(err: Exception, source: str, what: str) -> OSError:
     return OSError(
         f"could not load {what}={source!r}: {err}. If it is a Hub id, check the name and that the Hub is "
         "reachable (offline machines need a local folder)"
@@ -101,7 +112,7 @@ def load_tokenizer(
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:
-        raise _hub_error(err, source, "tokenizer") from err
+        raise hub_error(err, source, "tokenizer") from err
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError(f"tokenizer {source!r} has neither a pad token nor an eos token; set one in it")
@@ -120,7 +131,7 @@ def quantization_config(cfg: ModelConfig) -> Any:
         return None
     missing = []
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes  # noqa: F401  # pyright: ignore[reportMissingImports]
     except ImportError:
         missing.append("the bitsandbytes package (pip install bitsandbytes)")
     if not torch.cuda.is_available():
@@ -204,6 +215,27 @@ def checkpointing_enabled(model: Any) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
+def load_pretrained(
+    auto_cls: Any,
+    name_or_path: str,
+    *,
+    what: str = "model.name_or_path",
+    device: torch.device | str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`auto_cls.from_pretrained(source, **kwargs)` (a transformers Auto class) of a checked source
+    (`resolve_source`; errors name `what` and the fix), moved to `device` when given unless quantized
+    (bitsandbytes places a quantized model itself). The one HF model-loading path."""
+    source = resolve_source(name_or_path, what)
+    try:
+        model = auto_cls.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise hub_error(err, source, what) from err
+    if device is not None and kwargs.get("quantization_config") is None:
+        model = model.to(device)
+    return model
+
+
 def load_causal_lm(cfg: ModelConfig, *, device: torch.device | str | None = None, lora: bool = True) -> Any:
     """AutoModelForCausalLM per `cfg`: dtype, attention kernel, gradient checkpointing, LoRA / QLoRA.
 
@@ -212,13 +244,9 @@ def load_causal_lm(cfg: ModelConfig, *, device: torch.device | str | None = None
     """
     from transformers import AutoModelForCausalLM
 
-    source = resolve_source(cfg.name_or_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs(cfg, device))
-    except OSError as err:
-        raise _hub_error(err, source, "model.name_or_path") from err
-    if device is not None and not cfg.load_in_4bit:
-        model = model.to(device)
+    model = load_pretrained(
+        AutoModelForCausalLM, cfg.name_or_path, device=device, **model_kwargs(cfg, device)
+    )
     if not lora:
         return model
     return finish_model(model, cfg, task_type="CAUSAL_LM")
@@ -232,56 +260,3 @@ def load_model_and_tokenizer(
         cfg.tokenizer_name_or_path or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
     )
     return load_causal_lm(cfg, device=device), tok
-
-
-def merge_lora(
-    adapter_path: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base: str | None = None
-) -> Path:
-    """Merge a saved LoRA adapter folder into its base model and save a full HF folder (+ tokenizer).
-
-    The base model is `base` when given, else the adapter's `base_model_name_or_path`; a local base that does
-    not exist is an error before anything loads (with the flag to pass). The tokenizer is copied from the
-    adapter folder when present, else from the base. A value-head adapter (peft task SEQ_CLS: a reward model
-    or critic trained with LoRA) merges into an AutoModelForSequenceClassification with its trained `score`
-    head, and a reward model's reward_mean / reward_std go into the merged config.json.
-    """
-    import json
-
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from relayrl.models.value_head import reward_stats, write_reward_stats
-
-    adapter_path, out_dir = Path(adapter_path), Path(out_dir)
-    config = adapter_path / "adapter_config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"{adapter_path} has no adapter_config.json: is it a LoRA adapter folder?")
-    adapter = json.loads(config.read_text())
-    named = adapter.get("base_model_name_or_path") or ""
-    value_head = adapter.get("task_type") == "SEQ_CLS"
-    source = base or named
-    try:
-        source = resolve_source(source, "the adapter's base model")
-    except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"{e} (named in {config}{', run from ' + str(Path.cwd()) if not Path(source).is_absolute() else ''}); "
-            "pass the base model folder with --base PATH"
-        ) from None
-    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else source
-    tokenizer = load_tokenizer(str(tok_source))
-    if value_head:
-        base_model = AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=1, dtype=torch_dtype(dtype), pad_token_id=tokenizer.pad_token_id
-        )
-    else:
-        base_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype))
-    model = PeftModel.from_pretrained(base_model, adapter_path)
-    merged = model.merge_and_unload()
-    merged.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    stats = reward_stats(adapter_path)
-    if stats is not None:
-        write_reward_stats(out_dir, *stats)
-    return out_dir
-
-

@@ -1,7 +1,7 @@
 """Per-token log-probs and entropy without materialising the full [B, T, V] float32 logits.
 
-    token_logprobs(hidden [B, T, H] | [N, H], weight [V, H], targets [B, T] | [N], *, bias=None,
-                   temperature=1.0, chunk_size=None, with_entropy=False, ignore_index=-100)
+    head_logprobs(hidden [B, T, H] | [N, H], weight [V, H], targets [B, T] | [N], *, bias=None,
+                  temperature=1.0, chunk_size=None, with_entropy=False, ignore_index=-100)
         -> (logp [B, T] | [N] float32, entropy like logp or None)
     token_logprobs_from_logits(logits [..., V], targets [...], *, temperature=1.0, chunk_size=None,
                                with_entropy=False, ignore_index=-100) -> (logp, entropy | None)
@@ -12,6 +12,10 @@ temperature-scaled distribution the rollout engine samples from. `targets[b, t]`
 `hidden[b, t]`: the caller shifts (hidden[:, :-1] with input_ids[:, 1:]). Targets equal to `ignore_index`
 get logp = 0 and no gradient; other targets must lie in [0, V). Outputs are float32 (float64 for float64
 inputs). `from_logits` accepts -inf logits (banned tokens: p = 0, entropy and gradients stay finite).
+
+Three levels, one path: this kernel (hidden states x LM head), relayrl.models.forward.token_logprobs (a
+model over a list of token sequences, flat [N]), relayrl.workers.model_ops.row_logprobs (rows of a padded
+SequenceBatch, [R, T]).
 
 Memory. Tokens are processed in chunks of `chunk_size` rows (default: as many rows as fit 2**24 float32
 logits = 64 MiB on CPU, i.e. 524 rows for V = 32k; 8x that on CUDA). Both functions are `torch.autograd.Function`s: the forward
@@ -109,7 +113,7 @@ class _HeadLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent):  # pyright: ignore[reportIncompatibleMethodOverride]
         hidden, weight, w_c, bias, tgt, valid, lse, ent = ctx.saved_tensors
         w_c = weight if w_c is None else w_c
         temperature, chunk, with_entropy = ctx.cfg
@@ -133,7 +137,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 lse[s:e],
                 ent[s:e] if use_ent else None,
                 g_logp[s:e],
-                g_ent[s:e].to(lse.dtype) if use_ent else None,
+                g_ent[s:e].to(lse.dtype) if use_ent and g_ent is not None else None,
             )
             del z
             if temperature != 1.0:
@@ -148,7 +152,7 @@ class _HeadLogprobs(torch.autograd.Function):
             if g_bias is not None:
                 g_bias += gz.sum(dim=0)
             del gz, gz_c  # free this chunk before the next one is formed
-        g_bias = g_bias.to(bias.dtype) if g_bias is not None else None
+        g_bias = g_bias.to(bias.dtype) if g_bias is not None and bias is not None else None
         return g_hidden, g_weight, g_bias, None, None, None, None, None
 
 
@@ -189,7 +193,7 @@ def _head_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: fl
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def token_logprobs(
+def head_logprobs(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -252,7 +256,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent):  # pyright: ignore[reportIncompatibleMethodOverride]
         logits, tgt, valid, lse, ent = ctx.saved_tensors
         temperature, chunk, with_entropy = ctx.cfg
         g_logits = torch.empty_like(logits)
@@ -268,7 +272,7 @@ class _LogitsLogprobs(torch.autograd.Function):
                 lse[s:e],
                 ent[s:e] if use_ent else None,
                 g_logp[s:e],
-                g_ent[s:e].to(lse.dtype) if use_ent else None,
+                g_ent[s:e].to(lse.dtype) if use_ent and g_ent is not None else None,
             )
             g_logits[s:e] = gz.div_(temperature).to(logits.dtype)
             del gz
@@ -284,7 +288,7 @@ def token_logprobs_from_logits(
     with_entropy: bool = False,
     ignore_index: int = -100,
 ) -> tuple[Tensor, Tensor | None]:
-    """Like `token_logprobs` but from existing logits [..., V] (any float dtype, e.g. bf16): the float32
+    """Like `head_logprobs` but from existing logits [..., V] (any float dtype, e.g. bf16): the float32
     upcast, softmax and its gradient are formed one chunk of rows at a time."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(

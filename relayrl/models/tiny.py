@@ -32,6 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from tokenizers import pre_tokenizers
@@ -107,8 +108,8 @@ def build_tiny_model(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec | None = Non
         num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=cast(int, tokenizer.pad_token_id),
+        eos_token_id=cast(int, tokenizer.eos_token_id),
         bos_token_id=None,
         use_cache=True,
     )

@@ -9,9 +9,16 @@ its config. So a saved critic / RM folder loads anywhere with
 and vLLM / OpenRLHF-style tools read it unchanged.
 
     rm = build_value_model(ModelConfig(name_or_path=sft_path), init="normal")   # new head on a causal LM
-    v  = token_values(critic, input_ids, attention_mask)     # [B, T]   critic: value of every position
+    v  = head_values(critic, hidden)                         # [...]    THE value head on hidden states [..., H]
+    v  = padded_values(critic, input_ids, attention_mask)    # [B, T]   value of every position of padded rows
     r  = sequence_scores(rm, input_ids, attention_mask)      # [B]      RM: value at the last real token
     save_value_model(rm, tokenizer, out_dir)
+
+Every value-head forward applies the head through `head_values`: padded rows here (left or right padding,
+an attention mask: HF's own convention), packed or length-bucketed sequences in
+relayrl.models.forward.token_values (the trainers' and the critic's), the local reward model
+(relayrl.agents.rewards.local_rm) through `sequence_scores`. The saved folder's own HF pooling gives the
+same scores (the same op order: head on every position, then the last real one).
 
 `build_value_model` accepts either a causal-LM folder (the head is new: zeros for a critic, N(0, 1/(H+1)) for
 a reward model as in OpenRLHF) or an already saved value-head folder (the head is loaded). Packed inputs work
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 
 from relayrl.config.components import ModelConfig
-from relayrl.models.loading import _hub_error, finish_model, model_kwargs, resolve_source
+from relayrl.models.loading import finish_model, hub_error, model_kwargs, resolve_source
 
 
 def _is_value_folder(source: str) -> bool:
@@ -67,7 +74,7 @@ def build_value_model(
             hf_config.pad_token_id = pad_token_id
         model = AutoModelForSequenceClassification.from_pretrained(source, config=hf_config, **kwargs)
     except OSError as err:
-        raise _hub_error(err, source, "model.name_or_path") from err
+        raise hub_error(err, source, "model.name_or_path") from err
     except ValueError as err:
         raise ValueError(
             f"{source!r}: this architecture has no ForSequenceClassification class in transformers, so it "
@@ -96,19 +103,34 @@ def _unwrap(model: Any) -> Any:
     return get_base() if callable(get_base) else model
 
 
-def token_values(
+def head_values(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The value head (`score`, hidden -> 1) on hidden states [..., H] -> values [...] float32 (the model
+    under a peft wrapper: peft keeps `score` trainable through modules_to_save)."""
+    return _unwrap(model).score(hidden).squeeze(-1).float()
+
+
+def padded_hidden(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decoder trunk's last hidden states [B, T, H] of padded rows (`attention_mask` marks real tokens)."""
+    hf = _unwrap(model)
+    decoder = getattr(hf, hf.base_model_prefix)
+    return decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+
+
+def padded_values(
     model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token values [B, T] (float32): the `score` head applied to every position's last hidden state."""
-    hf = _unwrap(model)
-    decoder = getattr(hf, hf.base_model_prefix)
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-    return hf.score(hidden).squeeze(-1).float()
+    return head_values(model, padded_hidden(model, input_ids, attention_mask, position_ids))
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -120,10 +142,11 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 def sequence_scores(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Reward-model scores [B] (float32): the value at each row's last real token."""
+    """Reward-model scores [B] (float32): the value at each row's last real token (the head runs on every
+    position and the last real one is gathered, in the order of HF's own sequence-classification pooling)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    values = token_values(model, input_ids, attention_mask)
+    values = padded_values(model, input_ids, attention_mask)
     return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
 
 

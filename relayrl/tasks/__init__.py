@@ -1,5 +1,11 @@
-"""Built-in tasks: each owns its data generator, reward and evaluation (the RL loop never parses answers)."""
+"""Built-in tasks: each owns its data generator, reward and evaluation (the RL loop never parses answers).
 
-from relayrl.tasks.base import TASKS, Task, get_task
+base.py        the Task protocol, is_held_out (hash split of train / test)
+arith.py       add2, add3          guess.py   guess (multi-turn)      preference.py  feedback rows
+registry.py    TASKS (name -> factory, a plain dict), get_task
+"""
+
+from relayrl.tasks.base import Task
+from relayrl.tasks.registry import TASKS, get_task
 
 __all__ = ["TASKS", "Task", "get_task"]

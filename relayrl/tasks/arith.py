@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.tasks.base import is_held_out, register_task
+from relayrl.tasks.base import is_held_out
 
 
 @dataclass
@@ -40,13 +40,3 @@ class Addition:
 
     def reward(self, response: str, label: Any) -> float:
         return 1.0 if response.strip() == str(label) else 0.0
-
-
-@register_task("add2")
-def _add2() -> Addition:
-    return Addition(digits=2, name="add2")
-
-
-@register_task("add3")
-def _add3() -> Addition:
-    return Addition(digits=3, name="add3")

@@ -19,13 +19,17 @@ rules, so evaluation from text agrees with the agent's reward; `evaluate` runs e
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from relayrl.agents.base import AgentInstanceBase
+from relayrl.agents.executors import MultiTurnExecutor
 from relayrl.data.records import PromptSample
-from relayrl.tasks.base import is_held_out, register_task
+from relayrl.data.templates import encode
+from relayrl.rollout.base import SamplingParams
+from relayrl.tasks.base import is_held_out
 
 PROMPT_RE = re.compile(r"guess (\d+)-(\d+): ")
 HINT_RE = re.compile(r" (?:higher|lower|correct|invalid)\n")
@@ -120,10 +124,8 @@ class GuessNumber:
                 return turn_reward(turn, self.max_turns)
         return 0.0
 
-    def executor(self, engine: Any = None, tokenizer: Any = None, **kwargs: Any):
+    def executor(self, engine: Any = None, tokenizer: Any = None, **kwargs: Any) -> MultiTurnExecutor:
         """A `MultiTurnExecutor` running `GuessAgent` episodes of this task."""
-        from relayrl.agents.executors import MultiTurnExecutor
-
         return MultiTurnExecutor(
             self.agent_cls,
             engine,
@@ -143,11 +145,6 @@ class GuessNumber:
         seed: int = 0,
     ) -> dict[str, float]:
         """Play one episode per row; eval/guess/{solved, reward, turns, invalid} means."""
-        import asyncio
-
-        from relayrl.data.templates import encode
-        from relayrl.rollout.base import SamplingParams
-
         ex = self.executor(engine, tokenizer)
         params = SamplingParams(n=1, temperature=temperature, max_new_tokens=self.max_new_tokens, seed=seed)
         samples = [  # tokenized like training prompts (templates.encode: no special tokens added)
@@ -166,8 +163,3 @@ class GuessNumber:
             "eval/guess/invalid": mean([t.extra_logs.get("invalid", 0.0) for t in ok]),
             "eval/guess/failed": float(len(trajs) - len(ok)),
         }
-
-
-@register_task("guess")
-def _guess() -> GuessNumber:
-    return GuessNumber()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from relayrl.tasks.base import get_task
+from relayrl.tasks.registry import get_task
 
 PLACEHOLDER = ";"
 """The step separator of `step_rows` (one token of the character-level tokenizer)."""

@@ -24,27 +24,23 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from torch import Tensor
+
 from relayrl.algorithms.preference import DPO_LOSSES, dpo_rewards
+from relayrl.config.components import TrainConfig
 from relayrl.config.recipes import DPOConfig
-from relayrl.trainers.pairs import PairBatch, pair_batch, response_sums
-from relayrl.trainers.recipe import Recipe, RecipeResult, plan_groups, recipe_main, run_recipe, step_chunks
+from relayrl.data.packing import MicroBatching, chunk_by_count
+from relayrl.data.preference import build_pair_data
+from relayrl.models.forward import to_device
+from relayrl.trainers.pairs import PairBatch, pair_batch, side_logps
+from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
-
-
-def side_logps(model: Any, batch: Any) -> tuple[Any, Any]:
-    """(log-probs summed over each sequence's response [S], response token counts [S])."""
-    from relayrl.models.forward import token_logprobs
-
-    logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
-    return response_sums(logp, batch.input_ids, batch.targets)
 
 
 def dpo_loss(
     model: Any, batch: PairBatch, *, loss: str, beta: float, label_smoothing: float, nll_coef: float
 ):
     """The DPO-family loss summed over the micro-batch's pairs; count = pairs (see module doc)."""
-    from relayrl.models.forward import to_device
-
     if batch.ref_logps is None:
         raise RuntimeError("dpo_loss: the batch has no reference log-probs (prepare did not run)")
     sums, counts = side_logps(model, batch)
@@ -55,7 +51,7 @@ def dpo_loss(
     nll = -sums[:p] / counts[:p].clamp(min=1)
     if nll_coef:
         per_pair = per_pair + nll_coef * nll
-    metrics = {
+    metrics: dict[str, float | Tensor] = {
         "acc": (chosen_r > rejected_r).float().sum(),
         "chosen_reward": chosen_r.sum(),
         "rejected_reward": rejected_r.sum(),
@@ -75,12 +71,13 @@ def dpo_prepare(models: Any, micro_batches: list[PairBatch], num_real: int) -> N
                 mb.ref_logps = side_logps(models.frozen, mb)[0].float()
 
 
-def precompute_reference(handle: Any, samples: list[Any], cfg: Any, layout: str) -> None:
-    """One reference pass over `samples` (pairs), batched like training: stores ref_logps on each pair; the
-    worker frees the reference afterwards."""
+def precompute_reference(handle: Any, samples: list[Any], train: TrainConfig, layout: str) -> None:
+    """One reference pass over `samples` (pairs), batched like training (the train section's batch size and
+    micro-batching): stores ref_logps on each pair; the worker frees the reference afterwards."""
+    batching = MicroBatching.of(train, layout)
     groups, batches = [], []
-    for chunk in step_chunks(len(samples), cfg.train.batch_size):
-        for g in plan_groups([samples[i].num_tokens for i in chunk], cfg.train, layout):
+    for chunk in chunk_by_count(len(samples), train.batch_size):
+        for g in batching.groups([samples[i].num_tokens for i in chunk]):
             ids = [chunk[j] for j in g]
             groups.append(ids)
             batches.append(pair_batch([samples[i] for i in ids], layout))
@@ -92,8 +89,6 @@ def precompute_reference(handle: Any, samples: list[Any], cfg: Any, layout: str)
 
 
 def dpo_recipe(cfg: DPOConfig) -> Recipe:
-    from relayrl.data.preference import build_pair_data
-
     d = cfg.dpo
 
     def load(tokenizer: Any) -> tuple[list, list]:
@@ -106,7 +101,7 @@ def dpo_recipe(cfg: DPOConfig) -> Recipe:
         print(
             f"relayrl dpo: reference log-probs of {len(train) + len(evals)} pairs (one pass) ...", flush=True
         )
-        precompute_reference(handle, [*train, *evals], cfg, layout)
+        precompute_reference(handle, [*train, *evals], cfg.train, layout)
 
     ref = replace(cfg.model, name_or_path=d.ref_model or cfg.model.name_or_path)  # loaded without adapters
     return Recipe(
@@ -137,5 +132,5 @@ def main(argv: list[str] | None = None) -> int:
         DPOConfig,
         run_dpo,
         [("train/loss", "train loss"), ("train/margin", "margin"), ("eval/acc", "eval acc")],
-        __doc__,
+        __doc__ or "",
     )

@@ -3,7 +3,8 @@ training core.
 
     KDConfig(model, data, optim, train, ckpt, logger, dist, kd)
       -> build_sft_data(data, tokenizer, "response")    the SFT data (samples with response masks)
-      -> kd_batch(...)                                  SFTBatch + the teacher's hidden states (kd_prepare)
+      -> kd_batch(...)                                  relayrl.data.batches.sft_batch + the teacher's hidden
+                                                        states (kd_prepare)
       -> run_recipe(loss_fn=kd_loss, frozen=teacher, prepare=kd_prepare)
 
 Per target token t (the response tokens, as SFT): the student's and the teacher's next-token distributions at
@@ -27,8 +28,10 @@ from torch import Tensor
 from relayrl.algorithms.preference import chunked_divergence
 from relayrl.config.base import invalid
 from relayrl.config.recipes import KDConfig
+from relayrl.data.batches import sft_batch
+from relayrl.data.build import build_sft_data
+from relayrl.models.forward import forward_hidden, hf_model
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
-from relayrl.trainers.sft import sft_batch
 from relayrl.training.step import LossOutput
 
 
@@ -65,16 +68,12 @@ def _predicting_rows(batch: KDBatch) -> tuple[Tensor, Tensor]:
 
 
 def _head(model: Any) -> Tensor:
-    from relayrl.models.forward import hf_model
-
     weight = hf_model(model).get_output_embeddings().weight
     return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def kd_prepare(models: Any, micro_batches: list[KDBatch], num_real: int) -> None:
     """The teacher's final hidden states at the rows that predict a target, and its LM-head weight."""
-    from relayrl.models.forward import forward_hidden
-
     head = None
     for mb in micro_batches:
         rows, _ = _predicting_rows(mb)
@@ -91,9 +90,7 @@ def kd_loss(
     model: Any, batch: KDBatch, *, divergence: str, coef: float, temperature: float, beta: float, chunk: int
 ):
     """(1 - coef) CE + coef D summed over target tokens; count = target tokens (see module doc)."""
-    from relayrl.models.forward import forward_hidden
-
-    if batch.teacher_hidden is None:
+    if batch.teacher_hidden is None or batch.teacher_head is None:
         raise RuntimeError("kd_loss: the batch has no teacher outputs (kd_prepare did not run)")
     rows, tokens = _predicting_rows(batch)
     hidden = forward_hidden(model, batch.input_ids, batch.layout)
@@ -117,8 +114,6 @@ def kd_loss(
 
 
 def kd_recipe(cfg: KDConfig) -> Recipe:
-    from relayrl.data.build import build_sft_data
-
     k = cfg.kd
     if not k.teacher:
         raise invalid("kd.teacher", k.teacher, "a teacher model folder or Hub id (--kd.teacher PATH)")
@@ -160,5 +155,5 @@ def main(argv: list[str] | None = None) -> int:
         KDConfig,
         run_kd,
         [("train/loss", "train loss"), ("train/kd", "kd"), ("eval/kd", "eval kd")],
-        __doc__,
+        __doc__ or "",
     )

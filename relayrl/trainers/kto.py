@@ -25,10 +25,13 @@ import torch
 from torch import Tensor
 
 from relayrl.algorithms.preference import kto, kto_reference_point
+from relayrl.config.components import TrainConfig
 from relayrl.config.recipes import KTOConfig
-from relayrl.data.preference import UnpairedSample
-from relayrl.trainers.dpo import side_logps
-from relayrl.trainers.recipe import Recipe, RecipeResult, plan_groups, recipe_main, run_recipe
+from relayrl.data.packing import MicroBatching
+from relayrl.data.preference import UnpairedSample, build_unpaired_data
+from relayrl.models.forward import to_device
+from relayrl.trainers.pairs import side_logps
+from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
 
@@ -68,16 +71,17 @@ def kl_sequence(prompt_of: Any, response_of: Any) -> tuple[list[int], list[bool]
 
 
 def kto_collate(
-    samples: Sequence[UnpairedSample], train: Any, layout: str
+    samples: Sequence[UnpairedSample], train: TrainConfig, layout: str
 ) -> Callable[[list[int]], list[Any]]:
     """step indices -> KTOBatches; sample k of the step is paired with the response of sample k + 1 (mod n)."""
+    batching = MicroBatching.of(train, layout)
 
     def collate(indices: list[int]) -> list[KTOBatch]:
         step = [samples[i] for i in indices]
         n = len(step)
         kl = [kl_sequence(step[k].sample, step[(k + 1) % n].sample) for k in range(n)]
         out = []
-        for g in plan_groups([s.num_tokens for s in step], train, layout):
+        for g in batching.groups([s.num_tokens for s in step]):
             seqs = [step[k].sample.input_ids for k in g] + [kl[k][0] for k in g]
             masks = [step[k].sample.loss_mask for k in g] + [kl[k][1] for k in g]
             out.append(
@@ -125,8 +129,6 @@ def kto_prepare(models: Any, micro_batches: list[KTOBatch], num_real: int) -> No
 
 def kto_loss(model: Any, batch: KTOBatch, *, beta: float, desirable_weight: float, undesirable_weight: float):
     """KTO summed over the micro-batch's samples; count = samples (see module doc)."""
-    from relayrl.models.forward import to_device
-
     if batch.ref_logps is None or batch.z0 is None:
         raise RuntimeError("kto_loss: the batch has no reference log-probs / z0 (kto_prepare did not run)")
     sums, _ = side_logps(model, _matched(batch))
@@ -141,18 +143,16 @@ def kto_loss(model: Any, batch: KTOBatch, *, beta: float, desirable_weight: floa
         undesirable_weight=undesirable_weight,
     )
     n_good = good.sum().float()
-    metrics = {
+    metrics: dict[str, float | Tensor] = {
         "reward_desirable": torch.where(good, m["reward"], 0.0).sum(),
         "reward_undesirable": torch.where(good, 0.0, m["reward"]).sum(),
         "kl": torch.tensor(batch.z0 * len(sums), dtype=torch.float64),
     }
-    counts = {"reward_desirable": n_good, "reward_undesirable": len(sums) - n_good}
+    counts: dict[str, float | Tensor] = {"reward_desirable": n_good, "reward_undesirable": len(sums) - n_good}
     return LossOutput(loss_sum=loss.sum(), count=float(len(sums)), metrics=metrics, metric_counts=counts)
 
 
 def kto_recipe(cfg: KTOConfig) -> Recipe:
-    from relayrl.data.preference import build_unpaired_data
-
     k = cfg.kto
 
     def load(tokenizer: Any) -> tuple[list, list]:
@@ -192,5 +192,5 @@ def main(argv: list[str] | None = None) -> int:
         KTOConfig,
         run_kto,
         [("train/loss", "train loss"), ("train/kl", "kl"), ("eval/loss", "eval loss")],
-        __doc__,
+        __doc__ or "",
     )

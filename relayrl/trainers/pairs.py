@@ -3,17 +3,20 @@
 batch = pair_batch(pairs, layout)          PairBatch: 2P sequences, the P chosen first, then the P rejected
 sums, counts = response_sums(values, batch.input_ids, batch.targets)    per-sequence sums over responses
 last = last_token(values, batch.input_ids)                              per-sequence value at its last token
+sums, counts = side_logps(model, batch)    log-probs summed over each sequence's response (dpo, kto)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from relayrl.data.preference import PairSample
+from relayrl.models.forward import token_logprobs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,9 +46,9 @@ class PairBatch:
 def pair_batch(pairs: Sequence[PairSample], layout: str) -> PairBatch:
     """Pairs -> PairBatch (reference log-probs carried over when the pairs have them precomputed)."""
     sides = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    refs = [getattr(p, "ref_logps", None) for p in pairs]
+    refs = [r for p in pairs if (r := getattr(p, "ref_logps", None)) is not None]
     ref = None
-    if pairs and all(r is not None for r in refs):
+    if pairs and len(refs) == len(pairs):
         ref = torch.tensor([r[0] for r in refs] + [r[1] for r in refs], dtype=torch.float32)
     return PairBatch(
         input_ids=[torch.as_tensor(s.input_ids, dtype=torch.long) for s in sides],
@@ -75,3 +78,10 @@ def last_token(values: Tensor, seqs: Sequence[Tensor]) -> Tensor:
     """Each sequence's value at its last token: [S] from flat [N] values."""
     ends = torch.tensor([len(s) for s in seqs], device=values.device).cumsum(0) - 1
     return values[ends]
+
+
+def side_logps(model: Any, batch: Any) -> tuple[Tensor, Tensor]:
+    """(log-probs summed over each sequence's response [S], response token counts [S]) of a batch with
+    `input_ids`, `targets` and `layout` (a PairBatch, a KTOBatch's halves)."""
+    logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
+    return response_sums(logp, batch.input_ids, batch.targets)

@@ -23,6 +23,9 @@ from torch import Tensor
 
 from relayrl.algorithms.preference import step_loss
 from relayrl.config.recipes import PRMConfig
+from relayrl.data.preference import build_step_data, single_token
+from relayrl.models.forward import forward_hidden, hf_model
+from relayrl.models.loading import load_tokenizer
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
@@ -58,8 +61,6 @@ def step_batch(samples: list[Any], layout: str) -> StepBatch:
 
 def prm_loss(model: Any, batch: StepBatch, *, good: int, bad: int) -> LossOutput:
     """Step cross-entropy summed over the micro-batch's steps; count = steps."""
-    from relayrl.models.forward import forward_hidden, hf_model
-
     hidden = forward_hidden(model, batch.input_ids, batch.layout)
     h = hidden[batch.positions.to(hidden.device)]
     head = hf_model(model).get_output_embeddings()
@@ -69,9 +70,6 @@ def prm_loss(model: Any, batch: StepBatch, *, good: int, bad: int) -> LossOutput
 
 
 def prm_recipe(cfg: PRMConfig, tokenizer: Any = None) -> Recipe:
-    from relayrl.data.preference import build_step_data, single_token
-    from relayrl.models.loading import load_tokenizer
-
     p = cfg.prm
     m = cfg.model
     tok = tokenizer or load_tokenizer(
@@ -112,5 +110,5 @@ def main(argv: list[str] | None = None) -> int:
         PRMConfig,
         run_prm,
         [("train/loss", "train loss"), ("train/acc", "step acc"), ("eval/acc", "eval step acc")],
-        __doc__,
+        __doc__ or "",
     )

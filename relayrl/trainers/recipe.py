@@ -9,7 +9,7 @@ exact resume, signals, logging, final export) is this file plus relayrl/training
 sections, plus the recipe's own. The data builder returns typed samples with a `num_tokens` property;
 `to_batch(samples, layout)` turns one micro-batch's samples into the loss's batch record. Micro-batches are
 planned per optimizer step from the samples' token counts (train.packing with
-train.max_tokens_per_micro_batch, else train.micro_batch_size samples each).
+train.max_tokens_per_micro_batch, else train.micro_batch_size samples each) by relayrl.data.packing.
 
 Hooks: `before_fit(handle, train, evals, layout)` runs after the model role exists and before the loop (DPO
 precomputes reference log-probs there); `after_fit(handle, result)` after the final export (the reward model
@@ -25,7 +25,7 @@ from typing import Any
 
 from relayrl.config.base import save_yaml, to_dict
 from relayrl.config.components import ModelConfig
-from relayrl.data.packing import chunk_by_count
+from relayrl.data.packing import chunk_by_count, make_collate
 from relayrl.training.loop import LoopSettings
 from relayrl.training.sampler import ResumableSampler
 from relayrl.training.setup import (
@@ -106,49 +106,16 @@ class RecipeResult:
 
 
 # ---------------------------------------------------------------------------------------------- batching
-def plan_groups(sizes: Sequence[int], train: Any, layout: str) -> list[list[int]]:
-    """Micro-batches of one step as index groups: by token budget when train.packing and
-    train.max_tokens_per_micro_batch > 0 (relayrl.models.forward.plan_micro_batches), else consecutive chunks
-    of train.micro_batch_size."""
-    from relayrl.models.forward import plan_micro_batches
-
-    if train.packing and train.max_tokens_per_micro_batch > 0:
-        return plan_micro_batches(list(sizes), train.max_tokens_per_micro_batch, layout)
-    return chunk_by_count(len(sizes), train.micro_batch_size)
-
-
-def make_collate(
-    samples: Sequence[Any],
-    train: Any,
-    layout: str,
-    to_batch: Callable[[list[Any], str], Any],
-    size: Callable[[Any], int] = lambda s: s.num_tokens,
-) -> Callable[[list[int]], list[Any]]:
-    """step indices -> micro-batches (each `to_batch` of its samples; `size` a sample's token count)."""
-
-    def collate(indices: list[int]) -> list[Any]:
-        chosen = [samples[i] for i in indices]
-        groups = plan_groups([size(s) for s in chosen], train, layout)
-        return [to_batch([chosen[i] for i in g], layout) for g in groups]
-
-    return collate
-
-
 def _collate(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callable[[list[int]], list[Any]]:
     if recipe.collate is not None:
         return recipe.collate(samples, recipe.cfg.train, layout)
     return make_collate(samples, recipe.cfg.train, layout, recipe.to_batch)
 
 
-def step_chunks(num: int, batch_size: int) -> list[list[int]]:
-    """0..num-1 in consecutive steps of batch_size (the last may be shorter): an eval / scoring pass."""
-    return [list(range(i, min(num, i + batch_size))) for i in range(0, num, batch_size)]
-
-
 def _eval_batches(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callable[[], list[list[Any]]]:
     """Every eval sample once, in order, batched like training."""
     collate = _collate(recipe, samples, layout)
-    return lambda: [collate(c) for c in step_chunks(len(samples), recipe.cfg.train.batch_size)]
+    return lambda: [collate(c) for c in chunk_by_count(len(samples), recipe.cfg.train.batch_size)]
 
 
 # ---------------------------------------------------------------------------------------------- run

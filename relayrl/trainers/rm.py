@@ -20,30 +20,25 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from torch import Tensor
+
 from relayrl.algorithms.preference import bradley_terry
 from relayrl.config.recipes import RMConfig
+from relayrl.data.packing import chunk_by_count, make_collate
+from relayrl.data.preference import build_pair_data
+from relayrl.models.forward import to_device, token_values
+from relayrl.models.value_head import write_reward_stats
 from relayrl.trainers.pairs import PairBatch, last_token, pair_batch
-from relayrl.trainers.recipe import (
-    Recipe,
-    RecipeResult,
-    make_collate,
-    recipe_main,
-    run_recipe,
-    step_chunks,
-)
+from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
 
-def _scores(model: Any, batch: PairBatch) -> Any:
-    from relayrl.models.forward import token_values
-
+def _scores(model: Any, batch: PairBatch) -> Tensor:
     return last_token(token_values(model, batch.input_ids, batch.layout), batch.input_ids)
 
 
 def rm_loss(model: Any, batch: PairBatch) -> LossOutput:
     """Bradley-Terry loss summed over the micro-batch's pairs; count = pairs."""
-    from relayrl.models.forward import to_device
-
     scores = _scores(model, batch)
     p = batch.num_pairs
     loss, metrics = bradley_terry(scores[:p], scores[p:], to_device(batch.margins, scores.device))
@@ -58,14 +53,13 @@ def rm_scores(models: Any, batch: PairBatch) -> list[float]:
 
 def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig) -> tuple[float, float]:
     """Mean / std of the trained model's rewards over every training sequence, into final/ (config.json and reward_stats.json)."""
-    from relayrl.models.value_head import write_reward_stats
-
     pairs = result.train_samples or []
     collate = make_collate(pairs, cfg.train, result.layout, pair_batch)
-    batches = [mb for chunk in step_chunks(len(pairs), cfg.train.batch_size) for mb in collate(chunk)]
+    batches = [mb for chunk in chunk_by_count(len(pairs), cfg.train.batch_size) for mb in collate(chunk)]
     scores = [s for part in handle.call("infer", rm_scores, batches) for s in part]
     mean = sum(scores) / len(scores)
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+    assert result.final_model is not None  # after_fit runs after the export only
     write_reward_stats(result.final_model, mean, max(std, 1e-6))
     print(
         f"relayrl rm: reward mean {mean:.4f}, std {std:.4f} over {len(scores)} training sequences (final/reward_stats.json)"
@@ -74,11 +68,12 @@ def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig) -> tuple[float
 
 
 def rm_recipe(cfg: RMConfig) -> Recipe:
-    from relayrl.data.preference import build_pair_data
-
     def load(tokenizer: Any) -> tuple[list, list]:
         train, evals, _ = build_pair_data(cfg.data, tokenizer, margin_key=cfg.rm.margin_key)
         return train, evals
+
+    def after_fit(handle: Any, result: RecipeResult) -> None:
+        write_stats(handle, result, cfg)
 
     return Recipe(
         name="rm",
@@ -88,7 +83,7 @@ def rm_recipe(cfg: RMConfig) -> Recipe:
         to_batch=pair_batch,
         describe="Bradley-Terry reward model",
         head="value",
-        after_fit=lambda handle, result: write_stats(handle, result, cfg),
+        after_fit=after_fit,
     )
 
 
@@ -105,5 +100,5 @@ def main(argv: list[str] | None = None) -> int:
         RMConfig,
         run_rm,
         [("train/loss", "train loss"), ("train/acc", "acc"), ("eval/acc", "eval acc")],
-        __doc__,
+        __doc__ or "",
     )

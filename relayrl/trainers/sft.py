@@ -2,8 +2,8 @@
 
     SFTConfig(model, data, optim, train, ckpt, logger, mode)
       -> build_sft_data(data, tokenizer, mode)        relayrl.data.build: TokenizedSample(input_ids, loss_mask)
-      -> make_sft_collate(...)                        step indices -> micro-batches (SFTBatch: the samples'
-                                                      token ids + target masks, grouped by token budget or count)
+      -> make_sft_collate(...)                        step indices -> micro-batches (relayrl.data.batches.SFTBatch:
+                                                      token ids + target masks, grouped by relayrl.data.packing)
       -> Trainer(TrainStep(loss_fn=next_token_loss), ResumableSampler, CheckpointManager, MetricsLogger).fit()
          (the parts built from the component configs by training/setup.py, shared with RM / DPO / KTO)
 
@@ -26,22 +26,17 @@ Programmatic use (the demo): `result = run_sft(cfg)`; `result.model`, `result.me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from relayrl.config.components import TrainConfig
 from relayrl.config.recipes import SFTConfig
-from relayrl.trainers.recipe import (
-    Recipe,
-    RecipeResult,
-    make_collate,
-    plan_groups,
-    recipe_main,
-    run_recipe,
-)
+from relayrl.data.batches import SFTBatch, sft_batch
+from relayrl.data.build import build_sft_data
+from relayrl.data.packing import MicroBatching, make_collate
+from relayrl.models.forward import to_device, token_logprobs
+from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
 SFTResult = RecipeResult
@@ -49,25 +44,9 @@ SFTResult = RecipeResult
 
 
 # ---------------------------------------------------------------------------------------------- loss
-@dataclass(kw_only=True, slots=True)
-class SFTBatch:
-    """One micro-batch: the samples of one forward pass."""
-
-    input_ids: list[torch.Tensor]
-    """Per sample, [L_i] int64 token ids."""
-    targets: list[torch.Tensor]
-    """Per sample, [L_i] bool: token t carries loss (it is predicted from tokens < t; position 0 never)."""
-    layout: str = "padded"
-    """Attention layout of the forward (relayrl.models.forward.LAYOUTS)."""
-    num_tokens: int = 0
-    """Real tokens in the micro-batch."""
-
-
 def next_token_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
     """Summed token cross-entropy: loss_sum = sum over target tokens t of -log p(x_t | x_<t of the same
     sample); count = number of target tokens."""
-    from relayrl.models.forward import to_device, token_logprobs
-
     logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
     mask = torch.cat(batch.targets)
     mask[torch.tensor(_first_positions(batch.input_ids))] = False
@@ -85,16 +64,6 @@ def _first_positions(seqs: Sequence[torch.Tensor]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- batching
-def sft_batch(samples: Sequence[Any], layout: str) -> SFTBatch:
-    """One micro-batch of samples (objects with input_ids, loss_mask) -> SFTBatch."""
-    return SFTBatch(
-        input_ids=[torch.as_tensor(list(s.input_ids), dtype=torch.long) for s in samples],
-        targets=[torch.as_tensor(list(s.loss_mask), dtype=torch.bool) for s in samples],
-        layout=layout,
-        num_tokens=sum(len(s.input_ids) for s in samples),
-    )
-
-
 def sft_micro_batches(
     samples: Sequence[Any],
     *,
@@ -103,13 +72,14 @@ def sft_micro_batches(
     micro_batch_size: int = 1,
     max_tokens_per_micro_batch: int = 0,
 ) -> list[SFTBatch]:
-    """One optimizer step's samples -> micro-batches, grouped as relayrl.trainers.recipe.plan_groups does."""
-    train = SimpleNamespace(
+    """One optimizer step's samples -> micro-batches, grouped by relayrl.data.packing.MicroBatching."""
+    batching = MicroBatching(
+        layout=layout,
         packing=packing,
         micro_batch_size=micro_batch_size,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        max_tokens=max_tokens_per_micro_batch,
     )
-    groups = plan_groups([len(s.input_ids) for s in samples], train, layout)
+    groups = batching.groups([len(s.input_ids) for s in samples])
     return [sft_batch([samples[i] for i in g], layout) for g in groups]
 
 
@@ -121,7 +91,6 @@ def make_sft_collate(samples: Sequence[Any], cfg: TrainConfig, layout: str) -> C
 # ---------------------------------------------------------------------------------------------- run
 def sft_recipe(cfg: SFTConfig) -> Recipe:
     """The SFT recipe: response / multiturn / pretrain token cross-entropy on tokenized samples."""
-    from relayrl.data.build import build_sft_data
 
     def load(tokenizer: Any) -> tuple[list, list]:
         train, evals, _ = build_sft_data(cfg.data, tokenizer, cfg.mode)
@@ -146,5 +115,10 @@ def run_sft(cfg: SFTConfig) -> SFTResult:
 def main(argv: list[str] | None = None) -> int:
     """`relayrl sft [--config run.yaml] [--dotted.flags ...]`."""
     return recipe_main(
-        argv, "sft", SFTConfig, run_sft, [("train/loss", "train loss"), ("eval/loss", "eval loss")], __doc__
+        argv,
+        "sft",
+        SFTConfig,
+        run_sft,
+        [("train/loss", "train loss"), ("eval/loss", "eval loss")],
+        __doc__ or "",
     )

@@ -9,7 +9,8 @@
     resume_if_asked(trainer, cfg.ckpt)                           ckpt.resume: auto / none / path
 
 Only plain config components go in (never a whole command config), so every recipe calls the same code.
-`resolve_device` and `seed_everything` are the ONE device / seeding path (RL workers use them too).
+`resolve_device` (relayrl.models.loading) and `seed_everything` are the ONE device / seeding path (RL
+workers use them too).
 """
 
 from __future__ import annotations
@@ -34,23 +35,11 @@ __all__ = [
     "build_logger",
     "build_train_step",
     "compute_precision",
-    "resolve_device",
     "resume_if_asked",
     "run_dir_of",
     "seed_everything",
     "total_steps_of",
 ]
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" -> cuda when available else cpu; "cuda" without a GPU is an error naming the fix."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(
-            "train.device=cuda but no CUDA device is available; use --train.device cpu or auto"
-        )
-    return torch.device(name)
 
 
 def compute_precision(model_dtype: str, device: torch.device) -> str:

@@ -73,16 +73,17 @@ class Experience:
         idx = torch.as_tensor(rows, dtype=torch.long)
         width = tokens.input_ids.shape[1]
 
-        def cut(x: Tensor | None) -> Tensor | None:
-            if x is None:
-                return None
+        def take(x: Tensor) -> Tensor:
             return x[idx] if x.dim() == 1 else x[idx, :width]
+
+        def cut(x: Tensor | None) -> Tensor | None:
+            return None if x is None else take(x)
 
         return Experience(
             tokens=tokens,
             old_logprobs=cut(self.old_logprobs),
-            advantages=cut(self.advantages),
-            rewards=cut(self.rewards),
+            advantages=take(self.advantages),
+            rewards=take(self.rewards),
             ref_logprobs=cut(self.ref_logprobs),
             values=cut(self.values),
             returns=cut(self.returns),

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from relayrl.agents.base import AgentExecutorBase
-from relayrl.agents.executors import SingleTurnExecutor, load_agent_from_file
+from relayrl.agents.executors import SingleTurnExecutor
+from relayrl.agents.loader import load_agent_from_file
 from relayrl.algorithms.objective import PolicyObjective
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig

@@ -22,16 +22,17 @@ from torch import Tensor
 from relayrl.algorithms.objective import ValueObjective, ValueTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
+from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import in_group, merged
 from relayrl.models.forward import choose_layout, prepare_model, to_device
-from relayrl.models.loading import load_tokenizer
+from relayrl.models.loading import load_tokenizer, resolve_device
 from relayrl.models.value_head import build_value_model
 from relayrl.training.checkpoint import load_weights_into
-from relayrl.training.setup import build_train_step, compute_precision, resolve_device
+from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, SequenceBatch, split_rows
 from relayrl.workers.builders import setup_process
-from relayrl.workers.model_ops import critic_values, micro_batches, my_rows, on_my_rows
+from relayrl.workers.model_ops import critic_values, my_rows, on_my_rows
 from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
 
 
@@ -115,7 +116,7 @@ class CriticWorker:
     def _values(self, batch: SequenceBatch) -> Tensor:
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for rows, weight in padded_passes(
-            micro_batches(batch, self.spec.micro_batch_tokens, self.layout), None
+            plan_micro_batches(batch.lengths, self.spec.micro_batch_tokens, self.layout), None
         ):
             with self.train.autocast():
                 v = critic_values(self.model, batch, rows, self.layout)
@@ -131,7 +132,7 @@ class CriticWorker:
             for rows in split_rows(len(exp.rewards), self.spec.mini_batches):
                 mine = my_rows(exp.tokens.select(rows))
                 mb = exp.select([rows[i] for i in mine] or rows[:1])  # no rows here: a padding pass
-                groups = micro_batches(mb.tokens, self.spec.micro_batch_tokens, self.layout)
+                groups = plan_micro_batches(mb.tokens.lengths, self.spec.micro_batch_tokens, self.layout)
                 out = self.train.step(
                     groups,
                     lambda model, batch, mb=mb: self._loss(model, mb, batch),

@@ -40,10 +40,9 @@ from relayrl.distributed.group import merged, my_share, rank
 from relayrl.distributed.weights.base import Channel, Layout, WeightReceiver
 from relayrl.distributed.weights.broadcast import ModuleReceiver
 from relayrl.distributed.weights.vllm import VLLMReceiver
-from relayrl.models.loading import load_tokenizer
+from relayrl.models.loading import load_tokenizer, resolve_device
 from relayrl.rollout.base import RolloutEngine, SamplingParams, WorkerLoading
 from relayrl.rollout.build import engine_capabilities
-from relayrl.training.setup import resolve_device
 from relayrl.workers.builders import build_frozen, build_generation, setup_process
 
 

@@ -2,8 +2,8 @@
 computed on micro-batches of rows of a SequenceBatch and returned in its padded [B, T] layout.
 
     layout = choose_layout(model, device)                                 varlen (GPU) | padded (CPU)
-    for rows in micro_batches(batch, budget, layout):                     token-budget bins
-        lp, ent = token_logprobs(model, batch, rows, layout, temperature=1.0, entropy=True)  # [R, T_rows]
+    for rows in plan_micro_batches(batch.lengths, budget, layout):        token-budget bins (data.packing)
+        lp, ent = row_logprobs(model, batch, rows, layout, temperature=1.0, entropy=True)    # [R, T_rows]
         v = critic_values(critic, batch, rows, layout)                                      # [R, T_rows]
 
 The forward itself is relayrl.models.forward: on a GPU the rows of a micro-batch are packed into one row and
@@ -19,19 +19,17 @@ Log-probs go through relayrl.models.logprobs (hidden states x lm_head in chunks)
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import my_share
 from relayrl.models import forward
 from relayrl.training.step import padded_passes
 from relayrl.workers.base import SequenceBatch
-
-
-def micro_batches(batch: SequenceBatch, budget: int, layout: str) -> list[list[int]]:
-    """Row indices of each micro-batch under a token budget (relayrl.models.forward.plan_micro_batches)."""
-    return forward.plan_micro_batches(batch.lengths, budget, layout)
 
 
 def _rows(batch: SequenceBatch, rows: list[int]) -> tuple[list[Tensor], list[int], int]:
@@ -41,7 +39,7 @@ def _rows(batch: SequenceBatch, rows: list[int]) -> tuple[list[Tensor], list[int
     return seqs, sub, max(sub)
 
 
-def token_logprobs(
+def row_logprobs(
     model: torch.nn.Module,
     batch: SequenceBatch,
     rows: list[int],
@@ -62,9 +60,9 @@ def token_logprobs(
 def critic_values(critic: torch.nn.Module, batch: SequenceBatch, rows: list[int], layout: str) -> Tensor:
     """Values [len(rows), T_rows] float32: `values[:, t] = V(x_<t)` (the value head at position t-1)."""
     seqs, lengths, width = _rows(batch, rows)
-    hidden = forward.forward_hidden(critic, seqs, layout)
-    hf = critic.get_base_model() if hasattr(critic, "get_base_model") else critic
-    v = hf.score(hidden).squeeze(-1).float()  # [N]: the value of each token's state (its prefix included)
+    v = forward.token_values(
+        critic, seqs, layout
+    )  # [N]: the value of each token's state (its prefix included)
     shifted = torch.zeros_like(v)
     starts = forward.to_device(torch.tensor([0, *lengths]).cumsum(0)[:-1], v.device)
     shifted[1:] = v[:-1]
@@ -74,15 +72,20 @@ def critic_values(critic: torch.nn.Module, batch: SequenceBatch, rows: list[int]
 
 @torch.no_grad()
 def masked_logprobs(
-    model: torch.nn.Module, batch: SequenceBatch, budget: int, temperature: float, layout: str, autocast
+    model: torch.nn.Module,
+    batch: SequenceBatch,
+    budget: int,
+    temperature: float,
+    layout: str,
+    autocast: Callable[[], AbstractContextManager[Any]],
 ) -> Tensor:
     """Log-probs [B, T] (float32, CPU) of the whole batch, micro-batched by `budget`; 0 off the action mask.
     `autocast` is a context-manager factory (the role's compute precision). Under a process group every rank
     runs the same number of forwards (padding passes; their results are dropped)."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-    for rows, weight in padded_passes(micro_batches(batch, budget, layout), None):
+    for rows, weight in padded_passes(plan_micro_batches(batch.lengths, budget, layout), None):
         with autocast():
-            lp, _ = token_logprobs(model, batch, rows, layout, temperature=temperature)
+            lp, _ = row_logprobs(model, batch, rows, layout, temperature=temperature)
         if weight:
             out[rows, : lp.shape[1]] = lp.float().cpu()
     return out * batch.action_mask

@@ -40,16 +40,18 @@ from relayrl.algorithms.objective import PolicyObjective, PolicyTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
+from relayrl.data.packing import plan_micro_batches
 from relayrl.data.records import PromptSample
 from relayrl.distributed.group import in_group, merged, rank, world
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
 from relayrl.models.forward import choose_layout, prepare_model, to_device
+from relayrl.models.loading import resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.training.optim import move_optimizer_state
-from relayrl.training.setup import build_train_step, compute_precision, resolve_device
+from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, split_rows
 from relayrl.workers.builders import (
@@ -60,7 +62,7 @@ from relayrl.workers.builders import (
     setup_process,
 )
 from relayrl.workers.engine import generate_share, sampling_params
-from relayrl.workers.model_ops import masked_logprobs, micro_batches, my_rows, on_my_rows, token_logprobs
+from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
 
 
@@ -239,7 +241,7 @@ class PolicyWorker:
         """One optimizer step on the mini-batch: this rank's share of its rows (all of them on one rank)."""
         rows = my_rows(mb.tokens)
         part = mb.select(rows or [0])  # a rank without rows runs a padding pass (weight 0)
-        groups = micro_batches(part.tokens, self.spec.algo.micro_batch_tokens, self.layout)
+        groups = plan_micro_batches(part.tokens.lengths, self.spec.algo.micro_batch_tokens, self.layout)
 
         def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
             return self._loss(model, part, r, kl_coef)
@@ -262,7 +264,7 @@ class PolicyWorker:
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int], kl_coef: float) -> LossOutput:
         micro = mb.select(rows)
         dev = self.device
-        lp, ent = token_logprobs(
+        lp, ent = row_logprobs(
             model, mb.tokens, rows, self.layout, temperature=self.spec.rollout.temperature, entropy=True
         )
 

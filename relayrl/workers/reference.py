@@ -19,7 +19,8 @@ from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
-from relayrl.training.setup import compute_precision, resolve_device
+from relayrl.models.loading import resolve_device
+from relayrl.training.setup import compute_precision
 from relayrl.training.step import autocast
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_frozen, setup_process

@@ -4,8 +4,10 @@
                                                            failures marked (never a silent zero)
 
 Source spec (`reward.source`, see RewardConfig): task:<name>, a reward_func .py file, http(s) URL(s), rm:<path>,
-or "agent" (the multi-turn agent already set its rewards: nothing to do). The spec is resolved by
-`resolve_reward_spec` before any work starts. As a Ray actor it returns the scored list (pickled back).
+or "agent" (the multi-turn agent already set its rewards: nothing to do); the grammar is
+relayrl.agents.rewards.spec's. The spec in force is resolved by `reward_spec` before any work starts; a
+`task:` source gets its task from relayrl.tasks here (the reward layer below does not import tasks). As a Ray
+actor it returns the scored list (pickled back).
 """
 
 from __future__ import annotations
@@ -15,31 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from relayrl.agents.base import Trajectory
+from relayrl.agents.rewards import (
+    RemoteRewardSource,
+    RewardSource,
+    build_reward_source,
+    parse_reward_spec,
+    resolve_reward_spec,
+)
 from relayrl.config.rl import RLConfig
+from relayrl.models.loading import load_tokenizer
+from relayrl.tasks import get_task
 from relayrl.workers.builders import setup_process
-
-AGENT = "agent"
-
-
-def resolve_reward_spec(cfg: RLConfig) -> str:
-    """The reward source spec: `reward.source`, else task:<task.name>, else agent (multi-turn)."""
-    if cfg.reward.source:
-        return cfg.reward.source
-    if cfg.task.name and cfg.rollout.agent == "single":
-        return f"task:{cfg.task.name}"
-    if cfg.rollout.agent != "single":
-        return AGENT
-    raise ValueError(
-        "reward.source is empty and there is no task: set --reward.source (task:<name>, a reward_func .py "
-        "file, http(s) URLs, rm:<path>) or --task.name"
-    )
-
-
-class _AgentRewards:
-    """The agent's own rewards (multi-turn): already on the trajectories."""
-
-    async def score(self, trajs: list[Trajectory]) -> None:
-        return None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,45 +35,49 @@ class RewardSpec:
     """What the reward role reads."""
 
     source: str
-    """The resolved source spec (`resolve_reward_spec`)."""
+    """The resolved source spec (relayrl.agents.rewards.resolve_reward_spec)."""
     tokenizer: str = ""
     """Tokenizer folder / id for sources that decode text (reward_func files, remote and local RMs)."""
     timeout_s: float = 60.0
     """Timeout of one reward call."""
     seed: int = 0
+    """Seed of the worker process."""
 
 
 def reward_spec(cfg: RLConfig) -> RewardSpec:
-    """The reward role's spec from a run config."""
+    """The reward role's spec from a run config: `reward.source`, else task:<task.name>, else agent."""
+    source = resolve_reward_spec(cfg.reward.source, task=cfg.task.name, agent=cfg.rollout.agent)
+    if not source:
+        raise ValueError(
+            "reward.source is empty and there is no task: set --reward.source (task:<name>, a reward_func .py "
+            "file, http(s) URLs, rm:<path>) or --task.name"
+        )
     return RewardSpec(
-        source=resolve_reward_spec(cfg),
+        source=source,
         tokenizer=cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
         timeout_s=cfg.reward.timeout_s,
         seed=cfg.train.seed + 2,
     )
 
 
+def build_source(rs: RewardSpec) -> RewardSource:
+    """The reward source of a role spec: text-decoding sources get the tokenizer, remote and file sources
+    the timeout."""
+    parsed = parse_reward_spec(rs.source)
+    tokenizer = None if parsed.kind in ("task", "agent") else load_tokenizer(rs.tokenizer)
+    options: dict[str, Any] = {} if parsed.kind in ("task", "rm", "agent") else {"timeout": rs.timeout_s}
+    return build_reward_source(parsed, tokenizer=tokenizer, get_task=get_task, **options)
+
+
 class RewardWorker:
     """The reward role."""
 
     def __init__(self, rs: RewardSpec) -> None:
-        from relayrl.agents.rewards import build_reward_source
-
         setup_process(rs.seed)
-        spec = rs.source
-        tokenizer = None
-        if not spec.startswith("task:") and spec != AGENT:
-            from relayrl.models.loading import load_tokenizer
-
-            tokenizer = load_tokenizer(rs.tokenizer)
-        options: dict[str, Any] = {} if spec.startswith(("task:", "rm:")) else {"timeout": rs.timeout_s}
-        self.source = (
-            _AgentRewards() if spec == AGENT else build_reward_source(spec, tokenizer=tokenizer, **options)
-        )
-        self.spec = spec
-        check = getattr(self.source, "check_reachable", None)
-        if callable(check):  # a remote reward: a wrong URL fails now, in seconds
-            for down in check():
+        self.source = build_source(rs)
+        self.spec = rs.source
+        if isinstance(self.source, RemoteRewardSource):  # a wrong URL fails now, in seconds
+            for down in self.source.check_reachable():
                 print(f"relayrl: warning: remote reward server unreachable at start: {down}", flush=True)
 
     def score(self, trajs: list[Trajectory]) -> list[Trajectory]:

@@ -267,8 +267,9 @@ class ModelWorker:
 
     def __init__(self, spec: ModelSpec) -> None:
         from relayrl.models.forward import choose_layout, prepare_model
+        from relayrl.models.loading import resolve_device
         from relayrl.training.rng import seed_everything
-        from relayrl.training.setup import build_train_step, compute_precision, resolve_device
+        from relayrl.training.setup import build_train_step, compute_precision
 
         seed_everything(spec.seed)
         self.spec = spec

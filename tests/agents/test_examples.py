@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
-from relayrl.agents.executors import MultiTurnExecutor, load_agent_from_file
+from relayrl.agents.executors import MultiTurnExecutor
+from relayrl.agents.loader import load_agent_from_file
 from relayrl.agents.openai_agent import OpenAIAgentExecutor
 from relayrl.agents.rewards import build_reward_source
 from relayrl.data.records import PromptSample

@@ -9,8 +9,9 @@ import textwrap
 import pytest
 
 from relayrl.agents.base import AgentInstanceBase, TrajectoryStatus
-from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor, execute_all, load_agent_from_file
+from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor, execute_all
 from relayrl.agents.failures import FailureLog, apply_failure_policy
+from relayrl.agents.loader import load_agent_from_file
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 

@@ -14,7 +14,8 @@ import pytest
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FailureLog
-from relayrl.agents.remote_rm import build_rm_app, start_app
+from relayrl.agents.http import start_app
+from relayrl.agents.remote_rm import build_rm_app
 from relayrl.agents.rewards import LocalRewardModel, RemoteRewardSource
 from relayrl.agents.rewards.remote import RemoteRMError
 from relayrl.data.records import PromptSample

@@ -152,7 +152,7 @@ def test_reward_file_errors_name_the_file(tmp_path):
 
 def test_task_reward_source(tiny_tokenizer):
     trajs = make_trajs(tiny_tokenizer, ["46", " 46 ", "47"])
-    source = build_reward_source("task:add2")
+    source = build_reward_source("task:add2", get_task=get_task)
     assert isinstance(source, TaskRewardSource)
     asyncio.run(source.score(trajs))
     assert [t.reward for t in trajs] == [1.0, 1.0, 0.0] and [t.score for t in trajs] == [1.0, 1.0, 0.0]
@@ -184,3 +184,5 @@ def test_build_reward_source_errors():
         build_reward_source("something")
     with pytest.raises(ValueError, match="http"):
         build_reward_source(["ftp://x"])
+    with pytest.raises(ValueError, match="get_task"):  # the reward layer does not import relayrl.tasks
+        build_reward_source("task:add2")

@@ -20,6 +20,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from relayrl.data.packing import LAYOUTS
 from relayrl.models import forward as fw
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model
 
@@ -80,7 +81,7 @@ def _assert_same(got, want):
         torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("layout", fw.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_hidden_and_gradients_equal_per_sequence(model, layout):
     seqs = _seqs()
     ref = _value_and_grads(model, lambda: _per_sequence_hidden(model, seqs))
@@ -101,7 +102,7 @@ def _naive_logprobs(model, seqs, temperature):
     return torch.cat(logps), torch.cat(ents)
 
 
-@pytest.mark.parametrize("layout", fw.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_equal_log_softmax(tiny_model, layout, temperature):
     seqs = _seqs()
@@ -116,7 +117,7 @@ def test_token_logprobs_equal_log_softmax(tiny_model, layout, temperature):
     assert fw.token_logprobs(tiny_model, seqs, layout)[1] is None
 
 
-@pytest.mark.parametrize("layout", fw.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_token_logprobs_gradients_equal_naive(tiny_model, layout):
     seqs = _seqs()
     fw.prepare_model(tiny_model, layout)
@@ -132,14 +133,14 @@ def test_token_logprobs_gradients_equal_naive(tiny_model, layout):
     _assert_same(got, ref)
 
 
-@pytest.mark.parametrize("layout", fw.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_value_head_model(tiny_model_path, layout):
     from relayrl.config.components import ModelConfig
-    from relayrl.models.value_head import build_value_model, token_values
+    from relayrl.models.value_head import build_value_model, padded_values
 
     critic = build_value_model(ModelConfig(name_or_path=str(tiny_model_path)), init="normal")
     seqs = _seqs()
-    ref = torch.cat([token_values(critic, s[None])[0] for s in seqs])
+    ref = torch.cat([padded_values(critic, s[None])[0] for s in seqs])
     fw.prepare_model(critic, layout)
     hidden = fw.forward_hidden(critic, seqs, layout)
     torch.testing.assert_close(critic.score(hidden).squeeze(-1), ref, **TOL)
@@ -329,28 +330,6 @@ def test_sliding_window_models_stay_padded(tiny_tokenizer):
         fw.prepare_model(model, "varlen")
 
 
-def test_plan_micro_batches_hand_example():
-    lengths = [40, 10, 10, 10, 10, 10]
-    assert fw.plan_micro_batches(lengths, 60, "varlen") == [[0, 1, 2], [3, 4, 5]]  # 60 real tokens each
-    assert fw.plan_micro_batches(lengths, 60, "padded") == [[0], [1, 2, 3, 4, 5]]  # 2 x 40 > 60; 5 x 10
-    assert fw.plan_micro_batches([5, 100, 7], 64, "padded") == [[1], [0, 2]]  # a too-long row is alone
-
-
-@pytest.mark.parametrize("layout", fw.LAYOUTS)
-def test_plan_micro_batches_properties(layout):
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, 120, (200,), generator=gen).tolist()
-    budget = 256
-    bins = fw.plan_micro_batches(lengths, budget, layout)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(b == sorted(b) for b in bins)
-    for b in bins:
-        cost = sum(lengths[i] for i in b) if layout == "varlen" else len(b) * max(lengths[i] for i in b)
-        assert cost <= budget or len(b) == 1
-    long_row = fw.plan_micro_batches([*lengths[:10], 999], budget, layout)
-    assert [10] in long_row
-
-
 def test_split_flat_and_to_padded():
     lengths = [2, 3, 1]
     flat = torch.arange(1.0, 7.0, requires_grad=True)
@@ -376,5 +355,3 @@ def test_errors_teach(tiny_model):
         fw.forward_hidden(tiny_model, [seqs[0], seqs[0][:0]], "padded")
     with pytest.raises(ValueError, match="at least one sequence"):
         fw.forward_hidden(tiny_model, [], "padded")
-    with pytest.raises(ValueError, match="token budget must be > 0"):
-        fw.plan_micro_batches([3], 0, "padded")

@@ -15,8 +15,8 @@ from relayrl.models.loading import (
     load_causal_lm,
     load_model_and_tokenizer,
     load_tokenizer,
-    merge_lora,
 )
+from relayrl.models.merge import merge_lora
 
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -135,3 +135,24 @@ def test_lora_all_linear(tiny_model_path):
     model = load_causal_lm(ModelConfig(name_or_path=str(tiny_model_path), lora=LoraConfig(rank=2)))
     adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if "lora_A" in n}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_resolve_device_is_the_one_device_rule(monkeypatch):
+    from relayrl.models.loading import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == resolve_device("") == resolve_device(None) == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(
+        RuntimeError, match=r"serve\.device=cuda but no CUDA device is available; use --serve\.device"
+    ):
+        resolve_device("cuda", "serve.device")
+
+
+def test_load_pretrained_names_the_field_and_places_the_model(tmp_path, tiny_model_path):
+    from relayrl.models.loading import load_pretrained
+
+    model = load_pretrained(AutoModelForCausalLM, str(tiny_model_path), device="cpu")
+    assert next(model.parameters()).device == torch.device("cpu")
+    with pytest.raises(FileNotFoundError, match="reward model="):
+        load_pretrained(AutoModelForCausalLM, str(tmp_path / "nope"), what="reward model")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl.models.logprobs import token_logprobs, token_logprobs_from_logits
+from relayrl.models.logprobs import head_logprobs, token_logprobs_from_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def _inputs(dtype=torch.float32, B=2, T=33, H=16, V=50):
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])
 def test_head_matches_naive_fp32(chunk):
     h, w, b, tgt = _inputs()
-    logp, ent = token_logprobs(h, w, tgt, bias=b, temperature=0.7, chunk_size=chunk, with_entropy=True)
+    logp, ent = head_logprobs(h, w, tgt, bias=b, temperature=0.7, chunk_size=chunk, with_entropy=True)
     ref_logp, ref_ent = naive(h @ w.T + b, tgt, 0.7)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
@@ -55,15 +55,15 @@ def test_head_matches_naive_fp32(chunk):
 
 def test_head_float64_gradcheck_and_flat_shape():
     h, w, b, tgt = _inputs(torch.float64, B=1, T=5, H=3, V=6)
-    fn = lambda h, w, b: token_logprobs(h, w, tgt, bias=b, temperature=1.3, chunk_size=2, with_entropy=True)  # noqa: E731
+    fn = lambda h, w, b: head_logprobs(h, w, tgt, bias=b, temperature=1.3, chunk_size=2, with_entropy=True)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (h, w, b))
-    flat, _ = token_logprobs(h[0], w, tgt[0], bias=b, chunk_size=2)  # [N, H] input
+    flat, _ = head_logprobs(h[0], w, tgt[0], bias=b, chunk_size=2)  # [N, H] input
     torch.testing.assert_close(flat, naive(h[0] @ w.T + b, tgt[0], 1.0)[0], rtol=1e-12, atol=1e-12)
 
 
 def test_logprob_only_gradient_and_no_entropy():
     h, w, _, tgt = _inputs()
-    logp, ent = token_logprobs(h, w, tgt, chunk_size=10)
+    logp, ent = head_logprobs(h, w, tgt, chunk_size=10)
     assert ent is None
     ref, _ = naive(h @ w.T, tgt, 1.0)
     got = torch.autograd.grad(logp.sum(), (h, w))
@@ -92,13 +92,13 @@ def test_from_logits_matches_naive():
 def test_errors_name_the_argument():
     h, w, _, tgt = _inputs()
     with pytest.raises(ValueError, match="targets"):
-        token_logprobs(h, w, tgt[:, :3])
+        head_logprobs(h, w, tgt[:, :3])
     with pytest.raises(ValueError, match="temperature"):
-        token_logprobs(h, w, tgt, temperature=0.0)
+        head_logprobs(h, w, tgt, temperature=0.0)
     bad = tgt.clone()
     bad[1, 2] = 50  # V = 50: ids must be < 50
     with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 50\)"):
-        token_logprobs(h, w, bad)
+        head_logprobs(h, w, bad)
     with pytest.raises(ValueError, match="targets must be token ids"):
         token_logprobs_from_logits(h @ w.T, bad)
 
@@ -125,7 +125,7 @@ def test_head_bf16_matches_upcast_naive():
     # a bf16 LM head on CPU: logits formed in bf16 (as the model would), softmax / entropy in fp32
     h, w, b, tgt = _inputs()
     hb, wb, bb = (x.detach().bfloat16().requires_grad_(True) for x in (h, w, b))
-    logp, ent = token_logprobs(hb, wb, tgt, bias=bb, temperature=0.7, chunk_size=16, with_entropy=True)
+    logp, ent = head_logprobs(hb, wb, tgt, bias=bb, temperature=0.7, chunk_size=16, with_entropy=True)
     ref_logp, ref_ent = naive(hb @ wb.T + bb, tgt, 0.7)
     assert logp.dtype == ent.dtype == torch.float32
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
@@ -143,7 +143,7 @@ def test_head_bf16_matches_upcast_naive():
 MEMORY_SCRIPT = textwrap.dedent(
     """
     import json, torch
-    from relayrl.models.logprobs import token_logprobs
+    from relayrl.models.logprobs import head_logprobs
     torch.manual_seed(0)
     T, V, H = 4096, 32000, 64
     h = torch.randn(T, H, requires_grad=True)
@@ -153,10 +153,10 @@ MEMORY_SCRIPT = textwrap.dedent(
         for line in open("/proc/self/status"):
             if line.startswith(key):
                 return int(line.split()[1])
-    token_logprobs(h[:8], w, tgt[:8], chunk_size=256, with_entropy=True)  # warm up kernels
+    head_logprobs(h[:8], w, tgt[:8], chunk_size=256, with_entropy=True)  # warm up kernels
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter (VmHWM)
     base = kb("VmRSS:")
-    logp, ent = token_logprobs(h, w, tgt, chunk_size=256, with_entropy=True)
+    logp, ent = head_logprobs(h, w, tgt, chunk_size=256, with_entropy=True)
     (logp.sum() + 0.1 * ent.sum()).backward()
     peak = kb("VmHWM:")
     print(json.dumps({"peak_delta_mib": (peak - base) / 1024, "finite": bool(torch.isfinite(w.grad).all())}))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.models.logprobs import token_logprobs
+from relayrl.models.logprobs import head_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -24,11 +24,11 @@ def test_cuda_bf16_matches_naive_and_memory():
     h = (torch.randn(B, T, H, device=dev) * 0.5).bfloat16().requires_grad_(True)
     w = (torch.randn(V, H, device=dev) * 0.03).bfloat16().requires_grad_(True)
     tgt = torch.randint(0, V, (B, T), device=dev)
-    token_logprobs(h[:, :8], w, tgt[:, :8], temperature=0.8, with_entropy=True)  # warm up kernels
+    head_logprobs(h[:, :8], w, tgt[:, :8], temperature=0.8, with_entropy=True)  # warm up kernels
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    logp, ent = token_logprobs(h, w, tgt, temperature=0.8, chunk_size=512, with_entropy=True)
+    logp, ent = head_logprobs(h, w, tgt, temperature=0.8, chunk_size=512, with_entropy=True)
     (logp.sum() + 0.1 * ent.sum()).backward()
     torch.cuda.synchronize()
     peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -65,7 +65,7 @@ def test_cuda_autocast_fp32_master_head_runs_in_bf16():
     w = (torch.randn(V, H, device=dev) * 0.03).requires_grad_(True)
     tgt = torch.randint(0, V, (N,), device=dev)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        logp, _ = token_logprobs(h, w, tgt)
+        logp, _ = head_logprobs(h, w, tgt)
     logp.sum().backward()
     assert logp.dtype == torch.float32 and w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
     g_h, g_w = h.grad.clone(), w.grad.clone()

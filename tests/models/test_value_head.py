@@ -10,9 +10,9 @@ from relayrl.models.loading import load_tokenizer
 from relayrl.models.value_head import (
     build_value_model,
     last_token_index,
+    padded_values,
     save_value_model,
     sequence_scores,
-    token_values,
 )
 
 IDS = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0], [0, 11, 12, 13]])  # right- and left-padded rows (pad 0)
@@ -22,7 +22,7 @@ MASK = (IDS != 0).long()
 def test_critic_head_starts_at_zero(tiny_model_path):
     critic = build_value_model(ModelConfig(name_or_path=str(tiny_model_path)), init="zeros")
     assert critic.score.weight.shape == (1, 64) and critic.score.bias is None
-    values = token_values(critic, IDS, MASK)
+    values = padded_values(critic, IDS, MASK)
     assert values.shape == (3, 4) and values.dtype == torch.float32
     assert torch.equal(values, torch.zeros(3, 4))
 
@@ -36,7 +36,7 @@ def test_rm_roundtrip_through_auto_sequence_classification(tmp_path, tiny_model_
     rm = build_value_model(ModelConfig(name_or_path=str(tiny_model_path)), init="normal")
     std = float(rm.score.weight.detach().std())
     assert 0.05 < std < 0.25  # N(0, 1/sqrt(65) = 0.124)
-    values = token_values(rm, IDS, MASK)
+    values = padded_values(rm, IDS, MASK)
     scores = sequence_scores(rm, IDS, MASK)
     assert torch.equal(scores, torch.stack([values[0, 3], values[1, 1], values[2, 3]]))
     save_value_model(rm, tok, tmp_path / "rm")
@@ -69,7 +69,7 @@ def test_critic_values_of_a_micro_batch_equal_each_sequence_alone(tiny_model_pat
     with torch.no_grad():
         got = critic_values(rm, batch, [0, 1, 2], "padded")
         for i, s in enumerate(seqs):
-            single = token_values(rm, torch.tensor([s]))[0]
+            single = padded_values(rm, torch.tensor([s]))[0]
             torch.testing.assert_close(got[i, 1 : len(s)], single[:-1], atol=1e-5, rtol=1e-5)
             assert got[i, 0] == 0 and torch.all(got[i, len(s) :] == 0)
 

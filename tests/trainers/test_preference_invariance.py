@@ -17,26 +17,26 @@ import contextlib
 import copy
 import math
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from relayrl.config import DataConfig
 from relayrl.config.components import ModelConfig, TrainConfig
+from relayrl.data.batches import sft_batch
+from relayrl.data.packing import make_collate
 from relayrl.data.preference import StepSample, UnpairedSample, tokenize_pair
 from relayrl.data.records import RawRow
 from relayrl.data.templates import encode, tokenize_sft
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model
 from relayrl.tasks.preference import PLACEHOLDER, pair_rows, step_rows, unpaired_rows
-from relayrl.trainers.dpo import dpo_loss, dpo_prepare, precompute_reference, side_logps
+from relayrl.trainers.dpo import dpo_loss, dpo_prepare, precompute_reference
 from relayrl.trainers.kd import kd_batch, kd_loss, kd_prepare
 from relayrl.trainers.kto import kl_sequence, kto_collate, kto_loss, kto_prepare
-from relayrl.trainers.pairs import pair_batch
+from relayrl.trainers.pairs import pair_batch, side_logps
 from relayrl.trainers.prm import prm_loss, step_batch
-from relayrl.trainers.recipe import make_collate
 from relayrl.trainers.rm import rm_loss
-from relayrl.trainers.sft import next_token_loss, sft_batch
+from relayrl.trainers.sft import next_token_loss
 from relayrl.training.step import TrainStep
 from relayrl.workers.trained import Models
 
@@ -252,7 +252,7 @@ def test_dpo_precomputed_reference_equals_on_the_fly(tiny_tokenizer):
 
     pre = pairs_of(tiny_tokenizer)
     train = TrainConfig(batch_size=3, micro_batch_size=1, packing=True, max_tokens_per_micro_batch=40)
-    precompute_reference(Handle(), pre, SimpleNamespace(train=train), LAYOUT)  # steps of 3 + 1 pairs
+    precompute_reference(Handle(), pre, train, LAYOUT)  # steps of 3 + 1 pairs
     for p in pre:
         want = [hf_response_logp(ref, s.input_ids, s.loss_mask) for s in (p.chosen, p.rejected)]
         assert p.ref_logps == pytest.approx(want, rel=1e-6)  # stored as float32

@@ -185,7 +185,8 @@ def test_served_rm_scores_equal_the_trainers_values(rm_run):
     last step) are the means of LocalRewardModel's scores of those pairs."""
     import aiohttp
 
-    from relayrl.agents.remote_rm import build_rm_app, model_scorer, start_app
+    from relayrl.agents.http import start_app
+    from relayrl.agents.remote_rm import build_rm_app, model_scorer
     from relayrl.agents.rewards import LocalRewardModel
 
     argv, out, _ = rm_run
@@ -244,7 +245,7 @@ def test_lora_dpo_saves_an_adapter(data, tiny_model_path, tmp_path):
     merge-lora turns it into a plain causal LM with the same outputs."""
     from peft import PeftModel
 
-    from relayrl.models.loading import merge_lora
+    from relayrl.models.merge import merge_lora
 
     out = tmp_path / "run"
     argv = pf.cli_args(

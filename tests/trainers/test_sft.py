@@ -239,7 +239,7 @@ def test_lora_sft_checkpoints_adapter_resumes_and_merges(tmp_path, tiny_model_pa
     import shutil
 
     from relayrl.config.command_line import parse_cli
-    from relayrl.models.loading import merge_lora
+    from relayrl.models.merge import merge_lora
 
     argv = _argv(
         tiny_model_path,

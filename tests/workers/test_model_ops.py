@@ -16,10 +16,11 @@ import torch
 
 from relayrl.algorithms.objective import PolicyTerms
 from relayrl.config.presets import tiny_cpu_config
+from relayrl.data.packing import plan_micro_batches
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
-from relayrl.workers.model_ops import micro_batches, token_logprobs
+from relayrl.workers.model_ops import row_logprobs
 
 
 def _batch(lengths: list[int], prompt: int = 3, seed: int = 0) -> SequenceBatch:
@@ -39,7 +40,7 @@ def _batch(lengths: list[int], prompt: int = 3, seed: int = 0) -> SequenceBatch:
 
 def test_packed_logprobs_equal_padded_forward(tiny_model):
     batch = _batch([7, 12, 5, 9])
-    lp, ent = token_logprobs(tiny_model, batch, [0, 1, 2, 3], "padded", temperature=0.7, entropy=True)
+    lp, ent = row_logprobs(tiny_model, batch, [0, 1, 2, 3], "padded", temperature=0.7, entropy=True)
     with torch.no_grad():
         logits = tiny_model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()
@@ -59,7 +60,7 @@ def test_policy_gradient_is_invariant_to_micro_batching(tiny_model, tmp_path, ag
     batch = _batch([7, 12, 5, 9, 11], seed=1)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        old, _ = token_logprobs(tiny_model, batch, list(range(5)), "padded")
+        old, _ = row_logprobs(tiny_model, batch, list(range(5)), "padded")
     noise = torch.randn(old.shape, generator=g) * 0.05
     old = (old + noise) * batch.action_mask  # ratios != 1 so clipping is exercised
     adv = torch.randn(old.shape, generator=g) * batch.action_mask
@@ -67,10 +68,10 @@ def test_policy_gradient_is_invariant_to_micro_batching(tiny_model, tmp_path, ag
 
     def grads(budget: int) -> tuple[list[torch.Tensor], int]:
         tiny_model.zero_grad(set_to_none=True)
-        chunks = micro_batches(batch, budget, "padded")
+        chunks = plan_micro_batches(batch.lengths, budget, "padded")
         total = 0.0
         for rows in chunks:
-            lp, _ = token_logprobs(tiny_model, batch, rows, "padded")
+            lp, _ = row_logprobs(tiny_model, batch, rows, "padded")
             w = lp.shape[1]
             terms = PolicyTerms(
                 logprobs=lp,

@@ -14,11 +14,8 @@ scalar or [B]} optional}, or a plain [B] list / tensor of rewards.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -124,27 +121,3 @@ def queries_of(trajs: Sequence[Trajectory], tokenizer: Any = None) -> list[str]:
     if tokenizer is not None:
         return [tokenizer.decode(t.token_ids, skip_special_tokens=False) for t in trajs]
     return [t.sample.prompt + t.response_text for t in trajs]
-
-
-async def run_in_thread(fn: Callable[..., Any], *args: Any, timeout: float | None, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` on a daemon thread, awaited with a timeout (TimeoutError).
-
-    A thread cannot be killed: on timeout it runs on in the background, but as a daemon it never blocks
-    the event loop, the next batch or interpreter exit (asyncio.to_thread's pool would wait for it)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def _settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            (fut.set_result if ok else fut.set_exception)(value)
-
-    def _run() -> None:
-        try:
-            result, ok = fn(*args, **kwargs), True
-        except BaseException as e:
-            result, ok = e, False
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
-            loop.call_soon_threadsafe(_settle, ok, result)
-
-    threading.Thread(target=_run, daemon=True, name=f"reward-{getattr(fn, '__name__', 'fn')}").start()
-    return await asyncio.wait_for(fut, timeout)

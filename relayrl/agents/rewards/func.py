@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.agents.base import Trajectory
-from relayrl.agents.executors import load_module_from_file
 from relayrl.agents.failures import FailureLog, ScalarError
 from relayrl.agents.rewards.base import (
     chunks,
@@ -29,8 +28,8 @@ from relayrl.agents.rewards.base import (
     parse_reward_output,
     pending,
     queries_of,
-    run_in_thread,
 )
+from relayrl.agents.user_code import load_module_from_file, run_in_thread
 
 EXTRA_KWARGS = ("responses", "datasources")
 

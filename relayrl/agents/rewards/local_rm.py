@@ -6,7 +6,8 @@
 
 Scoring: sequences are right-padded into batches of `batch_size` (sorted by length to pad little); the
 base model runs once per batch and the `score` head is read at each row's last non-pad position (from the
-attention mask, so a pad id inside a sequence cannot move it). Right padding keeps position ids equal to
+attention mask, so a pad id inside a sequence cannot move it): relayrl.models.value_head.sequence_scores,
+the one value-head forward of padded rows. Right padding keeps position ids equal to
 an unpadded run, so a sequence scores the same alone or in any batch. Models without a `score` head fall
 back to their own pooled `logits`. Sequences longer than `max_len` keep their last `max_len` tokens.
 
@@ -23,7 +24,10 @@ import torch
 
 from relayrl.agents.base import Trajectory
 from relayrl.agents.failures import FailureLog
-from relayrl.agents.rewards.base import RewardBatch, chunks, fail_all, fill, pending, run_in_thread
+from relayrl.agents.rewards.base import RewardBatch, chunks, fail_all, fill, pending
+from relayrl.agents.user_code import run_in_thread
+from relayrl.models.loading import load_pretrained, load_tokenizer, resolve_device
+from relayrl.models.value_head import sequence_scores
 
 
 class LocalRewardModel:
@@ -42,14 +46,20 @@ class LocalRewardModel:
     def from_pretrained(
         cls, path: str, *, dtype: torch.dtype | None = None, device: str | None = None, **kwargs: Any
     ) -> LocalRewardModel:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        tokenizer = load_tokenizer(path)
+        model = load_pretrained(
+            AutoModelForSequenceClassification,
+            path,
+            what="reward model",
+            device=resolve_device(device, "device"),
+            num_labels=1,
+            dtype=dtype,
+        )
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(model.to(device), tokenizer, **kwargs)
+        return cls(model, tokenizer, **kwargs)
 
     @torch.no_grad()
     def score_ids(self, seqs: list[list[int]]) -> list[float]:
@@ -81,10 +91,7 @@ class LocalRewardModel:
         base = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
         if head is None or base is None:  # no `score` head: trust the model's own pooling
             return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
-        hidden = base(input_ids=ids, attention_mask=mask).last_hidden_state
-        last = mask.sum(dim=1) - 1
-        picked = hidden[torch.arange(len(seqs), device=device), last]
-        return head(picked)[:, 0].float().tolist()
+        return sequence_scores(self.model, ids, mask).tolist()
 
 
 class LocalRMSource:

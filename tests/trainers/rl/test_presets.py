@@ -24,7 +24,7 @@ from relayrl.trainers.rl.loop import RLTrainer, main
 from relayrl.trainers.rl.validate import resolve_algo, validate_rl
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
-from relayrl.workers.model_ops import token_logprobs
+from relayrl.workers.model_ops import row_logprobs
 
 
 def _cfg(tmp_path, *argv: str, model: str = "unused") -> RLConfig:
@@ -55,7 +55,7 @@ def _clip_frac(model, cfg: RLConfig) -> float:
         input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=torch.zeros(ids.shape)
     )
     rows = list(range(len(SEQS)))
-    lp, _ = token_logprobs(model, batch, rows, "padded", temperature=cfg.rollout.temperature)
+    lp, _ = row_logprobs(model, batch, rows, "padded", temperature=cfg.rollout.temperature)
     shift = torch.tensor([d for d, _ in SEQS])[:, None]
     adv = torch.tensor([a for _, a in SEQS])[:, None].expand(ids.shape)
     objective = build_policy_objective(cfg.algo, cfg.rollout.max_new_tokens)

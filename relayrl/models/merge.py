@@ -1,0 +1,61 @@
+"""Merge a saved LoRA adapter into its base model: `merge_lora(adapter_dir, out_dir)` -> a full HF folder.
+
+Above both loading.py (sources, tokenizers, dtypes) and value_head.py (a reward model's statistics): a
+value-head adapter (peft task SEQ_CLS) merges into an AutoModelForSequenceClassification, a causal-LM adapter
+into an AutoModelForCausalLM. The command is `relayrl merge-lora` (relayrl/apps/merge_lora.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from relayrl.models.loading import load_tokenizer, resolve_source, torch_dtype
+from relayrl.models.value_head import reward_stats, write_reward_stats
+
+
+def merge_lora(
+    adapter_path: str | Path, out_dir: str | Path, *, dtype: str = "fp32", base: str | None = None
+) -> Path:
+    """Merge a saved LoRA adapter folder into its base model and save a full HF folder (+ tokenizer).
+
+    The base model is `base` when given, else the adapter's `base_model_name_or_path`; a local base that does
+    not exist is an error before anything loads (with the flag to pass). The tokenizer is copied from the
+    adapter folder when present, else from the base. A value-head adapter (peft task SEQ_CLS: a reward model
+    or critic trained with LoRA) merges into an AutoModelForSequenceClassification with its trained `score`
+    head, and a reward model's reward_mean / reward_std go into the merged config.json.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    adapter_path, out_dir = Path(adapter_path), Path(out_dir)
+    config = adapter_path / "adapter_config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{adapter_path} has no adapter_config.json: is it a LoRA adapter folder?")
+    adapter = json.loads(config.read_text())
+    named = adapter.get("base_model_name_or_path") or ""
+    value_head = adapter.get("task_type") == "SEQ_CLS"
+    source = base or named
+    try:
+        source = resolve_source(source, "the adapter's base model")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"{e} (named in {config}{', run from ' + str(Path.cwd()) if not Path(source).is_absolute() else ''}); "
+            "pass the base model folder with --base PATH"
+        ) from None
+    tok_source = adapter_path if (adapter_path / "tokenizer_config.json").is_file() else source
+    tokenizer = load_tokenizer(str(tok_source))
+    if value_head:
+        base_model = AutoModelForSequenceClassification.from_pretrained(
+            source, num_labels=1, dtype=torch_dtype(dtype), pad_token_id=tokenizer.pad_token_id
+        )
+    else:
+        base_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype))
+    model = PeftModel.from_pretrained(base_model, adapter_path)
+    merged = model.merge_and_unload()
+    merged.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    stats = reward_stats(adapter_path)
+    if stats is not None:
+        write_reward_stats(out_dir, *stats)
+    return out_dir
