@@ -9,6 +9,7 @@
 - failures are marked, never a silent zero: a raising function fails every trajectory of its call
   ("exception", counted in the failure log), a NaN fails only its own ("nan"), a wrong-length output all
   ("wrong_length"), a slow one ("timeout" after reward.timeout_s).
+- rm:<folder>: the local reward model's head at the last token of each trajectory's own token ids.
 - agent: the multi-turn agent's rewards are kept as they are.
 """
 
@@ -17,13 +18,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FAILURES
 from relayrl.config.components import ModelConfig
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.data.records import PromptSample
-from relayrl.models.tiny import EOS, build_tiny_tokenizer
+from relayrl.models.tiny import EOS, build_tiny_tokenizer, save_tiny_reward_model
 from relayrl.workers.reward import AGENT, RewardSpec, RewardWorker, resolve_reward_spec, reward_spec
 
 TOK = build_tiny_tokenizer()
@@ -159,3 +162,19 @@ def test_agent_rewards_are_kept():
     w.score(trajs)
     assert (trajs[0].reward, trajs[0].score, trajs[0].status) == (0.75, 1.0, TrajectoryStatus.OK)
     assert (trajs[1].reward, trajs[1].status) == (None, TrajectoryStatus.FAILED)
+
+
+def test_local_reward_model_scores_the_token_ids(tmp_path, tiny_model_path):
+    rm = save_tiny_reward_model(tmp_path / "rm")
+    w = RewardWorker(RewardSpec(source=f"rm:{rm}", tokenizer=str(tiny_model_path)))
+    trajs = [_traj(0, "12+34=", "46", "46"), _traj(1, "7+8=", "1599", "15")]
+    w.score(trajs)
+    independent = AutoModelForSequenceClassification.from_pretrained(rm)
+    for t in trajs:  # the head at the last token of the sequence run alone
+        with torch.no_grad():
+            hidden = independent.model(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0, -1]
+            want = float(independent.score(hidden)[0])
+        assert t.status == TrajectoryStatus.OK
+        assert t.reward == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert t.score == t.reward
+    assert trajs[0].reward != trajs[1].reward
