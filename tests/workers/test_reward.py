@@ -1,7 +1,7 @@
 """relayrl/workers/reward.py: the RewardWorker in-process, over the sources a spec string names.
 
-- resolve_reward_spec: reward.source, else task:<task.name> for single-turn, else agent; nothing -> error.
-  reward_spec: tokenizer from the model (or its tokenizer path), timeout, seed + 2.
+- reward_spec: the source is reward.source, else task:<task.name> for single-turn, else agent; nothing ->
+  an error; the tokenizer from the model (or its tokenizer path), timeout, seed + 2.
 - task:add2 scores each response against its label (1 / 0, whitespace stripped), score = reward; a trajectory
   already FAILED is left alone; the same list comes back.
 - a reward_func file gets OpenRLHF's arguments (queries = the decode of every token id, special tokens kept;
@@ -23,11 +23,12 @@ from transformers import AutoModelForSequenceClassification
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FAILURES
+from relayrl.agents.rewards.spec import AGENT
 from relayrl.config.components import ModelConfig
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.data.records import PromptSample
 from relayrl.models.tiny import EOS, build_tiny_tokenizer, save_tiny_reward_model
-from relayrl.workers.reward import AGENT, RewardSpec, RewardWorker, resolve_reward_spec, reward_spec
+from relayrl.workers.reward import RewardSpec, RewardWorker, reward_spec
 
 TOK = build_tiny_tokenizer()
 
@@ -51,15 +52,15 @@ def _write(tmp_path, body: str) -> str:
     return str(path)
 
 
-def test_resolve_reward_spec():
+def test_reward_spec_resolves_the_source():
     cfg = tiny_cpu_config("m", "o")  # task add2, single-turn, no reward.source
-    assert resolve_reward_spec(cfg) == "task:add2"
-    assert resolve_reward_spec(replace(cfg, reward=replace(cfg.reward, source="r.py"))) == "r.py"
+    assert reward_spec(cfg).source == "task:add2"
+    assert reward_spec(replace(cfg, reward=replace(cfg.reward, source="r.py"))).source == "r.py"
     multi = replace(cfg, rollout=replace(cfg.rollout, agent="multi"))
-    assert resolve_reward_spec(multi) == AGENT
+    assert reward_spec(multi).source == AGENT
     nothing = replace(cfg, task=replace(cfg.task, name=""))
     with pytest.raises(ValueError, match=r"reward\.source"):
-        resolve_reward_spec(nothing)
+        reward_spec(nothing)
 
     spec = reward_spec(replace(cfg, reward=replace(cfg.reward, timeout_s=9.0)))
     assert (spec.source, spec.tokenizer, spec.timeout_s, spec.seed) == ("task:add2", "m", 9.0, 2)
