@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from relayrl import __version__
+
 # name -> ("module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
@@ -71,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version", "version"):
-        from relayrl import __version__
-
         print(f"relayrl {__version__}")
         return 0
     name, rest = argv[0], argv[1:]

@@ -36,13 +36,16 @@ from typing import Any, TextIO
 from relayrl.config.apps import ChatConfig
 from relayrl.config.base import ConfigError
 from relayrl.config.command_line import run_command
+from relayrl.data.templates import encode
+from relayrl.models.loading import load_tokenizer, resolve_device
+from relayrl.rollout.hf import default_eos_ids
+from relayrl.rollout.sampling import sample_tokens, uniform
+from relayrl.workers.builders import build_frozen
 
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"
 PLAIN_STOPS = ("\nUser:",)
 """Stop strings of the plain format (a base model goes on to write the user's next turn)."""
 COMMANDS = "/reset clears the history, /exit (or Ctrl-D) quits"
-
-
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -133,7 +136,6 @@ class Reply:
 def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
     """The tokenizer's EOS and every EOS id of the model's generation config (chat models often list the
     end-of-turn token there)."""
-    from relayrl.rollout.hf import default_eos_ids
 
     ids = set(default_eos_ids(model, tokenizer))
     gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -160,8 +162,6 @@ def stream_reply(
     """Generate one reply to `prompt_ids`, calling `write(piece)` for every new piece of text as soon as it
     is decoded (module doc). `max_len`: the model's context length (prompt + reply)."""
     import torch
-
-    from relayrl.rollout.sampling import sample_tokens, uniform
 
     device = next(model.parameters()).device
     budget = cfg.max_new_tokens if max_len is None else min(cfg.max_new_tokens, max_len - len(prompt_ids))
@@ -222,7 +222,6 @@ class ChatSession:
     def reply(self, text: str, write: Callable[[str], None]) -> Reply | None:
         """Answer the user turn `text`, streaming through `write`; the turn and the reply join the history.
         None (history unchanged) when the conversation no longer fits the model's context: /reset."""
-        from relayrl.data.templates import encode
 
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = encode(self.tokenizer, render_conversation(self.tokenizer, messages))
@@ -288,8 +287,6 @@ def chat_loop(session: ChatSession, lines: Iterable[str], out: TextIO, *, intera
 def run_chat(cfg: ChatConfig, stdin: TextIO | None = None, stdout: TextIO | None = None) -> ChatSession:
     """Load the model and chat over `stdin` / `stdout` (default the process's) until /exit or end of input;
     returns the session (its history and per-turn prompt ids)."""
-    from relayrl.models.loading import load_tokenizer, resolve_device
-    from relayrl.workers.builders import build_frozen
 
     stdin = sys.stdin if stdin is None else stdin
     stdout = sys.stdout if stdout is None else stdout

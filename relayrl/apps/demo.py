@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from relayrl.agents.executors import decode_response
 from relayrl.config.apps import DemoConfig
+from relayrl.config.command_line import run_command
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
@@ -36,6 +38,7 @@ from relayrl.config.components import (
     OptimConfig,
     TrainConfig,
 )
+from relayrl.config.recipes import SFTConfig
 from relayrl.config.rl import (
     AlgoConfig,
     EvalConfig,
@@ -45,13 +48,17 @@ from relayrl.config.rl import (
     RLTrainConfig,
     RolloutConfig,
 )
+from relayrl.data.build import build_prompt_data
+from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from relayrl.rollout.base import EngineSettings, GenerationRequest, SamplingParams, generate_all
 from relayrl.rollout.build import build_engine
+from relayrl.tasks import get_task
+from relayrl.trainers.rl.loop import RLTrainer
+from relayrl.trainers.sft import run_sft
 
 
 def build_base_model(cfg: DemoConfig, folder: Path) -> Path:
     """Tiny model + tokenizer saved as an HF folder."""
-    from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     spec = TinyModelSpec(hidden=cfg.hidden, layers=cfg.layers, heads=4, kv_heads=2, seed=cfg.seed)
@@ -68,7 +75,6 @@ def make_demo_data(cfg: DemoConfig, folder: Path) -> dict[str, Path]:
     "test" ((7919a + 104729b) mod 10 < 2  <=>  9(a + b) mod 10 < 2), so a model trained on "train" has
     never produced such a sum and scores ~0 on "test" whatever it learned. Splitting one pool of distinct
     (a, b) pairs keeps the evaluation held out (no eval pair is seen in SFT or RL) and representative."""
-    from relayrl.tasks import get_task
 
     sizes = {"eval": cfg.eval_rows, "sft": cfg.sft_rows, "rl": cfg.rl_rows, "dev": cfg.dev_rows}
     rows = get_task(cfg.task).make_rows("train", sum(sizes.values()), cfg.seed)
@@ -86,8 +92,6 @@ def make_demo_data(cfg: DemoConfig, folder: Path) -> dict[str, Path]:
 def run_sft_phase(cfg: DemoConfig, base: Path, data_file: Path, run_dir: Path, steps: int) -> Any:
     """SFT through relayrl.trainers.sft.run_sft up to `steps` (resuming the run folder's checkpoint, so it
     can be called again with more steps); returns the SFTResult."""
-    from relayrl.config.recipes import SFTConfig
-    from relayrl.trainers.sft import run_sft
 
     sft = SFTConfig(
         model=ModelConfig(name_or_path=str(base)),
@@ -111,8 +115,6 @@ def run_sft_phase(cfg: DemoConfig, base: Path, data_file: Path, run_dir: Path, s
 def greedy_answers(model: Any, tokenizer: Any, rows_file: Path) -> tuple[list[Any], list[str]]:
     """(prompts, greedy responses) for the file's rows, templated as in training (the native engine, up to
     6 new tokens: the arithmetic tasks' answers)."""
-    from relayrl.agents.executors import decode_response
-    from relayrl.data.build import build_prompt_data
 
     prompts, _, _ = build_prompt_data(DataConfig(datasets=[str(rows_file)]), tokenizer, log=lambda _: None)
     engine = build_engine("native", model, tokenizer, EngineSettings(max_seq_len=64))
@@ -129,7 +131,6 @@ def greedy_answers(model: Any, tokenizer: Any, rows_file: Path) -> tuple[list[An
 
 def dev_accuracy(model: Any, tokenizer: Any, dev_file: Path, task_name: str) -> float:
     """Greedy exact-match accuracy on the dev rows (same prompt templating as training, task's verifier)."""
-    from relayrl.tasks import get_task
 
     prompts, answers = greedy_answers(model, tokenizer, dev_file)
     task = get_task(task_name)
@@ -191,7 +192,6 @@ def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, st
 
 def evaluate_only(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path) -> float:
     """Held-out greedy exact-match accuracy of `model` (the RL trainer's eval path, no training step)."""
-    from relayrl.trainers.rl.loop import RLTrainer
 
     rl = rl_config(cfg, model, data, out, steps=1)
     trainer = RLTrainer(rl)
@@ -204,7 +204,6 @@ def evaluate_only(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path
 
 def run_demo(cfg: DemoConfig) -> dict:
     """The whole demo; returns the summary (also written to <output_dir>/summary.json)."""
-    from relayrl.trainers.rl.loop import RLTrainer
 
     t0 = time.perf_counter()
     torch.set_num_threads(2)
@@ -277,7 +276,6 @@ def _copy_outputs(out: Path, rl_dir: Path, final: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl demo [--seed N] [--control true] ...`."""
-    from relayrl.config.command_line import run_command
 
     def go(cfg: DemoConfig) -> int:
         s = run_demo(cfg)

@@ -46,12 +46,16 @@ from typing import Any
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.executors import SingleTurnExecutor
+from relayrl.agents.failures import FailureLog
 from relayrl.agents.rewards import build_reward_source, parse_reward_spec, resolve_reward_spec
 from relayrl.apps.selection import SELECTORS, SelectOptions
 from relayrl.config.base import ConfigError, ConfigWarning, save_yaml
 from relayrl.config.command_line import run_command
 from relayrl.config.generate import GenerateConfig
+from relayrl.data.build import build_prompt_data
 from relayrl.data.records import PromptSample
+from relayrl.models.loading import load_tokenizer, resolve_device
+from relayrl.rollout import ENGINES
 from relayrl.rollout.base import EngineSettings, SamplingParams
 from relayrl.rollout.build import build_engine, engine_capabilities
 from relayrl.tasks import get_task
@@ -111,7 +115,6 @@ def validate_generate_config(cfg: GenerateConfig, *, model_given: bool = False) 
     """ConfigError (naming the field and the fix) for settings that cannot run; ConfigWarning for settings
     that have no effect in this command. Runs before anything is loaded (`model_given`: the caller passes
     the model, so model.name_or_path may be empty)."""
-    from relayrl.rollout import ENGINES
 
     r = cfg.rollout
 
@@ -188,7 +191,6 @@ def _warn_ineffective(cfg: GenerateConfig) -> None:
 def build_prompts(cfg: GenerateConfig, tokenizer: Any) -> list[PromptSample]:
     """The prompts: data.datasets through build_prompt_data, or the task's train rows written to a
     temporary JSONL and read through the same loader (so templating is identical)."""
-    from relayrl.data.build import build_prompt_data
 
     if not cfg.task.name:
         return build_prompt_data(cfg.data, tokenizer)[0]
@@ -309,8 +311,6 @@ def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = Non
     """Sample, score, select and write per `cfg` (module doc). `model` / `tokenizer`: use these (e.g. the
     policy of an iterative-DPO loop, in eval mode; a path for the vllm engine) instead of loading
     model.name_or_path."""
-    from relayrl.agents.failures import FailureLog
-    from relayrl.models.loading import load_tokenizer, resolve_device
 
     # no global reseeding: every request carries its own seed, and an in-process caller keeps its RNG state
     validate_generate_config(cfg, model_given=model is not None and tokenizer is not None)

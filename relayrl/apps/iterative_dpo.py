@@ -27,17 +27,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from relayrl.apps.generate import run_generate, write_jsonl_atomic
 from relayrl.config.base import save_yaml
 from relayrl.config.command_line import run_command
 from relayrl.config.components import (
     DataConfig,
 )
-from relayrl.config.generate import IterativeDPOConfig
+from relayrl.config.generate import GenerateConfig, IterativeDPOConfig
+from relayrl.config.recipes import DPOConfig
+from relayrl.models.merge import merge_lora
+from relayrl.trainers.dpo import run_dpo
 
 
 def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: str, seed: int) -> Any:
-    from relayrl.apps.generate import run_generate
-    from relayrl.config.generate import GenerateConfig
 
     gen = GenerateConfig(
         model=replace(cfg.model, name_or_path=model_path),
@@ -56,8 +58,6 @@ def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: str, 
 
 
 def _dpo(cfg: IterativeDPOConfig, model_path: str, pairs: Path, folder: Path) -> Any:
-    from relayrl.config.recipes import DPOConfig
-    from relayrl.trainers.dpo import run_dpo
 
     dpo_cfg = DPOConfig(
         model=replace(cfg.model, name_or_path=model_path),
@@ -130,7 +130,6 @@ def run_iterative_dpo(cfg: IterativeDPOConfig) -> dict[str, Any]:
 
 def _write_pairs(rows: list[dict[str, Any]], path: Path) -> None:
     """Best vs worst scored sample per prompt (ties skipped), from generate's `all` rows."""
-    from relayrl.apps.generate import write_jsonl_atomic
 
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -149,7 +148,6 @@ def _merged(final: Path, folder: Path, cfg: IterativeDPOConfig) -> str:
     """The round's model as a full folder: LoRA adapters are merged (the next round starts from it)."""
     if not (Path(final) / "adapter_config.json").is_file():
         return str(final)
-    from relayrl.models.merge import merge_lora
 
     merged = folder / "merged"
     if not (merged / "config.json").is_file():

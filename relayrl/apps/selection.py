@@ -17,6 +17,7 @@ from typing import Any
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.config.generate import DEFAULT_CONDITION
 from relayrl.data.records import PromptSample
+from relayrl.data.templates import render_chat
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,7 +120,6 @@ def condition_prompt(sample: PromptSample, reward: float, template: str, tokeniz
     last_user = max((i for i, m in enumerate(msgs or []) if m["role"] == "user"), default=None)
     if msgs is None or last_user is None:
         return template.format(input=sample.prompt, reward=reward)
-    from relayrl.data.templates import render_chat
 
     msgs = [dict(m) for m in msgs]
     msgs[last_user]["content"] = template.format(input=msgs[last_user]["content"], reward=reward)

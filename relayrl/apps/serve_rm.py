@@ -7,17 +7,17 @@ import sys
 from aiohttp import web
 
 from relayrl.agents.remote_rm import Scorer, build_rm_app, model_scorer
+from relayrl.agents.rewards.func import load_reward_func
+from relayrl.agents.rewards.local_rm import LocalRewardModel
 from relayrl.config.apps import ServeRMConfig
+from relayrl.config.command_line import run_command
 
 
 def _build_scorer(cfg: ServeRMConfig) -> Scorer:
     if bool(cfg.model) == bool(cfg.reward_func):
         raise SystemExit("relayrl serve-rm: give exactly one of --model PATH or --reward-func FILE.py")
     if cfg.reward_func:
-        from relayrl.agents.rewards.func import load_reward_func
-
         return load_reward_func(cfg.reward_func)
-    from relayrl.agents.rewards.local_rm import LocalRewardModel
 
     rm = LocalRewardModel.from_pretrained(
         cfg.model, device=cfg.device or None, batch_size=cfg.batch_size, max_len=cfg.max_len
@@ -44,6 +44,5 @@ def _serve(cfg: ServeRMConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relayrl.config.command_line import run_command
 
     return run_command(ServeRMConfig, argv, "relayrl serve-rm", _serve, description=__doc__.split("\n")[0])

@@ -35,6 +35,9 @@ from typing import Any
 
 import torch
 
+from relayrl.distributed.fsdp import is_sharded
+from relayrl.training.checkpoint import load_state
+
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
 
@@ -72,7 +75,6 @@ def save_sharded(
 
 def load_rng(folder: str | Path) -> dict[str, Any] | None:
     """This rank's RNG state from a sharded checkpoint (None when the saving run had fewer ranks)."""
-    from relayrl.training.checkpoint import load_state
 
     f = Path(folder) / RNG_DIR / f"rank_{_rank()}.pt"
     return load_state(f) if f.is_file() else None
@@ -81,8 +83,6 @@ def load_rng(folder: str | Path) -> dict[str, Any] | None:
 def _full_dcp(folder: Path) -> dict[str, Any]:
     """The whole DCP checkpoint in this process's memory (for a 1-rank model)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from relayrl.training.checkpoint import load_state
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "full.pt"
@@ -138,7 +138,6 @@ def load_model_and_optim(
     `names`: the names of the optimizer's parameters in its order; `full_weights(folder)` -> the full state
     dict of a full checkpoint (names as this model's, unsharded); `full_optim_state(folder)` -> its
     index-keyed optimizer state."""
-    from relayrl.distributed.fsdp import is_sharded
 
     path = Path(folder)
     if is_sharded(model):
