@@ -288,8 +288,8 @@ def run_chat(cfg: ChatConfig, stdin: TextIO | None = None, stdout: TextIO | None
     """Load the model and chat over `stdin` / `stdout` (default the process's) until /exit or end of input;
     returns the session (its history and per-turn prompt ids)."""
 
-    stdin = sys.stdin if stdin is None else stdin
-    stdout = sys.stdout if stdout is None else stdout
+    lines = sys.stdin if stdin is None else stdin
+    out = sys.stdout if stdout is None else stdout
     m = cfg.model
     if not m.name_or_path:
         raise ConfigError(
@@ -302,7 +302,7 @@ def run_chat(cfg: ChatConfig, stdin: TextIO | None = None, stdout: TextIO | None
     session = ChatSession(model, tokenizer, cfg)
     fmt = "the plain User:/Assistant: format (no chat template)" if session.stops else "its chat template"
     print(f"relayrl chat: {m.name_or_path} with {fmt}; {COMMANDS}", file=sys.stderr, flush=True)
-    chat_loop(session, stdin, stdout, interactive=stdin.isatty())
+    chat_loop(session, lines, out, interactive=lines.isatty())
     return session
 
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         run_chat(cfg)
         return 0
 
-    return run_command(ChatConfig, argv, "relayrl chat", go, description=__doc__.split("\n\n")[0])
+    return run_command(ChatConfig, argv, "relayrl chat", go, description=(__doc__ or "").split("\n\n")[0])
 
 
 if __name__ == "__main__":

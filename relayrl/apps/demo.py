@@ -142,15 +142,15 @@ def sft_until_target(
     cfg: DemoConfig, base: Path, data: dict[str, Path], run_dir: Path
 ) -> tuple[Path, int, float]:
     """SFT in chunks until dev accuracy >= sft_target (or sft_steps); returns (model folder, steps, dev acc)."""
-    steps, acc = 0, 0.0
-    while steps < cfg.sft_steps:
-        steps = min(cfg.sft_steps, steps + cfg.sft_chunk)
+    steps = min(cfg.sft_steps, cfg.sft_chunk)
+    while True:
         result = run_sft_phase(cfg, base, data["sft"], run_dir, steps)
         acc = dev_accuracy(result.model, result.tokenizer, data["dev"], cfg.task)
         loss = result.metrics.get("train/loss", float("nan"))
         print(f"demo: SFT step {steps}: train loss {loss:.3f}, dev accuracy {acc:.3f}", flush=True)
-        if acc >= cfg.sft_target:
+        if acc >= cfg.sft_target or steps >= cfg.sft_steps:
             break
+        steps = min(cfg.sft_steps, steps + cfg.sft_chunk)
     folder = run_dir / "model"
     result.model.save_pretrained(folder)
     result.tokenizer.save_pretrained(folder)
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
 
-    return run_command(DemoConfig, argv, "relayrl demo", go, description=__doc__.splitlines()[0])
+    return run_command(DemoConfig, argv, "relayrl demo", go, description=(__doc__ or "").splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result.summary(cfg.select), flush=True)
         return 0
 
-    return run_command(GenerateConfig, argv, "relayrl generate", go, description=__doc__.split("\n\n")[0])
+    return run_command(GenerateConfig, argv, "relayrl generate", go, description=(__doc__ or "").split("\n\n")[0])
 
 
 if __name__ == "__main__":

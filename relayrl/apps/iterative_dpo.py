@@ -33,13 +33,13 @@ from relayrl.config.command_line import run_command
 from relayrl.config.components import (
     DataConfig,
 )
-from relayrl.config.generate import GenerateConfig, IterativeDPOConfig
+from relayrl.config.generate import GenerateConfig, IterativeDPOConfig, SelectMode
 from relayrl.config.recipes import DPOConfig
 from relayrl.models.merge import merge_lora
 from relayrl.trainers.dpo import run_dpo
 
 
-def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: str, seed: int) -> Any:
+def _generate(cfg: IterativeDPOConfig, model_path: str, out: Path, select: SelectMode, seed: int) -> Any:
 
     gen = GenerateConfig(
         model=replace(cfg.model, name_or_path=model_path),
@@ -182,5 +182,5 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_command(
-        IterativeDPOConfig, argv, "relayrl iterative-dpo", go, description=__doc__.split("\n\n")[0]
+        IterativeDPOConfig, argv, "relayrl iterative-dpo", go, description=(__doc__ or "").split("\n\n")[0]
     )

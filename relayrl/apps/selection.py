@@ -55,6 +55,12 @@ def _usable(t: Trajectory, opts: SelectOptions) -> bool:
     )
 
 
+def _reward(t: Trajectory) -> float:
+    """The reward of a usable sample of a scored selection (`_usable` checked it is there)."""
+    assert t.reward is not None, "a selection that reads rewards runs on scored, usable samples only"
+    return t.reward
+
+
 def sft_row(t: Trajectory, opts: SelectOptions, prompt: str | None = None) -> dict[str, Any]:
     """{"input", "output", "reward" (when scored), "failure" (when FAILED), "label" (when known)}."""
     row: dict[str, Any] = {"input": t.sample.prompt if prompt is None else prompt, "output": t.response_text}
@@ -78,7 +84,7 @@ def select_best_of_n(groups: list[list[Trajectory]], opts: SelectOptions) -> Sel
     for g in groups:
         ok = [t for t in g if _usable(t, opts)]
         if ok:
-            rows.append(sft_row(max(ok, key=lambda t: t.reward), opts))
+            rows.append(sft_row(max(ok, key=_reward), opts))
     return Selection(rows=rows)
 
 
@@ -87,7 +93,7 @@ def select_rejection(groups: list[list[Trajectory]], opts: SelectOptions) -> Sel
     rows = []
     for g in groups:
         ok = sorted(
-            (t for t in g if _usable(t, opts) and t.reward >= opts.threshold), key=lambda t: -t.reward
+            (t for t in g if _usable(t, opts) and _reward(t) >= opts.threshold), key=lambda t: -_reward(t)
         )
         rows += [sft_row(t, opts) for t in ok[: opts.max_per_prompt or None]]
     return Selection(rows=rows)
@@ -101,7 +107,7 @@ def select_pairs(groups: list[list[Trajectory]], opts: SelectOptions) -> Selecti
         ok = [t for t in g if _usable(t, opts)]
         if not ok:
             continue
-        best, worst = max(ok, key=lambda t: t.reward), min(ok, key=lambda t: t.reward)
+        best, worst = max(ok, key=_reward), min(ok, key=_reward)
         if best.reward == worst.reward:
             ties += 1
             continue
@@ -129,7 +135,7 @@ def condition_prompt(sample: PromptSample, reward: float, template: str, tokeniz
 def select_conditional(groups: list[list[Trajectory]], opts: SelectOptions) -> Selection:
     """Every usable sample, its reward written into its prompt by the template (conditional SFT)."""
     rows = [
-        sft_row(t, opts, condition_prompt(t.sample, t.reward, opts.template, opts.tokenizer))
+        sft_row(t, opts, condition_prompt(t.sample, _reward(t), opts.template, opts.tokenizer))
         for g in groups
         for t in g
         if _usable(t, opts)

@@ -92,8 +92,14 @@ class DemoConfig:
     """Held-out prompts for the accuracy measurements."""
     control: bool = False
     """Also run the control: continue SFT for as long as RL took, and measure it the same way."""
-    device: str = "cpu"
+    device: Literal["auto", "cpu", "cuda"] = "cpu"
     """Device (the demo is sized for 2 CPU cores)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("sft_steps", "sft_chunk", "rl_steps", "sft_rows", "dev_rows", "eval_rows"):
+            if getattr(self, name) < 1:
+                raise invalid(name, getattr(self, name), "an int >= 1")
 
 
 @dataclass(kw_only=True, slots=True)

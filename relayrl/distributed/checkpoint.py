@@ -62,12 +62,12 @@ def save_sharded(
 ) -> None:
     """Write dcp/ (model + optimizer shards of every rank) and rng/rank_<r>.pt (this rank's RNG state).
     Every rank calls it with its own shards."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     path = Path(folder)
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / DCP_DIR))
+    save({"model": msd, "optim": osd}, checkpoint_id=str(path / DCP_DIR))
     (path / RNG_DIR).mkdir(parents=True, exist_ok=True)
     torch.save(rng, path / RNG_DIR / f"rank_{_rank()}.pt")
     _barrier()
@@ -161,19 +161,20 @@ def _load_into_sharded(
     full_weights: Callable[[Path], dict[str, torch.Tensor]],
     full_optim_state: Callable[[Path], dict[str, Any]],
 ) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     if is_sharded_checkpoint(path):
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR))  # reshards to this run's rank count
+        load(state, checkpoint_id=str(path / DCP_DIR))  # reshards to this run's rank count
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return
+    weights: dict[str, Any] = full_weights(path)  # plain tensors: what set_state_dict's ValueType allows
     set_state_dict(
         model,
         optimizer,
-        model_state_dict=full_weights(path),
+        model_state_dict=weights,
         optim_state_dict=_by_name(full_optim_state(path), names),
         options=StateDictOptions(full_state_dict=True),
     )
@@ -183,7 +184,9 @@ def export_full(model: torch.nn.Module, save: Callable[[dict[str, torch.Tensor]]
     """Gather the full weights (to CPU) on every rank and call `save(state_dict)` on rank 0 only."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full: dict[str, Any] = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if _rank() == 0:
         save(full)
     _barrier()

@@ -49,7 +49,7 @@ class ShardSpec:
 
 def layer_classes(hf: Any) -> set[str]:
     """Class names of the decoder layers (`_no_split_modules` of the transformers model)."""
-    names = set(getattr(hf, "_no_split_modules", None) or ())
+    names: set[str] = set(getattr(hf, "_no_split_modules", None) or ())
     if not names:
         raise ValueError(
             f"{type(hf).__name__} does not declare its decoder layer classes (_no_split_modules): "
