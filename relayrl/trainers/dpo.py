@@ -35,6 +35,7 @@ from relayrl.models.forward import to_device
 from relayrl.trainers.pairs import PairBatch, pair_batch, side_logps
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
+from relayrl.workers.trained import ModelWorker
 
 
 def dpo_loss(
@@ -81,7 +82,7 @@ def precompute_reference(handle: Any, samples: list[Any], train: TrainConfig, la
             ids = [chunk[j] for j in g]
             groups.append(ids)
             batches.append(pair_batch([samples[i] for i in ids], layout))
-    done = handle.call("precompute", batches) if batches else []
+    done = handle.call(ModelWorker.precompute, batches) if batches else []
     for ids, mb in zip(groups, done, strict=True):
         ref = mb.ref_logps.tolist()
         for k, i in enumerate(ids):

@@ -18,15 +18,24 @@ writes its reward statistics there).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from relayrl.config.base import save_yaml, to_dict
+from relayrl.config.command_line import run_command
 from relayrl.config.components import ModelConfig
+from relayrl.config.dist import DistConfig
 from relayrl.data.packing import chunk_by_count, make_collate
-from relayrl.training.loop import LoopSettings
+from relayrl.distributed.launch import build_launcher
+from relayrl.distributed.launch.base import Launcher, RoleHandle
+from relayrl.distributed.launch.local import LocalRole
+from relayrl.models.loading import load_tokenizer
+from relayrl.training.checkpoint import CheckpointManager, LoadedCheckpoint
+from relayrl.training.loop import FitResult, LoopSettings, ModelParts, Trainer
 from relayrl.training.sampler import ResumableSampler
 from relayrl.training.setup import (
     build_checkpoint_manager,
@@ -39,7 +48,9 @@ from relayrl.training.setup import (
     total_steps_of,
 )
 from relayrl.training.signals import SignalFlag
-from relayrl.training.step import LossFn
+from relayrl.training.step import LossFn, StepOutput
+from relayrl.workers.proxies import WorkerFolder
+from relayrl.workers.trained import ModelSpec, ModelWorker
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,6 +129,41 @@ def _eval_batches(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callab
     return lambda: [collate(c) for c in chunk_by_count(len(samples), recipe.cfg.train.batch_size)]
 
 
+# ---------------------------------------------------------------------------------------------- driver side
+class RemoteStep:
+    """The loop's step runner for a ModelWorker role: step / evaluate run on the role's ranks."""
+
+    def __init__(self, handle: RoleHandle[ModelWorker]) -> None:
+        self.handle = handle
+        self.nonfinite_total = 0
+
+    def step(self, micro_batches: list[Any]) -> StepOutput:
+        out, self.nonfinite_total = self.handle.call(ModelWorker.step, micro_batches)
+        return out
+
+    def evaluate(self, batches: Iterable[Sequence[Any]]) -> dict[str, float]:
+        return self.handle.call(ModelWorker.evaluate, [list(b) for b in batches])
+
+    def full_precision(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the workers save and load their exact weights themselves
+
+
+class RoleModelState:
+    """The loop's checkpoint face of a ModelWorker role: the checkpoint's model/ folder is the workers' own
+    save (WorkerFolder), and they load it themselves."""
+
+    def __init__(self, handle: RoleHandle[ModelWorker]) -> None:
+        self.handle = handle
+
+    def saved(self) -> ModelParts:
+        return {"models": {"model": WorkerFolder(self.handle)}, "optimizers": {}, "schedulers": {}}
+
+    def load(self, ckpt: CheckpointManager, path: Path) -> LoadedCheckpoint:
+        loaded = ckpt.load(path, models={}, optimizers={}, schedulers={})
+        self.handle.call(ModelWorker.load, str(Path(loaded.path) / "model"))
+        return loaded
+
+
 # ---------------------------------------------------------------------------------------------- run
 def _settings(cfg: Any, total: int) -> LoopSettings:
     return LoopSettings(
@@ -139,10 +185,10 @@ def _total_steps(cfg: Any, num_samples: int) -> int:
     return total
 
 
-def _model_role(recipe: Recipe, launcher: Any, dist: Any, total: int, run_dir: Path) -> tuple[Any, str]:
+def _model_role(
+    recipe: Recipe, launcher: Launcher, dist: DistConfig, total: int, run_dir: Path
+) -> tuple[RoleHandle[ModelWorker], str]:
     """Spawn the model role and print the start-up banner; returns (handle, attention layout)."""
-    from relayrl.workers.trained import ModelSpec, ModelWorker
-
     cfg = recipe.cfg
     spec = ModelSpec(
         model=cfg.model,
@@ -158,7 +204,7 @@ def _model_role(recipe: Recipe, launcher: Any, dist: Any, total: int, run_dir: P
         prepare=recipe.prepare,
     )
     handle = launcher.spawn("model", ModelWorker, spec)
-    info = handle.call("info")
+    info = handle.call(ModelWorker.info)
     print(
         f"relayrl {recipe.name}: {recipe.describe or recipe.name} on {cfg.model.name_or_path} "
         f"({info['params'] / 1e6:.1f}M params, {info['precision']}, {info['layout']} attention), "
@@ -168,20 +214,59 @@ def _model_role(recipe: Recipe, launcher: Any, dist: Any, total: int, run_dir: P
     return handle, info["layout"]
 
 
-def run_recipe(recipe: Recipe) -> RecipeResult:
-    """Train per the recipe; writes the run folder; returns the model, metrics and paths.
+@dataclass(kw_only=True, slots=True)
+class _Fitted:
+    """What the loop over the role left (see `_fit`)."""
 
-    One code path for one process and for N ranks: this process reads the data and runs the loop (sampler,
-    eval cadence, logging, checkpoints: relayrl.training.loop via RemoteTrainer); the model lives in a
-    ModelWorker role (relayrl.workers.trained), in this process (dist.mode=local) or as
-    `dist.num_nodes x dist.num_gpus_per_node` Ray ranks holding FSDP2 shards (dist.mode=ray). Each optimizer
-    step's micro-batches go to the role; each rank trains on its share, gradients are reduced over all
-    ranks and the loss is normalised by the global count, so the update equals the one-process update on the
-    same global batch. The trained model is exported to <run>/final."""
-    from relayrl.distributed.launch import build_launcher
-    from relayrl.models.loading import load_tokenizer
-    from relayrl.workers.trained import RemoteTrainer
+    fit: FitResult
+    steps: int
+    exit_code: int
+    already_complete: bool
 
+
+def _fit(recipe: Recipe, handle: RoleHandle[ModelWorker], data: _Data, run_dir: Path) -> _Fitted:
+    """The shared loop (relayrl.training.loop.Trainer) over the role: resume per ckpt.resume, then fit until
+    the step total or a signal."""
+    cfg, label = recipe.cfg, f"relayrl {recipe.name}"
+    trainer = Trainer(
+        train_step=RemoteStep(handle),
+        state=RoleModelState(handle),
+        sampler=ResumableSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed),
+        collate=_collate(recipe, data.train, data.layout),
+        settings=_settings(cfg, data.total),
+        ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
+        eval_batches=_eval_batches(recipe, data.evals, data.layout) if data.evals else None,
+        tokenizer=data.tokenizer,
+    )
+    resumed = resume_if_asked(trainer, cfg.ckpt)
+    done_before = resumed and trainer.step >= data.total
+    stop = SignalFlag(label)
+    with (
+        build_logger(
+            cfg.logger, run_dir, total_steps=data.total, config=to_dict(cfg), start_step=trainer.step
+        ) as logger,
+        stop.installed(),
+    ):
+        trainer.logger = logger
+        if resumed:
+            print(f"resumed from step {trainer.step} ({run_dir / 'checkpoints'})")
+        fit = trainer.fit(stop)
+    return _Fitted(fit=fit, steps=trainer.step, exit_code=stop.exit_code(), already_complete=done_before)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Data:
+    """The run's tokenizer, samples and step total, and the layout the role's micro-batches use."""
+
+    tokenizer: Any
+    train: list[Any]
+    evals: list[Any]
+    total: int
+    layout: str = "padded"
+
+
+def _prepare(recipe: Recipe) -> tuple[Path, _Data]:
+    """Run folder (checked against a run it continues, config.yaml written), tokenizer, data, step total."""
     cfg, label = recipe.cfg, f"relayrl {recipe.name}"
     seed_everything(cfg.train.seed)
     run_dir = prepare_run_dir(run_dir_of(cfg.train, recipe.name), cfg.ckpt, label)
@@ -193,50 +278,43 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     )
     train_samples, eval_samples = recipe.load_data(tokenizer)
     total = _total_steps(cfg, len(train_samples))
+    return run_dir, _Data(tokenizer=tokenizer, train=train_samples, evals=eval_samples, total=total)
+
+
+def run_recipe(recipe: Recipe) -> RecipeResult:
+    """Train per the recipe; writes the run folder; returns the model, metrics and paths.
+
+    One code path for one process and for N ranks: this process reads the data and runs the loop (sampler,
+    eval cadence, logging, checkpoints: relayrl.training.loop.Trainer over RemoteStep / RoleModelState); the
+    model lives in a ModelWorker role (relayrl.workers.trained), in this process (dist.mode=local) or as
+    `dist.num_nodes x dist.num_gpus_per_node` Ray ranks holding FSDP2 shards (dist.mode=ray). Each optimizer
+    step's micro-batches go to the role; each rank trains on its share, gradients are reduced over all
+    ranks and the loss is normalised by the global count, so the update equals the one-process update on the
+    same global batch. The trained model is exported to <run>/final."""
+    cfg = recipe.cfg
+    run_dir, data = _prepare(recipe)
     launcher = build_launcher(cfg.dist, {"model": cfg.dist.ranks("model")})
     try:
-        handle, layout = _model_role(recipe, launcher, cfg.dist, total, run_dir)
+        handle, data.layout = _model_role(recipe, launcher, cfg.dist, data.total, run_dir)
         if recipe.before_fit is not None:
-            recipe.before_fit(handle, train_samples, eval_samples, layout)
-        trainer = RemoteTrainer(
-            handle,
-            sampler=ResumableSampler(len(train_samples), cfg.train.batch_size, seed=cfg.train.seed),
-            collate=_collate(recipe, train_samples, layout),
-            settings=_settings(cfg, total),
-            ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
-            eval_batches=_eval_batches(recipe, eval_samples, layout) if eval_samples else None,
-            tokenizer=tokenizer,
-        )
-        resumed = resume_if_asked(trainer, cfg.ckpt)
-        done_before = resumed and trainer.step >= total
-        stop = SignalFlag(label)
-        with (
-            build_logger(
-                cfg.logger, run_dir, total_steps=total, config=to_dict(cfg), start_step=trainer.step
-            ) as logger,
-            stop.installed(),
-        ):
-            trainer.logger = logger
-            if resumed:
-                print(f"resumed from step {trainer.step} ({run_dir / 'checkpoints'})")
-            fit = trainer.fit(stop)
+            recipe.before_fit(handle, data.train, data.evals, data.layout)
+        done = _fit(recipe, handle, data, run_dir)
         final = None
-        if fit.stopped_by is None:
-            final = Path(handle.call("export", str(run_dir / "final")))
-        local = getattr(handle, "instance", None)
+        if done.fit.stopped_by is None:
+            final = Path(handle.call(ModelWorker.export, str(run_dir / "final")))
         result = RecipeResult(
-            model=local.model if local is not None else None,
-            tokenizer=tokenizer,
+            model=handle.instance.model if isinstance(handle, LocalRole) else None,
+            tokenizer=data.tokenizer,
             run_dir=run_dir,
-            metrics=fit.history[-1] if fit.history else {},
-            history=fit.history,
-            checkpoint=fit.last_checkpoint,
+            metrics=done.fit.history[-1] if done.fit.history else {},
+            history=done.fit.history,
+            checkpoint=done.fit.last_checkpoint,
             final_model=final,
-            exit_code=stop.exit_code(),
-            steps=trainer.step,
-            already_complete=done_before,
-            train_samples=train_samples,
-            layout=layout,
+            exit_code=done.exit_code,
+            steps=done.steps,
+            already_complete=done.already_complete,
+            train_samples=data.train,
+            layout=data.layout,
         )
         if final is not None and recipe.after_fit is not None:
             recipe.after_fit(handle, result)
@@ -255,7 +333,6 @@ def recipe_main(
 ) -> int:
     """`relayrl <name>`: parse `config_cls`, run, print the end-of-run lines with the `shown` metrics
     ((key, label) pairs, those present in the last row), return the exit code."""
-    from relayrl.config.command_line import run_command
 
     def go(cfg: Any) -> int:
         result = run(cfg)
@@ -268,8 +345,6 @@ def recipe_main(
 
 def finish_message(name: str, result: RecipeResult, headline: str) -> int:
     """Print the end-of-run lines of a recipe command and return its exit code."""
-    import sys
-
     if result.exit_code:
         print(
             f"relayrl {name}: stopped at step {result.steps} by a signal; checkpoint {result.checkpoint}. "

@@ -31,6 +31,7 @@ from relayrl.models.value_head import write_reward_stats
 from relayrl.trainers.pairs import PairBatch, last_token, pair_batch
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
+from relayrl.workers.trained import ModelWorker
 
 
 def _scores(model: Any, batch: PairBatch) -> Tensor:
@@ -56,7 +57,7 @@ def write_stats(handle: Any, result: RecipeResult, cfg: RMConfig) -> tuple[float
     pairs = result.train_samples or []
     collate = make_collate(pairs, cfg.train, result.layout, pair_batch)
     batches = [mb for chunk in chunk_by_count(len(pairs), cfg.train.batch_size) for mb in collate(chunk)]
-    scores = [s for part in handle.call("infer", rm_scores, batches) for s in part]
+    scores = [s for part in handle.call(ModelWorker.infer, rm_scores, batches) for s in part]
     mean = sum(scores) / len(scores)
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
     assert result.final_model is not None  # after_fit runs after the export only

@@ -16,11 +16,14 @@ workers use them too).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from relayrl.config.base import ConfigError, to_dict
 from relayrl.config.components import CkptConfig, LoggerConfig, OptimConfig
 from relayrl.training.checkpoint import CheckpointManager
 from relayrl.training.logging import MetricsLogger
@@ -34,6 +37,7 @@ __all__ = [
     "build_checkpoint_manager",
     "build_logger",
     "build_train_step",
+    "checkpoint_to_resume",
     "compute_precision",
     "resume_if_asked",
     "run_dir_of",
@@ -56,8 +60,6 @@ def prepare_run_dir(run_dir: Path, ckpt: CkptConfig, prog: str) -> Path:
     the folder when it is a file, or when it holds another run (checkpoints or metrics) and this run does
     not continue it (resume none or a checkpoint path) -- unless ckpt.overwrite, which moves the old run aside
     to <folder>.old-<YYYYmmdd-HHMMSS> first. Two runs' metrics, samples and checkpoints are never mixed."""
-    import time
-
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(
             f"train.output_dir {run_dir} is a file, not a folder; choose another --train.output_dir"
@@ -110,10 +112,6 @@ def check_config_change(run_dir: Path, cfg: Any, prog: str, *, updates_per_step:
     config.yaml. Changes of RESUMABLE_FIELDS are listed and allowed (a run with another step total says how its
     learning-rate schedule changes: `schedule_change`); any other change is an error listing the fields and what
     to do. Returns the changes. `updates_per_step`: optimizer steps per run step (RL: epochs x mini-batches)."""
-    import yaml
-
-    from relayrl.config.base import ConfigError, to_dict
-
     saved_file = run_dir / "config.yaml"
     ckpts = run_dir / "checkpoints"
     if cfg.ckpt.resume != "auto" or not saved_file.is_file() or not (ckpts / "latest").is_file():
@@ -212,21 +210,31 @@ def total_steps_of(train: Any, num_samples: int) -> int:
     return train.epochs * (num_samples // train.batch_size)
 
 
-def build_checkpoint_manager(ckpt: CkptConfig, run_dir: Path) -> CheckpointManager:
-    """<run_dir>/checkpoints with the config's rotation (keep_last 0 = keep all)."""
+def build_checkpoint_manager(
+    ckpt: CkptConfig, run_dir: Path, *, hf_format: bool | None = None
+) -> CheckpointManager:
+    """<run_dir>/checkpoints with the config's rotation (keep_last 0 = keep all). `hf_format`: overrides
+    ckpt.save_hf_model (RL roles always write HF folders through their workers' own save)."""
     return CheckpointManager(
         run_dir / "checkpoints",
         keep_last=ckpt.keep_last if ckpt.keep_last > 0 else 10**9,
         keep_best=1 if ckpt.keep_best else 0,
         best_mode=ckpt.best_mode,
-        hf_format=ckpt.save_hf_model,
+        hf_format=ckpt.save_hf_model if hf_format is None else hf_format,
     )
 
 
 def build_logger(
-    cfg: LoggerConfig, run_dir: Path, *, total_steps: int, config: dict[str, Any], start_step: int = 0
+    cfg: LoggerConfig,
+    run_dir: Path,
+    *,
+    total_steps: int,
+    config: dict[str, Any],
+    start_step: int = 0,
+    console: bool | None = None,
 ) -> MetricsLogger:
-    """MetricsLogger from a LoggerConfig."""
+    """MetricsLogger from a LoggerConfig. `console`: print metric lines (default logger.progress_bar; RL
+    draws its own progress line)."""
     return MetricsLogger(
         run_dir,
         total_steps=total_steps,
@@ -235,7 +243,7 @@ def build_logger(
         wandb_project=cfg.wandb_project,
         wandb_run_name=cfg.wandb_run_name or run_dir.name,
         config=config,
-        console=cfg.progress_bar,
+        console=cfg.progress_bar if console is None else console,
         start_step=start_step,
     )
 
@@ -272,15 +280,23 @@ def build_train_step(
     )
 
 
-def resume_if_asked(trainer: Trainer, ckpt: CkptConfig) -> bool:
-    """ckpt.resume: auto (latest in the run folder if any), none, or a checkpoint folder path."""
-    if ckpt.resume == "none":
-        return False
-    if ckpt.resume == "auto":
-        return trainer.resume()
-    path = Path(ckpt.resume)
+def checkpoint_to_resume(resume: str, ckpt: CheckpointManager) -> Path | None:
+    """THE resume rule (recipes and RL), `ckpt.resume`: "none" -> None; "auto" -> the run folder's newest
+    complete checkpoint (a damaged newer one is skipped with a warning), None when there is none; a path ->
+    that checkpoint folder (an error naming the field when it is not one)."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return ckpt.resumable()
+    path = Path(resume)
     if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(
-            f"ckpt.resume={ckpt.resume!r} is not a checkpoint folder (no trainer_state.json)"
-        )
-    return trainer.resume(path)
+        raise FileNotFoundError(f"ckpt.resume={resume!r} is not a checkpoint folder (no trainer_state.json)")
+    return path
+
+
+def resume_if_asked(trainer: Trainer, ckpt: CkptConfig) -> bool:
+    """Resume `trainer` per ckpt.resume (`checkpoint_to_resume`); True when it resumed."""
+    if trainer.ckpt is None:
+        return False
+    path = checkpoint_to_resume(ckpt.resume, trainer.ckpt)
+    return path is not None and trainer.resume(path)

@@ -31,9 +31,9 @@ micro-batches and fills what the loss reads (reference log-probs, teacher hidden
 point). Ranks run `prepare` over equally many micro-batches (a sharded frozen model gathers its weights in
 each forward), so a prepare function may also all-reduce once per call.
 
-On the driver, `RemoteTrainer` is relayrl.training.loop.Trainer with the step, eval and checkpoint state
-delegated to such a role (`RemoteStep`, `WorkerFolder`): the loop, sampler, logging, checkpoint atomicity and
-rotation stay the single-process ones.
+On the driver, relayrl.trainers.recipe runs relayrl.training.loop.Trainer over such a role (its RemoteStep and
+RoleModelState adapters): the loop, sampler, logging, checkpoint atomicity and rotation stay the
+single-process ones.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,10 +58,14 @@ from relayrl.distributed.checkpoint import (
 )
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_share, rank, world
-from relayrl.training.checkpoint import WEIGHTS_FILE
-from relayrl.training.loop import Trainer
-from relayrl.training.rng import capture_rng_state, restore_rng_state
-from relayrl.training.step import LossFn, StepOutput, TrainStep
+from relayrl.models.forward import choose_layout, hf_model, prepare_model
+from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer, resolve_device
+from relayrl.models.value_head import build_value_model
+from relayrl.training.checkpoint import WEIGHTS_FILE, load_state, load_weights_into
+from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
+from relayrl.training.setup import build_train_step, compute_precision
+from relayrl.training.step import LossFn, StepOutput, TrainStep, autocast, move_to
+from relayrl.workers.builders import build_frozen
 
 STATE_FILE = "worker_state.pt"
 
@@ -143,8 +147,6 @@ class RoleState:
 
     def load(self, folder: str | Path) -> dict[str, Any]:
         """Restore model, optimizer, schedule, counters and RNG; returns worker_state.pt's entries."""
-        from relayrl.training.checkpoint import load_state, load_weights_into
-
         path = Path(folder)
         state = load_state(path / STATE_FILE)
         if self.sharded or is_sharded_checkpoint(path):
@@ -266,11 +268,6 @@ class ModelWorker:
     """A trained model of a one-model recipe (see module doc)."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        from relayrl.models.forward import choose_layout, prepare_model
-        from relayrl.models.loading import resolve_device
-        from relayrl.training.rng import seed_everything
-        from relayrl.training.setup import build_train_step, compute_precision
-
         seed_everything(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
@@ -294,11 +291,6 @@ class ModelWorker:
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights, spec.hf_format)
 
     def _load(self, device: torch.device) -> tuple[Any, Any]:
-        from dataclasses import replace
-
-        from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer
-        from relayrl.models.value_head import build_value_model
-
         cfg = replace(self.spec.model, dtype="fp32")
         if self.spec.head == "lm":
             return load_model_and_tokenizer(cfg, device=device)
@@ -310,9 +302,6 @@ class ModelWorker:
         return build_value_model(cfg, init="normal", pad_token_id=tok.pad_token_id, device=device), tok
 
     def _load_frozen(self, grouped: bool) -> Any:
-        from relayrl.models.forward import prepare_model
-        from relayrl.workers.builders import build_frozen
-
         if self.spec.frozen is None:
             return None
         frozen = build_frozen(
@@ -325,15 +314,11 @@ class ModelWorker:
         return frozen
 
     def _full_weights(self, folder: Path) -> dict[str, torch.Tensor]:
-        from relayrl.training.checkpoint import load_weights_into
-
         cpu, _ = self._load(torch.device("cpu"))
         load_weights_into(cpu, folder)
         return cpu.state_dict()
 
     def _models(self) -> Models:
-        from relayrl.training.step import autocast
-
         return Models(
             model=self.model,
             frozen=self.frozen,
@@ -344,8 +329,6 @@ class ModelWorker:
     def _no_grad_passes(self, fn: Callable[..., Any], micro_batches: list[Any], real: int) -> Any:
         """fn(models, micro_batches padded to equal counts over ranks, real) without gradients; sharded roots
         are resharded after (they stay gathered after a forward without a backward)."""
-        from relayrl.models.forward import hf_model
-
         model_was_training = self.model.training
         self.model.eval()
         try:
@@ -388,8 +371,6 @@ class ModelWorker:
     def precompute(self, micro_batches: list[Any]) -> list[Any]:
         """Run `prepare` over this rank's share and return those micro-batches (tensors on the CPU), in order;
         then release the frozen model (its outputs are now in the data)."""
-        from relayrl.training.step import move_to
-
         mine, real = _share(micro_batches)
         self._prepare(mine, real)
         self.frozen = None
@@ -415,48 +396,3 @@ class ModelWorker:
 
     def export(self, folder: str) -> str:
         return self.state.export(folder)
-
-
-class WorkerFolder:
-    """Lets CheckpointManager.save write a worker's state: `save_pretrained(path)` -> worker.save(path)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def save_pretrained(self, path: str | Path) -> None:
-        self.handle.call("save", str(path))
-
-
-class RemoteStep:
-    """TrainStep's face on the driver for a ModelWorker role: step / evaluate run on the role's ranks."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-        self.nonfinite_total = 0
-
-    def step(self, micro_batches: list[Any]) -> StepOutput:
-        out, self.nonfinite_total = self.handle.call("step", micro_batches)
-        return out
-
-    def evaluate(self, batches: Any) -> dict[str, float]:
-        return self.handle.call("evaluate", [list(b) for b in batches])
-
-    def full_precision(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the workers save and load their exact weights themselves
-
-
-class RemoteTrainer(Trainer):
-    """The fit loop on the driver, training a ModelWorker role (see module doc)."""
-
-    def __init__(self, handle: Any, **kwargs: Any) -> None:
-        super().__init__(train_step=RemoteStep(handle), models={"model": WorkerFolder(handle)}, **kwargs)
-        self.handle = handle
-
-    def _optim_state(self) -> dict[str, Any]:
-        return {"optimizers": {}, "schedulers": {}}
-
-    def _loaded_models(self) -> dict[str, Any]:
-        return {}
-
-    def _after_load(self, path: Any) -> None:
-        self.handle.call("load", str(Path(path) / "model"))

@@ -38,7 +38,7 @@ from relayrl.trainers.prm import prm_loss, step_batch
 from relayrl.trainers.rm import rm_loss
 from relayrl.trainers.sft import next_token_loss
 from relayrl.training.step import TrainStep
-from relayrl.workers.trained import Models
+from relayrl.workers.trained import Models, ModelWorker
 
 LAYOUT = "padded"
 N = 4  # samples (pairs) per optimizer step
@@ -244,8 +244,8 @@ def test_dpo_precomputed_reference_equals_on_the_fly(tiny_tokenizer):
     policy, ref = tiny(tiny_tokenizer, 0), frozen_copy(tiny(tiny_tokenizer, 1))
 
     class Handle:  # ModelWorker.precompute: prepare over the batches, returned in order
-        def call(self, name, batches):
-            assert name == "precompute"
+        def call(self, method, batches):
+            assert method is ModelWorker.precompute
             with torch.no_grad():
                 dpo_prepare(models_of(policy, ref), batches, len(batches))
             return batches

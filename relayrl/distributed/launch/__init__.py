@@ -1,0 +1,37 @@
+"""Launch role workers in-process (`local`) or as groups of Ray actors (`ray`): the same worker classes either way.
+
+launcher = build_launcher(dist_cfg, {"policy": 2, "reward": 1, "reference": 2})   # role -> ranks
+policy = launcher.spawn("policy", PolicyWorker, spec)     # RoleHandle[PolicyWorker] over the role's ranks
+trajs = policy.call(PolicyWorker.rollout, prompts, seed)   # every rank runs it; results merged
+job = reference.submit(ReferenceWorker.logprobs, batch)    # start several roles at once ...
+ref = job.result()                                         # ... and collect each
+launcher.shutdown()
+
+base.py       RoleHandle[W] / Pending[R] / Launcher (the Protocols the trainers see), RoleError
+local.py      LocalLauncher, LocalRole: every role one object in this process (the 1-rank case)
+ray.py        RayLauncher, RayRole, RankHost: a role as one Ray actor per rank in a torch.distributed group
+placement.py  which placement group each role sits in, GPUs / CPUs per bundle
+failures.py   which rank failed, died or stalled: one RoleError naming role, rank, host and cause
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from relayrl.config.dist import DistConfig
+from relayrl.distributed.launch.base import Launcher
+from relayrl.distributed.launch.local import LocalLauncher
+from relayrl.distributed.launch.ray import RayLauncher
+
+LAUNCHERS: dict[str, Callable[[DistConfig, dict[str, int]], Launcher]] = {
+    "local": lambda cfg, roles: LocalLauncher(),
+    "ray": RayLauncher,
+}
+"""dist.mode -> the launcher for it."""
+
+
+def build_launcher(cfg: DistConfig, roles: dict[str, int]) -> Launcher:
+    """The launcher for `cfg.mode` sized for `roles` (role -> ranks); a clear error lists the modes."""
+    if cfg.mode not in LAUNCHERS:
+        raise ValueError(f"dist.mode: unknown execution mode {cfg.mode!r}; choose one of {sorted(LAUNCHERS)}")
+    return LAUNCHERS[cfg.mode](cfg, roles)

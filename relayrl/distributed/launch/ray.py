@@ -1,0 +1,278 @@
+"""`dist.mode=ray`: each role is a group of Ray actors, one per rank, placed by relayrl.distributed.launch.placement.
+
+    launcher = RayLauncher(dist_cfg, {"policy": 2, "reward": 1})    # role -> ranks; places the groups
+    policy = launcher.spawn("policy", PolicyWorker, spec)           # RayRole[PolicyWorker]
+    metrics = policy.call(PolicyWorker.update, exp, kl_coef)        # every rank, same arguments, merged
+    launcher.shutdown()
+
+`call(method, *args)` runs the method on EVERY rank of the role with the same arguments (big ones are put in
+Ray's object store once); each rank takes its own share of the work (relayrl.distributed.group: contiguous
+balanced shares), and the per-rank results are merged as the worker method declares with `@merged(...)`.
+
+The ranks of a role join one torch.distributed group (NCCL with GPUs, gloo without): rank 0 reports its node's
+IP and a free port, every rank then calls `init_process_group` with it and builds its worker, which shards its
+model with FSDP2. Without `ray_address` a local Ray cluster is started (`num_cpus` CPUs, no dashboard) and shut
+down by `shutdown()`; a cluster we did not start is left running (our actors and placement groups are removed).
+
+Failures: a rank that raises or dies (killed, out of memory) makes `call` / `result()` raise `RoleError`
+naming the role, rank, host and the original error (relayrl.distributed.launch.failures). The caller stops the
+run; its last complete checkpoint stays loadable. Ray is imported in the functions (an optional heavy
+dependency).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+
+from relayrl.config.dist import DistConfig
+from relayrl.distributed.group import GroupSpec, join_group, leave_group, merge_results
+from relayrl.distributed.launch.base import RoleError
+from relayrl.distributed.launch.failures import gather
+from relayrl.distributed.launch.placement import MODEL_FREE, Pool, cpu_share, plan_pools, rank_gpus
+
+P = ParamSpec("P")
+R = TypeVar("R")
+W = TypeVar("W")
+
+PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
+"""Environment variables of the driver that Ray actors inherit (when set)."""
+
+
+class RankHost:
+    """The Ray actor hosting one rank of a role: joins the role's process group, then builds and runs the
+    worker. Keeps worker classes free of Ray."""
+
+    def __init__(self, role: str, rank: int, quiet: bool = False) -> None:
+        self.role, self.rank = role, rank
+        self.worker: Any = None
+        """The worker object (any worker class: this actor hosts whichever the launcher names)."""
+        if quiet:  # the driver silenced transformers' per-file progress bars: so do its workers
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+
+    def endpoint(self) -> tuple[str, int, str]:
+        """(node IP, a free TCP port on it, host name): the rendezvous of the role's group (rank 0)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port, socket.gethostname()
+
+    def start(self, group: GroupSpec, cls: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, str]:
+        """Join the group and build the worker; returns (host name, Ray node id)."""
+        import ray
+
+        join_group(group)
+        self.worker = cls(*args, **kwargs)
+        return socket.gethostname(), ray.get_runtime_context().get_node_id()
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def stop(self) -> None:
+        close = getattr(self.worker, "close", None)
+        if callable(close):
+            close()
+        leave_group()
+
+
+class RayPending(Generic[R]):
+    """Outstanding per-rank calls of one role (what `RayRole.submit` returns)."""
+
+    __slots__ = ("method", "refs", "role")
+
+    def __init__(self, role: RayRole[Any], method: str, refs: list[Any]) -> None:
+        self.role, self.method, self.refs = role, method, refs
+
+    def result(self) -> R:
+        results = gather(self.role.name, self.method, self.refs, self.role.hosts, self.role.timeout_s)
+        return merge_results(self.role.cls, self.method, results)  # type: ignore[return-value]  # per @merged
+
+
+class RayRole(Generic[W]):
+    """A role as a group of Ray actors, one per rank (see module doc)."""
+
+    def __init__(
+        self,
+        name: str,
+        cls: Callable[..., W],
+        actors: list[Any],
+        hosts: list[str],
+        timeout_s: float,
+        nodes: list[str],
+    ) -> None:
+        self.name, self.cls, self.actors, self.hosts = name, cls, actors, hosts
+        self.nodes = nodes
+        """The Ray node id of each rank."""
+        self.world = len(actors)
+        self.timeout_s = timeout_s
+
+    def call(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.submit(method, *args, **kwargs).result()
+
+    def submit(
+        self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> RayPending[R]:
+        import ray
+
+        name = method.__name__
+        put_args: tuple[Any, ...] = args
+        put_kwargs: dict[str, Any] = kwargs
+        if self.world > 1:  # one copy in the object store, not one per rank
+            put_args = tuple(ray.put(a) if _big(a) else a for a in args)
+            put_kwargs = {k: ray.put(v) if _big(v) else v for k, v in kwargs.items()}
+        refs = [a.run.remote(name, *put_args, **put_kwargs) for a in self.actors]  # top-level refs resolve
+        return RayPending(self, name, refs)
+
+
+def _bars_off() -> bool:
+    logging_mod = sys.modules.get("transformers.utils.logging")
+    return logging_mod is not None and not logging_mod.is_progress_bar_enabled()
+
+
+def _big(x: Any) -> bool:
+    return not isinstance(x, int | float | str | bool | type(None))
+
+
+class RayLauncher:
+    """Roles as groups of Ray actors in placement groups (see module doc)."""
+
+    mode = "ray"
+
+    def __init__(self, cfg: DistConfig, roles: dict[str, int]) -> None:
+        import ray
+
+        self.cfg = cfg
+        self._started = False
+        self._actors: list[Any] = []
+        self.use_gpus = False
+        self.concurrency: dict[str, int] = {}
+        """Role -> calls one rank may run at once (threads of its actor); 1 unless set before `spawn`."""
+        if not ray.is_initialized():
+            env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+            kwargs: dict[str, Any] = {
+                "include_dashboard": False,
+                "log_to_driver": True,
+                "runtime_env": {"env_vars": env},
+            }
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, **kwargs)
+            else:
+                ray.init(num_cpus=cfg.num_cpus, **kwargs)
+                self._started = True
+        self.pools: dict[str, Pool] = {}
+        try:
+            self._place(cfg, roles)
+        except BaseException:  # leave nothing behind: our placement groups, and the cluster we started
+            self.shutdown()
+            raise
+
+    def _place(self, cfg: DistConfig, roles: dict[str, int]) -> None:
+        """Plan the pools and wait until the cluster has placed every placement group (see placement.py)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group
+
+        resources = ray.cluster_resources()
+        self.use_gpus = cfg.gpus == "yes" or (cfg.gpus == "auto" and resources.get("GPU", 0) > 0)
+        self.roles = roles
+        self.where = plan_pools(cfg, roles)
+        actors = sum(roles.values())
+        # every CPU of the cluster shared among the actors (Ray sets each actor's OMP / torch threads from
+        # it: a GPU rank with 1 CPU would run its CPU work, e.g. an offloaded optimizer step, on one thread)
+        self.cpu_per_actor = cpu_share(actors)
+        for role, pool in self.where.items():
+            p = self.pools.setdefault(pool, Pool(bundles=roles.get(pool, roles[role])))
+            p.roles.append(role)
+        for p in self.pools.values():
+            gpu = self.use_gpus and any(r not in MODEL_FREE for r in p.roles)
+            bundles = []
+            for i in range(p.bundles):  # bundle i hosts rank i of every role that has one (reward: 1 rank)
+                actors = sum(1 for r in p.roles if roles[r] > i)
+                bundle: dict[str, float] = {"CPU": self.cpu_per_actor * actors}
+                if gpu:
+                    bundle["GPU"] = float(rank_gpus(cfg, p.roles[0]))
+                bundles.append(bundle)
+            p.pg = placement_group(bundles, strategy="PACK")
+        for p in self.pools.values():
+            try:
+                ray.get(p.pg.ready(), timeout=cfg.timeout_s)
+            except GetTimeoutError as e:
+                raise RoleError(
+                    f"dist: the Ray cluster cannot place {p.bundles} bundle(s) for {'+'.join(p.roles)} "
+                    f"within {cfg.timeout_s:.0f} s (asked for {p.pg.bundle_specs}; cluster resources: "
+                    f"{resources}); lower the *_num_gpus_per_node / *_num_nodes values or add nodes"
+                ) from e
+
+    def _gpu_share(self, role: str) -> float:
+        pool = self.pools[self.where[role]]
+        if not self.use_gpus or role in MODEL_FREE:
+            return 0.0
+        return rank_gpus(self.cfg, role) / sum(1 for r in pool.roles if r not in MODEL_FREE)
+
+    def spawn(self, name: str, cls: Callable[P, W], /, *args: P.args, **kwargs: P.kwargs) -> RayRole[W]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if name not in self.roles:
+            raise RuntimeError(
+                f"RayLauncher was planned for roles {sorted(self.roles)}; cannot spawn {name!r}"
+            )
+        world = self.roles[name]
+        pool = self.pools[self.where[name]]
+        host_cls = ray.remote(RankHost)
+        actors = []
+        for rank in range(world):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pool.pg, placement_group_bundle_index=rank
+            )
+            actor = host_cls.options(
+                num_cpus=self.cpu_per_actor,
+                num_gpus=self._gpu_share(name),
+                scheduling_strategy=strategy,
+                max_concurrency=self.concurrency.get(name, 1),
+            ).remote(name, rank, _bars_off())
+            actors.append(actor)
+        self._actors += actors
+        addr, port, host0 = gather(
+            name, "endpoint", [actors[0].endpoint.remote()], ["?"], self.cfg.timeout_s
+        )[0]
+        backend = "nccl" if self.use_gpus and name not in MODEL_FREE else "gloo"
+        refs = [
+            a.start.remote(
+                GroupSpec(
+                    rank=r, world=world, addr=addr, port=port, backend=backend, timeout_s=self.cfg.timeout_s
+                ),
+                cls,
+                args,
+                kwargs,
+            )
+            for r, a in enumerate(actors)
+        ]
+        placed = gather(name, "start", refs, [host0] * world, self.cfg.timeout_s)
+        return RayRole(
+            name, cls, actors, [h for h, _ in placed], self.cfg.timeout_s, nodes=[n for _, n in placed]
+        )
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        try:
+            for a in self._actors:
+                ray.kill(a)
+            for p in self.pools.values():
+                if p.pg is not None:
+                    remove_placement_group(p.pg)
+        finally:
+            self._actors = []
+            if self._started:
+                ray.shutdown()
