@@ -1,1 +1,1 @@
-"""Execution modes: launch role workers in-process or as Ray actors in a placement group (launch.py)."""
+"""Execution modes: launch role workers in-process or as Ray actors in placement groups (launch/)."""

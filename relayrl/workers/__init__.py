@@ -1,5 +1,6 @@
 """Role workers of RL: plain classes that own a model and expose batch methods; the same class runs in-process
-(`dist.mode=local`) or as a Ray actor (`dist.mode=ray`), see relayrl/distributed/launch.py.
+(`dist.mode=local`) or as a Ray actor (`dist.mode=ray`), see relayrl/distributed/launch/; the controller calls
+them through typed handles by method reference (`policy.call(PolicyWorker.update, exp, kl_coef)`).
 
     policy.py     PolicyWorker(PolicySpec): TrainStep + PolicyObjective + EMA + the colocated engine and executor
     reference.py  ReferenceWorker(ReferenceSpec): frozen reference log-probs (only when a KL term is on)
@@ -8,6 +9,8 @@
     base.py       SequenceBatch, Experience (the records passed between controller and workers), collate
     model_ops.py  the forward (relayrl.models.forward) laid out as [B, T]: token log-probs / entropy, values
     builders.py   construction from component configs (models, objective, engine, executor)
+    trained.py    what trained roles share (sharding, RoleState checkpoints); ModelWorker (one-model recipes)
+    proxies.py    Protocols of roles more than one worker class fills (Generates, HoldsState); WorkerFolder
 
 Workers import the training core (relayrl/training), never the recipes (relayrl/trainers).
 """

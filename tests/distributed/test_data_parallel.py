@@ -18,6 +18,7 @@ from dp_fixtures import assert_metrics_close as _close
 
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
+from relayrl.workers.policy import PolicyWorker
 
 pytestmark = pytest.mark.slow  # multi-rank runs compared with one rank
 
@@ -59,8 +60,10 @@ def test_rl_two_ranks_equal_one_rank_and_resume_across_rank_counts(ray_cluster, 
     one = run_rl(_rl_cfg(tiny_model_path, tmp_path / "one", 1))
     trainer = RLTrainer(_rl_cfg(tiny_model_path, tmp_path / "two", 2))
     canaries: list[float] = []
-    info = trainer.roles.policy.call("info")
-    two = trainer.fit(on_step=lambda step, m: canaries.append(trainer.roles.policy.call("weight_canary")))
+    info = trainer.roles.policy.call(PolicyWorker.info)
+    two = trainer.fit(
+        on_step=lambda step, m: canaries.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    )
     assert one.exit_code == two.exit_code == 0, two.message
     assert info["ranks"] == 2 and info["engine_weights"] == "gathered"
     assert canaries == [0.0, 0.0]

@@ -13,6 +13,7 @@ import torch
 
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
+from relayrl.workers.engine import EngineWorker
 
 pytestmark = pytest.mark.slow  # engine actors on Ray
 
@@ -43,7 +44,9 @@ def test_two_engine_actors_match_the_colocated_run_and_hold_the_trained_weights(
     trainer = RLTrainer(_cfg(tiny_model_path, tmp_path / "ray", steps=2), banner=False)
     seen: dict[int, list[float]] = {}
     result = trainer.fit(
-        on_step=lambda step, m: seen.__setitem__(step, trainer.roles.engines.call("weight_checksum"))
+        on_step=lambda step, m: seen.__setitem__(
+            step, trainer.roles.engines.call(EngineWorker.weight_checksum)
+        )
     )
     assert not ray.is_initialized()
     assert local.exit_code == result.exit_code == 0, result.message

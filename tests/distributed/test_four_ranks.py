@@ -41,9 +41,12 @@ from relayrl.config.dist import DistConfig
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.config.rl import RLConfig
 from relayrl.distributed.group import shares
-from relayrl.distributed.launch import RayLauncher, RoleError
+from relayrl.distributed.launch.base import RoleError
+from relayrl.distributed.launch.ray import RayLauncher
 from relayrl.trainers.rl.loop import RLResult, RLTrainer
 from relayrl.workers.base import split_rows
+from relayrl.workers.engine import EngineWorker
+from relayrl.workers.policy import PolicyWorker
 
 pytestmark = pytest.mark.slow  # Ray with four gloo ranks
 
@@ -134,12 +137,12 @@ def _fit(cfg: RLConfig, probe: Any = None) -> Run:
 
 def _canary(trainer: RLTrainer) -> float:
     """max |engine weight - trained weight| over the policy's ranks (0: every engine is up to date)."""
-    return trainer.roles.policy.call("weight_canary")
+    return trainer.roles.policy.call(PolicyWorker.weight_canary)
 
 
 def _engine_checksums(trainer: RLTrainer) -> list[float]:
     """Sum of |w| of each separate engine's weights, in engine order."""
-    return trainer.roles.engines.call("weight_checksum")
+    return trainer.roles.engines.call(EngineWorker.weight_checksum)
 
 
 def _same_run(got: Run, want: Run) -> None:

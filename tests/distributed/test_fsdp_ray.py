@@ -42,8 +42,15 @@ from relayrl.config.components import LoraConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_share, rank, shares, world
+<<<<<<< HEAD
 from relayrl.distributed.launch import LocalLauncher, RayLauncher, RoleError
 from relayrl.distributed.weights.local import LocalWeights
+=======
+from relayrl.distributed.launch.base import RoleError
+from relayrl.distributed.launch.local import LocalLauncher
+from relayrl.distributed.launch.ray import RayLauncher
+from relayrl.distributed.weights import EngineWeights
+>>>>>>> 85e877d (trainers/rl on the shared scaffolding: rl/support.py gone (Timer -> report, failure counts / prompts draw / skip -> rl/rollout.py RolloutPhase, due -> training.loop, reward norm -> roles.build_reward_norm, resume -> training.setup.checkpoint_to_resume, logger / ckpt manager -> training.setup builders); SyncRollout / AsyncRollout strategy chosen at build time; rl/setup.py prepare_run; relayrl eval builds an engine + executor + reward source only; typed role calls everywhere)
 from relayrl.models.forward import token_logprobs
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from relayrl.training.setup import build_train_step
@@ -214,7 +221,7 @@ def _shares_of(seqs: list[torch.Tensor]) -> list[range]:
 
 def _one_rank(seqs: list[torch.Tensor], n: int, **kw) -> dict:
     """The reference: the same worker in this process (local mode), one unsharded rank."""
-    return LocalLauncher().spawn("policy", Probe, **kw).call("steps", seqs, n)
+    return LocalLauncher().spawn("policy", Probe, **kw).call(Probe.steps, seqs, n)
 
 
 def _assert_same(ranks: list[dict], ref: dict) -> None:
@@ -245,7 +252,7 @@ def test_two_ranks_equal_one_rank(ray_cluster):
     launcher = _launcher()
     try:
         policy = launcher.spawn("policy", Probe)
-        ranks = policy.call("steps_all", seqs, 2)
+        ranks = policy.call(Probe.steps_all, seqs, 2)
     finally:
         launcher.shutdown()
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -261,8 +268,8 @@ def test_uneven_and_empty_shares_equal_one_rank(ray_cluster):
         policy = launcher.spawn("policy", Probe)
         results = {}
         for n in (3, 1):  # 3 sequences: 1 + 2 rows (lengths 7 | 12, 5); 1 sequence: rank 1's share is empty
-            policy.call("build")  # a fresh model and optimizer from the same seed
-            results[n] = policy.call("steps_all", _seqs(n), 2)
+            policy.call(Probe.build)  # a fresh model and optimizer from the same seed
+            results[n] = policy.call(Probe.steps_all, _seqs(n), 2)
     finally:
         launcher.shutdown()
     assert [r["rows"] for r in results[3]] == [1, 2]
@@ -277,9 +284,9 @@ def test_engine_refresh_gathers_full_weights(ray_cluster):
     launcher = _launcher()
     try:
         policy = launcher.spawn("policy", Probe, engine=True)
-        full = policy.call("refresh_check", seqs)
-        policy.call("build", lora=True, engine=True)
-        lora = policy.call("refresh_check", seqs)
+        full = policy.call(Probe.refresh_check, seqs)
+        policy.call(Probe.build, lora=True, engine=True)
+        lora = policy.call(Probe.refresh_check, seqs)
     finally:
         launcher.shutdown()
     for ranks in (full, lora):
@@ -306,9 +313,9 @@ def test_raising_rank_is_named_with_host_and_error(ray_cluster):
         role = launcher.spawn("policy", Crasher)
         t0 = time.monotonic()
         with pytest.raises(RoleError) as err:
-            role.call("boom")
+            role.call(Crasher.boom)
         elapsed = time.monotonic() - t0
-        assert role.call("ping") == [0, 1]  # a raised error leaves the role usable
+        assert role.call(Crasher.ping) == [0, 1]  # a raised error leaves the role usable
     finally:
         launcher.shutdown()
     msg = str(err.value)
@@ -324,7 +331,7 @@ def test_dead_rank_is_named_and_shutdown_does_not_hang(ray_cluster):
         role = launcher.spawn("policy", Crasher)
         t0 = time.monotonic()
         with pytest.raises(RoleError) as err:
-            role.call("die_in_collective")
+            role.call(Crasher.die_in_collective)
         elapsed = time.monotonic() - t0
     finally:
         t0 = time.monotonic()
@@ -343,7 +350,7 @@ def test_stuck_rank_is_named_not_its_timed_out_peer(ray_cluster):
         role = launcher.spawn("policy", Crasher)
         t0 = time.monotonic()
         with pytest.raises(RoleError) as err:
-            role.call("stuck_in_collective")
+            role.call(Crasher.stuck_in_collective)
         elapsed = time.monotonic() - t0
     finally:
         launcher.shutdown()

@@ -52,6 +52,8 @@ import torch
 
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model
 from relayrl.rollout import FinishReason, GenerationRequest, SamplingParams, build_engine, generate_all
+from relayrl.workers.engine import EngineWorker
+from relayrl.workers.policy import PolicyWorker
 
 pytestmark = [
     pytest.mark.gpu,
@@ -629,14 +631,14 @@ def _rl_ray_child(folder: str, run_dir: str) -> dict:
 
     def compare_then_close() -> None:
         try:
-            exported = roles.policy.call("export", str(Path(run_dir) / "trained"))
+            exported = roles.policy.call(PolicyWorker.export, str(Path(run_dir) / "trained"))
             tokenizer = trainer.tokenizer
             texts = ["12+34=", "7*8=", "hello world", "The quick brown fox"]
             samples = [
                 PromptSample(index=i, prompt=t, prompt_ids=tokenizer(t)["input_ids"])
                 for i, t in enumerate(texts)
             ]
-            trajs = roles.engines.call("rollout", samples, 0, True)  # eval sampling: greedy
+            trajs = roles.engines.call(EngineWorker.rollout, samples, 0, True)  # eval sampling: greedy
             prompts, comps, versions = [], [], set()
             for t in trajs:
                 P = len(t.sample.prompt_ids)

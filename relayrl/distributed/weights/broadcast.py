@@ -2,7 +2,7 @@
 
     connect_engines(policy, engines, launcher, n, timeout_s, tp)   the controller: check layouts, form the
                                                         group (every rank joins at once), send version 0
-    sync_weights(launcher, policy, engines, version)    the controller: policy.sync (its rank 0 sends) and the
+    sync_weights(policy, engines, version)              the controller: policy.sync (its rank 0 sends) and the
                                                         engines' receive_weights, both sides of one collective
     BroadcastSender().join(channel); .send(model)       the policy's rank 0: every parameter, in order
     ModuleReceiver(engine, model, engine_rank)          an engine actor holding its own module: receives
@@ -27,12 +27,12 @@ from __future__ import annotations
 import datetime
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from relayrl.distributed.launch import Launcher, RoleHandle
+from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.rollout.base import RolloutEngine, paused
 
@@ -151,35 +151,70 @@ class ModuleReceiver:
             self.engine.load_weights(None, version=version)
 
 
+class SendsWeights(Protocol):
+    """The sending role's side (the policy, relayrl.workers.policy.PolicyWorker), as the controller calls it."""
+
+    def weight_layout(self) -> Layout: ...
+
+    def weight_endpoint(self) -> tuple[str, int]: ...
+
+    def join_weights(self, channel: Channel) -> None: ...
+
+    def sync(self, version: int | None = None) -> dict[str, float]: ...
+
+
+class ReceivesWeights(Protocol):
+    """The receiving role's side (separate engines, relayrl.workers.engine.EngineWorker)."""
+
+    def weight_layout(self) -> Layout | None: ...
+
+    def join_weights(self, channel: Channel, layout: Layout) -> None: ...
+
+    def receive_weights(self, version: int) -> None: ...
+
+
 def connect_engines(
-    policy: RoleHandle, engines: RoleHandle, launcher: Launcher, n: int, timeout_s: float, tp: int = 1
+    policy: RoleHandle[SendsWeights],
+    engines: RoleHandle[ReceivesWeights],
+    launcher: Launcher,
+    n: int,
+    timeout_s: float,
+    tp: int = 1,
 ) -> None:
     """Form the weight group (the policy's rank 0 + the n engines' tp receiving processes each) and send the
     engines the policy's weights as version 0 (so they start from exactly the trainer's weights, cast to the
     engine dtype). Engines whose receivers take the sender's layout as it comes (vllm: its own parameter names
     differ, packed q/k/v) report None for theirs; the others must match it exactly."""
-    sent, received = policy.call("weight_layout"), engines.call("weight_layout")
+    sent, received = policy.call(SendsWeights.weight_layout), engines.call(ReceivesWeights.weight_layout)
     if received is not None and sent != received:  # mismatched tensors would hang or corrupt: refuse before
         diff = next((a, b) for a, b in zip([*sent, None], [*received, None], strict=False) if a != b)
         raise RuntimeError(
             f"dist.num_engines: the engines' weights differ from the policy's replica ({len(sent)} vs "
             f"{len(received)} tensors; first difference: policy {diff[0]} vs engine {diff[1]})"
         )
-    address, port = policy.call("weight_endpoint")
-    backend = "nccl" if getattr(launcher, "use_gpus", False) else "gloo"
+    address, port = policy.call(SendsWeights.weight_endpoint)
+    backend = "nccl" if launcher.use_gpus else "gloo"
     channel = Channel(
         address=address, port=port, world=weight_ranks(n, tp), backend=backend, timeout_s=timeout_s
     )
-    launcher.wait([policy.submit("join_weights", channel), engines.submit("join_weights", channel, sent)])
-    sync_weights(launcher, policy, engines, 0)
+    joins = (
+        policy.submit(SendsWeights.join_weights, channel),
+        engines.submit(ReceivesWeights.join_weights, channel, sent),
+    )
+    for job in joins:
+        job.result()
+    sync_weights(policy, engines, 0)
 
 
 def sync_weights(
-    launcher: Launcher, policy: RoleHandle, engines: RoleHandle | None, version: int
+    policy: RoleHandle[SendsWeights], engines: RoleHandle[ReceivesWeights] | None, version: int
 ) -> dict[str, float]:
     """policy.sync(version); with separate engines their receive_weights at the same time (the policy's rank 0
     broadcasts, they receive: both sides of one collective). Returns the policy's sync metrics."""
     if engines is None:
-        return policy.call("sync", version)
-    out, _ = launcher.wait([policy.submit("sync", version), engines.submit("receive_weights", version)])
-    return out
+        return policy.call(SendsWeights.sync, version)
+    out = policy.submit(SendsWeights.sync, version)
+    received = engines.submit(ReceivesWeights.receive_weights, version)
+    metrics = out.result()
+    received.result()
+    return metrics

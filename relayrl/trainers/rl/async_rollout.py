@@ -1,4 +1,12 @@
-"""Async training (`train.async_train`): the rollout of the next steps overlaps the update of this one.
+"""The rollout strategy of `relayrl rl`, chosen once at build time: SyncRollout (rollout, then update) or
+AsyncRollout (`train.async_train`: the rollout of the next steps overlaps the update of this one).
+
+    rollouts = build_rollout_strategy(cfg.train, cfg.rollout)       # launcher concurrency: rollouts.concurrency
+    rollouts.start(rollout_phase, sampler, steps_done=k, last_step=n)
+    trajs, metrics = rollouts.take(step, version)   ->  update  ->  sync  ->  rollouts.step_done(step)
+    checkpoint: rollouts.sampler_state(sampler);    rollouts.close(timeout)
+
+Async:
 
     RolloutPipeline(produce, first_step, last_step, max_staleness)
         producer thread:  for j in first..last: wait until steps_done >= j - 1 - max_staleness;
@@ -30,9 +38,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from relayrl.agents.base import Trajectory
+from relayrl.config.rl import RLTrainConfig, RolloutConfig
+from relayrl.trainers.rl.experience import rollout_metrics
+from relayrl.trainers.rl.rollout import NothingToTrain
+from relayrl.training.sampler import ResumableSampler
 
 
 @dataclass(kw_only=True)
@@ -130,44 +142,108 @@ class RolloutPipeline:
             self._thread.join(timeout)
 
 
-class AsyncRollout:
-    """The controller's side of async training: the pipeline over `rollout(step)`, the sampler state a
-    checkpoint stores (as after the last consumed batch's draws), and the staleness bound at consumption.
-    `skip` is the controller's "nothing to train this step" exception: the producer hands it over as the
-    batch's error, and `take` raises it (also when the staleness filter leaves nothing)."""
+Produce = Callable[[int], tuple[list[Trajectory], dict[str, float]]]
+"""rollout(step) -> (trajectories, metrics): the rollout phase (relayrl.trainers.rl.rollout.RolloutPhase);
+raises NothingToTrain for a step with nothing to train."""
 
-    def __init__(
-        self,
-        rollout: Callable[[int], tuple[list[Trajectory], dict[str, float]]],
-        sampler: Any,
-        *,
-        skip: type[Exception],
-        first_step: int,
-        last_step: int,
-        max_staleness: int,
-        steps_done: int,
-        group_size: int | None,
-        gil_switch_s: float = 0.0,
-    ) -> None:
-        self._rollout, self._sampler, self._skip = rollout, sampler, skip
+
+class RolloutStrategy(Protocol):
+    """How the controller gets each step's batch: `SyncRollout` (rollout then update, in turn) or
+    `AsyncRollout` (the next steps' rollout overlaps this step's update). Chosen once, at build time
+    (`build_rollout_strategy`, from train.async_train)."""
+
+    concurrency: dict[str, int]
+    """Role -> calls one rank runs at once (the launcher's actor threads): what overlapping needs."""
+    overlaps: bool
+    """Rollout runs beside the update (the engine then needs its own weight copy, and a skipped step still
+    syncs, so that versions count steps)."""
+
+    def start(self, produce: Produce, sampler: ResumableSampler, *, steps_done: int, last_step: int) -> None:
+        """Steps steps_done + 1 .. last_step will be taken (called once, before the first `take`)."""
+        ...
+
+    def take(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Step `step`'s batch, trained by the weights of `version`; raises NothingToTrain to skip the step."""
+        ...
+
+    def step_done(self, step: int) -> None:
+        """Step `step`'s weights are synced to the engine (or it was skipped)."""
+        ...
+
+    def sampler_state(self, sampler: ResumableSampler) -> dict[str, Any]:
+        """The prompt sampler's state a checkpoint after the last taken step stores."""
+        ...
+
+    def close(self, timeout: float | None = 0) -> None:
+        """Start no new batch; wait up to `timeout` for the one in flight (close the engine first to abort it)."""
+        ...
+
+
+class SyncRollout:
+    """Rollout, then update, in turn: `take(step)` runs the rollout phase for the step."""
+
+    overlaps = False
+
+    def __init__(self) -> None:
+        self.concurrency: dict[str, int] = {}
+        self._produce: Produce | None = None
+
+    def start(self, produce: Produce, sampler: ResumableSampler, *, steps_done: int, last_step: int) -> None:
+        self._produce = produce
+
+    def take(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
+        assert self._produce is not None, "SyncRollout.take before start"
+        return self._produce(step)
+
+    def step_done(self, step: int) -> None:
+        return None
+
+    def sampler_state(self, sampler: ResumableSampler) -> dict[str, Any]:
+        return sampler.state_dict()
+
+    def close(self, timeout: float | None = 0) -> None:
+        return None
+
+
+class AsyncRollout:
+    """The controller's side of async training: the pipeline over the rollout phase, the sampler state a
+    checkpoint stores (as after the last consumed batch's draws), and the staleness bound at consumption.
+    The producer hands a NothingToTrain over as the batch's error, and `take` raises it (also when the
+    staleness filter leaves nothing)."""
+
+    overlaps = True
+
+    def __init__(self, *, max_staleness: int, group_size: int | None, gil_switch_s: float = 0.0) -> None:
         self.max_staleness, self.group_size = max_staleness, group_size
-        self.sampler_state: dict[str, Any] = sampler.state_dict()
+        self.gil_switch_s = gil_switch_s
+        """The interpreter's thread switch interval while the pipeline runs (0: Python's default)."""
+        self.concurrency: dict[str, int] = {"policy": 3, "reward": 2, "engine": 3}
+        """rollout, update and eval of the policy (score and eval of the reward) overlap."""
+        self._state: dict[str, Any] | None = None
         """The prompt sampler as after the last consumed batch's draws (the producer may be ahead)."""
-        self.pipeline = RolloutPipeline(
+        self._pipeline: RolloutPipeline | None = None
+        self._produce_fn: Produce | None = None
+        self._sampler: ResumableSampler | None = None
+
+    def start(self, produce: Produce, sampler: ResumableSampler, *, steps_done: int, last_step: int) -> None:
+        self._produce_fn, self._sampler = produce, sampler
+        self._state = sampler.state_dict()
+        self._pipeline = RolloutPipeline(
             self._produce,
-            first_step=first_step,
+            first_step=steps_done + 1,
             last_step=last_step,
-            max_staleness=max_staleness,
+            max_staleness=self.max_staleness,
             steps_done=steps_done,
-            gil_switch_s=gil_switch_s,
+            gil_switch_s=self.gil_switch_s,
         )
 
     def _produce(self, step: int) -> Batch:
         """On the producer thread: rollout(step) as a Batch, the sampler's state after it attached."""
+        assert self._produce_fn is not None and self._sampler is not None
         t0 = time.perf_counter()
         try:
-            trajs, metrics = self._rollout(step)
-        except self._skip as e:
+            trajs, metrics = self._produce_fn(step)
+        except NothingToTrain as e:
             return Batch(step=step, error=e, sampler_state=self._sampler.state_dict())
         metrics["timing/rollout_produce"] = time.perf_counter() - t0
         return Batch(step=step, trajs=trajs, metrics=metrics, sampler_state=self._sampler.state_dict())
@@ -175,28 +251,41 @@ class AsyncRollout:
     def take(self, step: int, version: int) -> tuple[list[Trajectory], dict[str, float]]:
         """Step `step`'s batch, trained by weights of `version`, with the staleness bound applied and measured
         (async/* metrics; async/wait_s: how long the trainer waited for it)."""
-        batch, waited = self.pipeline.take(step)
-        self.sampler_state = batch.sampler_state or self.sampler_state
+        assert self._pipeline is not None, "AsyncRollout.take before start"
+        batch, waited = self._pipeline.take(step)
+        self._state = batch.sampler_state or self._state
         if batch.error is not None:
             raise batch.error
         keep, m = staleness_filter(batch.trajs, version, self.max_staleness, self.group_size)
         if not keep:
-            raise self._skip(
+            raise NothingToTrain(
                 f"step {step}: all {len(batch.trajs)} samples were more than train.max_staleness="
                 f"{self.max_staleness} policy versions old"
             )
         metrics = {**batch.metrics, **m, "async/wait_s": waited}
         if len(keep) < len(batch.trajs):
-            from relayrl.trainers.rl.experience import rollout_metrics
-
             metrics.update(rollout_metrics(keep))
         return keep, metrics
 
     def step_done(self, step: int) -> None:
-        self.pipeline.step_done(step)
+        if self._pipeline is not None:
+            self._pipeline.step_done(step)
+
+    def sampler_state(self, sampler: ResumableSampler) -> dict[str, Any]:
+        return self._state if self._state is not None else sampler.state_dict()
 
     def close(self, timeout: float | None = 0) -> None:
-        self.pipeline.close(timeout)
+        if self._pipeline is not None:
+            self._pipeline.close(timeout)
+
+
+def build_rollout_strategy(train: RLTrainConfig, rollout: RolloutConfig) -> SyncRollout | AsyncRollout:
+    """train.async_train -> AsyncRollout (bounded by train.max_staleness; staleness drops whole groups unless
+    rollout.failure_policy is drop_sample; train.gil_switch_s), else SyncRollout."""
+    if not train.async_train:
+        return SyncRollout()
+    group = rollout.n_samples if rollout.failure_policy != "drop_sample" else None
+    return AsyncRollout(max_staleness=train.max_staleness, group_size=group, gil_switch_s=train.gil_switch_s)
 
 
 def trajectory_staleness(traj: Trajectory, version: int) -> tuple[int, int] | None:

@@ -13,9 +13,14 @@ One step, in one sitting (`RLTrainer.train_step`):
     log()              metrics.jsonl / TensorBoard / W&B, progress line, sample table; eval every k steps;
                        checkpoint every ckpt.save_every steps
 
-Roles are `RoleHandle`s from relayrl.distributed.launch: plain objects (`dist.mode=local`) or Ray actors
-(`dist.mode=ray`), the same worker classes either way. Rollout seeds derive from (train.seed, step, attempt,
-prompt index), so a resumed run samples exactly what an uninterrupted one would have (exact resume).
+Where each piece lives: rollout() is relayrl.trainers.rl.rollout.RolloutPhase, taken through the rollout
+strategy chosen at build time (relayrl.trainers.rl.async_rollout: SyncRollout, or AsyncRollout for
+train.async_train); the roles (relayrl.trainers.rl.roles) are typed handles (`RoleHandle[PolicyWorker]`,
+called as `policy.call(PolicyWorker.update, exp, kl_coef)`) over plain objects (`dist.mode=local`) or Ray
+actors (`dist.mode=ray`), the same worker classes either way; the cadence rule, resume rule, checkpoint
+manager and logger are relayrl.training's (loop.LoopSettings, setup.checkpoint_to_resume / build_*), shared
+with the one-model recipes. Rollout seeds derive from (train.seed, step, attempt, prompt index), so a resumed
+run samples exactly what an uninterrupted one would have (exact resume).
 
 Run folder (train.output_dir, default runs/rl): config.yaml, data/ (task rows), metrics.jsonl, samples.jsonl,
 tensorboard/, checkpoints/step_<N>/{policy,critic}/ (HF folders + worker_state.pt), curves.png, final/ (HF).
@@ -25,33 +30,38 @@ SIGINT / SIGTERM after writing a checkpoint.
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from relayrl.agents.base import Trajectory
-from relayrl.config.rl import ResolvedRL, RLConfig
-from relayrl.data.records import PromptSample
-from relayrl.trainers.rl.support import (
-    SignalFlag,
-    Timer,
-    add,
-    as_dict,
-    checkpoint_manager,
-    due,
-    failure_counts,
-    reward_norm,
-)
+from relayrl.algorithms.off_policy import logprob_mismatch
+from relayrl.config.base import ConfigError, to_dict
+from relayrl.config.command_line import run_command
+from relayrl.config.rl import RLConfig
+from relayrl.trainers.rl.async_rollout import build_rollout_strategy
+from relayrl.trainers.rl.eval import evaluate
+from relayrl.trainers.rl.experience import step_advantages, trajectory_rewards
+from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, log_samples, plot_curves
+from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
+from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
+from relayrl.trainers.rl.setup import prepare_run
+from relayrl.training.logging import MetricsLogger, keep_rows_up_to
+from relayrl.training.loop import LoopSettings, due
+from relayrl.training.sampler import ResumableSampler
+from relayrl.training.setup import build_checkpoint_manager, build_logger, checkpoint_to_resume
+from relayrl.training.signals import SignalFlag
 from relayrl.workers.base import Experience, collate
-from relayrl.workers.trained import WorkerFolder
-
-log = logging.getLogger("relayrl.rl")
+from relayrl.workers.builders import exact_on_policy
+from relayrl.workers.critic import CriticWorker
+from relayrl.workers.policy import PolicyWorker
+from relayrl.workers.proxies import Generates, WorkerFolder
+from relayrl.workers.reference import ReferenceWorker
+from relayrl.workers.reward import RewardWorker
 
 MAX_SKIPPED_STEPS = 3
 """Consecutive steps with nothing to train (all failed / all filtered) before the run stops with exit 1."""
@@ -81,93 +91,80 @@ class RLResult:
     """The run folder's checkpoint had already reached train.max_steps: nothing was trained."""
 
 
-def _filter_fractions(counts: dict[str, float]) -> dict[str, float]:
-    """Per-round fractions summed over refill rounds -> fractions of every group generated this step (<= 1):
-    filter/zero_var_frac and filter/out_of_range_frac from the summed group counts; filter/refills = rounds - 1."""
-    out = dict(counts)
-    seen = out.get("filter/groups_kept", 0.0) + out.get("filter/groups_dropped", 0.0)
-    for what in ("zero_var", "out_of_range"):
-        if f"filter/{what}_frac" in out:
-            out[f"filter/{what}_frac"] = out.get(f"filter/groups_{what}", 0.0) / max(seen, 1.0)
-    if "filter/rounds" in out:
-        out["filter/refills"] = out["filter/rounds"] - 1.0
-    return out
+def settings_of(cfg: RLConfig) -> LoopSettings:
+    """The loop's cadence: eval every eval.every steps and after the last (eval.every 0: never), checkpoints
+    every ckpt.save_every steps (the final one is written by `_finish`), the sample table every log_every."""
+    return LoopSettings(
+        total_steps=cfg.train.max_steps,
+        eval_every=cfg.eval.every,
+        eval_final=cfg.eval.every != 0,
+        save_every=cfg.ckpt.save_every,
+        save_final=False,
+        best_metric=cfg.ckpt.best_metric,
+        log_every=max(1, cfg.train.log_every),
+    )
 
 
-class _Skip(Exception):
-    """Nothing to train this step (every trajectory failed or every group was filtered)."""
+def banner_text(cfg: RLConfig, info: dict, run_dir: Path, on_policy: bool) -> str:
+    """The start-up line: algorithm, model, precision, layout, engine, ranks, steps, run folder."""
+    a = cfg.algo
+    return (
+        f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
+        f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
+        f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
+        f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
+        f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
+        f"{'skipped (exactly on-policy)' if on_policy else 'on'}; run folder {run_dir}"
+    )
 
 
 class RLTrainer:
     """Builds the run (config check, prompts, roles, logger, checkpoints) and runs the loop."""
 
     def __init__(self, cfg: RLConfig, *, banner: bool = True) -> None:
-        from relayrl.config.base import save_yaml
-        from relayrl.models.loading import load_tokenizer, resolve_source
-        from relayrl.trainers.rl.prompts import build_prompts, check_labels
-        from relayrl.trainers.rl.roles import build_kl_controller, build_roles
-        from relayrl.trainers.rl.validate import validate_rl
-        from relayrl.training.sampler import ResumableSampler
-        from relayrl.training.setup import check_config_change, prepare_run_dir
-        from relayrl.workers.builders import exact_on_policy, setup_process
-
-        cfg = validate_rl(cfg)
-        self.cfg = cfg
-        self.run_dir = prepare_run_dir(Path(cfg.train.output_dir or "runs/rl"), cfg.ckpt, "relayrl rl")
-        a = cfg.algo  # the policy's schedule spans max_steps x epochs x mini_batches optimizer steps
-        check_config_change(self.run_dir, cfg, "relayrl rl", updates_per_step=a.epochs * a.mini_batches)
-        save_yaml(cfg, self.run_dir / "config.yaml")
-        setup_process(cfg.train.seed)
-        m = cfg.model
-        resolve_source(m.name_or_path)  # a missing path fails here, naming model.name_or_path
-        tokenizer = load_tokenizer(
-            m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
-        )
-        self.tokenizer = tokenizer
-        self.prompts = build_prompts(cfg, self.run_dir, tokenizer)
-        check_labels(cfg, self.prompts)
-        if cfg.train.max_steps == 0:  # one pass over the training prompts
-            steps = -(-len(self.prompts.train) // cfg.rollout.prompts_per_step)
-            cfg = self.cfg = ResolvedRL(replace(cfg, train=replace(cfg.train, max_steps=steps)))
-            print(
-                f"relayrl rl: train.max_steps 0 = one pass over the {len(self.prompts.train)} training prompts: "
-                f"{steps} steps of {cfg.rollout.prompts_per_step} prompts"
-            )
+        run = prepare_run(cfg)
+        self.cfg = cfg = run.cfg
+        self.run_dir, self.tokenizer, self.prompts = run.run_dir, run.tokenizer, run.prompts
+        self.settings = settings_of(cfg)
         self.sampler = ResumableSampler(len(self.prompts.train), 1, seed=cfg.train.seed, shuffle=True)
-        self.kl_ctl = build_kl_controller(cfg)
-        self.reward_norm = reward_norm(cfg)
+        self.kl_ctl = build_kl_controller(cfg.algo)
+        self.reward_norm = build_reward_norm(cfg.reward)
         self.step = 0
         self.skipped = 0
         self.version = 0
         """The policy version the engine holds: the step of the last weight sync (async staleness counts it)."""
-        self._async: Any = None
-        """train.async_train: the rollout pipeline (rl_async.AsyncRollout), once the loop starts."""
-        self.roles = build_roles(cfg, cfg.train.max_steps)
-        info = self.roles.policy.call("info")
+        self.rollouts = build_rollout_strategy(cfg.train, cfg.rollout)
+        """Sync, or async (the next steps' rollout overlaps this step's update): chosen here, once."""
+        self.roles = build_roles(
+            cfg, cfg.train.max_steps, concurrency=self.rollouts.concurrency, overlaps=self.rollouts.overlaps
+        )
+        self.rollout = RolloutPhase(
+            generator=self.roles.generator,
+            reward=self.roles.reward,
+            prompts=self.prompts.train,
+            sampler=self.sampler,
+            rollout=cfg.rollout,
+            filter=cfg.filter,
+            seed=cfg.train.seed,
+        )
+        """rollout(step) -> (trajectories, metrics): the rollout phase the strategy takes batches from."""
+        info = self.roles.policy.call(PolicyWorker.info)
         self.pad_id = int(info["pad_id"])
         self.on_policy = exact_on_policy(cfg.algo)
-        a = self.cfg.algo
-        print_banner = print if banner else (lambda *args, **kwargs: None)
-        print_banner(
-            f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
-            f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
-            f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
-            f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
-            f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
-            f"{'skipped (exactly on-policy)' if self.on_policy else 'on'}; run folder {self.run_dir}",
-            flush=True,
-        )
-        self.ckpt = checkpoint_manager(cfg, self.run_dir)
+        if banner:
+            print(banner_text(cfg, info, self.run_dir, self.on_policy), flush=True)
+        self.ckpt = build_checkpoint_manager(
+            cfg.ckpt, self.run_dir, hf_format=True
+        )  # workers write HF folders
+        self._last_trajs: list[Trajectory] = []
 
     # =========================================================================================== the step
     def train_step(self) -> dict[str, float]:
-        """One RL step (see module doc); returns its metrics. Raises _Skip when there is nothing to train."""
+        """One RL step (see module doc); returns its metrics. Raises NothingToTrain when there is nothing to
+        train."""
         timer = Timer()
         with timer("generation"):
-            if self._async is not None:
-                trajs, metrics = self._async.take(self.step, self.version)
-            else:
-                trajs, metrics = self.rollout()
+            trajs, metrics = self.rollouts.take(self.step, self.version)
         with timer("experience"):
             exp, m = self.make_experience(trajs)
         metrics.update(m)
@@ -187,111 +184,50 @@ class RLTrainer:
         self._last_trajs = trajs
         return metrics
 
-    def rollout(self, step: int | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-        """Sample, score, apply the failure policy and dynamic filtering; refill dropped groups (bounded).
-        `step`: the RL step the batch is for (seeds derive from it; default the current one)."""
-        step = self.step if step is None else step
-        from relayrl.agents.failures import RolloutFailure, apply_failure_policy
-        from relayrl.trainers.rl.experience import complete_groups, filter_groups, rollout_metrics
-
-        r, f = self.cfg.rollout, self.cfg.filter
-        kept: list[Trajectory] = []
-        counts: dict[str, float] = {}
-        last_error = ""
-        drawn: dict[int, int] = {}
-        attempts = 1 + (f.max_refills if f.enabled else 0)
-        for attempt in range(attempts):
-            need = r.prompts_per_step - len(kept) // r.n_samples
-            if need <= 0:
-                break
-            prompts = self._draw_prompts(need, drawn)
-            trajs = self.roles.generator.call("rollout", prompts, self._seed(attempt, step))
-            t0 = time.perf_counter()
-            trajs = self.roles.reward.call("score", trajs)
-            add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})
-            try:
-                ok, m = apply_failure_policy(trajs, r.failure_policy)
-            except RolloutFailure as e:
-                ok, m, last_error = [], failure_counts(trajs), str(e)
-            add(counts, m)
-            ok = complete_groups(ok, r.n_samples) if r.failure_policy != "drop_sample" else ok
-            if f.enabled:
-                ok, m = filter_groups(ok, r.n_samples, f)
-                add(counts, m)
-            kept += ok
-            counts["filter/rounds"] = float(attempt + 1)
-        if not kept:
-            raise _Skip(
-                f"step {step}: nothing to train: {counts.get('rollout/failed', 0):.0f} of "
-                f"{counts.get('rollout/generated', 0):.0f} samples failed, "
-                f"{counts.get('filter/groups_dropped', 0):.0f} groups filtered out (filter.max_refills="
-                f"{f.max_refills}); counts: {_filter_fractions(counts)}"
-                + (f". Last error: {last_error}" if last_error else "")
-            )
-        return kept, {**_filter_fractions(counts), **rollout_metrics(kept)}
-
-    def _draw_prompts(self, need: int, drawn: dict[int, int]) -> list[PromptSample]:
-        """The next `need` prompts. A prompt drawn twice in one step (a dataset smaller than a step) gets a
-        distinct index for its copy, so its groups stay apart (groups are keyed by index) and it is sampled
-        with a different seed."""
-        out = []
-        size = len(self.prompts.train)
-        for _ in range(need):
-            sample = self.prompts.train[self.sampler.next_indices()[0]]
-            k = drawn.get(sample.index, 0)
-            drawn[sample.index] = k + 1
-            out.append(sample if k == 0 else replace(sample, index=sample.index + k * size))
-        return out
-
     def make_experience(self, trajs: list[Trajectory]) -> tuple[Experience, dict[str, float]]:
         """Old / reference log-probs and values (in parallel across roles), shaped rewards, advantages. The
         old-log-prob forward is skipped when the update is exactly on-policy (workers.builders.exact_on_policy)."""
-        from relayrl.trainers.rl.experience import step_advantages, trajectory_rewards
-
         batch = collate(trajs, self.pad_id)
         rewards, metrics = trajectory_rewards(trajs, self.cfg, self.reward_norm)
-        jobs = {}
-        if not self.on_policy:
-            jobs["old"] = self.roles.policy.submit("logprobs", batch)
-        if self.roles.reference is not None:
-            jobs["ref"] = self.roles.reference.submit("logprobs", batch)
-        if self.roles.critic is not None:
-            jobs["values"] = self.roles.critic.submit("values", batch)
-        got = dict(zip(jobs, self.roles.launcher.wait(list(jobs.values())), strict=True))
+        r = self.roles
+        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, batch)
+        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, batch)
+        values = None if r.critic is None else r.critic.submit(CriticWorker.values, batch)
+        old_lp = old.result() if old is not None else None
+        ref_lp = ref.result() if ref is not None else None
+        values_t = values.result() if values is not None else None
         adv, ret, _, m = step_advantages(
             self.cfg,
             rewards=rewards,
             action_mask=batch.action_mask,
-            old_logprobs=got.get("old", batch.rollout_logprobs),
-            ref_logprobs=got.get("ref"),
-            values=got.get("values"),
+            old_logprobs=old_lp if old_lp is not None else batch.rollout_logprobs,
+            ref_logprobs=ref_lp,
+            values=values_t,
             kl_coef=self.kl_ctl.value,
         )
         metrics.update(m)
-        if "old" in got:  # the engine's log-probs against the trainer's, before the update
-            from relayrl.algorithms.off_policy import logprob_mismatch
-
-            mm = logprob_mismatch(got["old"], batch.rollout_logprobs, batch.action_mask)
+        if old_lp is not None:  # the engine's log-probs against the trainer's, before the update
+            mm = logprob_mismatch(old_lp, batch.rollout_logprobs, batch.action_mask)
             metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
         exp = Experience(
             tokens=batch,
-            old_logprobs=got.get("old"),
+            old_logprobs=old_lp,
             advantages=adv,
             rewards=rewards,
-            ref_logprobs=got.get("ref"),
-            values=got.get("values"),
-            returns=ret if "values" in got else None,
+            ref_logprobs=ref_lp,
+            values=values_t,
+            returns=ret if values_t is not None else None,
         )
         return exp, metrics
 
     def update(self, exp: Experience, kl: float) -> dict[str, float]:
         """Policy and critic updates (in parallel across roles); then the KL controller."""
-        jobs = [self.roles.policy.submit("update", exp, self.kl_ctl.value)]
+        jobs = [self.roles.policy.submit(PolicyWorker.update, exp, self.kl_ctl.value)]
         if self.roles.critic is not None:
-            jobs.append(self.roles.critic.submit("update", exp))
+            jobs.append(self.roles.critic.submit(CriticWorker.update, exp))
         metrics: dict[str, float] = {"train/kl_coef": self.kl_ctl.value}
-        for m in self.roles.launcher.wait(jobs):
-            metrics.update(m)
+        for job in jobs:
+            metrics.update(job.result())
         self.kl_ctl.update(kl, len(exp.rewards))
         return metrics
 
@@ -301,52 +237,26 @@ class RLTrainer:
         engine's in-flight requests continue under the new weights (partial rollout)."""
         out = self.roles.sync_weights(self.step)
         self.version = self.step
-        if self._async is not None:
-            self._async.step_done(self.step)
+        self.rollouts.step_done(self.step)
         return out
 
-    # =========================================================================================== async
-    def _start_async(self) -> None:
-        from relayrl.trainers.rl.async_rollout import AsyncRollout
-
-        r = self.cfg.rollout
-        self._async = AsyncRollout(
-            self.rollout,
-            self.sampler,
-            skip=_Skip,
-            first_step=self.step + 1,
-            last_step=self.cfg.train.max_steps,
-            max_staleness=self.cfg.train.max_staleness,
-            steps_done=self.step,
-            group_size=r.n_samples if r.failure_policy != "drop_sample" else None,
-            gil_switch_s=self.cfg.train.gil_switch_s,
-        )
-
-    def _stop_async(self, timeout: float = 0) -> None:
-        if self._async is not None:
-            self._async.close(timeout)
-
-    # =========================================================================================== eval
     def evaluate(self) -> dict[str, float]:
         """eval/* on the eval prompts (reward, pass@1, pass@k, per data source)."""
-        from relayrl.trainers.rl.eval import eval_metrics
-
         if not self.prompts.eval:
             return {}
-        t0 = time.perf_counter()
-        trajs = self.roles.generator.call("rollout", self.prompts.eval, self.cfg.train.seed + 12345, True)
-        trajs = self.roles.reward.call("score", trajs)
-        e = self.cfg.eval
-        metrics = eval_metrics(trajs, n_samples=e.n_samples, threshold=e.correct_threshold)
-        metrics["timing/eval"] = time.perf_counter() - t0
-        return metrics
+        gen, reward = self.roles.generator, self.roles.reward
+        return evaluate(
+            lambda prompts, seed, ev: gen.call(Generates.rollout, prompts, seed, ev),
+            lambda trajs: reward.call(RewardWorker.score, trajs),
+            self.prompts.eval,
+            seed=self.cfg.train.seed,
+            eval=self.cfg.eval,
+        )
 
     # =========================================================================================== loop
     def fit(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> RLResult:
         """Run to train.max_steps (resuming per ckpt.resume); SIGINT / SIGTERM finish the step, write a
         checkpoint and stop. `on_step(step, metrics)` is called after each logged step (hooks, tests)."""
-        from relayrl.trainers.rl.report import RLProgress, plot_curves
-
         resumed = self.resume()
         self._start_step = self.step
         done_before = resumed and self.step >= self.cfg.train.max_steps
@@ -359,32 +269,39 @@ class RLTrainer:
             with stop.installed():
                 if self.cfg.eval.every and not resumed:
                     result.first_eval = result.eval = self._eval_and_log(logger, progress)
-                if self.cfg.train.async_train and not done_before:
-                    self._start_async()
+                if not done_before:
+                    self.rollouts.start(
+                        self.rollout, self.sampler, steps_done=self.step, last_step=self.cfg.train.max_steps
+                    )
                 self._loop(result, stop, logger, progress, on_step)
-            self._stop_async()
+            self.rollouts.close()
             self._finish(result, stop)
         finally:
-            self._stop_async()
+            self.rollouts.close()
             progress.close()
             logger.close()
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             self.roles.close()  # aborts a batch still in flight
-            self._stop_async(timeout=60)
+            self.rollouts.close(timeout=60)
         return result
 
-    def _loop(self, result: RLResult, stop: SignalFlag, logger: Any, progress: Any, on_step: Any) -> None:
+    def _loop(
+        self,
+        result: RLResult,
+        stop: SignalFlag,
+        logger: MetricsLogger,
+        progress: RLProgress,
+        on_step: Callable[[int, dict[str, float]], None] | None,
+    ) -> None:
         """train_step -> eval (every k) -> log -> checkpoint (every n, or on a signal), until done."""
-        from relayrl.trainers.rl.report import log_samples
-
-        cfg = self.cfg
-        while self.step < cfg.train.max_steps and stop.signum is None:
+        s = self.settings
+        while self.step < s.total_steps and stop.signum is None:
             metrics = self._one_step(result)
             if metrics is None:
                 if self.skipped >= MAX_SKIPPED_STEPS:
                     return
                 continue
-            if due(cfg.eval.every, self.step) or (cfg.eval.every and self.step == cfg.train.max_steps):
+            if s.eval_due(self.step):
                 result.eval = self.evaluate()
                 metrics.update(result.eval)
             logger.log(metrics, self.step)
@@ -392,15 +309,11 @@ class RLTrainer:
             result.history.append(metrics)
             if on_step is not None:
                 on_step(self.step, metrics)
-            table = cfg.logger.progress_bar and due(max(1, cfg.train.log_every), self.step)
+            table = self.cfg.logger.progress_bar and due(s.log_every, self.step)
             log_samples(self._last_trajs, self.step, self.run_dir, console=table, tokenizer=self.tokenizer)
-            evaluated = cfg.ckpt.best_metric in metrics
-            if (
-                due(cfg.ckpt.save_every, self.step)
-                or stop.signum is not None
-                or (cfg.ckpt.keep_best and evaluated)
-            ):
-                # with keep_best every eval step is also a save step, so the best checkpoint is always ranked
+            evaluated = s.best_metric in metrics
+            # with keep_best every eval step is also a save step, so the best checkpoint is always ranked
+            if s.save_due(self.step) or stop.signum is not None or (self.cfg.ckpt.keep_best and evaluated):
                 self.save_checkpoint(metrics)
 
     def _finish(self, result: RLResult, stop: SignalFlag) -> None:
@@ -423,25 +336,20 @@ class RLTrainer:
             latest = self.ckpt.latest()
             if latest is None or latest.name != f"step_{self.step}":
                 self.save_checkpoint(result.history[-1] if result.history else {})
-            result.final_model = Path(self.roles.policy.call("export", str(self.run_dir / "final")))
+            result.final_model = Path(
+                self.roles.policy.call(PolicyWorker.export, str(self.run_dir / "final"))
+            )
 
-    def _build_logger(self) -> Any:
-        from relayrl.trainers.rl.report import SAMPLES_FILE
-        from relayrl.training.logging import MetricsLogger, keep_rows_up_to
-
-        lg = self.cfg.logger
+    def _build_logger(self) -> MetricsLogger:
         # a resumed run replays the steps after its checkpoint: their samples (like their metrics) go
         keep_rows_up_to(self.run_dir / SAMPLES_FILE, self.step)
-        return MetricsLogger(
+        return build_logger(
+            self.cfg.logger,
             self.run_dir,
             total_steps=self.cfg.train.max_steps,
-            tensorboard=lg.tensorboard,
-            wandb=lg.wandb,
-            wandb_project=lg.wandb_project,
-            wandb_run_name=lg.wandb_run_name or self.run_dir.name,
-            config=as_dict(self.cfg),
-            console=False,
+            config=to_dict(self.cfg),
             start_step=self.step,
+            console=False,  # the progress line (RLProgress) is RL's console output
         )
 
     def _one_step(self, result: RLResult) -> dict[str, float] | None:
@@ -450,8 +358,8 @@ class RLTrainer:
         self.step += 1
         try:
             metrics = self.train_step()
-        except _Skip as e:
-            if self._async is not None:
+        except NothingToTrain as e:
+            if self.rollouts.overlaps:
                 # the weights did not change, but the version must follow the step: the producer's gate and
                 # the staleness bound both count steps (an unsynced skip would let the next batches start a
                 # version early, be dropped as stale, and skip every other step from then on)
@@ -466,15 +374,12 @@ class RLTrainer:
         metrics["train/step"] = float(self.step)
         return metrics
 
-    def _eval_and_log(self, logger: Any, progress: Any) -> dict[str, float]:
+    def _eval_and_log(self, logger: MetricsLogger, progress: RLProgress) -> dict[str, float]:
         metrics = self.evaluate()
         if metrics:
             logger.log(metrics, self.step)
             progress.update(self.step, metrics)
         return metrics
-
-    def _seed(self, attempt: int, step: int) -> int:
-        return (self.cfg.train.seed * 1_000_003 + step * 1009 + attempt) % (2**31)
 
     # =========================================================================================== checkpoints
     def save_checkpoint(self, metrics: dict[str, float]) -> Path:
@@ -482,9 +387,9 @@ class RLTrainer:
         models = {"policy": WorkerFolder(self.roles.policy)}
         if self.roles.critic is not None:
             models["critic"] = WorkerFolder(self.roles.critic)
-        metric = metrics.get(self.cfg.ckpt.best_metric)
+        metric = metrics.get(self.settings.best_metric)
         extra = {  # async: the sampler as after this step's batch (the producer may have drawn further)
-            "sampler": self._async.sampler_state if self._async is not None else self.sampler.state_dict(),
+            "sampler": self.rollouts.sampler_state(self.sampler),
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }
@@ -492,20 +397,15 @@ class RLTrainer:
         return self.ckpt.save(self.step, models=models, trainer_state=state, extra=extra, metric=metric)
 
     def resume(self) -> bool:
-        """Restore per ckpt.resume (auto: the run folder's latest, none, or a path); True when resumed."""
-        r = self.cfg.ckpt.resume
-        if r == "none":
-            return False
-        path = self.ckpt.resumable() if r == "auto" else Path(r)
+        """Restore per ckpt.resume (relayrl.training.setup.checkpoint_to_resume); True when resumed."""
+        path = checkpoint_to_resume(self.cfg.ckpt.resume, self.ckpt)
         if path is None:
             return False
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"ckpt.resume={r!r} is not a checkpoint folder (no trainer_state.json)")
         loaded = self.ckpt.load(path)
-        self.roles.policy.call("load", str(path / "policy"))
+        self.roles.policy.call(PolicyWorker.load, str(path / "policy"))
         self.roles.sync_weights(loaded.step)  # the engines start from the restored weights
         if self.roles.critic is not None:
-            self.roles.critic.call("load", str(path / "critic"))
+            self.roles.critic.call(CriticWorker.load, str(path / "critic"))
         self.sampler.load_state_dict(loaded.extra["sampler"])
         self.kl_ctl.load_state_dict(loaded.extra["kl"])
         if self.reward_norm is not None and loaded.extra.get("reward_norm"):
@@ -523,8 +423,6 @@ def run_rl(cfg: RLConfig) -> RLResult:
 
 
 def _run_cli(cfg: RLConfig) -> int:
-    from relayrl.config.base import ConfigError
-
     try:
         result = run_rl(cfg)
     except ConfigError:
@@ -551,8 +449,6 @@ def _run_cli(cfg: RLConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`relayrl rl [--config run.yaml] [--section.field value ...]`."""
-    from relayrl.config.base import ConfigError
-    from relayrl.config.command_line import run_command
 
     def fn(cfg: RLConfig) -> int:
         try:
@@ -561,4 +457,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"relayrl rl: error: {e}", file=sys.stderr)
             return 2
 
-    return run_command(RLConfig, argv, "relayrl rl", fn, description=__doc__.splitlines()[0])
+    return run_command(RLConfig, argv, "relayrl rl", fn, description=(__doc__ or "").splitlines()[0])

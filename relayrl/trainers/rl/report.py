@@ -1,6 +1,7 @@
 """What the user sees during and after `relayrl rl`: the progress line, the per-step sample table
 (console + <run>/samples.jsonl) and the PNG of the main curves.
 
+    Timer                           timing/<phase> seconds of one step (`with timer("update"): ...`)
     RLProgress                      step/total, reward, KL, response length, step time, ETA
     log_samples(trajs, step, run_dir, console=, tokenizer=)   a few prompt / response / reward rows per step
     plot_curves(metrics_jsonl, png)               reward, KL, response length and eval accuracy over steps
@@ -17,7 +18,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,25 @@ from relayrl.data.records import PromptSample
 from relayrl.training.logging import ConsoleProgress, _scalar, read_jsonl
 
 SAMPLES_FILE = "samples.jsonl"
+
+
+class Timer:
+    """Seconds per named phase of one step (a phase entered twice adds up)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """timing/<phase> for every phase timed."""
+        return {f"timing/{k}": v for k, v in self.seconds.items()}
 
 
 class RLProgress(ConsoleProgress):

@@ -1,18 +1,38 @@
-"""The roles of `relayrl rl`: launcher, policy (with its engine), reference, critic, reward, engine actors."""
+"""The roles of `relayrl rl` and the controller-side state builders.
+
+    roles = build_roles(cfg, total_steps, concurrency=rollouts.concurrency)
+        roles.policy     RoleHandle[PolicyWorker]     trains; generates too unless engines are separate
+        roles.reward     RoleHandle[RewardWorker]     scores trajectories
+        roles.reference  RoleHandle[ReferenceWorker]  when the KL mode needs reference log-probs, else None
+        roles.critic     RoleHandle[CriticWorker]     when the advantage estimator needs values, else None
+        roles.engines    RoleHandle[EngineWorker]     dist.num_engines > 0 (ray), else None
+        roles.generator  the engines, else the policy (RoleHandle[Generates])
+    roles.sync_weights(version); roles.close()
+    kl_ctl = build_kl_controller(cfg.algo); norm = build_reward_norm(cfg.reward)
+
+Each role gets the component configs it reads (relayrl/workers/*Spec); the launcher
+(relayrl.distributed.launch) runs them in this process or as Ray actor groups.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from relayrl.algorithms.registry import (
-    needs_critic,
-    needs_reference,
-)
-from relayrl.config.rl import ResolvedRL, RLConfig
-from relayrl.distributed.launch import Launcher, RoleHandle, build_launcher
+from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
+from relayrl.algorithms.registry import needs_critic, needs_reference
+from relayrl.algorithms.shaping import FixedRewardNorm, RunningRewardNorm
+from relayrl.config.rl import AlgoConfig, RewardConfig, ResolvedRL, RLConfig
+from relayrl.distributed.launch import build_launcher
+from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
+from relayrl.models.value_head import reward_stats
+from relayrl.workers.critic import CriticSpec, CriticWorker
 from relayrl.workers.engine import EngineSpec, EngineWorker
+from relayrl.workers.policy import PolicySpec, PolicyWorker
+from relayrl.workers.proxies import Generates
+from relayrl.workers.reference import ReferenceSpec, ReferenceWorker
+from relayrl.workers.reward import RewardWorker, reward_spec
 
 
 # ------------------------------------------------------------------------------------------------ roles
@@ -20,43 +40,52 @@ from relayrl.workers.engine import EngineSpec, EngineWorker
 class Roles:
     """The role workers of a run (handles: in-process or Ray actors)."""
 
-    launcher: Any
-    policy: RoleHandle
-    reward: RoleHandle
-    reference: RoleHandle | None = None
-    critic: RoleHandle | None = None
-    engines: RoleHandle | None = None
+    launcher: Launcher
+    policy: RoleHandle[PolicyWorker]
+    reward: RoleHandle[RewardWorker]
+    reference: RoleHandle[ReferenceWorker] | None = None
+    critic: RoleHandle[CriticWorker] | None = None
+    engines: RoleHandle[EngineWorker] | None = None
     """Separate engine actors (dist.num_engines > 0), else None: the policy's ranks generate."""
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """The policy's new weights to whoever generates, as `version`; the policy's sync metrics."""
-        return sync_weights(self.launcher, self.policy, self.engines, version)
+        return sync_weights(self.policy, self.engines, version)
 
     @property
-    def generator(self) -> RoleHandle:
+    def generator(self) -> RoleHandle[Generates]:
         """The role that generates: the engines when separate, else the policy (its colocated engines)."""
         return self.engines if self.engines is not None else self.policy
 
     def close(self) -> None:
         try:
             if self.engines is not None:
-                self.engines.call("close")
-            self.policy.call("close")
+                self.engines.call(EngineWorker.close)
+            self.policy.call(PolicyWorker.close)
         finally:
             self.launcher.shutdown()
 
 
-def build_roles(cfg: ResolvedRL, total_steps: int) -> Roles:
-    """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
-    the component configs it reads."""
-    from relayrl.workers.critic import CriticSpec, CriticWorker
-    from relayrl.workers.policy import PolicySpec, PolicyWorker
-    from relayrl.workers.reference import ReferenceSpec, ReferenceWorker
-    from relayrl.workers.reward import RewardWorker, reward_spec
+def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int) -> dict[str, int]:
+    """role -> ranks: policy and reward always; reference / critic when the algorithm needs them."""
+    d = cfg.dist
+    sizes = {"policy": d.ranks("policy"), "reward": 1}
+    if needs_reference(algo.kl_mode):
+        sizes["reference"] = d.ranks("ref")
+    if needs_critic(algo.advantage):
+        sizes["critic"] = d.ranks("critic")
+    if engines:
+        sizes["engine"] = engines
+    return sizes
 
+
+def build_roles(
+    cfg: ResolvedRL, total_steps: int, *, concurrency: dict[str, int] | None = None, overlaps: bool = False
+) -> Roles:
+    """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
+    the component configs it reads. `concurrency` / `overlaps`: the rollout strategy's
+    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates."""
     algo = cfg.algo
-    want_ref = needs_reference(algo.kl_mode)
-    want_critic = needs_critic(algo.advantage)
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
     d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
     policy_spec = PolicySpec(
@@ -70,26 +99,18 @@ def build_roles(cfg: ResolvedRL, total_steps: int) -> Roles:
         task_name=cfg.task.name,
         step_timeout=cfg.reward.timeout_s,
         dist=cfg.dist,
-        async_train=cfg.train.async_train,
+        async_train=overlaps,
         separate_engines=d_engines > 0,
         **run,
     )
-    d = cfg.dist
-    sizes = {"policy": d.ranks("policy"), "reward": 1}
-    if want_ref:
-        sizes["reference"] = d.ranks("ref")
-    if want_critic:
-        sizes["critic"] = d.ranks("critic")
-    if d_engines:
-        sizes["engine"] = d_engines
-    launcher = build_launcher(d, sizes)
-    if cfg.train.async_train:  # rollout, update and eval of the policy (score and eval of the reward) overlap
-        launcher.concurrency.update(policy=3, reward=2, engine=3)
+    sizes = _sizes(cfg, algo, d_engines)
+    launcher = build_launcher(cfg.dist, sizes)
+    launcher.concurrency.update(concurrency or {})
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)
         reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
         reference = None
-        if want_ref:
+        if "reference" in sizes:
             ref_spec = ReferenceSpec(
                 model=cfg.model,
                 micro_batch_tokens=algo.micro_batch_tokens,
@@ -99,7 +120,7 @@ def build_roles(cfg: ResolvedRL, total_steps: int) -> Roles:
             )
             reference = launcher.spawn("reference", ReferenceWorker, ref_spec)
         critic = None
-        if want_critic:
+        if "critic" in sizes:
             critic_spec = CriticSpec(
                 model=cfg.model,
                 optim=cfg.critic.optimizer(cfg.optim),
@@ -114,7 +135,7 @@ def build_roles(cfg: ResolvedRL, total_steps: int) -> Roles:
             )
             critic = launcher.spawn("critic", CriticWorker, critic_spec)
         engines = spawn_engines(cfg, launcher, policy, d_engines, run) if d_engines else None
-        policy.call("info")  # surfaces a worker's construction error here, in both modes
+        policy.call(PolicyWorker.info)  # surfaces a worker's construction error here, in both modes
     except BaseException:
         launcher.shutdown()
         raise
@@ -124,8 +145,8 @@ def build_roles(cfg: ResolvedRL, total_steps: int) -> Roles:
 
 
 def spawn_engines(
-    cfg: RLConfig, launcher: Launcher, policy: RoleHandle, n: int, run: dict[str, Any]
-) -> RoleHandle:
+    cfg: RLConfig, launcher: Launcher, policy: RoleHandle[PolicyWorker], n: int, run: dict[str, Any]
+) -> RoleHandle[EngineWorker]:
     """The separate engine role (n EngineWorker actors), connected to the policy and given its weights."""
     spec = EngineSpec(
         model=cfg.model,
@@ -141,9 +162,22 @@ def spawn_engines(
     return engines
 
 
-def build_kl_controller(cfg: RLConfig) -> Any:
+# ------------------------------------------------------------------------------------------------ state
+def build_kl_controller(algo: AlgoConfig) -> KLController:
     """The KL coefficient holder (fixed or adaptive)."""
-    from relayrl.algorithms.kl import KL_CONTROLLERS
+    return KL_CONTROLLERS[algo.kl_controller](algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
 
-    a = cfg.algo
-    return KL_CONTROLLERS[a.kl_controller](a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
+
+def build_reward_norm(reward: RewardConfig) -> FixedRewardNorm | RunningRewardNorm | None:
+    """reward.normalize: a reward model's own statistics (rm:PATH whose config.json has reward_mean /
+    reward_std, written by `relayrl rm`), else running statistics."""
+    if not reward.normalize:
+        return None
+    source = reward.source
+    stats = reward_stats(source[len("rm:") :]) if source.startswith("rm:") else None
+    if stats is not None:
+        print(
+            f"relayrl rl: rewards normalised with the reward model's statistics (mean {stats[0]:.4f}, std {stats[1]:.4f})"
+        )
+        return FixedRewardNorm(*stats)
+    return RunningRewardNorm()

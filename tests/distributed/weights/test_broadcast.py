@@ -176,24 +176,30 @@ def test_a_module_receiver_takes_the_senders_weights_while_its_engine_is_paused(
     assert all(torch.equal(a, b) for a, b in zip(snapshot, sender_model.parameters(), strict=True))
 
 
+class _Done:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 class _Handle:
-    """A role handle that answers `call`s from a table and records every call and submit."""
+    """A role handle that answers `call`s from a table and records every call and submit (by method name)."""
 
     def __init__(self, answers: dict) -> None:
         self.answers, self.calls = answers, []
 
-    def call(self, method: str, *args):
-        self.calls.append((method, args))
-        return self.answers.get(method)
+    def call(self, method, *args):
+        self.calls.append((method.__name__, args))
+        return self.answers.get(method.__name__)
 
-    submit = call
+    def submit(self, method, *args):
+        return _Done(self.call(method, *args))
 
 
 class _Launcher:
     use_gpus = False
-
-    def wait(self, tokens: list) -> list:
-        return tokens
 
 
 def test_connect_engines_joins_every_rank_then_sends_version_0():

@@ -16,6 +16,7 @@ import pytest
 
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer
+from relayrl.workers.policy import PolicyWorker
 
 DIGITS = str(Path(__file__).parents[1] / "data" / "digit_reward.py")
 
@@ -25,13 +26,13 @@ def test_mixed_precision_rl_step_keeps_the_engine_in_sync(tiny_model_path, tmp_p
     cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path / "run"), steps=3, reward=DIGITS)
     cfg = replace(cfg, train=replace(cfg.train, device="cuda"))
     trainer = RLTrainer(cfg)
-    info = trainer.roles.policy.call("info")
+    info = trainer.roles.policy.call(PolicyWorker.info)
     assert (info["precision"], info["layout"], info["engine_weights"]) == ("bf16", "varlen", "shared")
     canary = {}
     original_close = trainer.roles.close
 
     def close_after_canary():
-        canary["diff"] = trainer.roles.policy.call("weight_canary")
+        canary["diff"] = trainer.roles.policy.call(PolicyWorker.weight_canary)
         original_close()
 
     trainer.roles.close = close_after_canary
