@@ -77,7 +77,7 @@ class Recipe:
     """Fills micro-batches from the frozen model before the loss (ModelSpec.prepare)."""
     before_fit: Callable[..., None] | None = None
     """(handle, train, evals, layout) -> None, before the loop."""
-    after_fit: Callable[..., None] | None = None
+    after_fit: Callable[..., object] | None = None
     """(handle, result: RecipeResult) -> None, after the export (not after a signal stop)."""
     collate: Callable[..., Callable[[list[int]], list[Any]]] | None = None
     """(samples, train config, layout) -> collate, when micro-batches need the whole step (KTO pairs each
@@ -329,7 +329,7 @@ def recipe_main(
     config_cls: type,
     run: Callable[[Any], RecipeResult],
     shown: Sequence[tuple[str, str]],
-    doc: str,
+    doc: str | None,
 ) -> int:
     """`relayrl <name>`: parse `config_cls`, run, print the end-of-run lines with the `shown` metrics
     ((key, label) pairs, those present in the last row), return the exit code."""
@@ -340,7 +340,7 @@ def recipe_main(
         headline = ", ".join(f"{label} {m[key]:.4f}" for key, label in shown if key in m)
         return finish_message(name, result, headline or "no metrics row")
 
-    return run_command(config_cls, argv, f"relayrl {name}", go, description=doc.split("\n\n")[0])
+    return run_command(config_cls, argv, f"relayrl {name}", go, description=(doc or "").split("\n\n")[0])
 
 
 def finish_message(name: str, result: RecipeResult, headline: str) -> int:
