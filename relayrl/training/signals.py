@@ -13,8 +13,9 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import FrameType
 
 
 class SignalFlag:
@@ -24,7 +25,7 @@ class SignalFlag:
         self.prog = prog
         self.signum: int | None = None
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
@@ -36,7 +37,7 @@ class SignalFlag:
         return 128 + self.signum if self.signum is not None else 0
 
     @contextmanager
-    def installed(self):
+    def installed(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
