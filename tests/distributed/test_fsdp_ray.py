@@ -42,15 +42,10 @@ from relayrl.config.components import LoraConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_share, rank, shares, world
-<<<<<<< HEAD
-from relayrl.distributed.launch import LocalLauncher, RayLauncher, RoleError
-from relayrl.distributed.weights.local import LocalWeights
-=======
 from relayrl.distributed.launch.base import RoleError
 from relayrl.distributed.launch.local import LocalLauncher
 from relayrl.distributed.launch.ray import RayLauncher
-from relayrl.distributed.weights import EngineWeights
->>>>>>> 85e877d (trainers/rl on the shared scaffolding: rl/support.py gone (Timer -> report, failure counts / prompts draw / skip -> rl/rollout.py RolloutPhase, due -> training.loop, reward norm -> roles.build_reward_norm, resume -> training.setup.checkpoint_to_resume, logger / ckpt manager -> training.setup builders); SyncRollout / AsyncRollout strategy chosen at build time; rl/setup.py prepare_run; relayrl eval builds an engine + executor + reward source only; typed role calls everywhere)
+from relayrl.distributed.weights.local import LocalWeights
 from relayrl.models.forward import token_logprobs
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
 from relayrl.training.setup import build_train_step

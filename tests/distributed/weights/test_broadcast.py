@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from relayrl.config.dist import DistConfig
-from relayrl.distributed.launch import rank_gpus
+from relayrl.distributed.launch.placement import rank_gpus
 from relayrl.distributed.weights.base import Channel, module_layout
 from relayrl.distributed.weights.broadcast import (
     BroadcastSender,
