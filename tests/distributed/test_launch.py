@@ -7,7 +7,7 @@ from typing import Protocol
 
 import pytest
 
-from relayrl.config.rl import DistConfig
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.group import merged
 from relayrl.distributed.launch import LAUNCHERS, build_launcher
 from relayrl.distributed.launch.local import LocalLauncher, LocalRole

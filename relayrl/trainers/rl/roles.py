@@ -22,7 +22,7 @@ from typing import Any
 from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
 from relayrl.algorithms.registry import needs_critic, needs_reference
 from relayrl.algorithms.shaping import FixedRewardNorm, RunningRewardNorm
-from relayrl.config.rl import AlgoConfig, RewardConfig, ResolvedRL, RLConfig
+from relayrl.config.rl import AlgoConfig, ResolvedRL, RewardConfig, RLConfig
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
