@@ -19,9 +19,9 @@ from relayrl.agents.base import Trajectory
 from relayrl.config.command_line import run_command
 from relayrl.config.rl import RLConfig
 from relayrl.data.records import PromptSample
+from relayrl.models.loading import resolve_device
 from relayrl.trainers.rl.eval import evaluate
 from relayrl.trainers.rl.setup import prepare_run
-from relayrl.training.setup import resolve_device
 from relayrl.workers.builders import build_frozen, build_generation
 from relayrl.workers.engine import generate_share, sampling_params
 from relayrl.workers.reward import RewardWorker, reward_spec
