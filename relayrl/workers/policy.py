@@ -50,6 +50,7 @@ from relayrl.models.forward import choose_layout, prepare_model, to_device
 from relayrl.models.loading import resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
+from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossOutput
@@ -352,7 +353,6 @@ class PolicyWorker:
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
         this one, loaded from the folder): how a full checkpoint reaches the shards."""
-        from relayrl.training.checkpoint import load_weights_into
 
         cpu, _ = build_trainable(self.spec.model, torch.device("cpu"))
         load_weights_into(cpu, folder)

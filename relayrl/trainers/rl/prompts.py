@@ -8,9 +8,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from relayrl.agents.rewards.func import load_reward_func
 from relayrl.config.base import ConfigError
 from relayrl.config.rl import RLConfig
+from relayrl.data.build import build_prompt_data
 from relayrl.data.records import PromptSample
+from relayrl.tasks import get_task
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -28,7 +31,6 @@ class Prompts:
 
 def write_task_rows(cfg: RLConfig, run_dir: Path) -> tuple[str, str]:
     """Write the task's train / eval rows as JSONL under <run>/data/; returns the two paths."""
-    from relayrl.tasks import get_task
 
     task = get_task(cfg.task.name)
     folder = run_dir / "data"
@@ -44,7 +46,6 @@ def write_task_rows(cfg: RLConfig, run_dir: Path) -> tuple[str, str]:
 
 def build_prompts(cfg: RLConfig, run_dir: Path, tokenizer: Any) -> Prompts:
     """Prompts from the task (written to JSONL) or from `data`; an empty training set is a clear error."""
-    from relayrl.data.build import build_prompt_data
 
     data = cfg.data
     if cfg.task.name:
@@ -91,8 +92,6 @@ def check_labels(cfg: RLConfig, prompts: Prompts) -> None:
     src = cfg.reward.source
     where = f"data.label_key={cfg.data.label_key!r}"
     if src.endswith(".py"):
-        from relayrl.agents.rewards.func import load_reward_func
-
         if reads_labels(load_reward_func(src)):
             raise ValueError(
                 f"none of the {missing} training prompts has a label ({where} is missing or null in every row) but "
