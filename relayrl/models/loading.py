@@ -16,13 +16,27 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
 from relayrl.config.components import LoraConfig, ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Pretrained(Protocol):
+    """What relayrl uses of a Hugging Face (or PEFT-wrapped) model beyond `torch.nn.Module`."""
+
+    config: Any
+
+    def save_pretrained(self, save_directory: Any, /, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def pretrained(model: torch.nn.Module) -> Pretrained:
+    """The HF side of a model that is typed as a `torch.nn.Module` (torch's type does not declare
+    `save_pretrained` / `config`; every model relayrl loads is an HF or PEFT model)."""
+    return cast(Pretrained, model)
 
 
 def torch_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:

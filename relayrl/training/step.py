@@ -85,7 +85,7 @@ class _GradSync(Protocol):
 class LossFn(Protocol):
     """The pluggable loss: a function of the model's outputs on one micro-batch."""
 
-    def __call__(self, model: torch.nn.Module, batch: Any) -> LossOutput: ...
+    def __call__(self, model: torch.nn.Module, batch: Any, /) -> LossOutput: ...
 
 
 @dataclass(kw_only=True, slots=True)

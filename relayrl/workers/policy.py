@@ -47,7 +47,7 @@ from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
 from relayrl.models.forward import choose_layout, prepare_model, to_device
-from relayrl.models.loading import resolve_device
+from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.training.checkpoint import load_weights_into
@@ -275,9 +275,9 @@ class PolicyWorker:
         terms = PolicyTerms(
             logprobs=lp,
             entropy=ent,
-            action_mask=on(micro.tokens.action_mask),
-            advantages=on(micro.advantages),
-            rollout_logprobs=on(micro.tokens.rollout_logprobs),
+            action_mask=to_device(micro.tokens.action_mask, dev),
+            advantages=to_device(micro.advantages, dev),
+            rollout_logprobs=to_device(micro.tokens.rollout_logprobs, dev),
             old_logprobs=on(micro.old_logprobs),
             ref_logprobs=on(micro.ref_logprobs),
         )
@@ -366,7 +366,7 @@ class PolicyWorker:
         with self.train.full_precision():
             current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             self.model.load_state_dict(self.ema)
-            self.model.save_pretrained(path)
+            pretrained(self.model).save_pretrained(path)
             self.model.load_state_dict(current)
         self.tokenizer.save_pretrained(path)
         return str(path)

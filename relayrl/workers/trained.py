@@ -59,7 +59,7 @@ from relayrl.distributed.checkpoint import (
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_share, rank, world
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
-from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer, resolve_device
+from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer, pretrained, resolve_device
 from relayrl.models.value_head import build_value_model
 from relayrl.training.checkpoint import WEIGHTS_FILE, load_state, load_weights_into
 from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -130,14 +130,16 @@ class RoleState:
         if self.sharded:
             save_sharded(path, self.model, self.train.optimizer, capture_rng_state())
             if rank() == 0:
-                self.model.config.save_pretrained(path)  # what the folder holds (architecture), no weights
+                pretrained(self.model).config.save_pretrained(
+                    path
+                )  # what the folder holds (architecture), no weights
                 self.tokenizer.save_pretrained(path)
                 torch.save(state, path / STATE_FILE)
             torch.distributed.barrier()
             return
         with self.train.full_precision():
             if self.hf_format:
-                self.model.save_pretrained(path)
+                pretrained(self.model).save_pretrained(path)
             else:
                 torch.save(self.model.state_dict(), path / WEIGHTS_FILE)
         self.tokenizer.save_pretrained(path)
@@ -180,7 +182,7 @@ class RoleState:
             export_full(self.model, lambda sd: self.save_hf(path, sd))
             return str(path)
         with self.train.full_precision():
-            self.model.save_pretrained(path)
+            pretrained(self.model).save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         return str(path)
 
@@ -192,7 +194,7 @@ class RoleState:
         )
         if isinstance(tied, dict):
             weights = {k: v for k, v in weights.items() if not (k in tied and tied[k] in weights)}
-        self.model.save_pretrained(folder, state_dict=weights)
+        pretrained(self.model).save_pretrained(folder, state_dict=weights)
         self.tokenizer.save_pretrained(folder)
 
 
