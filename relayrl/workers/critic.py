@@ -24,16 +24,15 @@ from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import in_group, merged
-from relayrl.models.forward import choose_layout, prepare_model, to_device
+from relayrl.models.forward import to_device
 from relayrl.models.loading import load_tokenizer, resolve_device
 from relayrl.models.value_head import build_value_model
 from relayrl.training.checkpoint import load_weights_into
-from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, SequenceBatch, split_rows
 from relayrl.workers.builders import setup_process
 from relayrl.workers.model_ops import critic_values, my_rows, on_my_rows
-from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
+from relayrl.workers.trained import RoleState, build_trained
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,20 +75,15 @@ class CriticWorker:
         self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or m.name_or_path)
         grouped = in_group()
         self.model = self._build(torch.device("cpu") if grouped else self.device)
-        self.layout = choose_layout(self.model, self.device)
-        prepare_model(self.model, self.layout)
-        steps = spec.total_steps * spec.epochs * max(1, spec.mini_batches)
-        precision = compute_precision(spec.model.dtype, self.device)
-        shard_if_grouped(self.model, spec.dist, self.device, precision)
-        self.train = build_train_step(
+        built = build_trained(
             self.model,
-            spec.optim,
-            steps,
-            precision=precision,
             device=self.device,
-            sharded=grouped,
-            defer_grad_sync=defer_sync(spec.dist),
+            dtype=spec.model.dtype,
+            optim=spec.optim,
+            opt_steps=spec.total_steps * spec.epochs * max(1, spec.mini_batches),
+            dist=spec.dist,
         )
+        self.layout, self.train = built.layout, built.train
         self.objective = ValueObjective(clip_eps=spec.value_clip or None)
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
 

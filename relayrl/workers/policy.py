@@ -46,13 +46,12 @@ from relayrl.distributed.group import in_group, merged, rank, world
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
-from relayrl.models.forward import choose_layout, prepare_model, to_device
+from relayrl.models.forward import to_device
 from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.optim import move_optimizer_state
-from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, split_rows
 from relayrl.workers.builders import (
@@ -64,7 +63,7 @@ from relayrl.workers.builders import (
 )
 from relayrl.workers.engine import generate_share, sampling_params
 from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
-from relayrl.workers.trained import RoleState, defer_sync, shard_if_grouped
+from relayrl.workers.trained import RoleState, build_trained
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,16 +115,15 @@ class PolicyWorker:
         self.model, self.tokenizer = build_trainable(
             spec.model, torch.device("cpu") if grouped else self.device
         )
-        self.layout = choose_layout(self.model, self.device)
-        prepare_model(self.model, self.layout)
         a = spec.algo
-        opt_steps = spec.total_steps * max(1, a.epochs * a.mini_batches)
-        precision = compute_precision(spec.model.dtype, self.device)
         engine_dtype = inference_dtype(spec.model, self.device)
         engine_device = torch.device(spec.rollout.engine_device) if spec.rollout.engine_device else None
         # an engine holding its own copy (vllm) is streamed the weights; separate engines take a broadcast
         stream = engine_capabilities(spec.rollout.engine).own_weights and not spec.separate_engines
-        if grouped:
+
+        def gather_replica(
+            layout: str,
+        ) -> None:  # the engine's full replica, copied before the model is sharded
             if spec.ema > 0:
                 raise ValueError(
                     "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
@@ -137,16 +135,17 @@ class PolicyWorker:
                 device=engine_device or self.device,
                 stream=stream,
             )
-            shard_if_grouped(self.model, spec.dist, self.device, precision)
-        self.train = build_train_step(
+
+        built = build_trained(
             self.model,
-            spec.optim,
-            opt_steps,
-            precision=precision,
             device=self.device,
-            sharded=grouped,
-            defer_grad_sync=defer_sync(spec.dist),
+            dtype=spec.model.dtype,
+            optim=spec.optim,
+            opt_steps=spec.total_steps * max(1, a.epochs * a.mini_batches),
+            dist=spec.dist,
+            before_shard=gather_replica if grouped else None,
         )
+        self.layout, self.train = built.layout, built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
         self.ema = None
         if spec.ema > 0:

@@ -1,8 +1,10 @@
 """What the trained roles (policy, critic) share about sharding and state: one place that knows whether the
 role runs on one rank (plain module, HF-folder checkpoints) or on N ranks (FSDP2 shards, DCP checkpoints).
 
-    shard_if_grouped(model, dist, device, precision)   FSDP2-shard `model` when this process is one rank of
-                                                       a multi-rank role; returns True when it did
+    built = build_trained(model, device=..., dtype=..., optim=..., opt_steps=..., dist=..., before_shard=...)
+                                      THE construction sequence of a trained role (policy, critic, a recipe's
+                                      model): forward layout, precision, FSDP2 shards when this process is one
+                                      rank of a multi-rank role, the train step -> TrainedModel(layout, train)
     state = RoleState(model, train, tokenizer, full_weights)
     state.save(folder, extra)         1 rank: HF folder + worker_state.pt; N ranks: dcp/ + rng/ + worker_state.pt
     extra = state.load(folder)        either format, on any rank count (relayrl.distributed.checkpoint)
@@ -68,6 +70,51 @@ from relayrl.training.step import LossFn, StepOutput, TrainStep, autocast, move_
 from relayrl.workers.builders import build_frozen
 
 STATE_FILE = "worker_state.pt"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainedModel:
+    """A trained role's model made ready on this rank by `build_trained`."""
+
+    layout: str
+    """The forward layout every batch of this rank is built in (models.forward.choose_layout)."""
+    train: TrainStep
+    """Its training step (optimizer, schedule, precision), over the FSDP2 shards when the role is grouped."""
+
+
+def build_trained(
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    dtype: str,
+    optim: OptimConfig,
+    opt_steps: int,
+    dist: DistConfig | None,
+    loss_fn: LossFn | None = None,
+    before_shard: Callable[[str], None] | None = None,
+) -> TrainedModel:
+    """The one construction sequence of a trained role, after its model is loaded (on the CPU when grouped):
+    the forward layout, the compute precision of `dtype` (model.dtype), FSDP2 shards when this process is one
+    rank of a group, then the train step for `opt_steps` optimizer steps. `before_shard(layout)` builds what
+    must see the whole model first (the policy's gathered engine replica; a recipe's frozen model, laid out
+    like this one)."""
+    layout = choose_layout(model, device)
+    prepare_model(model, layout)
+    precision = compute_precision(dtype, device)
+    if before_shard is not None:
+        before_shard(layout)
+    grouped = shard_if_grouped(model, dist, device, precision)
+    train = build_train_step(
+        model,
+        optim,
+        opt_steps,
+        loss_fn,
+        precision=precision,
+        device=device,
+        sharded=grouped,
+        defer_grad_sync=defer_sync(dist),
+    )
+    return TrainedModel(layout=layout, train=train)
 
 
 def shard_if_grouped(model: Any, dist: DistConfig | None, device: torch.device, precision: str) -> bool:
@@ -275,21 +322,22 @@ class ModelWorker:
         self.device = resolve_device(spec.device)
         grouped = in_group()
         self.model, self.tokenizer = self._load(torch.device("cpu") if grouped else self.device)
-        self.layout = choose_layout(self.model, self.device)
-        prepare_model(self.model, self.layout)
-        precision = compute_precision(spec.model.dtype, self.device)
-        self.frozen = self._load_frozen(grouped)
-        shard_if_grouped(self.model, spec.dist, self.device, precision)
-        self.train = build_train_step(
+        self.frozen: Any = None
+
+        def load_frozen(layout: str) -> None:  # before sharding: the frozen model is laid out like the model
+            self.frozen = self._load_frozen(grouped, layout)
+
+        built = build_trained(
             self.model,
-            spec.optim,
-            spec.total_steps,
-            spec.loss_fn,
-            precision=precision,
             device=self.device,
-            sharded=grouped,
-            defer_grad_sync=defer_sync(spec.dist),
+            dtype=spec.model.dtype,
+            optim=spec.optim,
+            opt_steps=spec.total_steps,
+            dist=spec.dist,
+            loss_fn=spec.loss_fn,
+            before_shard=load_frozen,
         )
+        self.layout, self.train = built.layout, built.train
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights, spec.hf_format)
 
     def _load(self, device: torch.device) -> tuple[Any, Any]:
@@ -303,13 +351,13 @@ class ModelWorker:
         )
         return build_value_model(cfg, init="normal", pad_token_id=tok.pad_token_id, device=device), tok
 
-    def _load_frozen(self, grouped: bool) -> Any:
+    def _load_frozen(self, grouped: bool, layout: str) -> Any:
         if self.spec.frozen is None:
             return None
         frozen = build_frozen(
             self.spec.frozen, torch.device("cpu") if grouped else self.device, like=self.device
         )
-        prepare_model(frozen, self.layout)
+        prepare_model(frozen, layout)
         if grouped:  # sharded for inference, like the RL reference
             d = self.spec.dist or DistConfig()
             shard_model(frozen, ShardSpec(device=self.device, offload=d.offload, reshard_after_forward=True))
