@@ -2,7 +2,7 @@
 2024, arXiv 2312.11456):
 
     for round k = 1..rounds:
-        generate  rollout.n_samples per prompt with the current model   relayrl.trainers.generate (select pairs)
+        generate  rollout.n_samples per prompt with the current model   relayrl.apps.generate (select pairs)
         score     with reward.source (task / reward_func / RM / remote RM)
         pair      each prompt's best against its worst sample (ties skipped)
         dpo       on those pairs, from the current model, reference = the current model   relayrl.trainers.dpo

@@ -31,7 +31,7 @@ DRIVER = """
 import json, sys
 from dataclasses import replace
 from relayrl.config.presets import tiny_cpu_config
-from relayrl.trainers.rl import RLTrainer
+from relayrl.trainers.rl.loop import RLTrainer
 model, out, reward, address = sys.argv[1:]
 cfg = tiny_cpu_config(model, out, steps=1, reward=reward)
 cfg = replace(cfg, dist=replace(cfg.dist, mode="ray", ray_address=address, policy_num_gpus_per_node=2, timeout_s=120))

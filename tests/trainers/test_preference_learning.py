@@ -1,6 +1,6 @@
 """The preference recipes learn, on CPU: a tiny Qwen2 (hidden 64, 2 layers, char tokenizer) on the add2 task.
 
-A session fixture runs the demo's SFT phase (relayrl.trainers.demo: 1000 SFT rows, batch 64, lr 2e-3, in
+A session fixture runs the demo's SFT phase (relayrl.apps.demo: 1000 SFT rows, batch 64, lr 2e-3, in
 chunks of 100 steps until greedy accuracy on 200 dev rows reaches 0.3; the demo's own helpers), then each
 test trains one recipe from that model and measures it on held-out rows. Prompts are disjoint pools of the task's *train* split
 (make_demo_data): SFT, dev, preference training ("rl" rows) and evaluation (500 rows). The task's "test" split
