@@ -20,6 +20,7 @@ from relayrl.config.command_line import run_command
 from relayrl.config.rl import RLConfig
 from relayrl.data.records import PromptSample
 from relayrl.models.loading import resolve_device
+from relayrl.rollout.build import engine_capabilities
 from relayrl.trainers.rl.eval import evaluate
 from relayrl.trainers.rl.setup import prepare_run
 from relayrl.workers.builders import build_frozen, build_generation
@@ -46,7 +47,9 @@ def run_eval(cfg: RLConfig) -> dict[str, float]:
     if not run.prompts.eval:
         raise ValueError(NOTHING_TO_EVALUATE)
     r, m = cfg.rollout, cfg.model
-    model = None if r.engine == "vllm" else build_frozen(m, resolve_device(cfg.train.device))
+    # an engine that loads its own copy (vllm) is built from the folder: no module to load here
+    own = engine_capabilities(r.engine).own_weights
+    model = None if own else build_frozen(m, resolve_device(cfg.train.device))
     engine, executor = build_generation(
         r,
         cfg.eval,

@@ -320,3 +320,19 @@ def test_vllm_gpu_util_is_a_fraction():
     with pytest.raises(ConfigError, match=r"rollout\.vllm_gpu_util: 1\.0 is invalid"):
         parse_cli(RLConfig, ["--rollout.vllm_gpu_util", "1"])
     assert _validate(["--rollout.engine", "vllm", "--rollout.vllm_gpu_util", "0.6"]) == []
+
+
+def test_engine_tp_needs_separate_engines_of_a_tensor_parallel_engine():
+    """dist.engine_tp is read from the engine's declared capabilities (rollout/build.py), not its name."""
+    ray = ["--dist.mode", "ray", "--dist.num_engines", "1", "--dist.engine_tp", "2"]
+    for engine in ("native", "hf"):  # one-GPU engines
+        with pytest.raises(
+            ConfigError, match=r"dist\.engine_tp=2: tensor parallelism inside an engine needs"
+        ):
+            validate_rl(parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", engine]))
+    with pytest.raises(ConfigError, match=r"needs separate engines \(dist.num_engines > 0, got 0\)"):
+        validate_rl(parse_cli(RLConfig, [*BASE, "--rollout.engine", "vllm", "--dist.engine_tp", "2"]))
+    resolved = validate_rl(
+        parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", "vllm"])
+    )  # vllm not imported
+    assert (resolved.dist.engine_tp, resolved.rollout.engine) == (2, "vllm")

@@ -36,6 +36,7 @@ from relayrl.config.base import ConfigError, ConfigWarning
 from relayrl.config.dist import ROLE_SIZE_FIELDS
 from relayrl.config.rl import AlgoConfig, CriticOptimConfig, ResolvedRL, RLConfig
 from relayrl.rollout import ENGINES
+from relayrl.rollout.build import engine_capabilities
 
 _NAMES = tuple(f.name for f in fields(AlgoNames))
 """The algo.* fields a preset controls (resolved by `resolve_algo`)."""
@@ -97,7 +98,8 @@ def _check_engines(cfg: RLConfig) -> None:
         )
         if why:
             raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
-    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or cfg.rollout.engine != "vllm"):
+    tp_engine = engine_capabilities(cfg.rollout.engine).tensor_parallel
+    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or not tp_engine):
         raise ConfigError(
             f"dist.engine_tp={cfg.dist.engine_tp}: tensor parallelism inside an engine needs separate engines "
             f"(dist.num_engines > 0, got {cfg.dist.num_engines}) and rollout.engine vllm (got "
