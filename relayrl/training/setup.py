@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from relayrl.config.base import ConfigError, to_dict
+from relayrl.config.base import ConfigError, default_instance, to_dict
 from relayrl.config.components import CkptConfig, LoggerConfig, OptimConfig
 from relayrl.training.checkpoint import CheckpointManager
 from relayrl.training.logging import MetricsLogger
@@ -111,7 +111,7 @@ def check_config_change(run_dir: Path, cfg: Any, prog: str, *, updates_per_step:
     """Continuing a run (ckpt.resume auto with a checkpoint in `run_dir`): compare `cfg` with the run's saved
     config.yaml. Changes of RESUMABLE_FIELDS are listed and allowed (a run with another step total says how its
     learning-rate schedule changes: `schedule_change`); any other change is an error listing the fields and what
-    to do. Returns the changes. `updates_per_step`: optimizer steps per run step (RL: epochs x mini-batches)."""
+    to do. A field the saved config lacks (added to relayrl since) counts as its default. Returns the changes. `updates_per_step`: optimizer steps per run step (RL: epochs x mini-batches)."""
     saved_file = run_dir / "config.yaml"
     ckpts = run_dir / "checkpoints"
     if cfg.ckpt.resume != "auto" or not saved_file.is_file() or not (ckpts / "latest").is_file():
@@ -121,7 +121,12 @@ def check_config_change(run_dir: Path, cfg: Any, prog: str, *, updates_per_step:
     except yaml.YAMLError:
         return []
     now = _flat(to_dict(cfg))
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    # a field added since the run was saved reads as its default there: a run folder from an older relayrl
+    # continues as long as the new fields keep their defaults
+    defaults = _flat(to_dict(default_instance(type(cfg))))
+    changed = sorted(
+        k for k in set(saved) | set(now) if saved.get(k, defaults.get(k)) != now.get(k, defaults.get(k))
+    )
     if not changed:
         return []
     describe = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed]

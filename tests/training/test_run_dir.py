@@ -5,11 +5,17 @@ warning on resume."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+import yaml
 
 from relayrl.cli import main as cli_main
+from relayrl.config.base import ConfigError, to_dict
+from relayrl.config.components import ModelConfig, TrainConfig
+from relayrl.config.recipes import SFTConfig
 from relayrl.training.logging import keep_rows_up_to, read_jsonl
+from relayrl.training.setup import check_config_change
 
 
 def _sft(model, data, out, *extra):
@@ -80,3 +86,18 @@ def test_continuing_a_run_with_a_changed_config(tiny_model_path, data, tmp_path,
         "changed settings: train.max_steps 2 -> 3" in said and "learning-rate schedule is recomputed" in said
     )
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_field_added_since_the_run_was_saved_reads_as_its_default(tmp_path):
+    """A run folder written by an older relayrl (its config.yaml lacks a field added since) continues while
+    that field keeps its default, and is refused as a changed config once the field is set."""
+    cfg = SFTConfig(model=ModelConfig(name_or_path="m"), train=TrainConfig(output_dir=str(tmp_path)))
+    saved = to_dict(cfg)
+    del saved["optim"]["weight_decay"]  # as if optim.weight_decay did not exist when the run started
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_2")
+    assert check_config_change(tmp_path, cfg, "relayrl sft") == []
+    changed = replace(cfg, optim=replace(cfg.optim, weight_decay=cfg.optim.weight_decay + 0.5))
+    with pytest.raises(ConfigError, match=r"another config \(optim\.weight_decay "):
+        check_config_change(tmp_path, changed, "relayrl sft")
