@@ -32,10 +32,10 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench examples
-	$(VENV)/bin/basedpyright
+	$(VENV)/bin/basedpyright --project pyproject.toml
 
 typecheck: $(STAMP)
-	$(VENV)/bin/basedpyright
+	$(VENV)/bin/basedpyright --project pyproject.toml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
