@@ -27,7 +27,7 @@ from typing import Any
 
 from relayrl.config.base import save_yaml, to_dict
 from relayrl.config.command_line import run_command
-from relayrl.config.components import ModelConfig
+from relayrl.config.components import ModelConfig, OneModelConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.packing import chunk_by_count, make_collate
 from relayrl.distributed.launch import build_launcher
@@ -59,7 +59,7 @@ class Recipe:
 
     name: str
     """Command name ("sft", "rm", "dpo", ...): the run folder default runs/<name> and message prefix."""
-    cfg: Any
+    cfg: OneModelConfig
     """The command's config (model, data, optim, train, ckpt, logger, dist + the recipe's section)."""
     loss_fn: LossFn
     """The loss (module-level: it travels to Ray ranks by reference)."""
@@ -165,7 +165,7 @@ class RoleModelState:
 
 
 # ---------------------------------------------------------------------------------------------- run
-def _settings(cfg: Any, total: int) -> LoopSettings:
+def _settings(cfg: OneModelConfig, total: int) -> LoopSettings:
     return LoopSettings(
         total_steps=total,
         eval_every=cfg.train.eval_every,
@@ -175,7 +175,7 @@ def _settings(cfg: Any, total: int) -> LoopSettings:
     )
 
 
-def _total_steps(cfg: Any, num_samples: int) -> int:
+def _total_steps(cfg: OneModelConfig, num_samples: int) -> int:
     total = total_steps_of(cfg.train, num_samples)
     if total <= 0:
         raise ValueError(

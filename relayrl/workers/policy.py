@@ -121,9 +121,8 @@ class PolicyWorker:
         # an engine holding its own copy (vllm) is streamed the weights; separate engines take a broadcast
         stream = engine_capabilities(spec.rollout.engine).own_weights and not spec.separate_engines
 
-        def gather_replica(
-            layout: str,
-        ) -> None:  # the engine's full replica, copied before the model is sharded
+        def gather_replica(layout: str) -> None:
+            """The engine's full replica, copied before the model is sharded."""
             if spec.ema > 0:
                 raise ValueError(
                     "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"

@@ -279,7 +279,7 @@ class AsyncRollout:
             self._pipeline.close(timeout)
 
 
-def build_rollout_strategy(train: RLTrainConfig, rollout: RolloutConfig) -> SyncRollout | AsyncRollout:
+def build_rollout_strategy(train: RLTrainConfig, rollout: RolloutConfig) -> RolloutStrategy:
     """train.async_train -> AsyncRollout (bounded by train.max_staleness; staleness drops whole groups unless
     rollout.failure_policy is drop_sample; train.gil_switch_s), else SyncRollout."""
     if not train.async_train:
