@@ -31,6 +31,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,14 +96,21 @@ def run_case(train, group, sp: int, length: int, world: int, vocab: int) -> dict
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
-    out = {"sp": sp, "dp": world // sp, "tokens_per_sample": length, "tokens_per_step": length * world // sp}
+    out: dict[str, Any] = {
+        "sp": sp,
+        "dp": world // sp,
+        "tokens_per_sample": length,
+        "tokens_per_step": length * world // sp,
+    }
     try:
         train.step([batch], next_token_loss)  # warm-up (and the optimizer states' first allocation)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        res = None
         for _ in range(timed):
             res = train.step([batch], next_token_loss)
+        assert res is not None
         if cuda:
             torch.cuda.synchronize()
         step_s = (time.perf_counter() - t0) / timed
@@ -117,7 +125,7 @@ def run_case(train, group, sp: int, length: int, world: int, vocab: int) -> dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated SP:TOKENS cases, run in order")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test of the script)")
     args = ap.parse_args()
@@ -158,7 +166,7 @@ def main() -> None:
     }
     out = Path(os.environ.get("OUT", ".")) / "long_context.json"
     for sp, length in cases:
-        r = run_case(built.train, group, sp, length, world, shape["vocab_size"])
+        r = run_case(built.train, group, sp, length, world, int(shape["vocab_size"]))
         report["cases"].append(r)
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:
             print(json.dumps(r), flush=True)
