@@ -78,3 +78,25 @@ def test_sp_size_must_divide_the_ranks_and_needs_ray_mode():
         DistConfig(sp_size=2)
     with pytest.raises(ConfigError, match="sp_size: 0 is invalid"):
         DistConfig(sp_size=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sft_command_with_sp2_on_two_ray_ranks_equals_one_process(tiny_model_path, tmp_path):
+    """`relayrl sft --dist.mode ray --dist.num_gpus_per_node 2 --dist.sp_size 2` (one data-parallel group:
+    both ranks train every micro-batch, half of its tokens each) == one process, step by step (the wiring:
+    the driver builds varlen micro-batches, both ranks take the same share, the loss counted once)."""
+    import ray
+    from dp_fixtures import addition_rows, assert_metrics_close, run_sft
+
+    data = addition_rows(tmp_path / "train.jsonl")
+    one = run_sft(tiny_model_path, data, tmp_path / "one", batch_size=8)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        sp = ("--dist.mode", "ray", "--dist.num_gpus_per_node", "2", "--dist.sp_size", "2")
+        two = run_sft(tiny_model_path, data, tmp_path / "two", *sp, batch_size=8)
+    finally:
+        ray.shutdown()
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two, strict=True):
+        assert_metrics_close(a, b, f"step {a['step']}")

@@ -105,4 +105,3 @@ def spawn_sp(world: int, sp: int, folder: Path) -> list[Any]:
     """sp_run on `world` spawned gloo ranks; every rank's result."""
     mp.spawn(_entry, args=(world, sp, str(folder)), nprocs=world, join=True)
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
