@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sp_fixtures import spawn_sp, sp_run
+from sp_fixtures import sp_run, spawn_sp
 
 from relayrl.config.base import ConfigError
 from relayrl.config.dist import DistConfig
