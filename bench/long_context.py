@@ -3,7 +3,7 @@ long sample of a Qwen2.5-1.5B shape (hidden 1536, 28 layers, 12 heads, 2 KV head
 random weights, bf16 compute over fp32 masters, gradient checkpointing), tokens/s and peak memory per GPU.
 
     torchrun --standalone --nproc_per_node 4 bench/long_context.py                 # the 4-GPU table
-    torchrun --standalone --nproc_per_node 1 bench/long_context.py --cases 1:8192,1:32768   # one GPU, no FSDP
+    torchrun --standalone --nproc_per_node 1 bench/long_context.py --cases 1:8192,1:32768,1:131072  # one GPU
 
 No Ray: torchrun starts the ranks; the model goes through the product's own construction (build_trained:
 FSDP2 over every rank, the SP groups, the varlen layout, AdamW) and step (TrainStep + the SFT loss). A case
@@ -18,8 +18,10 @@ case and the memory held before it (sharded weights + optimizer states): peak - 
 that runs out of memory is caught and recorded ("oom"); such cases come last in the default list, because a
 rank that fails inside a collective can leave its peers waiting (bounded by a 120 s collective timeout).
 
-Writes $OUT/long_context.json (or ./long_context.json) from rank 0 after every case. Expect ~2-3 minutes on
-4 H100s (most of it the 128k cases and the model's construction).
+On one GPU (the second command) nothing is sharded: the whole fp32 masters and AdamW states sit on it, as in
+a one-GPU `relayrl sft` run: the baseline of "memory per GPU at SP=4 vs SP=1". Writes $OUT/long_context.json
+(or ./long_context.json) from rank 0 after every case. Expect ~2-3 minutes per command on H100s (most of it
+the 128k cases and the model's construction).
 """
 
 from __future__ import annotations

@@ -100,3 +100,17 @@ def test_sft_command_with_sp2_on_two_ray_ranks_equals_one_process(tiny_model_pat
     assert len(one) == len(two) == 4
     for a, b in zip(one, two, strict=True):
         assert_metrics_close(a, b, f"step {a['step']}")
+
+
+def test_rl_checks_sp_size_against_the_roles_it_builds(tiny_model_path, tmp_path):
+    from dataclasses import replace
+
+    from relayrl.config.presets import tiny_cpu_config
+    from relayrl.trainers.rl.validate import validate_rl
+
+    cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path), steps=1)
+    cfg = replace(cfg, algo=replace(cfg.algo, advantage="gae"))
+    dist = replace(cfg.dist, mode="ray", policy_num_gpus_per_node=2, critic_num_gpus_per_node=2, sp_size=2)
+    validate_rl(replace(cfg, dist=dist))
+    with pytest.raises(ConfigError, match=r"dist.sp_size: 2 does not divide the critic role's 1 ranks"):
+        validate_rl(replace(cfg, dist=replace(dist, critic_num_gpus_per_node=1)))
