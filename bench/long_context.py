@@ -12,7 +12,8 @@ the ranks / W groups each train their own (data parallel), so a step covers rank
 4 GPUs is plain FSDP2 data parallelism (each GPU a whole L-token sample). The SP groups are switched on and
 off between cases over the same sharded model (relayrl.models.sequence_parallel.set_group).
 
-Per case: one warm-up step, then timed steps (1 for samples over 32k tokens, else 2): seconds per step,
+First, a numerics check: one sample's token log-probs with SP on vs off (same weights; max / mean absolute
+difference, bf16). Per case: one warm-up step, then timed steps (1 for samples over 32k tokens, else 2): seconds per step,
 tokens/s of the whole step (every group's sample), the peak allocated CUDA memory (max over ranks) over the
 case and the memory held before it (sharded weights + optimizer states): peak - held = activations. A case
 that runs out of memory is caught and recorded ("oom"); such cases come last in the default list, because a
@@ -42,6 +43,7 @@ from relayrl.config.components import OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.batches import SFTBatch
 from relayrl.models import sequence_parallel
+from relayrl.models.forward import hf_model, token_logprobs
 from relayrl.trainers.sft import next_token_loss
 from relayrl.workers.trained import build_trained
 
@@ -126,6 +128,20 @@ def run_case(train, group, sp: int, length: int, world: int, vocab: int) -> dict
     return out
 
 
+def logprob_check(train, group, layout: str, vocab: int, length: int = 4096) -> dict[str, float]:
+    """Token log-probs of one sample with the SP groups on and off (same weights, no gradients, bf16): the
+    all-to-all attention path against the plain one on the GPU kernels."""
+    seq = _sample(length, seed=123, vocab=vocab).input_ids
+    out = []
+    for g in (group, None):
+        sequence_parallel.set_group(g)
+        with torch.no_grad(), train.autocast():
+            out.append(token_logprobs(train.model, seq, layout)[0].float())
+    hf_model(train.model).reshard()  # the root stays gathered after a forward without backward
+    diff = (out[0] - out[1]).abs()
+    return {"tokens": length, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated SP:TOKENS cases, run in order")
@@ -166,6 +182,8 @@ def main() -> None:
         "gradient_checkpointing": True,
         "cases": [],
     }
+    if group is not None:
+        report["logprob_check"] = logprob_check(built.train, group, built.layout, int(shape["vocab_size"]))
     out = Path(os.environ.get("OUT", ".")) / "long_context.json"
     for sp, length in cases:
         r = run_case(built.train, group, sp, length, world, int(shape["vocab_size"]))
