@@ -143,6 +143,7 @@ class PolicyWorker:
             opt_steps=spec.total_steps * max(1, a.epochs * a.mini_batches),
             dist=spec.dist,
             before_shard=gather_replica if grouped else None,
+            role="policy",
         )
         self.layout, self.train = built.layout, built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)

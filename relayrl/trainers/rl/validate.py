@@ -209,6 +209,13 @@ def _validate_placement(cfg: RLConfig) -> None:
         pairs.append(("ref", "colocate_all" if d.colocate_all else "colocate_policy_ref"))
     if d.colocate_all and needs_critic(a.advantage):
         pairs.append(("critic", "colocate_all"))
+    built = [("ref", needs_reference(a.kl_mode)), ("critic", needs_critic(a.advantage))]
+    for role in (r for r, needed in built if needed and d.ranks(r) % d.sp_size):
+        raise ConfigError(
+            f"dist.sp_size: {d.sp_size} does not divide the {role} role's {d.ranks(role)} ranks (every model "
+            f"role runs sequence-parallel); set --dist.{role}_num_gpus_per_node to a multiple of it",
+            field="dist.sp_size",
+        )
     for role, flag in pairs:
         if d.ranks(role) != d.ranks("policy"):
             raise ConfigError(
