@@ -13,7 +13,10 @@ model) live in value_head.py and reuse `resolve_source`, `torch_dtype` and `appl
 
 from __future__ import annotations
 
+import functools
 import os
+import urllib.error
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -80,14 +83,54 @@ def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
     if looks_local:
         raise FileNotFoundError(f"{what}={name_or_path!r}: no such folder (expected an HF model folder)")
     if _offline():
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        if _cached_snapshot(name_or_path) is None:
             raise OSError(
                 f"{what}={name_or_path!r} is not a local folder and HF_HUB_OFFLINE=1 forbids downloading it: "
                 "pass a local folder, or unset HF_HUB_OFFLINE where the Hub is reachable"
             )
+        return name_or_path
+    from huggingface_hub import constants
+
+    why = _hub_unreachable(constants.ENDPOINT)
+    if why is not None:  # fail (or use the cache) now, not after a minute of download retries
+        cached = _cached_snapshot(name_or_path)
+        if cached is not None:
+            return cached
+        raise OSError(
+            f"{what}={name_or_path!r} is not a local folder and the Hub ({constants.ENDPOINT}) cannot be reached "
+            f"({why}): pass a local model folder, or check the network (HF_ENDPOINT, proxy settings); on an "
+            "offline machine set HF_HUB_OFFLINE=1 to use the local Hub cache"
+        )
     return name_or_path
+
+
+HUB_PROBE_TIMEOUT = 3.0
+"""Seconds `resolve_source` waits for the Hub to answer before calling it unreachable."""
+
+
+@functools.cache
+def _hub_unreachable(endpoint: str) -> str | None:
+    """None when `endpoint` answers HTTP (any status) within HUB_PROBE_TIMEOUT seconds, else why not. Asked
+    once per process and endpoint; honours the proxy environment variables."""
+    try:
+        request = urllib.request.Request(endpoint, method="HEAD")
+        with urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as e:  # URLError, timeout, refused, DNS failure, a malformed endpoint
+        return str(getattr(e, "reason", None) or e)
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local Hub-cache folder of `repo_id` when it holds the repo's config (model or adapter), else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("config.json", "adapter_config.json"):
+        hit = try_to_load_from_cache(repo_id, name)
+        if isinstance(hit, str):
+            return str(Path(hit).parent)
+    return None
 
 
 def hub_error(err: Exception, source: str, what: str) -> OSError:
@@ -110,12 +153,17 @@ TOKENIZER_FILES = (
 
 
 def load_tokenizer(
-    name_or_path: str, *, trust_remote_code: bool = False, padding_side: str | None = None
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    padding_side: str | None = None,
+    what: str = "model.tokenizer_name_or_path",
 ) -> Any:
-    """AutoTokenizer from a folder or Hub id; sets pad_token = eos_token (with a warning) when missing."""
+    """AutoTokenizer from a folder or Hub id; sets pad_token = eos_token (with a warning) when missing.
+    `what`: the config field errors name (model.name_or_path when the tokenizer comes from the model's)."""
     from transformers import AutoTokenizer
 
-    source = resolve_source(name_or_path, "model.tokenizer_name_or_path")
+    source = resolve_source(name_or_path, what)
     folder = Path(source)
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(
