@@ -23,6 +23,7 @@ In Python (tests, embedding): `app = build_rm_app(scorer, timeout=120, max_concu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -94,10 +95,8 @@ class _Calls:
             else:
                 fut.set_result(out)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # the server's loop closed meanwhile: nobody to tell
             loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the server stopped meanwhile
-            pass
 
     async def __call__(self, *args: Any) -> Any:
         deadline = time.monotonic() + self.timeout

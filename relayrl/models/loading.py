@@ -13,10 +13,7 @@ model) live in value_head.py and reuse `resolve_source`, `torch_dtype` and `appl
 
 from __future__ import annotations
 
-import functools
 import os
-import urllib.error
-import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -24,6 +21,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from relayrl.config.components import LoraConfig, ModelConfig
+from relayrl.data.loading import hub_offline_reason
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,10 +65,12 @@ def _offline() -> bool:
 
 
 def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
-    """Check that `name_or_path` is a local folder or a Hub id we may download; return it unchanged.
+    """Check that `name_or_path` is a local folder or a Hub id we may download; return it (a local folder made
+    absolute; a Hub id unchanged, or its local Hub-cache folder when the Hub cannot be reached).
 
-    Raises a clear error for an empty value, a local-looking path that does not exist, or a Hub id while
-    HF_HUB_OFFLINE=1 (unless it is already in the local Hub cache).
+    Raises a clear error at once for an empty value, a local-looking path that does not exist, or a Hub id
+    that is not in the local Hub cache while HF_HUB_OFFLINE=1 or while the Hub does not answer
+    (relayrl.data.loading.hub_offline_reason: one connection attempt, a few seconds at most).
     """
     if not name_or_path:
         raise ValueError(
@@ -82,44 +82,22 @@ def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or p.exists()
     if looks_local:
         raise FileNotFoundError(f"{what}={name_or_path!r}: no such folder (expected an HF model folder)")
-    if _offline():
-        if _cached_snapshot(name_or_path) is None:
-            raise OSError(
-                f"{what}={name_or_path!r} is not a local folder and HF_HUB_OFFLINE=1 forbids downloading it: "
-                "pass a local folder, or unset HF_HUB_OFFLINE where the Hub is reachable"
-            )
+    reason = hub_offline_reason()  # offline env vars, or no answer from HF_ENDPOINT within a few seconds
+    if reason is None:
         return name_or_path
-    from huggingface_hub import constants
-
-    why = _hub_unreachable(constants.ENDPOINT)
-    if why is not None:  # fail (or use the cache) now, not after a minute of download retries
-        cached = _cached_snapshot(name_or_path)
-        if cached is not None:
-            return cached
+    cached = _cached_snapshot(name_or_path)
+    if cached is not None:  # HF_HUB_OFFLINE: transformers reads its cache itself; else the cached folder
+        return name_or_path if _offline() else cached
+    if _offline():
         raise OSError(
-            f"{what}={name_or_path!r} is not a local folder and the Hub ({constants.ENDPOINT}) cannot be reached "
-            f"({why}): pass a local model folder, or check the network (HF_ENDPOINT, proxy settings); on an "
-            "offline machine set HF_HUB_OFFLINE=1 to use the local Hub cache"
+            f"{what}={name_or_path!r} is not a local folder and HF_HUB_OFFLINE=1 forbids downloading it: "
+            "pass a local folder, or unset HF_HUB_OFFLINE where the Hub is reachable"
         )
-    return name_or_path
-
-
-HUB_PROBE_TIMEOUT = 3.0
-"""Seconds `resolve_source` waits for the Hub to answer before calling it unreachable."""
-
-
-@functools.cache
-def _hub_unreachable(endpoint: str) -> str | None:
-    """None when `endpoint` answers HTTP (any status) within HUB_PROBE_TIMEOUT seconds, else why not. Asked
-    once per process and endpoint; honours the proxy environment variables."""
-    try:
-        request = urllib.request.Request(endpoint, method="HEAD")
-        with urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT):
-            return None
-    except urllib.error.HTTPError:
-        return None  # it answered
-    except (OSError, ValueError) as e:  # URLError, timeout, refused, DNS failure, a malformed endpoint
-        return str(getattr(e, "reason", None) or e)
+    raise OSError(
+        f"{what}={name_or_path!r} is not a local folder and the Hugging Face Hub cannot be used ({reason}): "
+        "pass a local model folder, or check the network (HF_ENDPOINT, proxy settings); fails at once instead "
+        "of after a minute of download retries"
+    )
 
 
 def _cached_snapshot(repo_id: str) -> str | None:

@@ -188,7 +188,7 @@ def test_a_client_chat_template_runs_only_on_opt_in(engine, tiny_tokenizer):
                 else:
                     assert status == 200
                     assert tiny_tokenizer.decode(out["prompt_token_ids"]) == "LOUD hi\n"
-            status, tok = _post(port, "/tokenize", {"messages": CHAT["messages"], "chat_template": LOUD_TEMPLATE})
+            status, _ = _post(port, "/tokenize", {"messages": CHAT["messages"], "chat_template": LOUD_TEMPLATE})
             assert status == (200 if allow else 400)
         finally:
             s.stop_thread()
@@ -247,3 +247,40 @@ def test_an_engine_failure_is_a_json_500(tiny_tokenizer):
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "RuntimeError: engine fell over" in body["error"]["message"]
 
+
+
+def test_relayrl_serve_passes_its_limits_to_the_server(tiny_model_path, monkeypatch):
+    """`relayrl serve --max_request_mb 0.05`: the app it runs answers a 100 kB body 413, refuses a client
+    template (no --allow_client_chat_template), and takes the engine's context (512) as the prompt limit."""
+    import asyncio
+
+    from relayrl.agents.http import start_app
+    from relayrl.apps import serve
+    from relayrl.config.apps import ServeConfig
+    from relayrl.config.base import ConfigError
+    from relayrl.config.command_line import parse_cli
+
+    with pytest.raises(ConfigError, match="max_request_mb"):
+        parse_cli(ServeConfig, ["--max_request_mb", "0"])
+    apps = []
+    monkeypatch.setattr(serve.web, "run_app", lambda app, **kw: apps.append(app))
+    argv = ["--model", str(tiny_model_path), "--device", "cpu", "--engine", "hf", "--max_request_mb", "0.05"]
+    assert serve.main(argv) == 0
+    results = {}
+
+    async def run():
+        runner, port = await start_app(apps[0])
+        try:
+            for name, body in [
+                ("big", {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}),
+                ("template", {**CHAT, "chat_template": LOUD_TEMPLATE}),
+                ("long", {**COMPLETION, "prompt": [5] * 600}),
+            ]:
+                results[name] = await asyncio.to_thread(_post, port, "/v1/chat/completions" if "messages" in body
+                                                         else "/v1/completions", body)  # fmt: skip
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+    assert results["big"][0] == 413 and results["template"][0] == 400
+    assert results["long"][0] == 400 and "maximum context length is 512" in results["long"][1]["error"]["message"]

@@ -155,7 +155,7 @@ def test_bad_requests(served):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
                                        max_tokens=3, user="s3")  # fmt: skip
     assert len(r.choices) == 2 and not server.traces
-    with pytest.raises(openai.BadRequestError, match="'stop' is not supported .stop strings would break"):
+    with pytest.raises(openai.BadRequestError, match=r"'stop' is not supported \(stop strings would break"):
         client.completions.create(model="tiny", prompt="x", stop=["\n"])
     with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens") as err:
         client.completions.create(model="tiny", prompt="x" * 300)
