@@ -23,7 +23,6 @@ In Python (tests, embedding): `app = build_rm_app(scorer, timeout=120, max_concu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -34,6 +33,7 @@ from aiohttp import web
 
 from relayrl.agents.rewards.base import parse_reward_output
 from relayrl.agents.rewards.local_rm import LocalRewardModel
+from relayrl.agents.user_code import run_in_thread
 
 logger = logging.getLogger("relayrl.serve_rm")
 
@@ -70,33 +70,20 @@ class RewardTimeout(Exception):
 
 
 class _Calls:
-    """Scorer calls on their own threads: at most `limit` at once, each awaited for at most `timeout` s."""
+    """Scorer calls on their own threads (user_code.run_in_thread): at most `limit` at once, each awaited for
+    at most `timeout` s. A slot is freed when its call returns, not when it times out."""
 
     def __init__(self, scorer: Scorer, timeout: float, limit: int) -> None:
         self.scorer, self.timeout = scorer, timeout
-        self.slots = threading.BoundedSemaphore(limit)  # released by the call's thread when it ends
+        self.slots = threading.BoundedSemaphore(limit)
 
-    def _run(self, fut: asyncio.Future[Any], args: tuple[Any, ...]) -> None:
-        loop = fut.get_loop()
+    def _call(self, *args: Any) -> Any:
         try:
-            out, err = self.scorer(*args), None
+            return self.scorer(*args)
         except SystemExit as e:  # a reward file calling sys.exit must not stop the server
-            out, err = None, RuntimeError(f"the reward function called sys.exit({e.code!r})")
-        except BaseException as e:
-            out, err = None, e
+            raise RuntimeError(f"the reward function called sys.exit({e.code!r})") from None
         finally:
             self.slots.release()
-
-        def settle() -> None:
-            if fut.done():  # timed out: nobody waits for this call any more
-                return
-            if err is not None:
-                fut.set_exception(err)
-            else:
-                fut.set_result(out)
-
-        with contextlib.suppress(RuntimeError):  # the server's loop closed meanwhile: nobody to tell
-            loop.call_soon_threadsafe(settle)
 
     async def __call__(self, *args: Any) -> Any:
         deadline = time.monotonic() + self.timeout
@@ -104,13 +91,11 @@ class _Calls:
             if time.monotonic() >= deadline:
                 raise RewardTimeout(
                     f"no free reward slot within {self.timeout:g}s: all calls are still scoring "
-                    "(--max_concurrency, --timeout)"
+                    "(serve-rm --max_concurrency, --timeout)"
                 )
             await asyncio.sleep(0.01)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        threading.Thread(target=self._run, args=(fut, args), daemon=True, name="relayrl-reward-call").start()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(deadline - time.monotonic(), 0.0))
+            return await run_in_thread(self._call, *args, timeout=max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise RewardTimeout(
                 f"the reward function did not finish within {self.timeout:g}s (serve-rm --timeout); its call "

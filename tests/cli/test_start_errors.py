@@ -1,6 +1,7 @@
 """What a command answers before it starts: --help and a config typo come from the config layer alone (no
 torch import, well under 3 s); `relayrl sft` without a model names --model.name_or_path and leaves no run
-folder; a Hub id while the Hub is unreachable fails at once, a missing local folder names its field."""
+folder; a Hub id while the Hub is unreachable fails at once, a missing local folder names its field; a
+checkpoint of another model shape is one line."""
 
 from __future__ import annotations
 
@@ -96,3 +97,28 @@ def test_a_hub_id_fails_fast_when_the_hub_is_unreachable(monkeypatch, tmp_path):
     assert "127.0.0.1" in text and "is unreachable" in text
     with pytest.raises(FileNotFoundError, match=r"model.name_or_path='\./no/such/folder': no such folder"):
         load_tokenizer("./no/such/folder", what="model.name_or_path")
+
+
+def test_resuming_from_a_checkpoint_of_another_model_is_one_line(tiny_model_path, tmp_path, capsys):
+    """`--ckpt.resume` of a run of another model shape: one line naming both shapes and architectures (torch
+    printed 28 lines of size mismatches), exit 1."""
+    from relayrl.models.tiny import TinyModelSpec, save_tiny
+
+    narrow = save_tiny(tmp_path / "narrow", TinyModelSpec(hidden=32, layers=2))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"input": "{a}+1=", "output": "{a + 1}"}}\n' for a in range(4)))
+
+    def sft(model, out, *extra):
+        return ["sft", "--model.name_or_path", str(model), "--data.datasets", str(data), "--train.device", "cpu",
+                "--train.batch_size", "4", "--train.micro_batch_size", "4", "--train.output_dir", str(out),
+                "--logger.progress_bar", "false", *extra]  # fmt: skip
+
+    assert cli_main(sft(tiny_model_path, tmp_path / "a", "--train.max_steps", "1", "--ckpt.save_every", "1")) == 0
+    capsys.readouterr()
+    step = tmp_path / "a" / "checkpoints" / "step_1"
+    assert cli_main(sft(narrow, tmp_path / "b", "--train.max_steps", "2", "--ckpt.resume", str(step))) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[1] == "relayrl sft: (set RELAYRL_DEBUG=1 for the traceback)", err
+    assert err[0].startswith(f"relayrl sft: error: checkpoint {step / 'model'} belongs to another model "
+                             "(checkpoint: hidden 64, layers 2, vocab ")  # fmt: skip
+    assert "this model: hidden 32, layers 2" in err[0] and "[101, 64] there and [101, 32] here" in err[0]
