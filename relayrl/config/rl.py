@@ -106,6 +106,10 @@ class RolloutConfig:
     engine_device: str = ""
     """Device of the engine and its weight copy (e.g. cuda:1: generation on a second GPU while the policy trains
     on the first; with train.async_train they overlap). Empty: the policy's device."""
+    exact: bool = False
+    """Exact on-policy mode (native engine only): the engine and the trainer's log-prob forward run one
+    batch-invariant forward (relayrl/rollout/exact.py), so the engine's sampled-token log-probs equal the
+    trainer's bit for bit (mismatch exactly 0, first-step ratio exactly 1). Costs speed: see docs/rl.md."""
     vllm_args: str = ""
     """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g. '{"enforce_eager": true}',
     '{"max_num_batched_tokens": 8192}'); the arguments relayrl derives from other settings are refused."""
@@ -146,6 +150,8 @@ class RolloutConfig:
     """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
 
     def __post_init__(self) -> None:
+        if self.exact and self.engine != "native":
+            raise invalid("exact", self.exact, f"false with engine {self.engine!r} (exact mode needs 'native')")
         if not 0.0 <= self.vllm_gpu_util < 1.0:
             raise invalid(
                 "vllm_gpu_util", self.vllm_gpu_util, "a fraction of the GPU's memory in (0, 1), or 0"

@@ -21,8 +21,9 @@ from typing import Any
 
 from relayrl.config.components import TrainConfig
 
-LAYOUTS = ("varlen", "padded")
-"""Attention layouts of a micro-batch (relayrl.models.forward runs them): one packed row, or padded rows."""
+LAYOUTS = ("varlen", "padded", "exact")
+"""Attention layouts of a micro-batch (relayrl.models.forward runs them): one packed row, padded rows, or the
+exact on-policy mode's batch-invariant forward (relayrl/rollout/exact.py; batched like padded)."""
 
 
 def check_layout(layout: str) -> None:

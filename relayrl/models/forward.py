@@ -32,6 +32,7 @@ cut rows with relayrl.data.packing.plan_micro_batches):
             eager): padding sits at the end, so no real token ever attends to it, and transformers' sdpa
             path passes is_causal=True with no mask. Cost S * T_max^2, hence `plan_micro_batches` puts
             rows of similar length together (sorted by length, rows * longest <= budget).
+    exact   (rollout.exact) token_logprobs through the native engine's forward, rollout/exact.py; else padded.
     Under sequence parallelism (dist.sp_size > 1, relayrl.models.sequence_parallel) always varlen: each rank
     runs its slice of the packed row; log-probs / values come back for the whole row.
 
@@ -63,6 +64,7 @@ from relayrl.data.packing import check_layout
 from relayrl.models import sequence_parallel as sp
 from relayrl.models.logprobs import head_logprobs
 from relayrl.models.value_head import head_values
+from relayrl.rollout.exact import ExactRunner
 
 try:  # torch >= 2.10, CUDA (flash) only
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -431,6 +433,8 @@ def token_logprobs(
             f"{type(hf).__name__} has no output embedding (LM head): token_logprobs needs a causal LM"
         )
     lengths = _lengths(seqs)
+    if layout == "exact":  # the rollout engine's batch-invariant forward (exact on-policy mode)
+        return ExactRunner(hf, max(lengths)).sequence_logprobs(seqs, temperature, entropy)
     hidden = _hidden(model, seqs, layout)
     tokens = torch.cat(list(seqs)).long()
     vocab = head.weight.shape[0]

@@ -234,6 +234,10 @@ class EngineSettings:
     prefix_cache: bool | None = None
     """native: keep finished sequences' K/V for a later request that extends them (multi-turn); None: its
     default for the device. vllm keeps its own prefix caching on."""
+    exact: bool = False
+    """native: the exact on-policy mode (rollout/exact.py): batch-invariant forward, log-probs equal to the
+    trainer's bit for bit (the trainer must run the 'exact' layout); other engines ignore it (the RL config
+    refuses it for them)."""
     placement: Placement = "alone"
     """Where the engine runs (decides vllm's GPU memory share, sleep mode and executor)."""
     tp: int = 0

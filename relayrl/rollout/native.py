@@ -70,6 +70,7 @@ from relayrl.rollout.base import (
     SamplingParams,
 )
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
+from relayrl.rollout.exact import ExactRunner
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_state import GraphCache, SlotState
@@ -112,6 +113,8 @@ class NativeEngine(ThreadedEngine):
             opts["max_slots"] = settings.max_seqs
         if settings.prefix_cache is not None:
             opts["prefix_cache"] = settings.prefix_cache
+        if settings.exact:
+            opts["exact"] = True
         return opts
 
     def __init__(
@@ -133,6 +136,7 @@ class NativeEngine(ThreadedEngine):
         driver: str | None = None,
         prefix_cache: bool | None = None,
         min_prefix_tokens: int = 8,
+        exact: bool = False,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -146,7 +150,8 @@ class NativeEngine(ThreadedEngine):
         `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
         starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode);
         None: on for a CPU model, off on CUDA (measured there 2x SLOWER than re-prefilling on the multi-turn
-        bench, 0.49x on an H100, 2026-11-26: the suffix prefill runs per request, uncaptured)."""
+        bench, 0.49x on an H100, 2026-11-26: the suffix prefill runs per request, uncaptured); `exact`: the
+        batch-invariant forward of rollout/exact.py (log-probs equal to the trainer's 'exact' layout)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -157,7 +162,7 @@ class NativeEngine(ThreadedEngine):
         self.sync_every = max(1, sync_every)
         self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
         self.max_stop_ids = max(max_stop_ids, len(self.eos_ids))
-        self.runner = DecoderRunner(model, self.max_seq_len, decode_attention)
+        self.runner = (ExactRunner if exact else DecoderRunner)(model, self.max_seq_len, decode_attention)
         self.device = self.runner.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":

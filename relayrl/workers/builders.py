@@ -129,6 +129,7 @@ def build_engine_for(
         prefix_cache=None if rollout.agent != "single" else False,
         placement="separate" if tp else "colocated",
         tp=tp,
+        exact=rollout.exact,
     )
     if not caps.own_weights:
         return build_engine(rollout.engine, model, tokenizer, settings)

@@ -145,7 +145,7 @@ class PolicyWorker:
             before_shard=gather_replica if grouped else None,
             role="policy",
         )
-        self.layout, self.train = built.layout, built.train
+        self.layout, self.train = ("exact" if spec.rollout.exact else built.layout), built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
         self.ema = None
         if spec.ema > 0:

@@ -1,0 +1,260 @@
+"""Exact on-policy mode: one batch-invariant forward for the rollout engine and the trainer's log-probs, so the
+log-prob the engine sampled a token with equals the trainer's recomputation bit for bit.
+
+Why they differ otherwise. The engine and the trainer run the same weights through different reduction orders:
+a matmul of 1-16 decode rows takes another kernel than one of a packed sequence (on this CPU, MKL's fp32 GEMM
+rounds rows differently for M < 12 than for larger M; on a GPU cuBLAS picks tiles and split-K by shape),
+decode attends over a padded KV cache while training attends over the whole sequence, and the vocabulary
+log-softmax is a logsumexp on one side and log_softmax on the other. Each alone is ~1 ulp; through 24 layers
+it is a mean |diff| ~0.01 on a bf16 0.5B model.
+
+The approach (as batch_invariant_ops / vLLM's and SGLang's batch invariance / TorchTitan's RL experiments,
+written as plain torch ops): define ONE computation per token whose every reduction has a fixed shape and
+order, independent of what else is in the batch, and run it on both sides (`ExactRunner`):
+
+- matmul (`linear`): rows go through GEMMs of exactly `row_block` rows (zero-padded), so each row meets the
+  same kernel and blocking whatever the row count (tested: a row's result does not depend on its position
+  in the block or on the other rows). The reduction over K is the kernel's own, the same for every call.
+- RMSNorm, rotary: per row (F.rms_norm over the hidden size in fp32; rotary elementwise in fp32 from an fp32
+  table) -- no cross-row reduction.
+- attention (`attention`): per query, over key blocks of `KEY_BLOCK` positions anchored at position 0,
+  scanned in order with an online softmax (running max, rescaled sum and accumulator, fp32). Scores are an
+  elementwise product summed over head_dim; keys after the query's position are masked to -inf. A block
+  wholly after the query is an exact no-op (max unchanged, rescale by exp(0) = 1, adds +0), so the result
+  is the same whether the keys are a decode's KV cache padded to a length bucket, a prefill's prompt or the
+  trainer's whole sequence.
+- the residual stream, norms and K/V are in the compute dtype (the model's, or the autocast dtype: a bf16
+  engine copy and fp32 master weights under bf16 autocast see the same values); attention and rotary in fp32.
+- log-probs: log_softmax(logits.float() / T) per row, exactly as the engine's sampler (sampling.py).
+
+The trainer (relayrl.models.forward, layout "exact") calls `ExactRunner.sequence_logprobs`; the engine
+(NativeEngine(exact=True)) uses ExactRunner's prefill / extend / decode. Both differentiate through autograd
+(the trainer's update) or not (old log-probs, the engine): the same ops either way.
+
+Cost (docs/rl.md, measured): the fixed-row GEMMs pad decode batches to `row_block` rows; attention is
+written with elementwise ops (memory O(tokens x key_block x head_dim) per block) instead of a fused kernel.
+On a GPU the same design wants a fixed-tile (no split-K) matmul and a fixed-block attention kernel (Triton);
+these torch ops are the reference the kernels must equal. Limits: plain nn.Linear projections and HF
+RMSNorm/SiLU-MLP modules only (no LoRA, no FSDP shards); a model the native engine cannot run raises there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.rollout.native_model import DecoderRunner
+
+KEY_BLOCK = 16
+"""Key positions per attention block (the online-softmax step). Fixed: both sides must use the same."""
+
+
+def row_block(device: torch.device) -> int:
+    """Rows per GEMM: 16 on a CPU (MKL's fp32 kernels agree for every block of >= 12 rows), 64 on a GPU."""
+    return 64 if device.type == "cuda" else 16
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for t's device, else t's dtype."""
+    if t.is_floating_point() and torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight.T [K, N] (+ bias) in x's dtype, every row through a GEMM of exactly row_block rows."""
+    shape, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n, block = rows.shape[0], row_block(x.device)
+    rows = F.pad(rows, (0, 0, 0, (-n) % block))
+    w = weight.to(x.dtype).t()
+    with torch.autocast(x.device.type, enabled=False):
+        out = torch.cat([b @ w for b in rows.split(block)])[:n]
+        if bias is not None:
+            out = out + bias.to(x.dtype)
+    return out.view(*shape, -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm per row: normalise in fp32, cast back, times the weight (in x's dtype)."""
+    return weight.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, Qn, H, D] (query positions q_pos [R, Qn]) over k/v [R, Hkv, L, D] (key j at position j; keys after
+    a query's position are masked) -> [R, Qn, H, D] in q's dtype. See the module doc for the fixed order."""
+    r, qn, h, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g = h // hkv
+    qf = q.float().view(r, qn, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, qn * g, 1, d)
+    pos = q_pos[:, None, :, None].expand(r, 1, qn, g).reshape(r, 1, qn * g, 1)
+    m = qf.new_full((r, hkv, qn * g), float("-inf"))
+    lsum = qf.new_zeros((r, hkv, qn * g))
+    acc = qf.new_zeros((r, hkv, qn * g, d))
+    keys = torch.arange(KEY_BLOCK, device=q.device)
+    for j in range(0, length, KEY_BLOCK):
+        kb, vb = k[:, :, j : j + KEY_BLOCK].float(), v[:, :, j : j + KEY_BLOCK].float()
+        if kb.shape[2] < KEY_BLOCK:  # a short last block: pad to the fixed width (masked)
+            kb, vb = (F.pad(t, (0, 0, 0, KEY_BLOCK - t.shape[2])) for t in (kb, vb))
+        s = (qf * kb[:, :, None]).sum(-1) * scale  # [R, Hkv, QG, KEY_BLOCK]
+        s = s.masked_fill(keys + j > pos, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        corr = torch.exp(m - m_new)
+        e = torch.exp(s - m_new[..., None])
+        lsum = lsum * corr + e.sum(-1)
+        acc = acc * corr[..., None] + (e[..., None] * vb[:, :, None]).sum(-2)
+        m = m_new
+    out = acc / lsum[..., None]
+    return out.view(r, hkv, qn, g, d).permute(0, 2, 1, 3, 4).reshape(r, qn, h, d).to(q.dtype)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sampler's log-prob (sampling.sample_tokens): log_softmax(logits.float() / T)[target] per row;
+    entropy of that distribution when asked. logits [N, V], targets [N] -> [N] float32."""
+    logits = logits.float()
+    if temperature and temperature != 1.0:  # a [N, 1] divisor, as the sampler's per-row temperatures
+        logits = logits / torch.full((logits.shape[0], 1), temperature, device=logits.device)
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    return lp, (-(logp.exp() * logp).sum(-1) if entropy else None)
+
+
+KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(layer, k [R, Hkv, Qn, D], v) -> the keys/values [R, Hkv, L, D] the layer's queries attend over."""
+
+
+class ExactRunner(DecoderRunner):
+    """DecoderRunner's prefill / extend / decode (same signatures, so NativeEngine and its CUDA graphs use it
+    unchanged) and the trainer's `sequence_logprobs`, all through the batch-invariant ops above."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "math") -> None:
+        super().__init__(model, max_len, "math")  # (decode_attention: DecoderRunner's; the attention is ours)
+        for li, layer in enumerate(self.layers):
+            mods = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            mods += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            if any(type(m) is not torch.nn.Linear for m in mods) or not hasattr(layer.mlp, "act_fn"):
+                raise NotImplementedError(
+                    f"exact mode: layer {li} has projections that are not plain nn.Linear (LoRA?) or a non-"
+                    "gated MLP; exact mode supports plain Llama/Qwen-layout models (merge LoRA or turn it off)"
+                )
+        rot = self.body.rotary_emb
+        inv_freq = rot.inv_freq.float().to(self.device)
+        freqs = torch.arange(max_len, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.cos32, self.sin32 = emb.cos() * scaling, emb.sin() * scaling
+
+    def _w(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lin = cast(torch.nn.Linear, module)
+        return lin.weight, lin.bias
+
+    def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        return rms_norm(x, cast(torch.nn.Linear, module).weight, eps)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [R, Qn, heads, D] at positions pos [R, Qn]: HF's rotary in fp32, cast back."""
+        cos, sin = self.cos32[pos][:, :, None], self.sin32[pos][:, :, None]
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + rot * sin).to(x.dtype)
+
+    def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
+        """Final-normed hidden states [R, Qn, hidden] of tokens ids [R, Qn] at positions pos [R, Qn]."""
+        emb = self.body.embed_tokens.weight
+        x = F.embedding(ids, emb).to(compute_dtype(emb))
+        r, qn = ids.shape
+        for li, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = self._norm(layer.input_layernorm, x)
+            q = linear(h, *self._w(attn.q_proj)).view(r, qn, self.n_heads, self.head_dim)
+            k = linear(h, *self._w(attn.k_proj)).view(r, qn, self.n_kv, self.head_dim)
+            v = linear(h, *self._w(attn.v_proj)).view(r, qn, self.n_kv, self.head_dim)
+            if getattr(attn, "q_norm", None) is not None:
+                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            keys, values = kv(li, k.transpose(1, 2), v.transpose(1, 2))
+            o = attention(q, keys, values, pos, self.scale).reshape(r, qn, -1)
+            x = x + linear(o, *self._w(attn.o_proj))
+            h = self._norm(layer.post_attention_layernorm, x)
+            gate = linear(h, *self._w(mlp.gate_proj))
+            up = linear(h, *self._w(mlp.up_proj))
+            x = x + linear(F.silu(gate) * up, *self._w(mlp.down_proj))
+        return self._norm(self.body.norm, x)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, *self._w(self.model.lm_head))
+
+    # ---- engine side (DecoderRunner's interface) ---------------------------------------------------------
+    def prefill(self, ids, last, k_cache, v_cache, slot_idx, row_idx):  # noqa: ANN001 - DecoderRunner's
+        b, t = ids.shape
+        pos = torch.arange(t, device=ids.device).expand(b, t)
+
+        def kv(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k_cache[li, :, :, :t].index_copy_(0, slot_idx, k.index_select(0, row_idx))
+            v_cache[li, :, :, :t].index_copy_(0, slot_idx, v.index_select(0, row_idx))
+            return k, v
+
+        h = self._stack(ids, pos, kv)
+        return self._head(h[torch.arange(b, device=ids.device), last])
+
+    def extend(self, ids, start, lengths, k_cache, v_cache, slots):  # noqa: ANN001 - DecoderRunner's
+        b, t = ids.shape
+        dev = ids.device
+        start_t, slot_t = torch.tensor(start, device=dev), torch.tensor(slots, device=dev)
+        pos = (start_t[:, None] + torch.arange(t, device=dev)[None, :]).clamp(max=self.max_len - 1)
+        kv_len = max(s + n for s, n in zip(start, lengths, strict=True))
+        real = torch.arange(t, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+
+        def kv(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows, cols = real.nonzero(as_tuple=True)
+            for cache, new in ((k_cache, k), (v_cache, v)):  # real tokens only: padding writes nothing
+                cache[li][slot_t[rows], :, pos[rows, cols]] = new[rows, :, cols]
+            return k_cache[li, slot_t, :, :kv_len], v_cache[li, slot_t, :, :kv_len]
+
+        h = self._stack(ids, pos, kv)
+        last = torch.tensor([n - 1 for n in lengths], device=dev)
+        return self._head(h[torch.arange(b, device=dev), last])
+
+    def decode(self, tok, pos, k_cache, v_cache, kv_len, rows):  # noqa: ANN001 - DecoderRunner's
+        bs = tok.shape[0]
+        slot = rows[:, None]
+
+        def kv(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            heads = self.kv_heads[None, :]
+            k_cache[li, slot, heads, pos[:, None]] = k[:, :, 0]
+            v_cache[li, slot, heads, pos[:, None]] = v[:, :, 0]
+            return k_cache[li, :bs, :, :kv_len], v_cache[li, :bs, :, :kv_len]
+
+        return self._head(self._stack(tok[:, None], pos[:, None], kv)[:, 0])
+
+    # ---- trainer side ------------------------------------------------------------------------------------
+    def sequence_logprobs(
+        self, seqs: Sequence[torch.Tensor], temperature: float, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp [N], entropy [N] | None) float32 of every token of `seqs` given its sequence's earlier tokens,
+        flat in order (models.forward.token_logprobs' contract: a sequence's first token gets 0)."""
+        lengths = [int(s.numel()) for s in seqs]
+        ids = torch.nn.utils.rnn.pad_sequence([s.to(self.device).long() for s in seqs], batch_first=True)
+        b, t = ids.shape
+        pos = torch.arange(t, device=self.device).expand(b, t)
+        h = self._stack(ids, pos, lambda li, k, v: (k, v))
+        real = pos < torch.tensor(lengths, device=self.device)[:, None]
+        scored = real.clone()
+        scored[:, -1] = False  # h[:, j] scores token j + 1
+        scored[:, :-1] &= real[:, 1:]
+        targets = ids[:, 1:][scored[:, :-1]]
+        lp, ent = token_logprobs(self._head(h[scored]), targets, temperature, entropy)
+        out_lp = h.new_zeros((b, t), dtype=torch.float32)
+        out_lp[:, 1:][scored[:, :-1]] = lp
+        out_ent = None
+        if ent is not None:
+            out_ent = h.new_zeros((b, t), dtype=torch.float32)
+            out_ent[:, 1:][scored[:, :-1]] = ent
+        return out_lp[real], (out_ent[real] if out_ent is not None else None)
