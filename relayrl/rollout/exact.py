@@ -17,12 +17,12 @@ order, independent of what else is in the batch, and run it on both sides (`Exac
   in the block or on the other rows). The reduction over K is the kernel's own, the same for every call.
 - RMSNorm, rotary: per row (F.rms_norm over the hidden size in fp32; rotary elementwise in fp32 from an fp32
   table) -- no cross-row reduction.
-- attention (`attention`): per query, over key blocks of `KEY_BLOCK` positions anchored at position 0,
-  scanned in order with an online softmax (running max, rescaled sum and accumulator, fp32). Scores are an
-  elementwise product summed over head_dim; keys after the query's position are masked to -inf. A block
-  wholly after the query is an exact no-op (max unchanged, rescale by exp(0) = 1, adds +0), so the result
-  is the same whether the keys are a decode's KV cache padded to a length bucket, a prefill's prompt or the
-  trainer's whole sequence.
+- attention (`attention`): per query, over key blocks of `key_block` positions anchored at position 0,
+  scanned in order with an online softmax (running max, rescaled sum and accumulator, fp32). Both products
+  (q.K and p.V) are batched GEMMs of one fixed shape per (row, KV head, block of `row_block` query rows);
+  keys after the query's position are masked to -inf. A block wholly after the query is an exact no-op (max
+  unchanged, rescale by exp(0) = 1, adds +0), so the result is the same whether the keys are a decode's KV
+  cache padded to a length bucket, a prefill's prompt or the trainer's whole sequence.
 - the residual stream, norms and K/V are in the compute dtype (the model's, or the autocast dtype: a bf16
   engine copy and fp32 master weights under bf16 autocast see the same values); attention and rotary in fp32.
 - log-probs: log_softmax(logits.float() / T) per row, exactly as the engine's sampler (sampling.py).
@@ -32,7 +32,8 @@ The trainer (relayrl.models.forward, layout "exact") calls `ExactRunner.sequence
 (the trainer's update) or not (old log-probs, the engine): the same ops either way.
 
 Cost (docs/rl.md, measured): the fixed-row GEMMs pad decode batches to `row_block` rows; attention is
-written with elementwise ops (memory O(tokens x key_block x head_dim) per block) instead of a fused kernel.
+a loop of small fixed-shape GEMMs over key blocks instead of a fused kernel; the head's log-softmax sees
+[tokens, V] fp32 logits (no chunked kernel).
 On a GPU the same design wants a fixed-tile (no split-K) matmul and a fixed-block attention kernel (Triton);
 these torch ops are the reference the kernels must equal. Limits: plain nn.Linear projections and HF
 RMSNorm/SiLU-MLP modules only (no LoRA, no FSDP shards); a model the native engine cannot run raises there.
@@ -48,13 +49,15 @@ import torch.nn.functional as F
 
 from relayrl.rollout.native_model import DecoderRunner
 
-KEY_BLOCK = 16
-"""Key positions per attention block (the online-softmax step). Fixed: both sides must use the same."""
-
-
 def row_block(device: torch.device) -> int:
     """Rows per GEMM: 16 on a CPU (MKL's fp32 kernels agree for every block of >= 12 rows), 64 on a GPU."""
     return 64 if device.type == "cuda" else 16
+
+
+def key_block(device: torch.device) -> int:
+    """Key positions per attention block (the online-softmax step): 16 on a CPU (the eager engine's length
+    bucket), 256 on a GPU (its CUDA-graph bucket). Fixed per device: both sides must use the same."""
+    return 256 if device.type == "cuda" else 16
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -83,29 +86,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def _row_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [n, rows, c] -> [n * ceil(rows / block), block, c], the rows zero-padded to whole blocks."""
+    n, rows, c = x.shape
+    return F.pad(x, (0, 0, 0, (-rows) % block)).view(-1, block, c)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """q [R, Qn, H, D] (query positions q_pos [R, Qn]) over k/v [R, Hkv, L, D] (key j at position j; keys after
-    a query's position are masked) -> [R, Qn, H, D] in q's dtype. See the module doc for the fixed order."""
+    a query's position are masked) -> [R, Qn, H, D] in q's dtype. See the module doc for the fixed order: the
+    two products are batched GEMMs of fixed shape ([row_block, D] x [D, key_block], [row_block, key_block] x
+    [key_block, D]) per (row, KV head, block of query rows), in fp32."""
     r, qn, h, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
-    g = h // hkv
-    qf = q.float().view(r, qn, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, qn * g, 1, d)
-    pos = q_pos[:, None, :, None].expand(r, 1, qn, g).reshape(r, 1, qn * g, 1)
-    m = qf.new_full((r, hkv, qn * g), float("-inf"))
-    lsum = qf.new_zeros((r, hkv, qn * g))
-    acc = qf.new_zeros((r, hkv, qn * g, d))
-    keys = torch.arange(KEY_BLOCK, device=q.device)
-    for j in range(0, length, KEY_BLOCK):
-        kb, vb = k[:, :, j : j + KEY_BLOCK].float(), v[:, :, j : j + KEY_BLOCK].float()
-        if kb.shape[2] < KEY_BLOCK:  # a short last block: pad to the fixed width (masked)
-            kb, vb = (F.pad(t, (0, 0, 0, KEY_BLOCK - t.shape[2])) for t in (kb, vb))
-        s = (qf * kb[:, :, None]).sum(-1) * scale  # [R, Hkv, QG, KEY_BLOCK]
-        s = s.masked_fill(keys + j > pos, float("-inf"))
+    g, rb, kb_len = h // hkv, row_block(q.device), key_block(q.device)
+    qg = qn * g
+    qf = q.float().view(r, qn, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r * hkv, qg, d)
+    qb = _row_blocks(qf, rb)  # [r * hkv * nq, rb, d]
+    nq = qb.shape[0] // (r * hkv)
+    pos = q_pos[:, None, :, None].expand(r, 1, qn, g).reshape(r, 1, qg, 1)
+    m = qf.new_full((r, hkv, qg), float("-inf"))
+    lsum = qf.new_zeros((r, hkv, qg))
+    acc = qf.new_zeros((r, hkv, qg, d))
+    keys = torch.arange(kb_len, device=q.device)
+
+    def per_query_block(t: torch.Tensor) -> torch.Tensor:  # [r, hkv, kb_len, d] -> [r * hkv * nq, kb_len, d]
+        return t[:, :, None].expand(r, hkv, nq, kb_len, d).reshape(-1, kb_len, d)
+
+    for j in range(0, length, kb_len):
+        kb, vb = k[:, :, j : j + kb_len].float(), v[:, :, j : j + kb_len].float()
+        if kb.shape[2] < kb_len:  # a short last block: pad to the fixed width (masked)
+            kb, vb = (F.pad(t, (0, 0, 0, kb_len - t.shape[2])) for t in (kb, vb))
+        s = torch.bmm(qb, per_query_block(kb).transpose(1, 2)).view(r, hkv, nq * rb, kb_len)[:, :, :qg]
+        s = (s * scale).masked_fill(keys + j > pos, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         corr = torch.exp(m - m_new)
         e = torch.exp(s - m_new[..., None])
         lsum = lsum * corr + e.sum(-1)
-        acc = acc * corr[..., None] + (e[..., None] * vb[:, :, None]).sum(-2)
+        pv = torch.bmm(_row_blocks(e.reshape(r * hkv, qg, kb_len), rb), per_query_block(vb))
+        acc = acc * corr[..., None] + pv.view(r, hkv, nq * rb, d)[:, :, :qg]
         m = m_new
     out = acc / lsum[..., None]
     return out.view(r, hkv, qn, g, d).permute(0, 2, 1, 3, 4).reshape(r, qn, h, d).to(q.dtype)
