@@ -120,6 +120,7 @@ def run(
     policy_gpus: int = 1,
     policy_nodes: int = 1,
     ray_address: str = "",
+    exact: bool = False,
 ) -> dict:
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
@@ -143,6 +144,7 @@ def run(
                 max_len=64 + new_tokens,
                 engine=engine,
                 engine_device=engine_device,
+                exact=exact,
             ),
             algo=replace(cfg.algo, micro_batch_tokens=micro_tokens, off_policy=off_policy),
             dist=replace(
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--policy-gpus", type=int, default=1, help="ray: dist.policy_num_gpus_per_node")
     parser.add_argument("--policy-nodes", type=int, default=1, help="ray: dist.policy_num_nodes")
     parser.add_argument("--ray-address", default="", help="ray: join this cluster (dist.ray_address)")
+    parser.add_argument("--exact", action="store_true", help="rollout.exact (results key suffix /exact)")
     args = parser.parse_args()
     row = run(
         args.device,
@@ -268,6 +271,7 @@ def main() -> None:
         policy_gpus=args.policy_gpus,
         policy_nodes=args.policy_nodes,
         ray_address=args.ray_address,
+        exact=args.exact,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
@@ -306,6 +310,7 @@ def main() -> None:
                 else ""
             )
         )
+    key += "/exact" if args.exact else ""
     results[key] = row
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

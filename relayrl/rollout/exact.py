@@ -42,10 +42,11 @@ RMSNorm/SiLU-MLP modules only (no LoRA, no FSDP shards); a model the native engi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from relayrl.rollout.native_model import DecoderRunner
 
@@ -143,6 +144,18 @@ def token_logprobs(
     return lp, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
+CHUNK_ELEMENTS = 2**24
+"""fp32 logits per chunk of the trainer's log-prob head (as relayrl.models.logprobs)."""
+
+
+def _maybe_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), recomputed in backward when grad is on (activation checkpointing: the attention scores and
+    the head's logits are not kept; the recomputation runs the same ops, so the values are the same)."""
+    if torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """(layer, k [R, Hkv, Qn, D], v) -> the keys/values [R, Hkv, L, D] the layer's queries attend over."""
 
@@ -199,7 +212,7 @@ class ExactRunner(DecoderRunner):
                 q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
             q, k = self._rope(q, pos), self._rope(k, pos)
             keys, values = kv(li, k.transpose(1, 2), v.transpose(1, 2))
-            o = attention(q, keys, values, pos, self.scale).reshape(r, qn, -1)
+            o = _maybe_checkpoint(attention, q, keys, values, pos, self.scale).reshape(r, qn, -1)
             x = x + linear(o, *self._w(attn.o_proj))
             h = self._norm(layer.post_attention_layernorm, x)
             gate = linear(h, *self._w(mlp.gate_proj))
@@ -254,6 +267,12 @@ class ExactRunner(DecoderRunner):
         return self._head(self._stack(tok[:, None], pos[:, None], kv)[:, 0])
 
     # ---- trainer side ------------------------------------------------------------------------------------
+    def _chunk_logprobs(
+        self, h: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = token_logprobs(self._head(h), targets, temperature, entropy)
+        return lp, (ent if ent is not None else lp.new_zeros(0))
+
     def sequence_logprobs(
         self, seqs: Sequence[torch.Tensor], temperature: float, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -268,8 +287,15 @@ class ExactRunner(DecoderRunner):
         scored = real.clone()
         scored[:, -1] = False  # h[:, j] scores token j + 1
         scored[:, :-1] &= real[:, 1:]
-        targets = ids[:, 1:][scored[:, :-1]]
-        lp, ent = token_logprobs(self._head(h[scored]), targets, temperature, entropy)
+        targets, hs = ids[:, 1:][scored[:, :-1]], h[scored]
+        # chunks of rows (whole row blocks), each recomputed in backward: no [N, V] logits kept for autograd
+        chunk = max(1, CHUNK_ELEMENTS // self.vocab_size // row_block(h.device)) * row_block(h.device)
+        parts = [
+            _maybe_checkpoint(self._chunk_logprobs, hs[i : i + chunk], targets[i : i + chunk], temperature, entropy)
+            for i in range(0, hs.shape[0], chunk)
+        ]
+        lp = torch.cat([p[0] for p in parts])
+        ent = torch.cat([p[1] for p in parts]) if entropy else None
         out_lp = h.new_zeros((b, t), dtype=torch.float32)
         out_lp[:, 1:][scored[:, :-1]] = lp
         out_ent = None
