@@ -1,0 +1,168 @@
+"""Exact on-policy mode (rollout.exact): the engine-vs-trainer log-prob mismatch and the cost per phase, exact
+against the default mode, on the same prompts and weights.
+
+    .venv/bin/python bench/exact_mode.py                                # tiny Qwen2 on the CPU (fp32)
+    python bench/exact_mode.py --device cuda --shape qwen0.5b           # 0.5B-shaped random Qwen2 on a GPU
+
+On a GPU the setup is the RL trainer's: the engine runs a bf16 copy of the weights (CUDA graphs), the trainer
+fp32 master weights under bf16 autocast (default mode: the varlen layout; exact: the exact layout). Phases,
+each timed after a warm-up run (CUDA synchronised):
+  generation   the native engine over prompts x n samples (random prompt ids, no EOS: every sample runs
+               max_new_tokens), seconds and generated tokens/s
+  logprobs     the trainer's no-grad log-prob pass over every sequence (micro-batches of --micro-seqs)
+  train        forward + backward of the same pass with entropy (the update's forward)
+Mismatch over the sampled tokens: mean / max |engine - trainer| log-prob, the share of tokens bit-equal and
+the share of sequences whose ratio exp(sum diff) is outside [0.5, 2]. Writes $OUT/exact_mode.json when OUT
+is set, else bench/results/exact_mode.json (one entry per device/shape, updated in place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from relayrl.models import forward
+from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128),
+    "qwen0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936),
+}
+
+
+def build(shape: str, device: str) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=True, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # livelier than the default init (std 0.02): samples are not uniform noise
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.05)
+    return model.float().eval()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def phase(device: str, fn, repeats: int = 2):
+    """(result of the last run, seconds of the last run): the first runs are warm-up."""
+    out, secs = None, 0.0
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        secs = time.perf_counter() - t0
+    return out, secs
+
+
+def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, prompts, exact: bool) -> dict:
+    dev = args.device
+    engine = build_engine(
+        "native", engine_model, None, max_slots=len(prompts) * args.n, max_seq_len=args.max_len,
+        eos_token_id=[], exact=exact, driver="loop" if dev == "cpu" else None,
+    )
+    reqs = [
+        GenerationRequest(prompt_ids=p, params=SamplingParams(n=args.n, temperature=1.0,
+                                                              max_new_tokens=args.new_tokens, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    results, gen_s = phase(dev, lambda: generate_all(engine, reqs))
+    engine.close()
+    seqs, spans, engine_lps = [], [], []
+    for p, res in zip(prompts, results, strict=True):
+        for c in res.completions:
+            seqs.append(torch.tensor(p + c.token_ids))
+            spans.append((len(p), len(p) + len(c.token_ids)))
+            engine_lps.append(torch.tensor(c.logprobs))
+    layout = "exact" if exact else forward.choose_layout(master, dev)
+    forward.prepare_model(master, layout)
+    autocast = torch.autocast("cuda", torch.bfloat16) if dev == "cuda" else contextlib.nullcontext()
+
+    def pass_(grad: bool):
+        outs = []
+        for i in range(0, len(seqs), args.micro_seqs):
+            with autocast, torch.set_grad_enabled(grad):
+                lp, ent = forward.token_logprobs(master, seqs[i : i + args.micro_seqs], layout, entropy=grad)
+            if grad and ent is not None:
+                (lp.sum() + ent.sum()).backward()
+            outs.append(lp.detach().float().cpu())
+        return torch.cat(outs)
+
+    lp, lp_s = phase(dev, lambda: pass_(False))
+    _, train_s = phase(dev, lambda: pass_(True))
+    master.zero_grad(set_to_none=True)
+    flat = forward.split_flat(lp, [len(s) for s in seqs])
+    diffs = [row[a:b] - e for row, (a, b), e in zip(flat, spans, engine_lps, strict=True)]
+    all_d = torch.cat(diffs).double()
+    gen_tokens = sum(len(e) for e in engine_lps)
+    return {
+        "generation_s": gen_s,
+        "gen_tokens_per_s": gen_tokens / gen_s,
+        "logprobs_s": lp_s,
+        "train_fwd_bwd_s": train_s,
+        "mismatch_mean": float(all_d.abs().mean()),
+        "mismatch_max": float(all_d.abs().max()),
+        "tokens_bit_equal": float((all_d == 0).double().mean()),
+        "seq_ratio_out_frac": sum(abs(float(d.double().sum())) > math.log(2) for d in diffs) / len(diffs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--prompts", type=int, default=0, help="prompts (0: 8 on CPU, 32 on GPU)")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--new-tokens", type=int, default=0, help="new tokens (0: 24 on CPU, 256 on GPU)")
+    parser.add_argument("--micro-seqs", type=int, default=16, help="sequences per trainer micro-batch")
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.prompts = args.prompts or (32 if gpu else 8)
+    args.new_tokens = args.new_tokens or (256 if gpu else 24)
+    args.max_len = 128 + args.new_tokens
+    master = build(args.shape, args.device)
+    engine_model = copy.deepcopy(master).to(torch.bfloat16) if gpu else master
+    gen = torch.Generator().manual_seed(0)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 128, (args.prompts,), generator=gen)]
+    row = {m: run_mode(args, master, engine_model, prompts, m == "exact") for m in ("default", "exact")}
+    row["exact_over_default"] = {
+        k: row["exact"][k] / row["default"][k] for k in ("generation_s", "logprobs_s", "train_fwd_bwd_s")
+    }
+    row["setup"] = {
+        "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": args.prompts,
+        "n": args.n, "new_tokens": args.new_tokens, "engine_dtype": "bf16" if gpu else "fp32",
+    }
+    print(json.dumps(row, indent=2))
+    out = Path(os.environ["OUT"]) / "exact_mode.json" if os.environ.get("OUT") else (
+        ROOT / "bench" / "results" / "exact_mode.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results[f"{args.device}/{args.shape}"] = row
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
