@@ -35,10 +35,22 @@ from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, gen
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=128),
-    "qwen0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    ),
+    "qwen0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
 }
 
 
@@ -76,12 +88,20 @@ def phase(device: str, fn, repeats: int = 2):
 def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, prompts, exact: bool) -> dict:
     dev = args.device
     engine = build_engine(
-        "native", engine_model, None, max_slots=len(prompts) * args.n, max_seq_len=args.max_len,
-        eos_token_id=[], exact=exact, driver="loop" if dev == "cpu" else None,
+        "native",
+        engine_model,
+        None,
+        max_slots=len(prompts) * args.n,
+        max_seq_len=args.max_len,
+        eos_token_id=[],
+        exact=exact,
+        driver="loop" if dev == "cpu" else None,
     )
     reqs = [
-        GenerationRequest(prompt_ids=p, params=SamplingParams(n=args.n, temperature=1.0,
-                                                              max_new_tokens=args.new_tokens, seed=i))
+        GenerationRequest(
+            prompt_ids=p,
+            params=SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=i),
+        )
         for i, p in enumerate(prompts)
     ]
     results, gen_s = phase(dev, lambda: generate_all(engine, reqs))
@@ -142,20 +162,28 @@ def main() -> None:
     engine_model = copy.deepcopy(master).to(torch.bfloat16) if gpu else master
     gen = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.shape]["vocab_size"]
-    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 128, (args.prompts,), generator=gen)]
+    prompts = [
+        torch.randint(3, vocab, (int(n),), generator=gen).tolist()
+        for n in torch.randint(8, 128, (args.prompts,), generator=gen)
+    ]
     row = {m: run_mode(args, master, engine_model, prompts, m == "exact") for m in ("default", "exact")}
     row["exact_over_default"] = {
         k: row["exact"][k] / row["default"][k] for k in ("generation_s", "logprobs_s", "train_fwd_bwd_s")
     }
     row["setup"] = {
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": args.prompts,
-        "n": args.n, "new_tokens": args.new_tokens, "engine_dtype": "bf16" if gpu else "fp32",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "prompts": args.prompts,
+        "n": args.n,
+        "new_tokens": args.new_tokens,
+        "engine_dtype": "bf16" if gpu else "fp32",
     }
     print(json.dumps(row, indent=2))
-    out = Path(os.environ["OUT"]) / "exact_mode.json" if os.environ.get("OUT") else (
-        ROOT / "bench" / "results" / "exact_mode.json"
+    out = (
+        Path(os.environ["OUT"]) / "exact_mode.json"
+        if os.environ.get("OUT")
+        else (ROOT / "bench" / "results" / "exact_mode.json")
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.is_file() else {}

@@ -151,7 +151,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if self.exact and self.engine != "native":
-            raise invalid("exact", self.exact, f"false with engine {self.engine!r} (exact mode needs 'native')")
+            raise invalid(
+                "exact", self.exact, f"false with engine {self.engine!r} (exact mode needs 'native')"
+            )
         if not 0.0 <= self.vllm_gpu_util < 1.0:
             raise invalid(
                 "vllm_gpu_util", self.vllm_gpu_util, "a fraction of the GPU's memory in (0, 1), or 0"

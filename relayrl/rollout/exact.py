@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from relayrl.rollout.native_model import DecoderRunner
 
+
 def row_block(device: torch.device) -> int:
     """Rows per GEMM: 16 on a CPU (MKL's fp32 kernels agree for every block of >= 12 rows), 64 on a GPU."""
     return 64 if device.type == "cuda" else 16
@@ -93,11 +94,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _row_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [n, rows, c] -> [n * ceil(rows / block), block, c], the rows zero-padded to whole blocks."""
-    n, rows, c = x.shape
+    _, rows, c = x.shape
     return F.pad(x, (0, 0, 0, (-rows) % block)).view(-1, block, c)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [R, Qn, H, D] (query positions q_pos [R, Qn]) over k/v [R, Hkv, L, D] (key j at position j; keys after
     a query's position are masked) -> [R, Qn, H, D] in q's dtype. See the module doc for the fixed order: the
     two products are batched GEMMs of fixed shape ([row_block, D] x [D, key_block], [row_block, key_block] x
@@ -185,7 +188,7 @@ class ExactRunner(DecoderRunner):
         scaling = float(getattr(rot, "attention_scaling", 1.0))
         self.cos32, self.sin32 = emb.cos() * scaling, emb.sin() * scaling
 
-    def _w(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _w(self, module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         lin = cast(torch.nn.Linear, module)
         return lin.weight, lin.bias
 
@@ -228,7 +231,16 @@ class ExactRunner(DecoderRunner):
         return linear(h, *self._w(self.model.lm_head))
 
     # ---- engine side (DecoderRunner's interface) ---------------------------------------------------------
-    def prefill(self, ids, last, k_cache, v_cache, slot_idx, row_idx):  # noqa: ANN001 - DecoderRunner's
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        last: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_idx: torch.Tensor,
+        row_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """DecoderRunner.prefill through the batch-invariant ops."""
         b, t = ids.shape
         pos = torch.arange(t, device=ids.device).expand(b, t)
 
@@ -240,7 +252,16 @@ class ExactRunner(DecoderRunner):
         h = self._stack(ids, pos, kv)
         return self._head(h[torch.arange(b, device=ids.device), last])
 
-    def extend(self, ids, start, lengths, k_cache, v_cache, slots):  # noqa: ANN001 - DecoderRunner's
+    def extend(
+        self,
+        ids: torch.Tensor,
+        start: list[int],
+        lengths: list[int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: list[int],
+    ) -> torch.Tensor:
+        """DecoderRunner.extend (prefix cache) through the batch-invariant ops."""
         b, t = ids.shape
         dev = ids.device
         start_t, slot_t = torch.tensor(start, device=dev), torch.tensor(slots, device=dev)
@@ -258,7 +279,16 @@ class ExactRunner(DecoderRunner):
         last = torch.tensor([n - 1 for n in lengths], device=dev)
         return self._head(h[torch.arange(b, device=dev), last])
 
-    def decode(self, tok, pos, k_cache, v_cache, kv_len, rows):  # noqa: ANN001 - DecoderRunner's
+    def decode(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_len: int,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """DecoderRunner.decode through the batch-invariant ops (static shapes: CUDA-graph capturable)."""
         bs = tok.shape[0]
         slot = rows[:, None]
 
@@ -295,7 +325,9 @@ class ExactRunner(DecoderRunner):
         # chunks of rows (whole row blocks), each recomputed in backward: no [N, V] logits kept for autograd
         chunk = max(1, CHUNK_ELEMENTS // self.vocab_size // row_block(h.device)) * row_block(h.device)
         parts = [
-            _maybe_checkpoint(self._chunk_logprobs, hs[i : i + chunk], targets[i : i + chunk], temperature, entropy)
+            _maybe_checkpoint(
+                self._chunk_logprobs, hs[i : i + chunk], targets[i : i + chunk], temperature, entropy
+            )
             for i in range(0, hs.shape[0], chunk)
         ]
         lp = torch.cat([p[0] for p in parts])

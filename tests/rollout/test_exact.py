@@ -47,10 +47,13 @@ def _trainer_logprobs(model, prompts, results, layout, temperature=1.0):
 @pytest.mark.parametrize(
     ("dtype", "temperature"), [(torch.float32, 1.0), (torch.bfloat16, 0.7)], ids=["fp32-T1", "bf16-T0.7"]
 )
-def test_engine_logprobs_equal_the_trainers_bit_for_bit(lively_model, tiny_tokenizer, prompts, dtype, temperature):
+def test_engine_logprobs_equal_the_trainers_bit_for_bit(
+    lively_model, tiny_tokenizer, prompts, dtype, temperature
+):
     model = lively_model.to(dtype)
-    everything = _generate(model, tiny_tokenizer, prompts, [0, 1, 2, 3, 4], exact=True, slots=16,
-                           temperature=temperature)
+    everything = _generate(
+        model, tiny_tokenizer, prompts, [0, 1, 2, 3, 4], exact=True, slots=16, temperature=temperature
+    )
     engine_lps, trainer_lps = _trainer_logprobs(model, prompts, everything, "exact", temperature)
     for e, t in zip(engine_lps, trainer_lps, strict=True):
         assert torch.equal(e, t)
@@ -58,7 +61,9 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(lively_model, tiny_token
     few = _generate(model, tiny_tokenizer, prompts, [3, 1], exact=True, slots=4, temperature=temperature)
     for i, res in few.items():
         for a, b in zip(everything[i].completions, res.completions, strict=True):
-            assert a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+            assert a.token_ids == b.token_ids and torch.equal(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs)
+            )
     # the trainer's micro-batching does not matter either: one sequence alone gives the same values
     _, alone = _trainer_logprobs(model, prompts, {3: few[3]}, "exact", temperature)
     assert torch.equal(alone[0], trainer_lps[3 * 3])
