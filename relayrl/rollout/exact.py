@@ -47,6 +47,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from relayrl.rollout.native_model import DecoderRunner
 
@@ -151,6 +152,18 @@ def token_logprobs(
     return lp, (-(logp.exp() * logp).sum(-1) if entropy else None)
 
 
+def _inv_freq(rot: Any) -> torch.Tensor:
+    """The rotary frequencies in fp32 recomputed from the config as HF's module does at init: its inv_freq
+    buffer is cast with the model (a bf16 engine copy holds bf16-rounded frequencies, its fp32 master not)."""
+    init = getattr(rot, "compute_default_rope_parameters", None)
+    rope_type = getattr(rot, "rope_type", "default")
+    if rope_type != "default":
+        init = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if init is None or getattr(rot, "config", None) is None:
+        return rot.inv_freq.float()
+    return init(rot.config)[0].float()
+
+
 CHUNK_ELEMENTS = 2**24
 """fp32 logits per chunk of the trainer's log-prob head (as relayrl.models.logprobs)."""
 
@@ -181,8 +194,8 @@ class ExactRunner(DecoderRunner):
                     f"exact mode: layer {li} has projections that are not plain nn.Linear (LoRA?) or a non-"
                     "gated MLP; exact mode supports plain Llama/Qwen-layout models (merge LoRA or turn it off)"
                 )
+        inv_freq = _inv_freq(self.body.rotary_emb).to(self.device)
         rot = self.body.rotary_emb
-        inv_freq = rot.inv_freq.float().to(self.device)
         freqs = torch.arange(max_len, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = float(getattr(rot, "attention_scaling", 1.0))
@@ -205,10 +218,16 @@ class ExactRunner(DecoderRunner):
         return (xf * cos + rot * sin).to(x.dtype)
 
     def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
-        """Final-normed hidden states [R, Qn, hidden] of tokens ids [R, Qn] at positions pos [R, Qn]."""
+        """Final-normed hidden states [R, Qn, hidden] of tokens ids [R, Qn] at positions pos [R, Qn]. Every
+        dtype is explicit (the compute dtype, fp32 in attention), so autocast is off inside: it would turn the
+        trainer's fp32 attention products into bf16 ones the engine does not run."""
         emb = self.body.embed_tokens.weight
         x = F.embedding(ids, emb).to(compute_dtype(emb))
-        r, qn = ids.shape
+        with torch.autocast(self.device.type, enabled=False):
+            return self._layers(x, pos, kv)
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
+        r, qn = pos.shape
         for li, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._norm(layer.input_layernorm, x)

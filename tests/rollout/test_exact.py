@@ -5,6 +5,8 @@ them in; with the mode off they differ (so these tests can fail)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -115,3 +117,14 @@ def test_exact_training_forward_has_the_true_gradient(lively_model):
     torch.testing.assert_close(grads["exact"][0], grads["padded"][0], rtol=0, atol=1e-4)
     for a, b in zip(grads["exact"][1], grads["padded"][1], strict=True):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_bf16_engine_copy_equals_fp32_master_under_autocast(lively_model, tiny_tokenizer, prompts):
+    """The RL trainer's GPU setup, on the CPU: the engine samples from a bf16 copy of the weights, the trainer
+    recomputes with the fp32 master weights under bf16 autocast. Bit-equal all the same."""
+    engine_model = copy.deepcopy(lively_model).to(torch.bfloat16)
+    results = _generate(engine_model, tiny_tokenizer, prompts, [0, 1, 2, 3, 4], exact=True, slots=16)
+    with torch.autocast("cpu", torch.bfloat16):
+        engine_lps, trainer_lps = _trainer_logprobs(lively_model, prompts, results, "exact")
+    for e, t in zip(engine_lps, trainer_lps, strict=True):
+        assert torch.equal(e, t)
