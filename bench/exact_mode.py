@@ -11,7 +11,8 @@ each timed after a warm-up run (CUDA synchronised):
                max_new_tokens), seconds and generated tokens/s
   logprobs     the trainer's no-grad log-prob pass over every sequence (micro-batches of --micro-seqs)
   train        forward + backward of the same pass with entropy (the update's forward)
-Mismatch over the sampled tokens: mean / max |engine - trainer| log-prob, the share of tokens bit-equal and
+(CPU: process CPU seconds, the best of two runs after a warm-up; GPU: wall seconds likewise.) Mismatch over
+the sampled tokens: mean / max |engine - trainer| log-prob, the share of tokens bit-equal and
 the share of sequences whose ratio exp(sum diff) is outside [0.5, 2]. Writes $OUT/exact_mode.json when OUT
 is set, else bench/results/exact_mode.json (one entry per device/shape, updated in place).
 """
@@ -73,16 +74,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def phase(device: str, fn, repeats: int = 2):
-    """(result of the last run, seconds of the last run): the first runs are warm-up."""
-    out, secs = None, 0.0
-    for _ in range(repeats):
+def phase(device: str, fn, repeats: int = 3):
+    """(result, seconds): after a warm-up run, the fastest of the others; on a CPU process CPU seconds (a
+    shared CPU's wall time is mostly other processes' load), on a GPU wall seconds."""
+    out, best = None, float("inf")
+    for i in range(repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         _sync(device)
-        secs = time.perf_counter() - t0
-    return out, secs
+        secs = time.perf_counter() - t0 if device == "cuda" else time.process_time() - c0
+        best = min(best, secs) if i else best
+    return out, best
 
 
 def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, prompts, exact: bool) -> dict:
