@@ -154,7 +154,8 @@ def shard_model(
             lin.group = group
     rot = shard.model.rotary_emb
     if any(b.is_meta for b in rot.buffers()):  # a meta model: rebuild the rotary tables for real
-        shard.model.rotary_emb = type(rot)(config=scfg, device=device)
+        with torch.device(device or "cpu"):
+            shard.model.rotary_emb = type(rot)(config=scfg)
     shard.eval()
     return shard
 
