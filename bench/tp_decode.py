@@ -162,7 +162,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes (default 1, 2, 4, ... <= world)")
+    ap.add_argument(
+        "--tp", type=int, nargs="+", default=None, help="TP sizes (default 1, 2, 4, ... <= world)"
+    )
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -191,7 +193,9 @@ def main() -> None:
             "args": vars(args),
             "rows": rows,
         }
-        print(f"{'tp':>3} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8} {'graphs':>6} {'peak GiB':>8}")
+        print(
+            f"{'tp':>3} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8} {'graphs':>6} {'peak GiB':>8}"
+        )
         for r in rows:
             assert r is not None
             speed = r["tok_s"] / base["tok_s"] if base else float("nan")

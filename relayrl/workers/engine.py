@@ -36,7 +36,7 @@ from relayrl.agents.base import AgentExecutorBase, Trajectory
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
-from relayrl.distributed.group import merged, my_share, rank
+from relayrl.distributed.group import merged, my_share, rank, shares
 from relayrl.distributed.weights.base import Channel, Layout, WeightReceiver
 from relayrl.distributed.weights.broadcast import ModuleReceiver
 from relayrl.distributed.weights.vllm import VLLMReceiver
@@ -62,11 +62,19 @@ def sampling_params(rollout: RolloutConfig, evaluation: EvalConfig, *, eval: boo
 
 
 def generate_share(
-    executor: AgentExecutorBase, base: SamplingParams, samples: list[PromptSample], seed: int, budget: int
+    executor: AgentExecutorBase,
+    base: SamplingParams,
+    samples: list[PromptSample],
+    seed: int,
+    budget: int,
+    share: tuple[int, int] | None = None,
 ) -> list[Trajectory]:
     """This rank's contiguous share of `samples` (balanced by prompt + `budget` tokens), n trajectories per
-    prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume)."""
-    mine = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
+    prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume).
+    `share` (index, parts): share `index` of `parts` instead of this rank's of all ranks (TP engine groups)."""
+    weights = [len(s.prompt_ids) + budget for s in samples]
+    part = my_share(weights) if share is None else shares(weights, share[1])[share[0]]
+    mine = [samples[i] for i in part]
 
     async def run() -> list[list[Trajectory]]:
         jobs = [

@@ -94,8 +94,8 @@ def test_num_engines_needs_ray_mode(tiny_model_path, tmp_path):
 @pytest.mark.parametrize(
     "engine, engines, match",
     [
-        ("native", 2, r"dist\.engine_tp=2: .* rollout\.engine vllm \(got 'native'\)"),
-        ("vllm", 0, r"dist\.engine_tp=2: .*dist\.num_engines > 0, got 0"),
+        ("native", 2, r"dist\.engine_tp=2 with separate engines .* rollout\.engine vllm \(got 'native'\)"),
+        ("vllm", 0, r"dist\.engine_tp=2 \(colocated\) needs rollout\.engine native \(got 'vllm'\)"),
     ],
 )
 def test_engine_tp_needs_separate_vllm_engines(tiny_model_path, tmp_path, engine, engines, match):
