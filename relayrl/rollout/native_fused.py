@@ -14,8 +14,11 @@ separately, no second copy.
     gate_up_weight(mlp) -> weight [2 I, hidden] or None
 
 Only plain `nn.Linear` projections without hooks are fused (LoRA-wrapped or hooked ones are left alone), and
-only when they do not train (`requires_grad` False: an engine's own copy, LocalWeights' copy / gather, a
-tensor-parallel shard): a trained module is never re-laid out under its optimizer.
+only in a model none of whose parameters train (`requires_grad` False everywhere: an engine's own copy,
+LocalWeights' copy / gather, a tensor-parallel shard, a frozen model loaded to generate or serve). A module
+that trains, even partly (a LoRA model's frozen base), is never re-laid out: views of one buffer share a
+storage, which `save_pretrained` would take for tied weights, and an optimizer or a device move that rebinds
+`param.data` would leave the fused buffer stale.
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ def _plain(modules: Sequence[object]) -> bool:
     return all(
         type(m) is torch.nn.Linear
         and not (m._forward_hooks or m._forward_pre_hooks)
-        and not m.weight.requires_grad
-        and (m.bias is None or not m.bias.requires_grad)
         for m in modules
     )
 
@@ -60,7 +61,10 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
 
 def fuse_projections(model: torch.nn.Module) -> int:
     """Fuse every decoder layer's q/k/v (when their biases are all present or all absent) and gate/up (no
-    biases) projections of a Llama-layout HF model (module doc); returns the layers fused."""
+    biases) projections of a Llama-layout HF model whose parameters are all frozen (module doc); returns the
+    layers whose q/k/v were fused."""
+    if any(p.requires_grad for p in model.parameters()):
+        return 0
     body = getattr(model, "model", None)
     layers = getattr(body, "layers", None) or []
     fused = 0

@@ -20,6 +20,10 @@ SiLU MLP by three of them with the product in place; anything else (LoRA layers,
         same as 4-D SDPA; math, CPU's default: baddbmm with the scale and mask fused, softmax, bmm).
         Static shapes for fixed (bs, kv_len), so the caller can capture it in a CUDA graph.
 
+Weights that do not train (an engine's own copy, a tensor-parallel shard) get fused q/k/v and gate/up
+projections: one GEMM each, over buffers the parameters are views of (native_fused.py); a module that is not a
+plain Linear (rollout/native_tp.py's row-parallel o_proj / down_proj, which all-reduce) is called as it is.
+
 Supported: decoder-only models laid out like Llama (model.model.{embed_tokens, layers, norm, rotary_emb},
 model.lm_head) with default or scaled rotary (the HF module's own inv_freq and attention_scaling are used)
 and no active sliding window: model types in SUPPORTED_MODEL_TYPES. Others raise an error naming the type

@@ -44,6 +44,9 @@ def test_fused_projections_compute_what_separate_ones_do(tiny_model):
 
 def test_fusion_rebinds_parameters_as_views_and_skips_trained_weights(tiny_model):
     assert fuse_projections(tiny_model) == 0  # requires_grad: a trained module is never re-laid out
+    partly = _frozen(tiny_model)
+    partly.lm_head.weight.requires_grad_(True)  # e.g. a LoRA model: its frozen base is not fused either
+    assert fuse_projections(partly) == 0 and gate_up_weight(partly.model.layers[0].mlp) is None
     model = _frozen(tiny_model)
     names = [n for n, _ in model.named_parameters()]
     assert fuse_projections(model) == 2
