@@ -35,11 +35,7 @@ FusedQKV = tuple[torch.Tensor, torch.Tensor | None, tuple[int, int, int]]
 
 
 def _plain(modules: Sequence[object]) -> bool:
-    return all(
-        type(m) is torch.nn.Linear
-        and not (m._forward_hooks or m._forward_pre_hooks)
-        for m in modules
-    )
+    return all(type(m) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in modules)
 
 
 @torch.no_grad()
