@@ -67,7 +67,7 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
-from relayrl.workers.engine import generate_share, sampling_params
+from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
 from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
@@ -213,16 +213,9 @@ class PolicyWorker:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
         budget = self.spec.rollout.max_new_tokens
-        if not isinstance(self.engine, TPNativeEngine):
-            return generate_share(self.executor, base, samples, seed, budget)
-        if not self.engine.is_leader:  # a TP follower runs its leader's rounds; the leader returns the share
-            self.engine.follow()
-            return []
-        tp = self.engine.tp_size
-        try:
-            return generate_share(self.executor, base, samples, seed, budget, (rank() // tp, world() // tp))
-        finally:
-            self.engine.release()
+        if isinstance(self.engine, TPNativeEngine):  # the block's leader generates, the others follow
+            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget)
+        return generate_share(self.executor, base, samples, seed, budget)
 
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")

@@ -324,11 +324,13 @@ def test_vllm_gpu_util_is_a_fraction():
 
 def test_engine_tp_needs_separate_engines_of_a_tensor_parallel_engine():
     """dist.engine_tp is read from the engine's declared capabilities (rollout/build.py), not its name:
-    separate engines need one with tensor_parallel (vllm); colocated, it is the native TP engine."""
+    separate engines need one with tensor_parallel (vllm, native); colocated, it is the native TP engine."""
     ray = ["--dist.mode", "ray", "--dist.num_engines", "1", "--dist.engine_tp", "2"]
-    for engine in ("native", "hf"):  # separate engines of one GPU
-        with pytest.raises(ConfigError, match=r"dist\.engine_tp=2 with separate engines .* needs rollout"):
-            validate_rl(parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", engine]))
+    with pytest.raises(
+        ConfigError, match=r"engine_tp=2 with separate engines .* vllm or native \(got 'hf'\)"
+    ):
+        validate_rl(parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", "hf"]))
+    assert validate_rl(parse_cli(RLConfig, [*BASE, *ray])).dist.engine_tp == 2  # native TP engine actors
     with pytest.raises(
         ConfigError, match=r"engine_tp=2 \(colocated\) needs rollout.engine native \(got 'vllm'\)"
     ):

@@ -17,6 +17,11 @@ buffers (rollout/native_fused.py), so the copy refreshes the fused GEMMs too and
 
 Every rank of the trainer's group calls `refresh` and `max_abs_diff` (collectives), whatever its TP group.
 The TP group (`group`) is this rank's engine group: consecutive ranks of the trainer's group (`tp_groups`).
+
+Separate TP engines (`TensorParallelReceiver`): each engine actor is one shard (the engine role has
+num_engines x tp ranks, blocks of tp consecutive ranks forming an engine); each joins the broadcast group of
+broadcast.py as one receiver, takes every full tensor the policy's rank 0 sends, one at a time, and keeps
+its slice. The sender does not change.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from relayrl.distributed.fsdp import full_tensors
+from relayrl.distributed.weights.base import Channel, Layout
+from relayrl.distributed.weights.broadcast import WeightGroup, receive_named
 from relayrl.models.forward import hf_model
 from relayrl.rollout.base import RolloutEngine, paused
 from relayrl.rollout.native_tp import shard_model, tp_slice
@@ -113,3 +120,48 @@ class TensorParallelWeights:
         """max |shard slice - trainer's slice cast to the engine dtype| over every parameter of this rank."""
         diffs = (float((d - s).abs().max()) if d.numel() else 0.0 for s, d in self._slices(None))
         return max(diffs, default=0.0)
+
+
+class TensorParallelReceiver:
+    """A separate TP native engine's shard process in the broadcast group (a `WeightReceiver`, base.py): rank
+    1 + its engine-role rank (= 1 + engine x tp + shard, as `weight_ranks` counts), receiving each tensor of
+    the sender's layout in full, one at a time, and keeping its `tp_slice`, while the engine's rounds are
+    paused (every shard of the engine pauses between the same two rounds: rounds run in lock step)."""
+
+    def __init__(self, engine: RolloutEngine, shard: torch.nn.Module, engine_rank: int, group: Any) -> None:
+        self.engine, self.shard, self.rank = engine, shard, 1 + engine_rank
+        self.tp_rank, self.tp_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group: WeightGroup | None = None
+        self.sent: Layout = []
+
+    def layout(self) -> None:
+        """None: the sender's full-tensor layout is taken as it is (the shard holds slices of it)."""
+        return None
+
+    def join(self, channel: Channel, layout: Layout) -> None:
+        targets = dict(self.shard.named_parameters())
+        missing = [name for name, _, _ in layout if name not in targets]
+        if missing:
+            raise RuntimeError(
+                f"tensor-parallel engine: the sender's tensors {missing[:3]} have no shard here"
+            )
+        self.sent = layout
+        self.group = WeightGroup(
+            channel.address,
+            channel.port,
+            rank=self.rank,
+            world=channel.world,
+            backend=channel.backend,
+            timeout_s=channel.timeout_s,
+        )
+
+    @torch.no_grad()
+    def receive(self, version: int) -> None:
+        if self.group is None:
+            raise RuntimeError("TensorParallelReceiver.receive before join")
+        targets = {n: p.data for n, p in self.shard.named_parameters()}
+        device = next(iter(targets.values())).device
+        with paused(self.engine):
+            for name, full in receive_named(self.group, self.sent, device):
+                targets[name].copy_(tp_slice(name, full, self.tp_rank, self.tp_size))
+            self.engine.load_weights(None, version=version)

@@ -98,12 +98,12 @@ def _check_engines(cfg: RLConfig) -> None:
         )
         if why:
             raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
-    tp, d = cfg.dist.engine_tp, cfg.dist
+    tp, d, caps = cfg.dist.engine_tp, cfg.dist, engine_capabilities(cfg.rollout.engine)
     if tp > 1 and d.num_engines == 0:  # colocated: blocks of tp policy ranks run one TP native engine
         ranks = d.ranks("policy")
         why = (
             f"needs rollout.engine native (got {cfg.rollout.engine!r})"
-            if cfg.rollout.engine != "native"
+            if not caps.tensor_parallel or caps.own_weights
             else f"must divide the policy's {ranks} ranks (dist.mode ray, policy_num_nodes x policy_num_gpus_per_node)"
             if d.mode != "ray" or ranks % tp
             else "does not take LoRA (the TP shards hold plain weights); merge first or use 1"
@@ -114,11 +114,10 @@ def _check_engines(cfg: RLConfig) -> None:
         )
         if why:
             raise ConfigError(f"dist.engine_tp={tp} (colocated) {why}", field="dist.engine_tp")
-    elif tp > 1 and not engine_capabilities(cfg.rollout.engine).tensor_parallel:
+    elif tp > 1 and not caps.tensor_parallel:
         raise ConfigError(
-            f"dist.engine_tp={tp} with separate engines (dist.num_engines={d.num_engines}) needs rollout.engine "
-            f"vllm (got {cfg.rollout.engine!r}); a tensor-parallel native engine runs colocated with the policy "
-            "(dist.num_engines 0)",
+            f"dist.engine_tp={tp} with separate engines (dist.num_engines={d.num_engines}) needs an engine with "
+            f"tensor parallelism, rollout.engine vllm or native (got {cfg.rollout.engine!r})",
             field="dist.engine_tp",
         )
 
