@@ -22,7 +22,11 @@ full replica (a cast-copy, or FSDP all-gathers across its ranks) and its rank 0 
   process per GPU): the actor holds no model of its own (the engine loads the policy's folder itself), and each
   worker enters the weight group itself, as rank 1 + engine rank x engine_tp + its tp rank, receiving the
   broadcast straight into its model's loader (`VLLMReceiver`). The weight group then has 1 + num_engines x
-  engine_tp ranks (`weight_ranks`).
+  engine_tp ranks (`weight_ranks`);
+- a tensor-parallel native engine (`dist.engine_tp` > 1, rollout.engine native): the role has num_engines x
+  engine_tp actors of one GPU, each block of engine_tp consecutive actors one engine (rollout/native_tp.py);
+  each actor holds its shard, receives every broadcast tensor and keeps its slice (`TensorParallelReceiver`),
+  and its block's first actor generates the engine's share (`generate_tp_share`) while the others follow.
 """
 
 from __future__ import annotations

@@ -29,11 +29,9 @@ One file per transport:
     tensor_parallel.py  TensorParallelWeights, same process: each rank's engine holds a TP shard
                   (rollout/native_tp.py); `refresh` all-gathers one parameter at a time from the FSDP shards
                   and keeps this rank's slice (`tp_slice`: column-parallel weights split their rows,
-                  row-parallel ones their columns)
-
-A separate TP native engine would plug in as one more receiver beside vllm.py's: each shard's process joins
-the group as rank 1 + engine x tp + shard (`weight_ranks` already counts them, as for vLLM's workers) and
-keeps only its `tp_slice` of each broadcast tensor, loading it under the engine's pause (not built yet).
+                  row-parallel ones their columns). TensorParallelReceiver: a separate TP native engine's
+                  shard actor in broadcast.py's group (rank 1 + engine x tp + shard, as `weight_ranks`
+                  counts), keeping its slice of each broadcast tensor; the sender does not change.
 """
 
 from __future__ import annotations
