@@ -15,11 +15,13 @@ ignored (every sample runs the full length), so the decode batch is --batch slot
 One full warm-up round, then --rounds timed rounds (median reported). Per TP size:
     tok_s            generated tokens / wall time of a round (prefill included)
     ms_per_step      (round - a prefill-only round [--new-tokens 1]) / (new_tokens - 1) decode steps
-    startup_s        TPNativeEngine construction (KV cache, CUDA graph capture; NCCL communicator)
+    startup_s        engine construction (KV cache, CUDA graph capture; NCCL communicator); TP 1 runs the
+                     plain NativeEngine over a 1-way "shard" (the same weights, no collectives)
     shard_s          building the shard's weights on the GPU (not a checkpoint load: random init)
     graphs / eager   CUDA graphs captured / keys whose capture failed (run eagerly)
     peak_gib         peak GPU memory of rank 0
-Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) and prints a table.
+A last row runs TP 1 with unfused projections (q/k/v and gate/up as separate GEMMs): the fused projections'
+gain (--no-unfused skips it). Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) and prints a table.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relayrl.rollout.base import GenerationRequest, SamplingParams, generate_all
+from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.native_tp import TPNativeEngine, shard_model
 
 SHAPES = {
@@ -64,8 +68,6 @@ SHAPES = {
 
 
 def build_shard(shape: str, tp: int, rank: int, group, device: torch.device, dtype: torch.dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
@@ -92,12 +94,16 @@ def requests(args, new_tokens: int) -> list[GenerationRequest]:
     ]
 
 
-def timed_round(engine: TPNativeEngine, reqs: list[GenerationRequest] | None, device: torch.device) -> float:
-    """Leader: one round of `reqs` (then release the followers); follower: follow it. Wall seconds."""
+def timed_round(engine: NativeEngine, reqs: list[GenerationRequest] | None, device: torch.device) -> float:
+    """Leader (or a TP = 1 engine): one round of `reqs` (then release the followers); follower: follow it.
+    Wall seconds."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    if engine.is_leader:
+    if not isinstance(engine, TPNativeEngine):
+        assert reqs is not None
+        generate_all(engine, reqs)
+    elif engine.is_leader:
         assert reqs is not None
         generate_all(engine, reqs)
         engine.release()
@@ -107,7 +113,9 @@ def timed_round(engine: TPNativeEngine, reqs: list[GenerationRequest] | None, de
     return time.perf_counter() - t0
 
 
-def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype) -> dict | None:
+def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool = True) -> dict | None:
+    """One row: TP size `tp` over ranks [0, tp) (tp 1: the plain NativeEngine, no collectives); `fused`
+    False keeps the projections separate (the shard's parameters left trainable, which fusion skips)."""
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))  # every rank creates it (torch.distributed's rule)
     out = None
@@ -119,19 +127,21 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype) -> dict | No
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         shard_s = time.perf_counter() - t0
+        if not fused:
+            shard.requires_grad_(True)
+        dist.barrier(group)  # start-up without the ranks' skew
         t0 = time.perf_counter()
-        engine = TPNativeEngine(
-            shard,
-            group=group,
+        opts = dict(
             max_slots=args.batch,
             max_seq_len=args.prompt_len + args.new_tokens,
             max_prefill_tokens=args.prefill_tokens,
             eos_token_id=[],
             seed=0,
         )
+        engine = TPNativeEngine(shard, group=group, **opts) if tp > 1 else NativeEngine(shard, **opts)
         startup_s = time.perf_counter() - t0
         full, prefill = requests(args, args.new_tokens), requests(args, 1)
-        lead = engine.is_leader
+        lead = rank == 0
         timed_round(engine, full if lead else None, device)  # warm-up: one full-size round
         pre = [timed_round(engine, prefill if lead else None, device) for _ in range(args.rounds)]
         rounds = [timed_round(engine, full if lead else None, device) for _ in range(args.rounds)]
@@ -139,6 +149,7 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype) -> dict | No
         graphs = engine.graphs.graphs if engine.graphs is not None else {}
         out = {
             "tp": tp,
+            "fused": fused,
             "tok_s": args.batch * args.new_tokens / t,
             "round_s": rounds,
             "prefill_round_s": pre,
@@ -170,6 +181,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
+    ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
     args = ap.parse_args()
     world_rank = int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
@@ -184,8 +196,10 @@ def main() -> None:
     world = dist.get_world_size()
     sizes = args.tp or [t for t in (1, 2, 4, 8) if t <= world]
     rows = [run_tp(args, tp, device, dtype) for tp in sizes]
+    if 1 in sizes and not args.no_unfused:  # the fused projections' gain, at TP = 1
+        rows.append(run_tp(args, 1, device, dtype, fused=False))
     if world_rank == 0:
-        base = next((r for r in rows if r and r["tp"] == 1), None)
+        base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
         result = {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -193,14 +207,15 @@ def main() -> None:
             "args": vars(args),
             "rows": rows,
         }
-        print(
-            f"{'tp':>3} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8} {'graphs':>6} {'peak GiB':>8}"
+        head = (
+            f"{'tp':>3} {'fused':>5} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8} {'graphs':>6}"
         )
+        print(f"{head} {'peak GiB':>8}")
         for r in rows:
             assert r is not None
             speed = r["tok_s"] / base["tok_s"] if base else float("nan")
             print(
-                f"{r['tp']:>3} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} {speed:>6.2f} {r['startup_s']:>8.2f} "
+                f"{r['tp']:>3} {r['fused']!s:>5} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} {speed:>6.2f} {r['startup_s']:>8.2f} "
                 f"{r['graphs']:>6} {r['peak_gib']:>8.1f}"
             )
         folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")

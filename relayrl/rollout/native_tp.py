@@ -142,7 +142,7 @@ def shard_model(
     for lin in shard.modules():
         if isinstance(lin, torch.nn.Linear):  # the sliced shapes
             lin.out_features, lin.in_features = lin.weight.shape
-    for layer in shard.model.layers:
+    for layer in shard.model.layers if size > 1 else []:  # one rank: nothing to reduce
         for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             lin = getattr(owner, name)
             if type(lin) is not torch.nn.Linear:
