@@ -86,9 +86,11 @@ class DistConfig:
     CPUs) after every step. 0: each policy rank runs its own engine on its GPU (colocated). Engine native, hf
     or vllm."""
     engine_tp: int = 1
-    """relayrl rl: GPUs of each separate engine (tensor parallelism inside the engine, OpenRLHF's
-    --vllm_tensor_parallel_size): > 1 needs dist.num_engines > 0 and rollout.engine vllm (vLLM shards the
-    model over the engine actor's GPUs; each of its workers receives the broadcast weights)."""
+    """relayrl rl: GPUs of each rollout engine (tensor parallelism inside the engine, OpenRLHF's
+    --vllm_tensor_parallel_size). Separate engines (dist.num_engines > 0): rollout.engine vllm shards the model
+    over the engine actor's GPUs. Colocated (dist.num_engines 0, rollout.engine native): each block of
+    engine_tp consecutive policy ranks runs one tensor-parallel native engine, each rank holding 1/engine_tp of
+    its weights, refreshed from the FSDP shards after every step (docs/rollout.md)."""
     colocate_policy_ref: bool = False
     """relayrl rl: reference ranks share the policy's GPUs (same sizes required), as OpenRLHF's
     --colocate_actor_ref."""
