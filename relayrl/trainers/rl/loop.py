@@ -136,7 +136,11 @@ class RLTrainer:
         self.rollouts = build_rollout_strategy(cfg.train, cfg.rollout)
         """Sync, or async (the next steps' rollout overlaps this step's update): chosen here, once."""
         self.roles = build_roles(
-            cfg, cfg.train.max_steps, concurrency=self.rollouts.concurrency, overlaps=self.rollouts.overlaps
+            cfg,
+            cfg.train.max_steps,
+            concurrency=self.rollouts.concurrency,
+            overlaps=self.rollouts.overlaps,
+            run_dir=self.run_dir,
         )
         self.rollout = RolloutPhase(
             generator=self.roles.generator,

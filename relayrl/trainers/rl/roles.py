@@ -17,6 +17,7 @@ Each role gets the component configs it reads (relayrl/workers/*Spec); the launc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
@@ -80,11 +81,17 @@ def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int) -> dict[str, int]:
 
 
 def build_roles(
-    cfg: ResolvedRL, total_steps: int, *, concurrency: dict[str, int] | None = None, overlaps: bool = False
+    cfg: ResolvedRL,
+    total_steps: int,
+    *,
+    concurrency: dict[str, int] | None = None,
+    overlaps: bool = False,
+    run_dir: Path | None = None,
 ) -> Roles:
     """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
     the component configs it reads. `concurrency` / `overlaps`: the rollout strategy's
-    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates."""
+    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates.
+    `run_dir`: where the stall watchdog writes stacks (<run_dir>/stacks)."""
     algo = cfg.algo
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
     d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
@@ -104,7 +111,7 @@ def build_roles(
         **run,
     )
     sizes = _sizes(cfg, algo, d_engines)
-    launcher = build_launcher(cfg.dist, sizes)
+    launcher = build_launcher(cfg.dist, sizes, run_dir)
     launcher.concurrency.update(concurrency or {})
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)
