@@ -125,10 +125,10 @@ def gather(
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
         if not ready:
             running = sorted(index[r] for r in pending)
-            if first_done is None and stall_at is not None and time.monotonic() >= stall_at:
-                raise _stalled(role, method, running, hosts, len(refs), stall_s)
             if failed:
                 raise _blame(role, method, failed, running, hosts, len(refs))
+            if first_done is None:  # nothing done, nothing failed: only the stall deadline can have passed
+                raise _stalled(role, method, running, hosts, len(refs), stall_s)
             raise RoleError(
                 f"{role}.{method}: ranks {running} of {len(refs)} still running {timeout_s:.0f} s after the "
                 f"others finished (a peer stuck or dead; dist.timeout_s bounds this): "
