@@ -137,3 +137,19 @@ LocalLauncher(1.0, Path({str(tmp_path)!r})).spawn("critic", W).call(W.update)
 def test_stall_timeout_is_validated(bad):
     with pytest.raises(ConfigError, match="stall_timeout_s"):
         DistConfig(stall_timeout_s=bad)
+
+
+class Hog:
+    def update(self) -> None:
+        torch.empty(2**50, dtype=torch.uint8, device="cuda")  # 1 PiB: more than any GPU holds
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_cuda_oom_is_one_line_with_the_devices_memory_figures():
+    with pytest.raises(OutOfMemory) as err:
+        LocalLauncher().spawn("policy", Hog).call(Hog.update)
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith("policy rank 0 ran out of GPU memory in update (Hog.update): tried to allocate "), msg
+    assert "cuda:0 allocated " in msg and " reserved " in msg and " peak " in msg and " free " in msg, msg
