@@ -40,18 +40,24 @@ if [ "${#LINES[@]}" -eq 0 ]; then
 fi
 
 # ---------------------------------------------------------------- environment
-$PY -m venv --system-site-packages "$WORK/venv"
-# the venv also sees $PY's own packages when $PY is itself a venv / conda python (a .pth file)
+$PY -m venv --without-pip --system-site-packages "$WORK/venv"
+# the venv also sees $PY's own packages when $PY is itself a venv / conda python (a .pth file), and uses $PY's pip
+# and setuptools (a venv's bundled setuptools may be too old to build relayrl without build isolation)
 $PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"]); print(sysconfig.get_paths()["platlib"])' \
     > "$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_outer.pth"
+printf '#!/bin/sh\nexec "%s" -m pip "$@"\n' "$WORK/venv/bin/python" > "$WORK/venv/bin/pip"
+chmod +x "$WORK/venv/bin/pip"
 # shellcheck disable=SC1091
 source "$WORK/venv/bin/activate"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
 HAS_VLLM=0
 python -c 'import vllm' > /dev/null 2>&1 && HAS_VLLM=1
 ONLINE=0
-[ "${QUICKSTART_OFFLINE:-0}" = 1 ] || timeout 10 python -c 'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=8)' \
-    > /dev/null 2>&1 && ONLINE=1
+if [ "${QUICKSTART_OFFLINE:-0}" != 1 ] &&
+    timeout 10 python -c 'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=8)' \
+        > /dev/null 2>&1; then
+    ONLINE=1
+fi
 say "vllm importable: $HAS_VLLM; PyPI reachable: $ONLINE; work folder $WORK"
 rm -rf runs/gpu-native runs/gpu-vllm  # fresh runs (a finished run folder would be "already complete")
 
@@ -103,17 +109,46 @@ for line in "${LINES[@]}"; do
         eval "${cmd%%&*}" > "$OUT/$n.log" 2>&1 &
         SERVER_PID=$!
         rc=0
+    elif [[ "$cmd" == curl* ]] && [ -n "$SERVER_PID" ]; then
+        timeout 200 bash -c "$cmd" > "$OUT/$n.log" 2>&1 & # its retries wait for the server, while it lives
+        client=$!
+        while kill -0 "$client" 2> /dev/null; do
+            if ! kill -0 "$SERVER_PID" 2> /dev/null; then
+                kill "$client" 2> /dev/null
+                note="the server exited (see $((n - 1)).log)"
+                break
+            fi
+            sleep 1
+        done
+        wait "$client"
+        rc=$?
     else
         timeout 200 bash -c "$cmd" > "$OUT/$n.log" 2>&1
         rc=$?
+    fi
+    if [[ "$cmd" == curl* ]]; then
+        cp "$OUT/$n.log" "$OUT/server_reply.json"
+        python -c 'import json, sys; r = json.load(open(sys.argv[1])); assert r["choices"][0]["text"] is not None' \
+            "$OUT/server_reply.json" 2> /dev/null || { [ "$rc" != 0 ] || rc=1; note="$note; not a completion reply"; }
     fi
     secs=$(python -c "import time; print(round(time.time() - $t0, 1))")
     status=ok
     [ "$rc" = 0 ] || status=failed
     if [[ "$cmd" == pip\ install* ]] && [ "$rc" != 0 ]; then
-        note="$note; RESOLUTION FAILED (see $n.log): installed with --no-deps to run the other lines"
-        pip install -q --no-deps --no-index --no-build-isolation -e . >> "$OUT/$n.log" 2>&1 ||
-            note="$note; --no-deps install failed too"
+        # which part failed: do pyproject's ranges resolve against the installed packages (no build needed)?
+        python - "$HAS_VLLM" > "$WORK/reqs.txt" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + (project["optional-dependencies"]["vllm"] if sys.argv[1] == "1" else [])))
+EOF
+        if pip install --dry-run --no-index${WHEELS:+ --find-links $ROOT/$WHEELS} -r "$WORK/reqs.txt" \
+            > "$OUT/$n.resolve.log" 2>&1; then
+            note="$note; the dependency ranges resolve against the installed packages, the install itself failed"
+        else
+            note="$note; RESOLUTION FAILED against the installed packages ($n.resolve.log)"
+        fi
+        pip install -q --no-deps --no-index --no-build-isolation -e . >> "$OUT/$n.log" 2>&1 &&
+            note="$note; installed with --no-deps to run the other lines"
     fi
     if [[ "$cmd" == pip\ install* ]] && ! command -v relayrl > /dev/null; then
         printf '#!/bin/sh\nexec python -m relayrl.cli "$@"\n' > "$WORK/venv/bin/relayrl" # not installed: the checkout
@@ -121,7 +156,6 @@ for line in "${LINES[@]}"; do
         export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
         note="$note; relayrl not installed: runs from the checkout"
     fi
-    [[ "$cmd" == curl* ]] && cp "$OUT/$n.log" "$OUT/server_reply.json"
     record "$n" "$status" "$rc" "$secs" "$cmd" "$note"
     say "$status (exit $rc, ${secs} s)"
 done

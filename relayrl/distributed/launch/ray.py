@@ -19,8 +19,8 @@ naming the role, rank, host and the original error (relayrl.distributed.launch.f
 line with the phase and memory figures, launch.oom). A call that no rank finishes within dist.stall_timeout_s
 is a stall: each rank's watchdog writes its stacks to the run folder (launch.watchdog) and `result()` raises a
 RoleError naming the ranks still running; later calls of that role fail at once (its actors are stuck). The
-caller stops the run; its last complete checkpoint stays loadable. Ray is imported in the functions (an optional heavy
-dependency).
+caller stops the run; its last complete checkpoint stays loadable. Ray is imported in the functions (an
+optional heavy dependency).
 """
 
 from __future__ import annotations
