@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the README's "On a GPU" quick start as written, on a GPU machine, and writes what happened to $OUT.
 #
-#   OUT=/tmp/qs bash bench/gpu_quickstart.sh          # from the repository root (~2-3 min without vLLM)
+#   OUT=/tmp/qs bash bench/gpu_quickstart.sh          # from the repository root (~2 min without vLLM, <= 4.5 with)
 #   WHEELS=gpuwheels OUT=... bash bench/gpu_quickstart.sh   # offline: also install from these carried wheels
 #   PYTHON=.venv/bin/python QUICKSTART_OFFLINE=1 ...        # another interpreter; offline install forced
 #
@@ -123,7 +123,9 @@ for line in "${LINES[@]}"; do
         wait "$client"
         rc=$?
     else
-        timeout 200 bash -c "$cmd" > "$OUT/$n.log" 2>&1
+        limit=200
+        [[ "$cmd" == *"--rollout.engine vllm"* ]] && limit=320 # vLLM's start-up (compile, CUDA graphs)
+        timeout "$limit" bash -c "$cmd" > "$OUT/$n.log" 2>&1
         rc=$?
     fi
     if [[ "$cmd" == curl* ]]; then
