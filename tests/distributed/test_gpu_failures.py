@@ -74,7 +74,8 @@ def test_out_of_memory_is_one_line_naming_role_rank_phase_memory_and_settings(me
     assert "tried to allocate 2.00 GiB" in msg, msg
     assert "no CUDA device in this process" in msg, msg  # the figures there are on a GPU
     assert setting in msg, msg
-    assert ("rollout.n_samples" in msg) == (phase != "refresh"), msg  # more samples, more memory (not a refresh)
+    # more samples, more memory (not for a weight refresh)
+    assert ("rollout.n_samples" in msg) == (phase != "refresh"), msg
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)  # the original, with its traceback
 
 
@@ -87,7 +88,7 @@ def test_a_stalled_local_call_dumps_its_stack_and_names_role_rank_and_phase(tmp_
     try:
         assert role.call(Greedy.slow_update, 0.1) == "done"  # a quick call: nothing
         assert reports == []
-        assert role.call(Greedy.slow_update, 2.5) == "done"
+        assert role.call(Greedy.slow_update, 3.5) == "done"  # the watchdog checks every 0.25 s
     finally:
         launcher.shutdown()
     assert len(reports) == 1, reports
@@ -151,5 +152,7 @@ def test_a_real_cuda_oom_is_one_line_with_the_devices_memory_figures():
         LocalLauncher().spawn("policy", Hog).call(Hog.update)
     msg = str(err.value)
     assert "\n" not in msg, msg
-    assert msg.startswith("policy rank 0 ran out of GPU memory in update (Hog.update): tried to allocate "), msg
+    assert msg.startswith("policy rank 0 ran out of GPU memory in update (Hog.update): tried to allocate "), (
+        msg
+    )
     assert "cuda:0 allocated " in msg and " reserved " in msg and " peak " in msg and " free " in msg, msg
