@@ -310,7 +310,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     same global batch. The trained model is exported to <run>/final."""
     cfg = recipe.cfg
     run_dir, data = _prepare(recipe)
-    launcher = build_launcher(cfg.dist, {"model": cfg.dist.ranks("model")})
+    launcher = build_launcher(cfg.dist, {"model": cfg.dist.ranks("model")}, run_dir)
     try:
         handle, data.layout = _model_role(recipe, launcher, cfg.dist, data.total, run_dir)
         if recipe.before_fit is not None:

@@ -245,7 +245,9 @@ class CheckpointManager:
         """Restore a checkpoint in place (default: `latest()`); returns trainer state and `extra`.
 
         Models must have the same architecture as when saved; weights are copied into them (so optimizers
-        built on their parameters stay valid). Optimizer and scheduler states are loaded after the weights.
+        built on their parameters stay valid). Optimizer and scheduler states are loaded after the weights. A
+        `step_<N>` folder whose trainer state holds another step is refused (renamed or copied: resuming would
+        skip or repeat steps).
         """
         path = Path(path) if path is not None else self.resumable()
         if path is None or not (path / "trainer_state.json").is_file():
@@ -258,6 +260,14 @@ class CheckpointManager:
                 f"checkpoint {path} is damaged ({problem}); resume from another one with --ckpt.resume "
                 f"{self.root}/step_<N>, or remove it and rerun to fall back to the previous one"
             )
+        state = json.loads((path / "trainer_state.json").read_text())
+        step = int(state["step"])
+        if path.name.startswith(STEP_PREFIX) and path.name != f"{STEP_PREFIX}{step}":
+            raise ValueError(
+                f"checkpoint {path} holds step {step} (trainer_state.json), not the step its name says: it was "
+                f"renamed or copied, and resuming would skip or repeat steps; rename it {STEP_PREFIX}{step} or "
+                f"resume from another one"
+            )
         for name, model in (models or {}).items():
             load_weights_into(model, path / name)
         optim = load_state(path / "optim.pt")
@@ -268,8 +278,7 @@ class CheckpointManager:
         if restore_rng:
             restore_rng_state(load_state(path / "rng.pt"))
         extra = load_state(path / "extra.pt")
-        state = json.loads((path / "trainer_state.json").read_text())
-        return LoadedCheckpoint(path=path, step=int(state["step"]), trainer_state=state, extra=extra)
+        return LoadedCheckpoint(path=path, step=step, trainer_state=state, extra=extra)
 
 
 MANIFEST = "manifest.json"

@@ -17,6 +17,7 @@ Each role gets the component configs it reads (relayrl/workers/*Spec); the launc
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
@@ -87,11 +88,17 @@ def native_tp_actors(cfg: ResolvedRL) -> bool:
 
 
 def build_roles(
-    cfg: ResolvedRL, total_steps: int, *, concurrency: dict[str, int] | None = None, overlaps: bool = False
+    cfg: ResolvedRL,
+    total_steps: int,
+    *,
+    concurrency: dict[str, int] | None = None,
+    overlaps: bool = False,
+    run_dir: Path | None = None,
 ) -> Roles:
     """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
     the component configs it reads. `concurrency` / `overlaps`: the rollout strategy's
-    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates."""
+    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates.
+    `run_dir`: where the stall watchdog writes stacks (<run_dir>/stacks)."""
     algo = cfg.algo
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
     d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
@@ -115,7 +122,7 @@ def build_roles(
     if d_engines and native_tp_actors(cfg):  # one shard actor (one GPU) per TP rank of each engine
         sizes["engine"] = d_engines * cfg.dist.engine_tp
         placed = replace(cfg.dist, engine_tp=1)
-    launcher = build_launcher(placed, sizes)
+    launcher = build_launcher(placed, sizes, run_dir)
     launcher.concurrency.update(concurrency or {})
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)
