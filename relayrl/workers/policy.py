@@ -61,6 +61,7 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
+from relayrl.workers.ema import PolicyEma
 from relayrl.workers.engine import generate_share, sampling_params
 from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
@@ -123,10 +124,6 @@ class PolicyWorker:
 
         def gather_replica(layout: str) -> None:
             """The engine's full replica, copied before the model is sharded."""
-            if spec.ema > 0:
-                raise ValueError(
-                    "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
-                )
             self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,
@@ -146,10 +143,10 @@ class PolicyWorker:
         )
         self.layout, self.train = built.layout, built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
-        self.ema = None
-        if spec.ema > 0:
-            with self.train.full_precision():  # the EMA tracks the fp32 weights
-                self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.ema: PolicyEma | None = None
+        if spec.ema > 0:  # fp32, sharded like the policy under N ranks (relayrl.workers.ema)
+            with self.train.full_precision():
+                self.ema = PolicyEma(self.model, spec.ema)
         if not grouped:
             self.weights = LocalWeights(
                 self.model,
@@ -285,13 +282,9 @@ class PolicyWorker:
         )
 
     def _ema_update(self) -> None:
-        if self.ema is None:
-            return
-        d = self.spec.ema
-        with torch.no_grad(), self.train.full_precision():
-            for k, v in self.model.state_dict().items():
-                if v.is_floating_point():
-                    self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
+        if self.ema is not None:
+            with self.train.full_precision():
+                self.ema.update(self.model)
 
     # ----------------------------------------------------------------------------------------- sync
     def weight_endpoint(self) -> tuple[str, int]:
@@ -340,13 +333,17 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------- state
     def save(self, folder: str) -> None:
         """Model, optimizer, schedule, EMA, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
-        self.state.save(folder, {"ema": self.ema})
+        self.state.save(folder, self.ema.extra() if self.ema is not None else {"ema": None})
+        if self.ema is not None:
+            self.ema.save(folder)
 
     def load(self, folder: str) -> None:
         """Restore everything `save` wrote, in place (from a checkpoint of any rank count). The engines get
         the restored weights from the controller's next `sync` (RLTrainer.resume calls it)."""
         state = self.state.load(folder)
-        self.ema = state.get("ema")
+        if self.ema is not None and not self.ema.load(folder, state.get("ema")):
+            with self.train.full_precision():  # a checkpoint without an EMA: it restarts from its weights
+                self.ema = PolicyEma(self.model, self.spec.ema)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
@@ -361,9 +358,15 @@ class PolicyWorker:
         path = Path(folder)
         if self.ema is None:
             return self.state.export(path)
+        if self.ema.sharded:  # gathered on every rank, written by rank 0
+            full = self.ema.full()
+            if rank() == 0:
+                self.state.save_hf(path, full)
+            torch.distributed.barrier()
+            return str(path)
         with self.train.full_precision():
             current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.model.load_state_dict(self.ema)
+            self.model.load_state_dict(self.ema.state)
             pretrained(self.model).save_pretrained(path)
             self.model.load_state_dict(current)
         self.tokenizer.save_pretrained(path)
