@@ -10,16 +10,24 @@ padding has attention_mask False and action_mask False. The n samples of one pro
 controller keeps groups together), which is what the group advantage estimators expect.
 
 These records are plain tensors in slotted dataclasses, so they cross a Ray actor boundary by pickling.
+
+What a worker method reads is a `Rows[...]` source: the record itself (local mode), or, on Ray, the record
+stored one row per object (relayrl.distributed.launch.rows.StoredRows), from which each rank fetches only the
+rows it reads. Workers pick their rows from `lengths` alone (`rank_rows`, `update_shares`), then `select` them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from relayrl.agents.base import Trajectory
+from relayrl.distributed.group import rank, shares, world
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +47,11 @@ class SequenceBatch:
     def lengths(self) -> list[int]:
         """Real length of each row."""
         return self.attention_mask.sum(1).tolist()
+
+    @property
+    def width(self) -> int:
+        """T, the padded width."""
+        return self.input_ids.shape[1]
 
     def select(self, rows: list[int] | Tensor) -> SequenceBatch:
         """The sub-batch of `rows`, trimmed to its longest row."""
@@ -66,6 +79,16 @@ class Experience:
     """[B, T] float32: critic values V(x_<t) (gae only)."""
     returns: Tensor | None = None
     """[B, T] float32: value targets (gae only)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real length of each row."""
+        return self.tokens.lengths
+
+    @property
+    def width(self) -> int:
+        """T, the padded width."""
+        return self.tokens.width
 
     def select(self, rows: list[int] | Tensor) -> Experience:
         """The sub-experience of `rows`, trimmed to its longest row."""
@@ -125,3 +148,64 @@ def split_rows(num_rows: int, parts: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return [o for o in out if o]
+
+
+class Rows(Protocol[T_co]):
+    """A batch of rows (SequenceBatch / Experience) that a worker reads only part of: the record itself, or
+    its rows in Ray's object store (relayrl.distributed.launch.rows.StoredRows)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real length of every row of the whole batch."""
+        ...
+
+    @property
+    def width(self) -> int:
+        """The whole batch's padded width T."""
+        ...
+
+    def select(self, rows: list[int]) -> T_co:
+        """The record of `rows` (global indices), trimmed to its longest row, as the record's own `select`."""
+        ...
+
+
+class Selectable(Protocol):
+    """A record that selects its own rows (SequenceBatch, Experience)."""
+
+    def select(self, rows: list[int]) -> Selectable: ...
+
+
+S = TypeVar("S", bound=Selectable)
+
+
+def take(source: Rows[S], groups: list[list[int]]) -> list[S]:
+    """The records of several row groups of `source`, fetched together once (from Ray's object store: only
+    these rows); each equals `source.select(group)`."""
+    union = sorted({r for g in groups for r in g})
+    if not union:
+        return []
+    whole = source.select(union)
+    pos = {r: i for i, r in enumerate(union)}
+    return [whole.select([pos[r] for r in g]) for g in groups]  # type: ignore[misc]  (S.select -> S)
+
+
+def rank_rows(lengths: list[int], rows: list[int], world: int) -> list[list[int]]:
+    """`rows` split over `world` ranks: contiguous shares balanced by token count (distributed.group.shares);
+    a rank may get none when there are fewer rows than ranks."""
+    return [[rows[i] for i in r] for r in shares([lengths[i] for i in rows], world)]
+
+
+def update_shares(lengths: list[int], mini_batches: int, world: int) -> list[list[list[int]]]:
+    """Per mini-batch (split_rows), each rank's rows of it: what rank r trains on in one update epoch."""
+    return [rank_rows(lengths, mb, world) for mb in split_rows(len(lengths), mini_batches)]
+
+
+def my_update_parts(exp: Rows[S], mini_batches: int) -> list[tuple[S, bool]]:
+    """(this rank's rows of the mini-batch, real) for each mini-batch of an update (`update_shares`), fetched
+    together once. A rank left without rows of a mini-batch gets its first row as a padding pass (real False:
+    weight 0, run to keep the ranks' collectives in step)."""
+    plan = update_shares(exp.lengths, mini_batches, world())
+    mine = [share[rank()] for share in plan]
+    pad = [[min(r for s in share for r in s)] for share in plan]
+    parts = take(exp, [rows or p for rows, p in zip(mine, pad, strict=True)])
+    return [(part, bool(rows)) for part, rows in zip(parts, mine, strict=True)]

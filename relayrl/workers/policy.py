@@ -53,7 +53,7 @@ from relayrl.rollout.build import engine_capabilities
 from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.step import LossOutput
-from relayrl.workers.base import Experience, split_rows
+from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import (
     build_generation,
     build_policy_objective,
@@ -63,7 +63,7 @@ from relayrl.workers.builders import (
 )
 from relayrl.workers.ema import PolicyEma
 from relayrl.workers.engine import generate_share, sampling_params
-from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
+from relayrl.workers.model_ops import masked_logprobs, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -197,7 +197,7 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")
     @torch.no_grad()
-    def logprobs(self, batch: Any) -> Tensor:
+    def logprobs(self, batch: Rows[SequenceBatch]) -> Tensor:
         """log pi_old(x_t | x_<t) [B, T] under the sampling temperature (0 where not an action); under N ranks
         each rank computes its share of the rows."""
         self.model.eval()
@@ -214,15 +214,18 @@ class PolicyWorker:
         )
 
     # ----------------------------------------------------------------------------------------- update
-    def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
-        """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps."""
+    def update(self, exp: Rows[Experience], kl_coef: float) -> dict[str, float]:
+        """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps.
+        Each rank reads only its share of each mini-batch (workers.base.update_shares; a rank left without
+        rows runs a padding pass on the mini-batch's first row, weight 0)."""
         a = self.spec.algo
+        parts = my_update_parts(exp, a.mini_batches)
         sums: dict[str, float] = {}
         steps = 0
         self._prepare_update()
         for _ in range(a.epochs):
-            for rows in split_rows(len(exp.rewards), a.mini_batches):
-                for k, v in self._optimizer_step(exp.select(rows), kl_coef).items():
+            for part, real in parts:
+                for k, v in self._optimizer_step(part, kl_coef, real).items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         self._ema_update()
@@ -233,16 +236,15 @@ class PolicyWorker:
             out["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
-    def _optimizer_step(self, mb: Experience, kl_coef: float) -> dict[str, float]:
-        """One optimizer step on the mini-batch: this rank's share of its rows (all of them on one rank)."""
-        rows = my_rows(mb.tokens)
-        part = mb.select(rows or [0])  # a rank without rows runs a padding pass (weight 0)
+    def _optimizer_step(self, part: Experience, kl_coef: float, real: bool) -> dict[str, float]:
+        """One optimizer step on this rank's share `part` of the mini-batch (all of it on one rank); `real`
+        False: a padding pass (weight 0) of a rank without rows."""
         groups = plan_micro_batches(part.tokens.lengths, self.spec.algo.micro_batch_tokens, self.layout)
 
         def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
             return self._loss(model, part, r, kl_coef)
 
-        out = self.train.step(groups, loss_fn, num_real=len(groups) if rows else 0)
+        out = self.train.step(groups, loss_fn, num_real=len(groups) if real else 0)
         return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
 
     def _prepare_update(self) -> None:
