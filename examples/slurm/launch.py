@@ -107,7 +107,9 @@ def ray_cli() -> str:
     beside = Path(sys.executable).parent / "ray"
     found = str(beside) if beside.exists() else shutil.which("ray")
     if found is None:
-        raise SystemExit("launch.py: the `ray` command is not installed in this environment (pip install ray)")
+        raise SystemExit(
+            "launch.py: the `ray` command is not installed in this environment (pip install ray)"
+        )
     return found
 
 
@@ -179,7 +181,9 @@ def wait_for_nodes(plan: Plan, env: dict[str, str], timeout: float, procs: list[
     while time.monotonic() < deadline:
         dead = [p for p in procs if p.poll() is not None]
         if dead:
-            raise SystemExit(f"launch.py: a Ray node exited early ({dead[0].args[:6]} ... rc {dead[0].returncode})")
+            raise SystemExit(
+                f"launch.py: a Ray node exited early ({dead[0].args[:6]} ... rc {dead[0].returncode})"
+            )
         out = subprocess.run(
             [sys.executable, "-c", probe, plan.address], capture_output=True, text=True, env=env, timeout=120
         )
@@ -215,7 +219,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=6379, help="the head's GCS port (0: a free one)")
     p.add_argument("--head-ip", default="", help="the head's IP (default: resolved from its host name)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs Ray offers per node (default: detect)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs Ray offers per node (default: detect)"
+    )
     p.add_argument("--cpus-per-node", type=int, default=0, help="CPUs Ray offers per node (0: detect)")
     p.add_argument("--temp-dir", default="", help="the head's Ray temp dir (default /tmp/ray)")
     p.add_argument("--token-file", default="", help="shared auth token file (RAY_AUTH_TOKEN_PATH)")
