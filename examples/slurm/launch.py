@@ -97,6 +97,17 @@ def _expand_one(item: str) -> list[str]:
     return out
 
 
+def this_host_ip() -> str:
+    """The IP this host reaches others from (Ray's own rule: the address a UDP socket would use; nothing
+    is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 80))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -133,7 +144,7 @@ def build_plan(a: argparse.Namespace, env: dict[str, str]) -> Plan:
     ray = ray_cli()
     if a.local:
         nodes = ["localhost"] * a.local
-        head_ip = a.head_ip or "127.0.0.1"
+        head_ip = a.head_ip or this_host_ip()
     else:
         text = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not text:
@@ -153,10 +164,12 @@ def build_plan(a: argparse.Namespace, env: dict[str, str]) -> Plan:
         if i == 0:
             ray_start = [ray, "start", "--head", f"--port={plan.port}", f"--node-ip-address={head_ip}"]
             ray_start += ["--include-dashboard=false"]
-            if a.temp_dir:
-                ray_start.append(f"--temp-dir={a.temp_dir}")
         else:
             ray_start = [ray, "start", f"--address={plan.address}"]
+            if a.local:
+                ray_start.append(f"--node-ip-address={head_ip}")
+        if a.temp_dir:
+            ray_start.append(f"--temp-dir={a.temp_dir}")
         if a.local:  # several nodes on one host: every port of its own
             ray_start += [
                 f"--node-manager-port={free_port()}",
@@ -184,9 +197,16 @@ def wait_for_nodes(plan: Plan, env: dict[str, str], timeout: float, procs: list[
             raise SystemExit(
                 f"launch.py: a Ray node exited early ({dead[0].args[:6]} ... rc {dead[0].returncode})"
             )
-        out = subprocess.run(
-            [sys.executable, "-c", probe, plan.address], capture_output=True, text=True, env=env, timeout=120
-        )
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", probe, plan.address],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+            )
+        except subprocess.TimeoutExpired:
+            continue  # the head is not answering yet
         if out.returncode == 0 and out.stdout.strip().splitlines():
             alive = int(out.stdout.strip().splitlines()[-1])
             if alive >= len(plan.nodes):
@@ -223,7 +243,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--gpus-per-node", type=int, default=None, help="GPUs Ray offers per node (default: detect)"
     )
     p.add_argument("--cpus-per-node", type=int, default=0, help="CPUs Ray offers per node (0: detect)")
-    p.add_argument("--temp-dir", default="", help="the head's Ray temp dir (default /tmp/ray)")
+    p.add_argument("--temp-dir", default="", help="Ray's temp dir on every node (default /tmp/ray)")
     p.add_argument("--token-file", default="", help="shared auth token file (RAY_AUTH_TOKEN_PATH)")
     p.add_argument("--ray-args", default="", help="extra `ray start` arguments for every node")
     p.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for every node")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
+from relayrl.distributed.launch.profile import profiled
+
 P = ParamSpec("P")
 R = TypeVar("R")
 W = TypeVar("W")
@@ -39,7 +41,8 @@ class LocalRole(Generic[W]):
 
     def call(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         # by name, as on a Ray rank: `method` may be a Protocol's (relayrl.workers.proxies) the worker satisfies
-        return getattr(self.instance, method.__name__)(*args, **kwargs)
+        name = method.__name__
+        return profiled(self.name, 0, name, lambda: getattr(self.instance, name)(*args, **kwargs))
 
     def submit(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> Done[R]:
         return Done(self.call(method, *args, **kwargs))

@@ -33,12 +33,13 @@ from relayrl.distributed.group import GroupSpec, join_group, leave_group, merge_
 from relayrl.distributed.launch.base import RoleError
 from relayrl.distributed.launch.failures import gather
 from relayrl.distributed.launch.placement import MODEL_FREE, Pool, cpu_share, plan_pools, rank_gpus
+from relayrl.distributed.launch.profile import CALL_ENV, PROFILE_ENV, profiled
 
 P = ParamSpec("P")
 R = TypeVar("R")
 W = TypeVar("W")
 
-PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
+PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH", PROFILE_ENV, CALL_ENV)
 """Environment variables of the driver that Ray actors inherit (when set)."""
 
 
@@ -73,7 +74,7 @@ class RankHost:
         return socket.gethostname(), ray.get_runtime_context().get_node_id()
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        return profiled(self.role, self.rank, method, lambda: getattr(self.worker, method)(*args, **kwargs))
 
     def stop(self) -> None:
         close = getattr(self.worker, "close", None)

@@ -15,15 +15,17 @@ once per step (the object refs and lengths besides), and each rank reads ~1/N of
 (tests/distributed/test_transfer.py counts both).
 
 `select(rows)` returns exactly what the record's own `select(rows)` returns (same rows, trimmed to the
-longest), so the numerics do not depend on the transport. Each row is stored at the batch's full width as
-numpy arrays (a copy of the row, bit for bit; numpy pickles with ~40 bytes of overhead per array where a small
-torch tensor costs ~300, and a tensor view would pickle its whole storage). The rows' object refs travel as
-ONE object (put once per record), so a call's argument is one ref plus the row lengths, not B refs. Ray is
-imported in the functions (optional dependency).
+longest), so the numerics do not depend on the transport. Each row is stored at the batch's full width as ONE
+bytes object: its fields' raw bytes one after another (a copy of the row, bit for bit), the layout (names,
+dtypes, row shapes) kept once in the StoredRows; raw bytes skip pickling, so the store holds the data and
+little else (a small torch tensor pickles with ~300 bytes of header; a tensor view would pickle its whole
+storage). The rows' object refs travel as ONE object (put once per record), so a call's argument is one ref
+plus the row lengths, not B refs. Ray is imported in the functions (optional dependency).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields, is_dataclass
 from typing import Any, Generic, TypeVar
 
@@ -32,13 +34,22 @@ import torch
 
 T = TypeVar("T")
 
+FETCH = {"seconds": 0.0, "rows": 0.0}
+"""This process's running totals of row fetches (seconds in `StoredRows.select`, rows fetched): the
+transfer time of relayrl.distributed.launch.profile."""
 
-def _row(record: Any, names: list[str], i: int) -> dict[str, np.ndarray | None]:
-    """Row i of the named tensor fields of `record` (None stays None), as numpy copies."""
-    out: dict[str, np.ndarray | None] = {}
+
+def _row(record: Any, names: list[str], i: int) -> bytes:
+    """Row i of the named tensor fields of `record` (those not None), their raw bytes one after another."""
+    return b"".join(getattr(record, n)[i].numpy().tobytes() for n in names)
+
+
+def _schema(record: Any, names: list[str]) -> list[tuple[str, np.dtype, tuple[int, ...]] | None]:
+    """(name, numpy dtype, shape of one row) of each named field; None for a field that is None."""
+    out: list[tuple[str, np.dtype, tuple[int, ...]] | None] = []
     for n in names:
         x = getattr(record, n)
-        out[n] = None if x is None else x[i].numpy().copy()
+        out.append(None if x is None else (n, x[:1].numpy().dtype, tuple(x.shape[1:])))
     return out
 
 
@@ -57,8 +68,13 @@ class StoredRows(Generic[T]):
         self.lengths: list[int] = list(getattr(record, "lengths"))  # noqa: B009  (every record has it)
         self.width: int = int(getattr(record, "width"))  # noqa: B009
         self.nested = nested
-        self.own = [f.name for f in fields(record) if f.name not in nested]
-        self.index = ray.put([ray.put(_row(record, self.own, i)) for i in range(len(self.lengths))])
+        own = [f.name for f in fields(record) if f.name not in nested]
+        self.schema = _schema(record, own)
+        """Each own field's (name, dtype, row shape), or None: the rows are raw bytes in this layout."""
+        self.none = [n for n, s in zip(own, self.schema, strict=True) if s is None]
+        present = [n for n, s in zip(own, self.schema, strict=True) if s is not None]
+        # raw bytes pickle to themselves (no per-array headers): the object store holds the data and little else
+        self.index = ray.put([ray.put(_row(record, present, i)) for i in range(len(self.lengths))])
         """One object: the list of the rows' object refs (one per row: that row's own fields)."""
         self._refs: list[Any] | None = None
 
@@ -73,14 +89,16 @@ class StoredRows(Generic[T]):
             self._refs = ray.get(self.index)
         refs = self._refs
         got = ray.get([refs[i] for i in rows])
-        kw: dict[str, Any] = {}
-        for n in self.own:
-            column = [g[n] for g in got]
-            kw[n] = (
-                None
-                if column[0] is None
-                else torch.from_numpy(np.stack([a for a in column if a is not None]))
-            )
+        kw: dict[str, Any] = dict.fromkeys(self.none)
+        offset = 0
+        for s in self.schema:
+            if s is None:
+                continue
+            name, dtype, shape = s
+            count = int(np.prod(shape, dtype=np.int64))
+            column = [np.frombuffer(g, dtype=dtype, count=count, offset=offset).reshape(shape) for g in got]
+            kw[name] = torch.from_numpy(np.stack(column))
+            offset += count * dtype.itemsize
         for n, sub in self.nested.items():
             kw[n] = sub._stacked(rows)
         return self.cls(**kw)
@@ -89,7 +107,11 @@ class StoredRows(Generic[T]):
         """The record of `rows`, trimmed to its longest row: what `record.select(rows)` returns."""
         if not rows:
             raise ValueError("StoredRows.select: no rows")
-        return self._stacked(rows).select(list(range(len(rows))))  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        out = self._stacked(rows).select(list(range(len(rows))))  # type: ignore[attr-defined]
+        FETCH["seconds"] += time.perf_counter() - t0
+        FETCH["rows"] += len(rows)
+        return out
 
 
 class RowStore:
