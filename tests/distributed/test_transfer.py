@@ -22,7 +22,7 @@ from relayrl.distributed.launch.rows import FETCH, RowStore
 from relayrl.workers.base import Experience, SequenceBatch, my_update_parts
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-from transfer import build_cfg, measure  # noqa: E402  (bench/transfer.py: the same counting)
+from transfer import build_cfg, measure
 
 pytestmark = pytest.mark.slow  # a Ray cluster
 
