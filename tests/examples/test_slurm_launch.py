@@ -5,8 +5,10 @@ a command run on them that sees both nodes, and everything stopped afterwards.""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -72,11 +74,19 @@ PROBE = (
 )
 
 
+@pytest.fixture
+def short_dir():
+    """A temp dir with a short path: Ray's socket paths under it must stay within 107 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.slow  # starts two Ray nodes with `ray start`
 @pytest.mark.timeout(300)
-def test_two_ray_nodes_on_this_host_run_a_command_and_stop(tmp_path):
+def test_two_ray_nodes_on_this_host_run_a_command_and_stop(short_dir):
     args = [sys.executable, str(SCRIPT), "--local", "2", "--port", "0", "--cpus-per-node", "1"]
-    args += ["--temp-dir", str(tmp_path / "ray"), "--join-timeout", "180"]
+    args += ["--temp-dir", str(short_dir / "ray"), "--join-timeout", "180"]
     args += ["--", sys.executable, "-c", PROBE, "{address}"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=280)
     assert "NODES 2" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
@@ -85,8 +95,9 @@ def test_two_ray_nodes_on_this_host_run_a_command_and_stop(tmp_path):
     left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if str(tmp_path / "ray") in cmdline.read_text():
-                left.append(cmdline.read_text().replace("\0", " ")[:200])
+            text = cmdline.read_text()
         except OSError:
             continue  # a process that ended meanwhile
+        if str(short_dir / "ray") in text:
+            left.append(text.replace("\0", " ")[:200])
     assert not left, left
