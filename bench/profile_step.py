@@ -11,6 +11,7 @@ for 3 steps with RELAYRL_PROFILE_DIR set, and reads step 2 (after a warm-up) of 
   wait_engines     the slowest rank's rollout minus this rank's (the driver waits for the slowest)
   transfer         fetching its experience rows from the driver (relayrl.distributed.launch.rows)
   logprobs         old-log-prob pass (skipped when the update is exactly on-policy)
+  update           the training call's wall time (RL: policy.update; SFT: the step), split into:
   forward / backward / optimizer      GPU kernel seconds of the update (torch.profiler)
   ag_exposed / rs_exposed / ar_exposed  all-gather / reduce-scatter / all-reduce time with no compute
                    kernel running (what FSDP's overlap did not hide)
@@ -40,8 +41,8 @@ from relayrl.distributed.launch.profile import CALL_ENV, PROFILE_ENV
 STEP = 2
 """The profiled step (its calls are number STEP of each method; step 1 is the warm-up)."""
 COLUMNS = (
-    "generation", "wait_engines", "transfer", "logprobs", "forward", "backward", "optimizer", "ag_exposed",
-    "rs_exposed", "ar_exposed", "update_gpu_idle", "refresh", "idle", "step",
+    "generation", "wait_engines", "transfer", "logprobs", "update", "forward", "backward", "optimizer",
+    "ag_exposed", "rs_exposed", "ar_exposed", "update_gpu_idle", "refresh", "idle", "step",
 )  # fmt: skip
 
 
@@ -84,6 +85,7 @@ def rl_table(folder: Path, step_s: float) -> list[dict[str, float]]:
             "wait_engines": slowest - gen,
             "transfer": sum(r["transfer_s"] for r in c.values()),
             "logprobs": wall.get("logprobs", 0.0),
+            "update": wall.get("update", 0.0),
             **_train_parts(c.get("update", {})),
             "refresh": wall.get("sync", 0.0),
             "step": step_s,
@@ -98,7 +100,7 @@ def sft_table(folder: Path, step_s: float) -> list[dict[str, float]]:
     role = "policy" if any(folder.glob("policy_rank*.jsonl")) else "model"
     for rank, c in sorted(_calls(folder, role).items()):
         u = c.get("step", {})
-        row = {"rank": rank, **_train_parts(u), "transfer": u.get("transfer_s", 0.0), "step": step_s}
+        row = {"rank": rank, "update": u.get("wall_s", 0.0), **_train_parts(u), "step": step_s}
         row["idle"] = step_s - u.get("wall_s", 0.0)
         rows.append(row)
     return rows

@@ -61,10 +61,16 @@ class PolicyEma:
             if v.is_floating_point():
                 _local(self.state[k]).mul_(d).add_(_local(v.detach()).float(), alpha=1 - d)
 
-    def full(self) -> dict[str, Tensor]:
-        """The full EMA state dict (CPU tensors) on every rank; a collective per sharded tensor, so every rank
-        of the group calls it."""
-        return {k: _full(v).cpu() for k, v in self.state.items()}
+    def full(self, keep: bool = True) -> dict[str, Tensor]:
+        """The full EMA state dict (CPU tensors), gathered one tensor at a time; a collective per sharded
+        tensor, so every rank of the group calls it. `keep` False: gather, but return {} (ranks that only help
+        rank 0 write the export hold nothing)."""
+        out = {}
+        for k, v in self.state.items():
+            t = _full(v)
+            if keep:
+                out[k] = t.cpu()
+        return out
 
     def extra(self) -> dict[str, Any]:
         """What goes into the role's worker_state.pt: the EMA itself on one rank, a marker on N (the shards

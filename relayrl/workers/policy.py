@@ -361,7 +361,7 @@ class PolicyWorker:
         if self.ema is None:
             return self.state.export(path)
         if self.ema.sharded:  # gathered on every rank, written by rank 0
-            full = self.ema.full()
+            full = self.ema.full(keep=rank() == 0)
             if rank() == 0:
                 self.state.save_hf(path, full)
             torch.distributed.barrier()
