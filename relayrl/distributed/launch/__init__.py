@@ -12,6 +12,8 @@ local.py      LocalLauncher, LocalRole: every role one object in this process (t
 ray.py        RayLauncher, RayRole, RankHost: a role as one Ray actor per rank in a torch.distributed group
 placement.py  which placement group each role sits in, GPUs / CPUs per bundle
 failures.py   which rank failed, died or stalled: one RoleError naming role, rank, host and cause
+rows.py       RowStore / StoredRows: a step's records in Ray's object store row by row; ranks fetch their share
+profile.py    per-rank call timings and torch.profiler splits (RELAYRL_PROFILE_DIR; bench/profile_step.py)
 """
 
 from __future__ import annotations
