@@ -5,9 +5,9 @@ experience passes (old / reference log-probs, values) and the updates, against t
 
 Counts every object the driver's Ray worker serialises (`ray.put` and inlined call arguments, through Ray's
 SerializationContext) while `make_experience` and `update` run; the rollout (prompts out, trajectories back,
-the reward call) is left out. `rank_bytes` is what each policy rank reads of the experience: its share of
-the rows (the whole experience before relayrl.distributed.launch.rows). Builds a tiny model locally; ~1-2
-minutes on a 2-core CPU.
+the reward call) is left out. Each policy rank then reads only its share of the rows (before
+relayrl.distributed.launch.rows: the whole of every call's argument). Builds a tiny model locally; 2-4 minutes
+on the shared 2-core CPU machine.
 """
 
 from __future__ import annotations
