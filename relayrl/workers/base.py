@@ -13,7 +13,8 @@ These records are plain tensors in slotted dataclasses, so they cross a Ray acto
 
 What a worker method reads is a `Rows[...]` source: the record itself (local mode), or, on Ray, the record
 stored one row per object (relayrl.distributed.launch.rows.StoredRows), from which each rank fetches only the
-rows it reads. Workers pick their rows from `lengths` alone (`rank_rows`, `update_shares`), then `select` them.
+rows it reads. Workers pick their rows from `lengths` alone (`my_update_parts`; model_ops.my_rows), then `select`
+them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from relayrl.agents.base import Trajectory
-from relayrl.distributed.group import rank, shares, world
+from relayrl.distributed.group import my_data_share
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -189,23 +190,16 @@ def take(source: Rows[S], groups: list[list[int]]) -> list[S]:
     return [whole.select([pos[r] for r in g]) for g in groups]  # type: ignore[misc]  (S.select -> S)
 
 
-def rank_rows(lengths: list[int], rows: list[int], world: int) -> list[list[int]]:
-    """`rows` split over `world` ranks: contiguous shares balanced by token count (distributed.group.shares);
-    a rank may get none when there are fewer rows than ranks."""
-    return [[rows[i] for i in r] for r in shares([lengths[i] for i in rows], world)]
-
-
-def update_shares(lengths: list[int], mini_batches: int, world: int) -> list[list[list[int]]]:
-    """Per mini-batch (split_rows), each rank's rows of it: what rank r trains on in one update epoch."""
-    return [rank_rows(lengths, mb, world) for mb in split_rows(len(lengths), mini_batches)]
-
-
 def my_update_parts(exp: Rows[S], mini_batches: int) -> list[tuple[S, bool]]:
-    """(this rank's rows of the mini-batch, real) for each mini-batch of an update (`update_shares`), fetched
-    together once. A rank left without rows of a mini-batch gets its first row as a padding pass (real False:
-    weight 0, run to keep the ranks' collectives in step)."""
-    plan = update_shares(exp.lengths, mini_batches, world())
-    mine = [share[rank()] for share in plan]
-    pad = [[min(r for s in share for r in s)] for share in plan]
-    parts = take(exp, [rows or p for rows, p in zip(mine, pad, strict=True)])
-    return [(part, bool(rows)) for part, rows in zip(parts, mine, strict=True)]
+    """(this rank's rows of the mini-batch, real) for each mini-batch of an update (split_rows; this rank's
+    data-parallel share of each, distributed.group.my_data_share), fetched together once. A rank left without
+    rows of a mini-batch gets its first row as a padding pass (real False: weight 0, run to keep the ranks'
+    collectives in step)."""
+    lengths = exp.lengths
+    groups: list[list[int]] = []
+    real: list[bool] = []
+    for mb in split_rows(len(lengths), mini_batches):
+        mine = [mb[i] for i in my_data_share([lengths[r] for r in mb])]
+        groups.append(mine or mb[:1])
+        real.append(bool(mine))
+    return list(zip(take(exp, groups), real, strict=True))

@@ -1,7 +1,7 @@
 """Batches to Ray ranks without sending every rank every row: the driver puts a record (SequenceBatch,
 Experience: slotted dataclasses of [B, ...] tensors) into Ray's object store ONE ROW PER OBJECT, once per
 step, and hands the ranks a small `StoredRows` (row lengths, width, object refs); each rank fetches only the
-rows it reads (its share, relayrl.workers.base.rank_rows / update_shares).
+rows it reads (its share, relayrl.workers.base.my_update_parts / model_ops.my_rows).
 
     store = RowStore()                     on the driver (Roles owns one in ray mode)
     batch_rows = store.put(batch)          every row of the step's SequenceBatch serialised once ...
