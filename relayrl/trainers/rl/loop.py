@@ -194,9 +194,10 @@ class RLTrainer:
         batch = collate(trajs, self.pad_id)
         rewards, metrics = trajectory_rewards(trajs, self.cfg, self.reward_norm)
         r = self.roles
-        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, batch)
-        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, batch)
-        values = None if r.critic is None else r.critic.submit(CriticWorker.values, batch)
+        rows = r.rows(batch)  # on Ray: put once, each rank fetches its share
+        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, rows)
+        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, rows)
+        values = None if r.critic is None else r.critic.submit(CriticWorker.values, rows)
         old_lp = old.result() if old is not None else None
         ref_lp = ref.result() if ref is not None else None
         values_t = values.result() if values is not None else None
@@ -226,9 +227,12 @@ class RLTrainer:
 
     def update(self, exp: Experience, kl: float) -> dict[str, float]:
         """Policy and critic updates (in parallel across roles); then the KL controller."""
-        jobs = [self.roles.policy.submit(PolicyWorker.update, exp, self.kl_ctl.value)]
+        rows = self.roles.rows(
+            exp
+        )  # on Ray: only the rows' new fields are put; the tokens were, for make_experience
+        jobs = [self.roles.policy.submit(PolicyWorker.update, rows, self.kl_ctl.value)]
         if self.roles.critic is not None:
-            jobs.append(self.roles.critic.submit(CriticWorker.update, exp))
+            jobs.append(self.roles.critic.submit(CriticWorker.update, rows))
         metrics: dict[str, float] = {"train/kl_coef": self.kl_ctl.value}
         for job in jobs:
             metrics.update(job.result())

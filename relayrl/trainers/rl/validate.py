@@ -141,12 +141,6 @@ def _check_values(cfg: RLConfig) -> None:
         )
     if not 0.0 <= cfg.ema < 1.0:
         raise ConfigError(f"ema: {cfg.ema} is invalid; expected a decay in [0, 1) (0 = off)", field="ema")
-    if cfg.ema > 0 and cfg.dist.ranks("policy") > 1:
-        raise ConfigError(
-            f"ema: an EMA of a policy sharded over {cfg.dist.ranks('policy')} ranks is not supported yet; set ema 0 "
-            "or run the policy on one rank",
-            field="ema",
-        )
     _check_engines(cfg)
     if cfg.train.async_train:
         for flag, on in (
