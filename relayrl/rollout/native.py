@@ -16,7 +16,9 @@ A round (one call of `_step` by the driver, driver.py: a thread on CUDA, the cal
   1. admit: pop waiting requests while n free slots exist (lowest slot ids first, so decode batches stay
      short); right-pad their prompts into prefill batches of <= max_prefill_tokens padded tokens; ONE
      prefill per prompt writes its K/V into all n slots of the request; each slot samples its first token
-     from the shared last-position logits with its own seed.
+     from the shared last-position logits with its own seed. With the prefix cache (slots.py), an n=1
+     request whose prompt starts with a parked slot's sequence takes that slot, and a step that admits any
+     such request prefills all of its requests' uncached suffixes in ONE call (prefix_cache.py).
   2. decode k steps without looking at the device: k = min(sync_every, fewest steps until some slot must
      hit a length limit). A step runs slots [0, bs) with bs the smallest captured batch size covering the
      highest taken slot and attends over kv_len = the smallest length bucket covering the longest
@@ -73,6 +75,7 @@ from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_state import GraphCache, SlotState
+from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
 from relayrl.rollout.sampling import mix_seed
 from relayrl.rollout.slots import SlotPool
 
@@ -145,8 +148,8 @@ class NativeEngine(ThreadedEngine):
         the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py);
         `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
         starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode);
-        None: on for a CPU model, off on CUDA (measured there 2x SLOWER than re-prefilling on the multi-turn
-        bench, 0.49x on an H100, 2026-11-26: the suffix prefill runs per request, uncaptured)."""
+        None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
+        bench/multiturn.py shows the batched suffix prefill pays)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -172,7 +175,7 @@ class NativeEngine(ThreadedEngine):
         self._running: set[_Running] = set()
         self._slot_owner: dict[int, _Running] = {}
         if prefix_cache is None:
-            prefix_cache = next(model.parameters()).device.type == "cpu"
+            prefix_cache = default_prefix_cache(self.device)
         self.pool = SlotPool(max_slots, prefix_cache=prefix_cache, min_prefix_tokens=min_prefix_tokens)
         """Free slots and the prefix cache (slots.py)."""
         self.cached_tokens = 0
@@ -289,40 +292,31 @@ class NativeEngine(ThreadedEngine):
     # ---- admission / prefill --------------------------------------------------------------------------
     def _admit(self) -> None:
         while self._waiting:
-            batch: list[_Running] = []
-            extends: list[tuple[_Running, int]] = []  # (run, cached prefix length)
-            width = ext_width = 0
+            admitted: list[tuple[_Running, int]] = []  # (run, cached prefix length; 0: none)
+            width = 0
             while self._waiting and self.pool.available() >= self._waiting[0].request.params.n:
                 p = self._waiting[0]
-                plen = len(p.request.prompt_ids)
+                plen, n = len(p.request.prompt_ids), p.request.params.n
                 if p.cancelled or plen >= self.max_seq_len:
                     self._waiting.popleft()
-                    p.finish(
-                        [Completion(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)]
-                        * p.request.params.n
-                    )
+                    p.finish([Completion(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)] * n)
                     continue
-                hit = self.pool.match(p.request.prompt_ids) if p.request.params.n == 1 else None
-                if hit is not None:
-                    slot, m = hit
-                    if self._over_budget(len(extends), max(ext_width, plen - m)):
-                        break
-                    self._waiting.popleft()
-                    self.pool.claim(slot)
-                    extends.append((self._start(p, [slot]), m))
-                    ext_width = max(ext_width, plen - m)
-                    continue
-                if self._over_budget(len(batch), max(width, plen)):
+                hit = self.pool.match(p.request.prompt_ids) if n == 1 else None
+                m = 0 if hit is None else hit[1]
+                if self._over_budget(len(admitted), max(width, plen - m)):
                     break
                 self._waiting.popleft()
-                batch.append(self._start(p, [self.pool.take() for _ in range(p.request.params.n)]))
-                width = max(width, plen)
-            if not batch and not extends:
+                if hit is not None:
+                    self.pool.claim(hit[0])
+                slots = [hit[0]] if hit is not None else [self.pool.take() for _ in range(n)]
+                admitted.append((self._start(p, slots), m))
+                width = max(width, plen - m)
+            if not admitted:
                 return
-            if extends:
-                self._prefill_cached(extends, ext_width)
-            if batch:
-                self._prefill(batch, width)
+            if any(m for _, m in admitted):  # one call for the step: cached suffixes and fresh prompts
+                self._prefill_suffixes(admitted)
+            else:
+                self._prefill([run for run, _ in admitted], width)
 
     def _start(self, pending: Pending, slots: list[int]) -> _Running:
         """A request admitted onto `slots` now, under the current weight version."""
@@ -338,53 +332,50 @@ class NativeEngine(ThreadedEngine):
         """One more row would push a non-empty prefill batch past max_prefill_tokens padded tokens."""
         return rows > 0 and (rows + 1) * width > self.max_prefill_tokens
 
-    # ---- prefix cache ---------------------------------------------------------------------------------
-    def _prefill_cached(self, extends: list[tuple[_Running, int]], width: int) -> None:
-        """Admit requests onto slots holding a prefix of their prompt: only the rest is prefilled."""
+    def _register(self, batch: list[_Running]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make `batch` running, set its slots' sampling state; returns (slot ids, each slot's batch row)."""
         st = self.state
         assert st is not None, "the engine holds no slot state (asleep or closed)"
-        ids = torch.zeros((len(extends), width), dtype=torch.long)
-        settings = []
-        for b, (run, m) in enumerate(extends):
-            req = run.pending.request
-            rest = req.prompt_ids[m:]
-            ids[b, : len(rest)] = torch.tensor(rest)
-            settings.append(self._slot_settings(req.params, 0, run.prompt_len))
-            self._slot_owner[run.slots[0]] = run
-            self._running.add(run)
-        slots = [run.slots[0] for run, _ in extends]
-        slot_idx = torch.tensor(slots, device=self.device)
-        start = [m for _, m in extends]
-        lengths = [run.prompt_len - m for run, m in extends]
-        st.assign(slot_idx, settings)
-        logits = self.runner.extend(ids.to(self.device), start, lengths, st.k_cache, st.v_cache, slots)
-        st.advance(slot_idx, logits, _mode(run.pending.request.params for run, _ in extends))
-        self.prefill_count += len(extends)
-        self.prefill_tokens += sum(lengths)
-        self.cached_tokens += sum(start)
-        self.prefill_batches += 1
-
-    def _prefill(self, batch: list[_Running], width: int) -> None:
-        st = self.state
-        assert st is not None, "the engine holds no slot state (asleep or closed)"
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
         slot_rows, settings = [], []
         for b, run in enumerate(batch):
-            req = run.pending.request
-            ids[b, : run.prompt_len] = torch.tensor(req.prompt_ids)
             for j, s in enumerate(run.slots):
                 slot_rows.append((s, b))
-                settings.append(self._slot_settings(req.params, j, run.prompt_len))
+                settings.append(self._slot_settings(run.pending.request.params, j, run.prompt_len))
                 self._slot_owner[s] = run
             self._running.add(run)
         slot_idx = torch.tensor([s for s, _ in slot_rows], device=self.device)
-        row_idx = torch.tensor([b for _, b in slot_rows], device=self.device)
-        last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
         st.assign(slot_idx, settings)
+        return slot_idx, torch.tensor([b for _, b in slot_rows], device=self.device)
+
+    def _prefill(self, batch: list[_Running], width: int) -> None:
+        """Fresh prompts, right-padded to `width`: one causal prefill, K/V shared by each prompt's n slots."""
+        st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for b, run in enumerate(batch):
+            ids[b, : run.prompt_len] = torch.tensor(run.pending.request.prompt_ids)
+        slot_idx, row_idx = self._register(batch)
+        last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
         logits = self.runner.prefill(ids.to(self.device), last, st.k_cache, st.v_cache, slot_idx, row_idx)
         st.advance(slot_idx, logits[row_idx], _mode(r.pending.request.params for r in batch))
+        self._count(batch, 0)
+
+    def _prefill_suffixes(self, admitted: list[tuple[_Running, int]]) -> None:
+        """The step's requests, some on slots holding a prefix of their prompt (m > 0 tokens): one forward
+        over every uncached suffix (prefix_cache.py)."""
+        st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
+        batch = [run for run, _ in admitted]
+        suffixes = [Suffix(run.pending.request.prompt_ids[m:], m, run.slots) for run, m in admitted]
+        slot_idx, row_idx = self._register(batch)
+        logits = suffix_prefill(self.runner, st.k_cache, st.v_cache, suffixes)
+        st.advance(slot_idx, logits[row_idx], _mode(r.pending.request.params for r in batch))
+        self._count(batch, sum(m for _, m in admitted))
+
+    def _count(self, batch: list[_Running], cached: int) -> None:
         self.prefill_count += len(batch)
-        self.prefill_tokens += sum(run.prompt_len for run in batch)
+        self.prefill_tokens += sum(run.prompt_len for run in batch) - cached
+        self.cached_tokens += cached
         self.prefill_batches += 1
 
     def _slot_settings(
