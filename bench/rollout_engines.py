@@ -242,7 +242,9 @@ def vllm_folder(shape: str, layers: int, model=None) -> str:
     if model is not None:
         model.save_pretrained(folder)
     else:
-        shape_config(shape, layers).save_pretrained(folder)
+        config = shape_config(shape, layers)
+        config.architectures = ["Qwen2ForCausalLM"]  # vLLM picks its model class from this
+        config.save_pretrained(folder)
     return folder
 
 
