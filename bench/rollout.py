@@ -96,6 +96,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--decode-attention", default="auto", help="native: sdpa | math | auto")
     add("--sync-every", type=int, default=16, help="native: decode steps between host syncs")
     add("--no-graphs", action="store_true", help="native: decode eagerly (no CUDA graphs)")
+    add(
+        "--kv-bucket",
+        type=int,
+        default=0,
+        help="native: attended-length granularity (default 256 with graphs)",
+    )
     add("--vllm-default-args", default="{}", help="vllm-default: extra LLM(...) arguments, JSON")
     add("--vllm-tuned-args", default="{}", help="vllm-tuned: LLM(...) arguments overriding VLLM_TUNED, JSON")
     add("--vllm-real-weights", action="store_true", help="vLLM loads the bench's model, not dummy weights")
@@ -145,6 +151,8 @@ def run_piece(shape: str, engine: str, args) -> list[dict]:
             opts = dict(decode_attention=args.decode_attention, sync_every=args.sync_every)
             if args.no_graphs:
                 opts["cuda_graphs"] = False
+            if args.kv_bucket:
+                opts["kv_bucket"] = args.kv_bucket
             runner = native_runner(model, wls, tp=args.tp, opts=opts)
         elif engine == "hf":
             hf = build_engine("hf", model, None, eos_token_id=[], max_batch=max(w.samples for w in wls))

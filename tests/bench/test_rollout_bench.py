@@ -92,3 +92,72 @@ def test_category_names():
     assert category("aten::addmm") == "matmul" and category("sm90_xmma_gemm_bf16") == "matmul"
     assert category("aten::_log_softmax") == "sampling" and category("aten::_softmax") == "attention"
     assert category("Memcpy HtoD", "gpu_memcpy") == "memcpy"
+
+
+class _FakeLLM:
+    """Stands in for vllm.LLM: records its arguments; `generate` returns each request's max_tokens tokens."""
+
+    made: list[dict] = []
+
+    def __init__(self, model: str, **kwargs):
+        from types import SimpleNamespace as NS
+
+        _FakeLLM.made.append(dict(model=model, **kwargs))
+        self.llm_engine = NS(
+            vllm_config=NS(
+                scheduler_config=NS(
+                    max_num_seqs=kwargs.get("max_num_seqs", 1024), max_num_batched_tokens=8192
+                ),
+                cache_config=NS(enable_prefix_caching=True, gpu_memory_utilization=0.9),
+                model_config=NS(max_model_len=kwargs.get("max_model_len", 32768), enforce_eager=False),
+                compilation_config=NS(cudagraph_mode="FULL_AND_PIECEWISE"),
+            )
+        )
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace as NS
+
+        outs = []
+        for p, sp in zip(prompts, params, strict=True):
+            toks = [(p["prompt_token_ids"][0] + i) % 7 for i in range(sp.max_tokens)]
+            lps = [{t: NS(logprob=-1.0)} for t in toks] if sp.logprobs is not None else None
+            outs.append(NS(outputs=[NS(token_ids=toks, logprobs=lps) for _ in range(sp.n)]))
+        return outs
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch):
+    import importlib.machinery
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    vllm.LLM = _FakeLLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the bench sets it unless given
+    _FakeLLM.made = []
+    return _FakeLLM
+
+
+def test_vllm_default_sets_nothing_and_tuned_covers_the_batch(tmp_path, fake_vllm):
+    out = tmp_path / "r.json"
+    argv = ["--shapes", "tiny", "--device", "cpu", "--engines", "vllm-default,vllm-tuned", "--rounds", "3",
+            "--prompts", "4", "--new-tokens", "6", "--n-prompts", "3", "--n", "4", "--n-new-tokens", "5",
+            "--w3-prompts", "5", "--w3-max-new", "9", "--out", str(out)]  # fmt: skip
+    assert rollout.main(argv) == 0
+    default, tuned = fake_vllm.made
+    assert set(default) == {"model", "dtype", "skip_tokenizer_init", "seed", "load_format"}
+    assert default["load_format"] == "dummy"  # the folder holds only the shape's config
+    assert tuned["max_num_seqs"] == 12 >= 3 * 4  # the largest batch: w2's 3 prompts x 4 samples
+    assert tuned["compilation_config"]["cudagraph_capture_sizes"][-1] == 12
+    assert tuned["max_model_len"] == 128 + 9 and tuned["max_num_batched_tokens"] == 32768
+    assert tuned["gpu_memory_utilization"] == 0.92 and tuned["enable_prefix_caching"] is True
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["workload"]) for r in rows] == [
+        (e, w) for e in ("vllm-default", "vllm-tuned") for w in ("w1", "w2", "w3")
+    ]
+    assert all(len(r["seconds"]) == 3 and r["tokens"] > 0 for r in rows)
