@@ -138,42 +138,55 @@ def dtype_of(args) -> torch.dtype:
     return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
 
 
+def make_runner(engine: str, shape: str, model, wls: list, args, folder: str | None = None) -> Runner:
+    """The engine under test, sized for the workloads `wls` (NotImplementedError: this engine cannot)."""
+    if engine == "native":
+        opts = dict(decode_attention=args.decode_attention, sync_every=args.sync_every)
+        if args.no_graphs:
+            opts["cuda_graphs"] = False
+        if args.kv_bucket:
+            opts["kv_bucket"] = args.kv_bucket
+        return native_runner(model, wls, tp=args.tp, opts=opts)
+    if engine == "hf":
+        hf = build_engine("hf", model, None, eos_token_id=[], max_batch=max(w.samples for w in wls))
+        return Runner("hf", 0.0, {}, hf)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = folder or vllm_folder(shape, args.layers)
+    extra = json.loads(args.vllm_tuned_args if engine == "vllm-tuned" else args.vllm_default_args)
+    return vllm_runner(
+        engine, folder, dtype_of(args), wls, tp=args.tp, dummy=not args.vllm_real_weights, extra=extra
+    )
+
+
 def run_piece(shape: str, engine: str, args) -> list[dict]:
-    """Every asked workload on one engine of one shape (in this process)."""
+    """Every asked workload on one engine of one shape (in this process). The native and hf engines are built
+    per workload, sized to it (max_slots = its batch, max_seq_len = prompt + its longest completion: what an
+    RL run configures); vLLM once for all (its start-up is minutes; its paged KV makes the size moot)."""
     wls = [workloads(args)[w] for w in args.workloads]
     config = shape_config(shape, args.layers)
-    dtype, model = dtype_of(args), None
     base = dict(shape=shape, engine=engine, tp=args.tp)
+    model = folder = None
+    if engine in ("native", "hf") or args.vllm_real_weights:
+        model = build_model(shape, args.device, dtype_of(args), args.layers)
+    per_workload = engine in ("native", "hf")
+    if not per_workload and model is not None:  # vLLM loads the saved model: free the card for it
+        folder = vllm_folder(shape, args.layers, model)
+        model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     try:
-        if engine in ("native", "hf") or args.vllm_real_weights:
-            model = build_model(shape, args.device, dtype, args.layers)
-        if engine == "native":
-            opts = dict(decode_attention=args.decode_attention, sync_every=args.sync_every)
-            if args.no_graphs:
-                opts["cuda_graphs"] = False
-            if args.kv_bucket:
-                opts["kv_bucket"] = args.kv_bucket
-            runner = native_runner(model, wls, tp=args.tp, opts=opts)
-        elif engine == "hf":
-            hf = build_engine("hf", model, None, eos_token_id=[], max_batch=max(w.samples for w in wls))
-            runner = Runner("hf", 0.0, {}, hf)
-        else:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            folder = vllm_folder(shape, args.layers, model if args.vllm_real_weights else None)
-            if model is not None:
-                del model
-                model = None
-                torch.cuda.empty_cache()
-            extra = json.loads(args.vllm_tuned_args if engine == "vllm-tuned" else args.vllm_default_args)
-            runner = vllm_runner(
-                engine, folder, dtype, wls, tp=args.tp, dummy=not args.vllm_real_weights, extra=extra
-            )
+        shared = None if per_workload else make_runner(engine, shape, model, wls, args, folder)
     except NotImplementedError as e:
         return [dict(base, workload=w.name, skipped=str(e)) for w in wls]
     rows = []
     peaks = card_peaks(args.device, args.peak_tflops, args.peak_tbs)
     counts = param_counts(config)
     for wl in wls:
+        try:
+            runner = shared or make_runner(engine, shape, model, [wl], args)
+        except NotImplementedError as e:
+            rows.append(dict(base, workload=wl.name, skipped=str(e)))
+            continue
         row, samples = time_rounds(runner, wl, config.vocab_size, args.rounds)
         mean_new = wl.tokens / wl.samples
         batch = wl.tokens / wl.longest  # w1, w2: every sample; w3: the mean live batch over the steps
@@ -189,11 +202,16 @@ def run_piece(shape: str, engine: str, args) -> list[dict]:
         rows.append(row)
         print(f"{shape} {wl.name} {engine:12s} {row['tok_s_median']:10.0f} tok/s (median of {args.rounds}; "
               f"{row['tok_s_min']:.0f}-{row['tok_s_max']:.0f})  warm-up round {row['warmup_s']:.2f} s", flush=True)  # fmt: skip
-    if args.profile and engine == "native":
+        if runner is not shared:
+            runner.close()
+    if args.profile and engine == "native" and rows and "skipped" not in rows[0]:
+        runner = make_runner(engine, shape, model, wls[:1], args)
         prof = profile_native(runner, wls[0], config.vocab_size, args.profile_steps, args.device)
         print_profile(prof, f"{shape} native, batch {wls[0].samples}")
         rows.append(dict(base, workload=f"{wls[0].name}-profile", profile=prof))
-    runner.close()
+        runner.close()
+    if shared is not None:
+        shared.close()
     return rows
 
 

@@ -1,10 +1,10 @@
 """bench/rollout.py's pieces: model shapes, the workloads, the engines under test and the timed rounds.
 
-Engines (each built once per shape and reused for every workload; `settings` records what was set):
+Engines (`settings` records what was set; vLLM is built once per shape for every workload):
 
-    native         relayrl's engine: build_engine("native", model, max_slots = the most samples of any
-                   workload, max_seq_len = prompt + the longest completion, prefix_cache=False (the prompts
-                   are fresh random tokens every round, so there is nothing to reuse), CUDA graphs)
+    native         relayrl's engine: build_engine("native", model, max_slots = the workload's samples,
+                   max_seq_len = prompt + its longest completion, prefix_cache=False (the prompts are fresh
+                   random tokens every round, so there is nothing to reuse), CUDA graphs); built per workload
     vllm-default   vLLM as its users run it offline: `LLM(model=folder)` with nothing set but the dtype,
                    token ids in (skip_tokenizer_init), seed 0 and, with --tp, tensor_parallel_size
     vllm-tuned     the same with the settings vLLM's "Optimization and Tuning" guide names for throughput
