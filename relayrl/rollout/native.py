@@ -74,7 +74,7 @@ from relayrl.rollout.base import (
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
-from relayrl.rollout.native_state import GraphCache, SlotState
+from relayrl.rollout.native_state import GraphCache, SlotState, kv_buckets, sampling_mode
 from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
 from relayrl.rollout.sampling import mix_seed
 from relayrl.rollout.slots import SlotPool
@@ -136,6 +136,7 @@ class NativeEngine(ThreadedEngine):
         driver: str | None = None,
         prefix_cache: bool | None = None,
         min_prefix_tokens: int = 8,
+        compact: bool = True,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -149,7 +150,8 @@ class NativeEngine(ThreadedEngine):
         `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
         starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode);
         None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
-        bench/multiturn.py shows the batched suffix prefill pays)."""
+        bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
+        lowest slots when that shrinks the decode batch (slots of finished samples stop being computed)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -167,7 +169,7 @@ class NativeEngine(ThreadedEngine):
             raise ValueError("NativeEngine(cuda_graphs=True) needs the model on a CUDA device")
         sizes = graph_batch_sizes or tuple(2**i for i in range(max_slots.bit_length()) if 2**i < max_slots)
         self.graph_batch_sizes = tuple(sorted({min(s, max_slots) for s in sizes} | {max_slots}))
-        self.kv_buckets = _kv_buckets(
+        self.kv_buckets = kv_buckets(
             kv_bucket or (256 if self.cuda_graphs else 16), self.max_seq_len, self.cuda_graphs
         )
         self._rng = random.Random(seed)
@@ -190,6 +192,9 @@ class NativeEngine(ThreadedEngine):
         """Batched decode steps run."""
         self.prefill_batches = 0
         """Prefill forward calls."""
+        self.compact = compact
+        self.compactions = 0
+        """Times live slots were moved down to shrink the decode batch (`_compact`)."""
         self._reacquire()
         self.startup_s = time.perf_counter() - t0
         """Seconds spent in the constructor (cache allocation and CUDA graph capture)."""
@@ -280,9 +285,11 @@ class NativeEngine(ThreadedEngine):
         self._admit()
         if not self._running:
             return
+        if self.compact:
+            self._compact()
         # batch size, sampling mode and longest sequence are fixed for the round (host-side bounds)
         bs = next(b for b in self.graph_batch_sizes if b > max(self._slot_owner))
-        mode = _mode(run.pending.request.params for run in self._running)
+        mode = sampling_mode(run.pending.request.params for run in self._running)
         longest = max(run.prompt_len + self.decode_steps - run.admit_step for run in self._running)
         for _ in range(self._steps_before_sync()):
             longest = min(longest + 1, self.max_seq_len)  # attend to positions [0, pos] of the longest
@@ -357,7 +364,7 @@ class NativeEngine(ThreadedEngine):
         slot_idx, row_idx = self._register(batch)
         last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
         logits = self.runner.prefill(ids.to(self.device), last, st.k_cache, st.v_cache, slot_idx, row_idx)
-        st.advance(slot_idx, logits[row_idx], _mode(r.pending.request.params for r in batch))
+        st.advance(slot_idx, logits[row_idx], sampling_mode(r.pending.request.params for r in batch))
         self._count(batch, 0)
 
     def _prefill_suffixes(self, admitted: list[tuple[_Running, int]]) -> None:
@@ -369,7 +376,7 @@ class NativeEngine(ThreadedEngine):
         suffixes = [Suffix(run.pending.request.prompt_ids[m:], m, run.slots) for run, m in admitted]
         slot_idx, row_idx = self._register(batch)
         logits = suffix_prefill(self.runner, st.k_cache, st.v_cache, suffixes)
-        st.advance(slot_idx, logits[row_idx], _mode(r.pending.request.params for r in batch))
+        st.advance(slot_idx, logits[row_idx], sampling_mode(r.pending.request.params for r in batch))
         self._count(batch, sum(m for _, m in admitted))
 
     def _count(self, batch: list[_Running], cached: int) -> None:
@@ -452,6 +459,28 @@ class NativeEngine(ThreadedEngine):
                 self._running.discard(run)
                 run.pending.finish([run.out[s2] for s2 in run.slots])
 
+    def _compact(self) -> None:
+        """When the taken slots would fit a smaller decode batch than the highest one needs (samples finished
+        at different steps), move the highest into the lowest empty slots (K/V, sequences, settings, seeds'
+        uniforms: samples are unchanged), so decode runs over live slots, not finished ones."""
+        taken = sorted(self._slot_owner)
+        need = next(b for b in self.graph_batch_sizes if b >= len(taken))
+        if taken[-1] < need:
+            return
+        movers = [s for s in taken if s >= need]
+        targets = sorted(s for s in self.pool.free if s < need)[: len(movers)]
+        if len(targets) < len(movers):  # parked slots hold the room
+            return
+        runs = [self._slot_owner.pop(s) for s in movers]
+        length = max(r.prompt_len + self.decode_steps - r.admit_step for r in runs) + 1
+        assert self.state is not None, "the engine holds no slot state (asleep or closed)"
+        self.state.move(movers, targets, min(length, self.max_seq_len))
+        for src, dst, run in zip(movers, targets, runs, strict=True):
+            self._slot_owner[dst] = run
+            run.slots[run.slots.index(src)] = dst
+        self.pool.swap_free(targets, movers)
+        self.compactions += 1
+
     def _free_slots(self, run: _Running) -> None:
         """Drop a request's remaining slots (cancel / abort) and mark them done on the device."""
         left = [s for s in run.slots if self._slot_owner.get(s) is run]
@@ -461,24 +490,3 @@ class NativeEngine(ThreadedEngine):
             del self._slot_owner[s]
             self.pool.release(s)
         self._running.discard(run)
-
-
-def _kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:
-    """Attention lengths decode runs with: multiples of `step`, always ending at max_len. With `doubling`
-    (each is a CUDA graph to capture) only up to 8 steps, then doubling (256, 512, ..., 2048, 4096, 8192, ...
-    for step 256)."""
-    buckets, b = [], step
-    while b < max_len:
-        buckets.append(b)
-        b = 2 * b if doubling and b >= 8 * step else b + step
-    return (*buckets, max_len)
-
-
-def _mode(params: Iterable[SamplingParams]) -> str:
-    """Sampling mode covering every request in `params` (see sampling.py)."""
-    params = list(params)
-    if all(p.temperature == 0 for p in params):
-        return "greedy"
-    if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
-        return "truncate"
-    return "sample"
