@@ -21,7 +21,8 @@ A round (one call of `_step` by the driver, driver.py: a thread on CUDA, the cal
      such request prefills all of its requests' uncached suffixes in ONE call (prefix_cache.py).
   2. decode k steps without looking at the device: k = min(sync_every, fewest steps until some slot must
      hit a length limit). A step runs slots [0, bs) with bs the smallest captured batch size covering the
-     highest taken slot and attends over kv_len = the smallest length bucket covering the longest
+     highest taken slot (after `_compact` moved live samples into the lowest empty slots, when that
+     shrinks bs) and attends over kv_len = the smallest length bucket covering the longest
      sequence (buckets of 256 with CUDA graphs, one graph each; of 16 eager, so CPU attention cost
      follows the real lengths). Finished or free slots inside [0, bs) keep running harmlessly (pos and
      flags are frozen by `done`; their writes land past their ends).
