@@ -90,6 +90,7 @@ class _Running:
     prompt_len: int
     admit_step: int
     out: dict[int, Completion] = field(default_factory=dict)
+    """Finished samples by sample index (their entry in `slots` is then -1: the slot is no longer theirs)."""
     marks: list[tuple[int, int]] = field(default_factory=list)
     """(tokens produced per slot when the version changed, the new version), in order: token j of a slot
     was produced by the version of the last mark with count <= j."""
@@ -443,8 +444,9 @@ class NativeEngine(ThreadedEngine):
         toks, lps = st.tokens[fidx, lo:hi].tolist(), st.logprobs[fidx, lo:hi].tolist()
         for i, (s, stopped, pos) in enumerate(finished):
             run = self._slot_owner.pop(s)
-            a, b = run.prompt_len - lo, pos + 1 - lo
-            run.out[s] = Completion(
+            a, b, j = run.prompt_len - lo, pos + 1 - lo, run.slots.index(s)
+            run.slots[j] = -1
+            run.out[j] = Completion(
                 token_ids=toks[i][a:b],
                 logprobs=lps[i][a:b],
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
@@ -458,7 +460,7 @@ class NativeEngine(ThreadedEngine):
                 self.pool.park(s, list(run.pending.request.prompt_ids) + toks[i][a : b - 1])
             if len(run.out) == len(run.slots):
                 self._running.discard(run)
-                run.pending.finish([run.out[s2] for s2 in run.slots])
+                run.pending.finish([run.out[j2] for j2 in range(len(run.slots))])
 
     def _compact(self) -> None:
         """When the taken slots would fit a smaller decode batch than the highest one needs (samples finished
