@@ -69,7 +69,8 @@ class SlotState:
         sequence buffers, sampling settings, progress; the sources are left done."""
         s, d = torch.tensor(src, device=self.rows.device), torch.tensor(dst, device=self.rows.device)
         for cache in (self.k_cache, self.v_cache):
-            cache[:, d, :, :length] = cache[:, s, :, :length]
+            for layer in cache:  # one layer at a time: the gathered copy stays small
+                layer[d, :, :length] = layer[s, :, :length]
         per_slot = (self.tokens, self.logprobs, self.uniforms, self.cur_tok, self.pos, self.last, self.done,
                     self.stopped, self.temp, self.top_p, self.top_k, self.stop_ids)  # fmt: skip
         for t in per_slot:
