@@ -25,6 +25,7 @@ using tyro so the error texts (path, bad key, close matches, valid choices) are 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -320,10 +321,8 @@ def _coerce_scalar(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             number = float(value)
         elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 number = float(value)
-            except ValueError:
-                pass
         if number is None:
             raise _type_error(path, value, tp)
         if not math.isfinite(number):

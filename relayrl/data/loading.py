@@ -117,7 +117,9 @@ def _read_csv(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRo
                 'must be quoted ("Hello, dear friend")'
             )
             if not skip_malformed:
-                raise MalformedRowError(None, None, problem, where=f"{path}, row {i} (line {reader.line_num})")
+                raise MalformedRowError(
+                    None, None, problem, where=f"{path}, row {i} (line {reader.line_num})"
+                )
             bad += 1
             continue
         rows.append(RawRow(data=dict(zip(header, fields, strict=True)), source=source, file=str(path), row=i))

@@ -145,9 +145,7 @@ def kto_prepare(models: Any, micro_batches: list[KTOBatch], num_real: int) -> No
             kl_ref = side_logps(models.frozen, _mismatched(mb))[0].double().cpu()
         if i < num_real:
             valid = mb.kl_valid if mb.kl_valid is not None else torch.ones(len(kl_pol), dtype=torch.bool)
-            total += torch.stack(
-                [(kl_pol - kl_ref)[valid].sum(), valid.sum().to(torch.float64)]
-            )
+            total += torch.stack([(kl_pol - kl_ref)[valid].sum(), valid.sum().to(torch.float64)])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     z0 = float(kto_reference_point(total[0], total[1]))

@@ -328,7 +328,9 @@ def test_equal_reward_groups_get_exactly_zero_in_float32(name):
 
 def test_whitening_an_equal_batch_gives_exactly_zero():
     r = torch.full((6,), 13.7, dtype=torch.float32)
-    adv, _, _ = ADVANTAGES["reinforce"](AdvantageInputs(rewards=r, action_mask=torch.ones(6, 4, dtype=torch.bool)))
+    adv, _, _ = ADVANTAGES["reinforce"](
+        AdvantageInputs(rewards=r, action_mask=torch.ones(6, 4, dtype=torch.bool))
+    )
     assert torch.equal(adv, torch.zeros(6, 4))
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from relayrl.algorithms import value_loss as exported_value_loss
 from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
 from relayrl.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS, kl_estimate, kl_loss
-from relayrl.algorithms import value_loss as exported_value_loss
 from relayrl.algorithms.value import value_loss
 
 F64 = torch.float64

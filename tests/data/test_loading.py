@@ -124,7 +124,9 @@ def test_csv_quoted_commas_and_rows_with_extra_fields(tmp_path):
     # a quoted field keeps its comma; an unquoted one made an extra field and the row silently trained on
     # "Hello": now that row is malformed, named by file and row (and line), skippable and counted
     p = tmp_path / "greet.csv"
-    p.write_text('input,output\n"Greet me:","Hello, dear friend"\nSay hi:,"two\nlines"\nGreet me:,Hello, dear friend\n')
+    p.write_text(
+        'input,output\n"Greet me:","Hello, dear friend"\nSay hi:,"two\nlines"\nGreet me:,Hello, dear friend\n'
+    )
     with pytest.raises(MalformedRowError, match=rf"^{p}, row 3 \(line 5\): 3 fields where the header"):
         load_source(str(p))
     rows, bad = load_source(str(p), skip_malformed=True)

@@ -278,7 +278,7 @@ def equal_groups(groups: Tensor) -> Tensor:
     """[G, 1] bool: the groups whose rewards are all equal (max == min). They carry no group-relative signal;
     the group estimators set their scores to exactly 0 (in float32, r - mean(r) leaves a rounding residual
     that a std of 0 would turn into a large advantage)."""
-    return (groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True))
+    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
 
 
 def zero_equal_groups(scores: Tensor, groups: Tensor) -> Tensor:
