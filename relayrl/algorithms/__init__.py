@@ -75,7 +75,6 @@ __all__ = [
     "needs_groups",
     "needs_reference",
     "resolve_names",
-    "value_loss",
 ]
 
 _LAZY = {"value_loss": ("relayrl.algorithms.value", "value_loss")}

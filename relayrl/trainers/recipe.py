@@ -42,6 +42,7 @@ from relayrl.training.setup import (
     build_logger,
     check_config_change,
     prepare_run_dir,
+    release_run_dir,
     resume_if_asked,
     run_dir_of,
     seed_everything,
@@ -320,6 +321,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
             recipe.after_fit(handle, result)
     finally:
         launcher.shutdown()
+        release_run_dir(run_dir)
     return result
 
 

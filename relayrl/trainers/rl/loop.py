@@ -53,7 +53,12 @@ from relayrl.trainers.rl.setup import prepare_run
 from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 from relayrl.training.loop import LoopSettings, due
 from relayrl.training.sampler import ResumableSampler
-from relayrl.training.setup import build_checkpoint_manager, build_logger, checkpoint_to_resume
+from relayrl.training.setup import (
+    build_checkpoint_manager,
+    build_logger,
+    checkpoint_to_resume,
+    release_run_dir,
+)
 from relayrl.training.signals import SignalFlag
 from relayrl.workers.base import Experience, collate
 from relayrl.workers.builders import exact_on_policy
@@ -283,6 +288,7 @@ class RLTrainer:
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             self.roles.close()  # aborts a batch still in flight
             self.rollouts.close(timeout=60)
+            release_run_dir(self.run_dir)
         return result
 
     def _loop(
