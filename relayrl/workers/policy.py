@@ -50,7 +50,7 @@ from relayrl.models.forward import to_device
 from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
-from relayrl.training.checkpoint import load_weights_into
+from relayrl.training.checkpoint import check_finite_weights, load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, split_rows
@@ -361,6 +361,7 @@ class PolicyWorker:
         path = Path(folder)
         if self.ema is None:
             return self.state.export(path)
+        check_finite_weights(self.ema, f"the final (EMA) model to {path}")
         with self.train.full_precision():
             current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             self.model.load_state_dict(self.ema)
