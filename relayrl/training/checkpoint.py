@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from relayrl.training.rng import capture_rng_state, restore_rng_state
 
@@ -76,7 +77,7 @@ def check_finite_weights(tensors: Mapping[str, torch.Tensor], what: str, *, redu
     bad, total, names = 0, 0, []
     for name, t in tensors.items():
         local = t.detach()
-        local = local.to_local() if hasattr(local, "to_local") else local  # a DTensor shard
+        local = local.to_local() if isinstance(local, DTensor) else local  # a sharded parameter: its shard
         if not local.is_floating_point():
             continue
         n = int((~torch.isfinite(local)).sum())
