@@ -290,6 +290,7 @@ def _prepare(recipe: Recipe) -> tuple[Path, _Data]:
         train_samples, eval_samples = recipe.load_data(tokenizer)
         total = _total_steps(cfg, len(train_samples))
     except BaseException:
+        release_run_dir(run_dir, remove=folder in created)
         for p in created:  # a run that never started leaves no folder behind
             if any(p.iterdir()):
                 break

@@ -82,9 +82,10 @@ def lock_run_dir(run_dir: Path, prog: str) -> bool:
     return True
 
 
-def release_run_dir(run_dir: Path) -> None:
+def release_run_dir(run_dir: Path, *, remove: bool = False) -> None:
     """Release this process's lock of `run_dir` (nothing when it holds none); the record is cleared, so the
-    next run finds no lock left behind."""
+    next run finds no lock left behind. `remove`: also delete the lock file (a run that never started, whose
+    folder is removed)."""
     f = _held.pop(_key(run_dir), None)
     if f is None:
         return
@@ -92,6 +93,8 @@ def release_run_dir(run_dir: Path) -> None:
         f.seek(0)
         f.truncate()
         f.flush()
+        if remove:
+            (_key(run_dir) / LOCK_FILE).unlink(missing_ok=True)
         fcntl.flock(f, fcntl.LOCK_UN)
     finally:
         f.close()
