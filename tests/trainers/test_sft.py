@@ -275,7 +275,7 @@ def test_a_run_whose_weights_became_non_finite_exports_nothing(tmp_path, tiny_mo
     from relayrl.training.checkpoint import NonFiniteWeights
 
     out = tmp_path / "run"
-    cfg = parse_cli(SFTConfig, _argv(tiny_model_path, train_file, out, "--train.max_steps", "2"))
+    cfg = parse_cli(SFTConfig, _argv(tiny_model_path, train_file, out, "--train.max_steps", "1"))
     cfg.optim.lr = float("inf")
     with pytest.raises(NonFiniteWeights, match=r"refusing to write a checkpoint to .* weight values are NaN"):
         run_sft(cfg)
