@@ -166,7 +166,9 @@ def _input_at(output: Path, cfg: GenerateConfig) -> str | None:
         path = Path(source).expanduser()
         inputs.append((f"data.datasets[{i}]", path))
         if path.is_dir():
-            inputs += [(f"data.datasets[{i}] (a file of the folder)", f) for f in path.iterdir() if f.is_file()]
+            inputs += [
+                (f"data.datasets[{i}] (a file of the folder)", f) for f in path.iterdir() if f.is_file()
+            ]
     if cfg.reward.source:
         inputs.append(("reward.source", Path(cfg.reward.source).expanduser()))
     out = output.expanduser().resolve()

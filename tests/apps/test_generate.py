@@ -209,7 +209,9 @@ def test_failing_reward_is_counted_and_marked_never_zeroed(tiny_model_path, tmp_
 
 def test_reward_file_calling_sys_exit_fails_the_command(tiny_model_path, tmp_path, capsys):
     # before: exit 0, nothing printed, nothing written
-    reward = write(tmp_path / "quits.py", "import sys\n\n\ndef reward_func(queries, prompts, labels):\n    sys.exit(0)\n")
+    reward = write(
+        tmp_path / "quits.py", "import sys\n\n\ndef reward_func(queries, prompts, labels):\n    sys.exit(0)\n"
+    )
     out = tmp_path / "o.jsonl"
     argv = ["--model.name_or_path", str(tiny_model_path), "--task.name", "add2", "--task.train_rows", "2",
             "--rollout.n_samples", "2", "--rollout.max_new_tokens", "3", "--rollout.max_len", "64",
