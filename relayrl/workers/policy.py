@@ -56,7 +56,7 @@ from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.rollout.native_tp import TPNativeEngine
-from relayrl.training.checkpoint import load_weights_into
+from relayrl.training.checkpoint import check_finite_weights, load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
@@ -381,6 +381,8 @@ class PolicyWorker:
         path = Path(folder)
         if self.ema is None:
             return self.state.export(path)
+        # a NaN / inf anywhere in the EMA stops the export (every rank counts its shards when sharded)
+        check_finite_weights(self.ema.state, f"the final (EMA) model to {path}", reduce=self.ema.sharded)
         if self.ema.sharded:  # gathered on every rank, written by rank 0
             full = self.ema.full(keep=rank() == 0)
             if rank() == 0:

@@ -167,6 +167,15 @@ def _check_groups(cfg: RLConfig) -> None:
             "samples of a prompt, so use >= 2 (or a critic-free single-sample estimator: reinforce)",
             field="rollout.n_samples",
         )
+    if r.temperature == 0 and needs_groups(a.advantage):
+        warnings.warn(
+            f"rollout.temperature 0 (greedy) with {r.n_samples} samples per prompt: the samples of a prompt are "
+            f"identical, so {a.advantage!r} gets equal rewards and advantage 0 in every group (nothing to "
+            "learn; the run stops with an error if no step had a non-zero advantage); sample with "
+            "--rollout.temperature > 0",
+            ConfigWarning,
+            stacklevel=3,
+        )
     if not keeps_groups(r.failure_policy):
         keeping = [n for n, e in FAILURE_POLICIES.items() if e.keeps_groups]
         raise ConfigError(
