@@ -35,7 +35,8 @@ def _serve(cfg: ServeConfig) -> int:
         # an engine that loads its own weights (vllm) reads the folder itself: the HF module is not loaded then
         model: Any = cfg.model
         if not caps.own_weights:
-            model = load_pretrained(AutoModelForCausalLM, cfg.model, what="model", device=device).eval()
+            model = load_pretrained(AutoModelForCausalLM, cfg.model, what="model", device=device)
+            model.eval().requires_grad_(False)  # never trained here: the native engine fuses its projections
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2

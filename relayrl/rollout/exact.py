@@ -185,7 +185,9 @@ class ExactRunner(DecoderRunner):
     unchanged) and the trainer's `sequence_logprobs`, all through the batch-invariant ops above."""
 
     def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "math") -> None:
-        super().__init__(model, max_len, "math")  # (decode_attention: DecoderRunner's; the attention is ours)
+        super().__init__(
+            model, max_len, "math", fuse=False
+        )  # (decode_attention: unused, the attention is ours)
         for li, layer in enumerate(self.layers):
             mods = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             mods += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -278,21 +280,26 @@ class ExactRunner(DecoderRunner):
         lengths: list[int],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: list[int],
+        slots: list[list[int]],
     ) -> torch.Tensor:
-        """DecoderRunner.extend (prefix cache) through the batch-invariant ops."""
+        """DecoderRunner.extend (prefill after a cached prefix; K/V into every slot of slots[b], attention
+        over the first) through the batch-invariant ops."""
         b, t = ids.shape
         dev = ids.device
-        start_t, slot_t = torch.tensor(start, device=dev), torch.tensor(slots, device=dev)
+        start_t, first = torch.tensor(start, device=dev), torch.tensor([s[0] for s in slots], device=dev)
         pos = (start_t[:, None] + torch.arange(t, device=dev)[None, :]).clamp(max=self.max_len - 1)
         kv_len = max(s + n for s, n in zip(start, lengths, strict=True))
-        real = torch.arange(t, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+        # every (row, target slot) pair's real tokens (padding writes nothing): row, slot, column per token
+        pair_row = torch.tensor([r for r, ss in enumerate(slots) for _ in ss], device=dev)
+        pair_slot = torch.tensor([s for ss in slots for s in ss], device=dev)
+        real = torch.arange(t, device=dev)[None, :] < torch.tensor(lengths, device=dev)[pair_row][:, None]
+        pair, col = real.nonzero(as_tuple=True)
+        row, slot = pair_row[pair], pair_slot[pair]
 
         def kv(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            rows, cols = real.nonzero(as_tuple=True)
-            for cache, new in ((k_cache, k), (v_cache, v)):  # real tokens only: padding writes nothing
-                cache[li][slot_t[rows], :, pos[rows, cols]] = new[rows, :, cols]
-            return k_cache[li, slot_t, :, :kv_len], v_cache[li, slot_t, :, :kv_len]
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                cache[li][slot, :, pos[row, col]] = new[row, :, col]
+            return k_cache[li, first, :, :kv_len], v_cache[li, first, :, :kv_len]
 
         h = self._stack(ids, pos, kv)
         last = torch.tensor([n - 1 for n in lengths], device=dev)

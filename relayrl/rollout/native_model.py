@@ -20,6 +20,10 @@ SiLU MLP by three of them with the product in place; anything else (LoRA layers,
         same as 4-D SDPA; math, CPU's default: baddbmm with the scale and mask fused, softmax, bmm).
         Static shapes for fixed (bs, kv_len), so the caller can capture it in a CUDA graph.
 
+Weights that do not train (an engine's own copy, a tensor-parallel shard) get fused q/k/v and gate/up
+projections: one GEMM each, over buffers the parameters are views of (native_fused.py); a module that is not a
+plain Linear (rollout/native_tp.py's row-parallel o_proj / down_proj, which all-reduce) is called as it is.
+
 Supported: decoder-only models laid out like Llama (model.model.{embed_tokens, layers, norm, rotary_emb},
 model.lm_head) with default or scaled rotary (the HF module's own inv_freq and attention_scaling are used)
 and no active sliding window: model types in SUPPORTED_MODEL_TYPES. Others raise an error naming the type
@@ -33,6 +37,8 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+
+from relayrl.rollout.native_fused import fuse_projections, gate_up_weight, qkv_weights
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -136,9 +142,23 @@ def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
     act = type(getattr(mlp, "act_fn", None)).__name__
     if type(mlp).__name__ not in _PLAIN_MLPS or act not in ("SiLUActivation", "SiLU") or _hooked(mlp):
         return mlp
-    if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs):
+    if any(not isinstance(p, torch.nn.Module) for p in projs):
         return mlp
-    gate, up, down = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs)
+    down = _linear_fn(cast(torch.nn.Module, projs[2]))  # a module (tensor-parallel row split) is called
+    gate_up = gate_up_weight(mlp)
+    if gate_up is not None:  # one GEMM for gate and up (native_fused.py)
+        inter = gate_up.shape[0] // 2
+
+        def fused(x: torch.Tensor) -> torch.Tensor:
+            gu = F.linear(x, gate_up)
+            h = F.silu(gu[..., :inter])
+            h *= gu[..., inter:]
+            return down(h)
+
+        return fused
+    if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs[:2]):
+        return mlp
+    gate, up = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs[:2])
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = F.silu(gate(x))
@@ -151,9 +171,12 @@ def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
 class DecoderRunner:
     """Prefill and decode forwards over an HF causal LM's live modules (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto") -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto", fuse: bool = True
+    ) -> None:
         """`decode_attention`: "sdpa" (fused kernel), "math" (matmul + softmax; faster on CPU for short
-        query groups) or "auto" (sdpa on CUDA, math elsewhere)."""
+        query groups) or "auto" (sdpa on CUDA, math elsewhere); `fuse`: lay out q/k/v and gate/up of weights
+        that do not train as one buffer each and run one GEMM per group (native_fused.py)."""
         base = getattr(model, "get_base_model", None)
         if base is not None:  # peft: run the base model, whose projections carry the adapters
             model = base()
@@ -186,6 +209,9 @@ class DecoderRunner:
             tuple(_linear_fn(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
             for layer in self.layers
         ]
+        self.fused_layers = fuse_projections(model) if fuse else 0
+        """Layers whose q/k/v and gate/up run as one GEMM each (native_fused.py: weights that do not train)."""
+        self.qkv = [qkv_weights(layer.self_attn) for layer in self.layers]
         self.mlps = [_mlp_fn(layer.mlp) for layer in self.layers]
         self.qk_norms: list[tuple[TensorFn, TensorFn] | None] = [
             (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
@@ -215,11 +241,18 @@ class DecoderRunner:
         return (len(self.layers), slots, self.n_kv, self.max_len, self.head_dim)
 
     def _qkv(self, li: int, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms)."""
-        q_proj, k_proj, v_proj, _ = self.projs[li]
-        q = q_proj(h).view(*shape, self.n_heads, self.head_dim)
-        k = k_proj(h).view(*shape, self.n_kv, self.head_dim)
-        v = v_proj(h).view(*shape, self.n_kv, self.head_dim)
+        """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms); one GEMM
+        when the layer's q/k/v are fused (native_fused.py)."""
+        fused = self.qkv[li]
+        if fused is not None:
+            weight, bias, sizes = fused
+            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
+        else:
+            q_proj, k_proj, v_proj, _ = self.projs[li]
+            q, k, v = q_proj(h), k_proj(h), v_proj(h)
+        q = q.view(*shape, self.n_heads, self.head_dim)
+        k = k.view(*shape, self.n_kv, self.head_dim)
+        v = v.view(*shape, self.n_kv, self.head_dim)
         qk_norms = self.qk_norms[li]
         if qk_norms is not None:
             q_norm, k_norm = qk_norms
@@ -263,27 +296,32 @@ class DecoderRunner:
         lengths: list[int],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: list[int],
+        slots: list[list[int]],
     ) -> torch.Tensor:
         """Prefill after a cached prefix: row b's tokens ids[b, :lengths[b]] (right-padded [B, T]) sit at
-        positions start[b] + [0, lengths[b]) of slot slots[b], whose cache already holds valid K/V at
-        [0, start[b]). Writes their K/V there and attends over the slot's cache [0, start[b] + i] for the
-        token at offset i. Returns logits [B, V] at each row's last token. (Prefix caching: the next turn of
-        a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet.) Offsets
-        come from the host, so nothing here waits for the device."""
+        positions start[b] + [0, lengths[b]) of slot slots[b][0], whose cache already holds valid K/V at
+        [0, start[b]) (start 0: a fresh prompt). Writes their K/V there and into every other slot of
+        slots[b] (the n samples of a fresh prompt) and attends over the first slot's cache [0, start[b] + i]
+        for the token at offset i. Returns logits [B, V] at each row's last token. (Prefix caching: the next
+        turn of a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet;
+        prefix_cache.py batches every request of a step into one call.) Offsets come from the host, so nothing
+        here waits for the device; the attended length is rounded up to a multiple of 64 (fewer shapes)."""
         b, t = ids.shape
         d, hkv, n_layers, dev = self.head_dim, self.n_kv, len(self.layers), ids.device
-        kv_len = max(s + n for s, n in zip(start, lengths, strict=True))
-        # per real token, in [B, Hkv, T] order: its row in k.reshape(-1, D) and its row in the cache viewed as
-        # [layers, slots * Hkv * max_len, D] (padding tokens are neither read nor written); built on the host
-        rows, heads, toks = torch.arange(b)[:, None, None], torch.arange(hkv)[None, :, None], torch.arange(t)
-        real = (toks < torch.tensor(lengths)[:, None, None]).expand(b, hkv, t)
-        src = ((rows * hkv + heads) * t + toks).expand(b, hkv, t)[real]
-        slot_rows = torch.tensor(slots)[:, None, None] * hkv + heads
-        dst = (slot_rows * self.max_len + torch.tensor(start)[:, None, None] + toks)[real]
+        kv_len = min(self.max_len, -(-max(s + n for s, n in zip(start, lengths, strict=True)) // 64) * 64)
+        # per (row, target slot) pair and real token, in [pair, Hkv, T] order: its row in k.reshape(-1, D) and
+        # its row in the cache viewed as [layers, slots * Hkv * max_len, D] (padding is neither read nor
+        # written); built on the host
+        pairs = [(row, slot) for row, row_slots in enumerate(slots) for slot in row_slots]
+        rows = torch.tensor([r for r, _ in pairs])[:, None, None]
+        heads, toks = torch.arange(hkv)[None, :, None], torch.arange(t)
+        real = (toks < torch.tensor(lengths)[rows]).expand(len(pairs), hkv, t)
+        src = ((rows * hkv + heads) * t + toks).expand(len(pairs), hkv, t)[real]
+        slot_rows = torch.tensor([s for _, s in pairs])[:, None, None] * hkv + heads
+        dst = (slot_rows * self.max_len + torch.tensor(start)[rows] + toks)[real]
         src_t, dst_t = src.to(dev), dst.to(dev)
         start_t = torch.tensor(start, device=dev)
-        slot_t = torch.tensor(slots, device=dev)
+        slot_t = torch.tensor([row_slots[0] for row_slots in slots], device=dev)
         last = torch.tensor([n - 1 for n in lengths], device=dev)
         pos = (start_t[:, None] + torch.arange(t, device=dev)[None, :]).clamp(max=self.max_len - 1)  # [B, T]
         x = self.body.embed_tokens(ids)

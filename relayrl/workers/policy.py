@@ -5,6 +5,10 @@ compute weights have the engine's dtype (fp32 on a CPU; on a GPU the bf16 comput
 refreshes from the fp32 masters after every optimizer step), else its own copy refreshed on the device by
 `sync`; an engine that loads its own weights (vllm) is streamed them. With separate engines
 (dist.num_engines) the policy keeps a full replica and its rank 0 broadcasts it (distributed/weights/broadcast).
+With dist.engine_tp > 1 (colocated, native) each block of engine_tp consecutive ranks runs ONE tensor-parallel
+engine (rollout/native_tp.py): every rank holds 1/TP of the weights (TensorParallelWeights, refreshed from the
+FSDP shards one parameter at a time), the block's first rank generates the block's share of the prompts and the
+others follow its rounds (their `rollout` returns nothing).
 
 Methods (called by the controller through a RoleHandle, in-process or on a Ray actor):
 
@@ -46,14 +50,16 @@ from relayrl.distributed.group import in_group, merged, rank, world
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
+from relayrl.distributed.weights.tensor_parallel import TensorParallelWeights, tp_groups
 from relayrl.models.forward import to_device
 from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
-from relayrl.training.checkpoint import load_weights_into
+from relayrl.rollout.native_tp import TPNativeEngine
+from relayrl.training.checkpoint import check_finite_weights, load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.step import LossOutput
-from relayrl.workers.base import Experience, split_rows
+from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import (
     build_generation,
     build_policy_objective,
@@ -61,8 +67,9 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
-from relayrl.workers.engine import generate_share, sampling_params
-from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
+from relayrl.workers.ema import PolicyEma
+from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
+from relayrl.workers.model_ops import masked_logprobs, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -120,13 +127,19 @@ class PolicyWorker:
         engine_device = torch.device(spec.rollout.engine_device) if spec.rollout.engine_device else None
         # an engine holding its own copy (vllm) is streamed the weights; separate engines take a broadcast
         stream = engine_capabilities(spec.rollout.engine).own_weights and not spec.separate_engines
+        self.weights: LocalWeights | TensorParallelWeights
+        self.tp_group: Any = None
+        """This rank's tensor-parallel engine group (dist.engine_tp > 1, colocated): its engine is a TP shard."""
+        engine_tp = spec.dist.engine_tp if spec.dist is not None and not spec.separate_engines else 1
 
         def gather_replica(layout: str) -> None:
-            """The engine's full replica, copied before the model is sharded."""
-            if spec.ema > 0:
-                raise ValueError(
-                    "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
+            """The engine's full replica (or its TP shard), copied before the model is sharded."""
+            if engine_tp > 1:  # 1/TP of the weights, refreshed one gathered parameter at a time
+                self.tp_group = tp_groups(engine_tp)
+                self.weights = TensorParallelWeights(
+                    self.model, dtype=engine_dtype, group=self.tp_group, device=engine_device or self.device
                 )
+                return
             self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,
@@ -147,10 +160,10 @@ class PolicyWorker:
         )
         self.layout, self.train = ("exact" if spec.rollout.exact else built.layout), built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
-        self.ema = None
-        if spec.ema > 0:
-            with self.train.full_precision():  # the EMA tracks the fp32 weights
-                self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.ema: PolicyEma | None = None
+        if spec.ema > 0:  # fp32, sharded like the policy under N ranks (relayrl.workers.ema)
+            with self.train.full_precision():
+                self.ema = PolicyEma(self.model, spec.ema)
         if not grouped:
             self.weights = LocalWeights(
                 self.model,
@@ -176,6 +189,7 @@ class PolicyWorker:
                 source=spec.model,
                 task_name=spec.task_name,
                 step_timeout=spec.step_timeout,
+                group=self.tp_group,
             )
 
     # ----------------------------------------------------------------------------------------- rollout
@@ -196,12 +210,15 @@ class PolicyWorker:
         if self.device.type == "cuda" and not eval and not self.spec.async_train:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
-        return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
+        budget = self.spec.rollout.max_new_tokens
+        if isinstance(self.engine, TPNativeEngine):  # the block's leader generates, the others follow
+            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget)
+        return generate_share(self.executor, base, samples, seed, budget)
 
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")
     @torch.no_grad()
-    def logprobs(self, batch: Any) -> Tensor:
+    def logprobs(self, batch: Rows[SequenceBatch]) -> Tensor:
         """log pi_old(x_t | x_<t) [B, T] under the sampling temperature (0 where not an action); under N ranks
         each rank computes its share of the rows."""
         self.model.eval()
@@ -218,15 +235,18 @@ class PolicyWorker:
         )
 
     # ----------------------------------------------------------------------------------------- update
-    def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
-        """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps."""
+    def update(self, exp: Rows[Experience], kl_coef: float) -> dict[str, float]:
+        """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps.
+        Each rank reads only its share of each mini-batch (workers.base.my_update_parts; a rank left without
+        rows runs a padding pass on the mini-batch's first row, weight 0)."""
         a = self.spec.algo
+        parts = my_update_parts(exp, a.mini_batches)
         sums: dict[str, float] = {}
         steps = 0
         self._prepare_update()
         for _ in range(a.epochs):
-            for rows in split_rows(len(exp.rewards), a.mini_batches):
-                for k, v in self._optimizer_step(exp.select(rows), kl_coef).items():
+            for part, real in parts:
+                for k, v in self._optimizer_step(part, kl_coef, real).items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         self._ema_update()
@@ -237,16 +257,15 @@ class PolicyWorker:
             out["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
-    def _optimizer_step(self, mb: Experience, kl_coef: float) -> dict[str, float]:
-        """One optimizer step on the mini-batch: this rank's share of its rows (all of them on one rank)."""
-        rows = my_rows(mb.tokens)
-        part = mb.select(rows or [0])  # a rank without rows runs a padding pass (weight 0)
+    def _optimizer_step(self, part: Experience, kl_coef: float, real: bool) -> dict[str, float]:
+        """One optimizer step on this rank's share `part` of the mini-batch (all of it on one rank); `real`
+        False: a padding pass (weight 0) of a rank without rows."""
         groups = plan_micro_batches(part.tokens.lengths, self.spec.algo.micro_batch_tokens, self.layout)
 
         def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
             return self._loss(model, part, r, kl_coef)
 
-        out = self.train.step(groups, loss_fn, num_real=len(groups) if rows else 0)
+        out = self.train.step(groups, loss_fn, num_real=len(groups) if real else 0)
         return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
 
     def _prepare_update(self) -> None:
@@ -286,13 +305,9 @@ class PolicyWorker:
         )
 
     def _ema_update(self) -> None:
-        if self.ema is None:
-            return
-        d = self.spec.ema
-        with torch.no_grad(), self.train.full_precision():
-            for k, v in self.model.state_dict().items():
-                if v.is_floating_point():
-                    self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
+        if self.ema is not None:
+            with self.train.full_precision():
+                self.ema.update(self.model)
 
     # ----------------------------------------------------------------------------------------- sync
     def weight_endpoint(self) -> tuple[str, int]:
@@ -341,13 +356,17 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------- state
     def save(self, folder: str) -> None:
         """Model, optimizer, schedule, EMA, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
-        self.state.save(folder, {"ema": self.ema})
+        self.state.save(folder, self.ema.extra() if self.ema is not None else {"ema": None})
+        if self.ema is not None:
+            self.ema.save(folder)
 
     def load(self, folder: str) -> None:
         """Restore everything `save` wrote, in place (from a checkpoint of any rank count). The engines get
         the restored weights from the controller's next `sync` (RLTrainer.resume calls it)."""
         state = self.state.load(folder)
-        self.ema = state.get("ema")
+        if self.ema is not None and not self.ema.load(folder, state.get("ema")):
+            with self.train.full_precision():  # a checkpoint without an EMA: it restarts from its weights
+                self.ema = PolicyEma(self.model, self.spec.ema)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
@@ -362,9 +381,17 @@ class PolicyWorker:
         path = Path(folder)
         if self.ema is None:
             return self.state.export(path)
+        # a NaN / inf anywhere in the EMA stops the export (every rank counts its shards when sharded)
+        check_finite_weights(self.ema.state, f"the final (EMA) model to {path}", reduce=self.ema.sharded)
+        if self.ema.sharded:  # gathered on every rank, written by rank 0
+            full = self.ema.full(keep=rank() == 0)
+            if rank() == 0:
+                self.state.save_hf(path, full)
+            torch.distributed.barrier()
+            return str(path)
         with self.train.full_precision():
             current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.model.load_state_dict(self.ema)
+            self.model.load_state_dict(self.ema.state)
             pretrained(self.model).save_pretrained(path)
             self.model.load_state_dict(current)
         self.tokenizer.save_pretrained(path)

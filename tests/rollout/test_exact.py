@@ -128,3 +128,29 @@ def test_bf16_engine_copy_equals_fp32_master_under_autocast(lively_model, tiny_t
         engine_lps, trainer_lps = _trainer_logprobs(lively_model, prompts, results, "exact")
     for e, t in zip(engine_lps, trainer_lps, strict=True):
         assert torch.equal(e, t)
+
+
+def test_prefix_cache_turn_equals_the_trainer(lively_model, tiny_tokenizer, prompts):
+    """A second turn prefilled after the cached prefix (DecoderRunner.extend's exact variant) scores like the
+    trainer's forward over the whole conversation."""
+    engine = build_engine(
+        "native",
+        lively_model,
+        tiny_tokenizer,
+        max_slots=4,
+        max_seq_len=96,
+        eos_token_id=[],
+        driver="loop",
+        exact=True,
+        prefix_cache=True,
+    )
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=10, seed=3)
+    try:
+        first = generate_all(engine, [GenerationRequest(prompt_ids=prompts[3], params=params)])[0]
+        turn2 = prompts[3] + first.completions[0].token_ids + prompts[4]
+        second = generate_all(engine, [GenerationRequest(prompt_ids=turn2, params=params)])[0]
+        assert engine.cached_tokens > 0  # the second turn went through extend
+    finally:
+        engine.close()
+    engine_lps, trainer_lps = _trainer_logprobs(lively_model, {0: turn2}, {0: second}, "exact")
+    assert torch.equal(engine_lps[0], trainer_lps[0])

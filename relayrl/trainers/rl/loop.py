@@ -24,8 +24,9 @@ run samples exactly what an uninterrupted one would have (exact resume).
 
 Run folder (train.output_dir, default runs/rl): config.yaml, data/ (task rows), metrics.jsonl, samples.jsonl,
 tensorboard/, checkpoints/step_<N>/{policy,critic}/ (HF folders + worker_state.pt), curves.png, final/ (HF).
-Exit codes: 0 done, 1 stopped on an error (message printed), 2 bad config, 130 / 143 interrupted by
-SIGINT / SIGTERM after writing a checkpoint.
+Exit codes: 0 done, 1 stopped on an error (message printed; also a run in which no step had a non-zero advantage:
+nothing was learned, no final/ written), 2 bad config, 130 / 143 interrupted by SIGINT / SIGTERM after writing a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
 from relayrl.trainers.rl.setup import prepare_run
 from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 from relayrl.training.loop import LoopSettings, due
-from relayrl.training.sampler import ResumableSampler
-from relayrl.training.setup import build_checkpoint_manager, build_logger, checkpoint_to_resume
+from relayrl.training.sampler import ResumableSampler, batches_drawn
+from relayrl.training.setup import (
+    build_checkpoint_manager,
+    build_logger,
+    checkpoint_to_resume,
+    release_run_dir,
+)
 from relayrl.training.signals import SignalFlag
 from relayrl.workers.base import Experience, collate
 from relayrl.workers.builders import exact_on_policy
@@ -131,12 +137,18 @@ class RLTrainer:
         self.reward_norm = build_reward_norm(cfg.reward)
         self.step = 0
         self.skipped = 0
+        self.learned = False
+        """Whether any step so far had a non-zero advantage on an action token (else the run learned nothing)."""
         self.version = 0
         """The policy version the engine holds: the step of the last weight sync (async staleness counts it)."""
         self.rollouts = build_rollout_strategy(cfg.train, cfg.rollout)
         """Sync, or async (the next steps' rollout overlaps this step's update): chosen here, once."""
         self.roles = build_roles(
-            cfg, cfg.train.max_steps, concurrency=self.rollouts.concurrency, overlaps=self.rollouts.overlaps
+            cfg,
+            cfg.train.max_steps,
+            concurrency=self.rollouts.concurrency,
+            overlaps=self.rollouts.overlaps,
+            run_dir=self.run_dir,
         )
         self.rollout = RolloutPhase(
             generator=self.roles.generator,
@@ -190,9 +202,10 @@ class RLTrainer:
         batch = collate(trajs, self.pad_id)
         rewards, metrics = trajectory_rewards(trajs, self.cfg, self.reward_norm)
         r = self.roles
-        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, batch)
-        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, batch)
-        values = None if r.critic is None else r.critic.submit(CriticWorker.values, batch)
+        rows = r.rows(batch)  # on Ray: put once, each rank fetches its share
+        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, rows)
+        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, rows)
+        values = None if r.critic is None else r.critic.submit(CriticWorker.values, rows)
         old_lp = old.result() if old is not None else None
         ref_lp = ref.result() if ref is not None else None
         values_t = values.result() if values is not None else None
@@ -206,6 +219,7 @@ class RLTrainer:
             kl_coef=self.kl_ctl.value,
         )
         metrics.update(m)
+        self.learned = self.learned or bool((adv[batch.action_mask.bool()] != 0).any())
         if old_lp is not None:  # the engine's log-probs against the trainer's, before the update
             mm = logprob_mismatch(old_lp, batch.rollout_logprobs, batch.action_mask)
             metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
@@ -222,9 +236,12 @@ class RLTrainer:
 
     def update(self, exp: Experience, kl: float) -> dict[str, float]:
         """Policy and critic updates (in parallel across roles); then the KL controller."""
-        jobs = [self.roles.policy.submit(PolicyWorker.update, exp, self.kl_ctl.value)]
+        rows = self.roles.rows(
+            exp
+        )  # on Ray: only the rows' new fields are put; the tokens were, for make_experience
+        jobs = [self.roles.policy.submit(PolicyWorker.update, rows, self.kl_ctl.value)]
         if self.roles.critic is not None:
-            jobs.append(self.roles.critic.submit(CriticWorker.update, exp))
+            jobs.append(self.roles.critic.submit(CriticWorker.update, rows))
         metrics: dict[str, float] = {"train/kl_coef": self.kl_ctl.value}
         for job in jobs:
             metrics.update(job.result())
@@ -283,6 +300,7 @@ class RLTrainer:
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             self.roles.close()  # aborts a batch still in flight
             self.rollouts.close(timeout=60)
+            release_run_dir(self.run_dir)
         return result
 
     def _loop(
@@ -331,6 +349,16 @@ class RLTrainer:
             result.message = (
                 f"no update was made: all {self.step - self._start_step} step(s) of this run were skipped "
                 f"(last: {result.message or 'nothing to train'}); the model is unchanged, no final model written"
+            )
+        elif not self.learned and self.step > self._start_step:
+            # every advantage was 0 (e.g. greedy sampling: a prompt's samples are identical, each group's
+            # rewards equal): the policy loss was 0 at every step, so the "final model" is the starting one
+            result.exit_code = 1
+            result.message = (
+                f"nothing to learn: no step of the run had a non-zero advantage ({self.cfg.algo.advantage}, "
+                f"rollout.temperature {self.cfg.rollout.temperature}, {self.cfg.rollout.n_samples} samples per "
+                "prompt: every group's rewards were equal); no final model written. Sample with "
+                "--rollout.temperature > 0, or use a reward that tells the samples apart"
             )
         else:
             latest = self.ckpt.latest()
@@ -388,12 +416,19 @@ class RLTrainer:
         if self.roles.critic is not None:
             models["critic"] = WorkerFolder(self.roles.critic)
         metric = metrics.get(self.settings.best_metric)
+        sampler = self.rollouts.sampler_state(self.sampler)
         extra = {  # async: the sampler as after this step's batch (the producer may have drawn further)
-            "sampler": self.rollouts.sampler_state(self.sampler),
+            "sampler": sampler,
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }
-        state = {"skipped": self.skipped, "total_steps": self.cfg.train.max_steps}
+        # the data position, also in trainer_state.json: a resume checks the sampler state against it
+        state = {
+            "skipped": self.skipped,
+            "total_steps": self.cfg.train.max_steps,
+            "prompts_drawn": batches_drawn(sampler),
+            "learned": self.learned,
+        }
         return self.ckpt.save(self.step, models=models, trainer_state=state, extra=extra, metric=metric)
 
     def resume(self) -> bool:
@@ -406,12 +441,15 @@ class RLTrainer:
         self.roles.sync_weights(loaded.step)  # the engines start from the restored weights
         if self.roles.critic is not None:
             self.roles.critic.call(CriticWorker.load, str(path / "critic"))
-        self.sampler.load_state_dict(loaded.extra["sampler"])
+        self.sampler.load_state_dict(  # same data order, at the recorded position (never skip or repeat)
+            loaded.extra["sampler"], expect_batches=loaded.trainer_state.get("prompts_drawn"), where=str(path)
+        )
         self.kl_ctl.load_state_dict(loaded.extra["kl"])
         if self.reward_norm is not None and loaded.extra.get("reward_norm"):
             self.reward_norm.load_state_dict(loaded.extra["reward_norm"])
         self.step = self.version = loaded.step
         self.skipped = int(loaded.trainer_state.get("skipped", 0))
+        self.learned = bool(loaded.trainer_state.get("learned", True))
         print(f"relayrl rl: resumed from {path} (step {self.step})", flush=True)
         return True
 

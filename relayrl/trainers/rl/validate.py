@@ -98,12 +98,26 @@ def _check_engines(cfg: RLConfig) -> None:
         )
         if why:
             raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
-    tp_engine = engine_capabilities(cfg.rollout.engine).tensor_parallel
-    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or not tp_engine):
+    tp, d, caps = cfg.dist.engine_tp, cfg.dist, engine_capabilities(cfg.rollout.engine)
+    if tp > 1 and d.num_engines == 0:  # colocated: blocks of tp policy ranks run one TP native engine
+        ranks = d.ranks("policy")
+        why = (
+            f"needs rollout.engine native (got {cfg.rollout.engine!r})"
+            if not caps.tensor_parallel or caps.own_weights
+            else f"must divide the policy's {ranks} ranks (dist.mode ray, policy_num_nodes x policy_num_gpus_per_node)"
+            if d.mode != "ray" or ranks % tp
+            else "does not take LoRA (the TP shards hold plain weights); merge first or use 1"
+            if cfg.model.lora.rank > 0
+            else "cannot overlap rollout and training (train.async_train): the shards' ranks train meanwhile"
+            if cfg.train.async_train
+            else ""
+        )
+        if why:
+            raise ConfigError(f"dist.engine_tp={tp} (colocated) {why}", field="dist.engine_tp")
+    elif tp > 1 and not caps.tensor_parallel:
         raise ConfigError(
-            f"dist.engine_tp={cfg.dist.engine_tp}: tensor parallelism inside an engine needs separate engines "
-            f"(dist.num_engines > 0, got {cfg.dist.num_engines}) and rollout.engine vllm (got "
-            f"{cfg.rollout.engine!r}); the colocated and native engines run on one GPU",
+            f"dist.engine_tp={tp} with separate engines (dist.num_engines={d.num_engines}) needs an engine with "
+            f"tensor parallelism, rollout.engine vllm or native (got {cfg.rollout.engine!r})",
             field="dist.engine_tp",
         )
 
@@ -127,12 +141,6 @@ def _check_values(cfg: RLConfig) -> None:
         )
     if not 0.0 <= cfg.ema < 1.0:
         raise ConfigError(f"ema: {cfg.ema} is invalid; expected a decay in [0, 1) (0 = off)", field="ema")
-    if cfg.ema > 0 and cfg.dist.ranks("policy") > 1:
-        raise ConfigError(
-            f"ema: an EMA of a policy sharded over {cfg.dist.ranks('policy')} ranks is not supported yet; set ema 0 "
-            "or run the policy on one rank",
-            field="ema",
-        )
     _check_engines(cfg)
     if cfg.train.async_train:
         for flag, on in (
@@ -158,6 +166,15 @@ def _check_groups(cfg: RLConfig) -> None:
             f"rollout.n_samples: {r.n_samples} is invalid; {a.advantage!r} / dynamic filtering compare the "
             "samples of a prompt, so use >= 2 (or a critic-free single-sample estimator: reinforce)",
             field="rollout.n_samples",
+        )
+    if r.temperature == 0 and needs_groups(a.advantage):
+        warnings.warn(
+            f"rollout.temperature 0 (greedy) with {r.n_samples} samples per prompt: the samples of a prompt are "
+            f"identical, so {a.advantage!r} gets equal rewards and advantage 0 in every group (nothing to "
+            "learn; the run stops with an error if no step had a non-zero advantage); sample with "
+            "--rollout.temperature > 0",
+            ConfigWarning,
+            stacklevel=3,
         )
     if not keeps_groups(r.failure_policy):
         keeping = [n for n, e in FAILURE_POLICIES.items() if e.keeps_groups]
