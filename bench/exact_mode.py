@@ -156,8 +156,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--new-tokens", type=int, default=0, help="new tokens (0: 24 on CPU, 256 on GPU)")
     parser.add_argument("--micro-seqs", type=int, default=16, help="sequences per trainer micro-batch")
+    parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steadier CPU seconds)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
+    if not gpu:
+        torch.set_num_threads(args.threads)
     args.prompts = args.prompts or (32 if gpu else 8)
     args.new_tokens = args.new_tokens or (256 if gpu else 24)
     args.max_len = 128 + args.new_tokens
