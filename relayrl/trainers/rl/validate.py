@@ -120,6 +120,28 @@ def _check_engines(cfg: RLConfig) -> None:
             f"tensor parallelism, rollout.engine vllm or native (got {cfg.rollout.engine!r})",
             field="dist.engine_tp",
         )
+    _check_exact(cfg)
+
+
+def _check_exact(cfg: RLConfig) -> None:
+    """rollout.exact: one unsharded policy with plain projections (relayrl/rollout/exact.py)."""
+    d = cfg.dist
+    blocker = (
+        "LoRA (merge the adapter first)"
+        if cfg.model.lora.rank > 0
+        else f"{d.ranks('policy')} policy ranks (FSDP shards)"
+        if d.mode == "ray" and d.ranks("policy") > 1
+        else f"dist.sp_size={d.sp_size}"
+        if d.sp_size > 1
+        else f"dist.engine_tp={d.engine_tp}"
+        if d.engine_tp > 1
+        else ""
+    )
+    if cfg.rollout.exact and blocker:
+        raise ConfigError(
+            f"rollout.exact runs one unsharded policy with plain projections; it does not take {blocker}",
+            field="rollout.exact",
+        )
 
 
 def _check_values(cfg: RLConfig) -> None:

@@ -16,6 +16,7 @@ from relayrl.config.base import ConfigError
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.config.rl import RolloutConfig
 from relayrl.trainers.rl.loop import RLTrainer
+from relayrl.trainers.rl.validate import validate_rl
 
 DIGITS = str(Path(__file__).parents[1] / "data" / "digit_reward.py")
 
@@ -39,6 +40,11 @@ def test_exact_mode_has_zero_mismatch_every_step(tiny_model_path, tmp_path, exac
             assert h["mismatch/logprob_absdiff_max"] > 0.0
 
 
-def test_exact_mode_needs_the_native_engine():
+def test_exact_mode_needs_the_native_engine_and_one_unsharded_policy(tmp_path):
     with pytest.raises(ConfigError, match="exact"):
         RolloutConfig(engine="hf", exact=True)
+    cfg = tiny_cpu_config("m", str(tmp_path), steps=1)
+    cfg = replace(cfg, rollout=replace(cfg.rollout, exact=True))
+    validate_rl(cfg)  # one local policy: fine
+    with pytest.raises(ConfigError, match="rollout.exact .* LoRA"):
+        validate_rl(replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=8))))
