@@ -46,5 +46,5 @@ def test_exact_mode_needs_the_native_engine_and_one_unsharded_policy(tmp_path):
     cfg = tiny_cpu_config("m", str(tmp_path), steps=1)
     cfg = replace(cfg, rollout=replace(cfg.rollout, exact=True))
     validate_rl(cfg)  # one local policy: fine
-    with pytest.raises(ConfigError, match="rollout.exact .* LoRA"):
+    with pytest.raises(ConfigError, match=r"rollout\.exact .* LoRA"):
         validate_rl(replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=8))))
