@@ -265,8 +265,15 @@ class RewardConfig:
 
     source: str = ""
     """Reward source: task:<name>, a reward_func .py file, http(s) URL(s) of remote RMs (comma-separated),
-    rm:<path> (a local reward model), or agent (the multi-turn agent's own rewards). Empty: the task's
-    reward when `task.name` is set, the agent's own rewards for multi-turn agents."""
+    rm:<path> (a local reward model), prm:<path> (a process reward model: per-step scores), or agent (the
+    multi-turn agent's own rewards). Empty: the task's reward when `task.name` is set, the agent's own
+    rewards for multi-turn agents."""
+    prm_outcome: Literal["dense", "min", "last"] = "dense"
+    """prm:<path> sources: dense (each step's score as a token reward at its last token), min or last (that
+    step score as the sequence reward)."""
+    prm_step_separator: str = "\n"
+    """prm:<path> sources: a generated token whose text contains this ends a step (the last token always
+    does); "" = only the PRM's placeholder token."""
     timeout_s: float = 60.0
     """Timeout of one reward call."""
     clip: float = 0.0

@@ -193,6 +193,7 @@ def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
         torch.testing.assert_close(two["weights"][n], p.detach(), rtol=0, atol=atol, msg=n)
 
 
+@pytest.mark.slow  # a whole (6-step) SFT run
 def test_sft_with_muon_learns_through_the_cli(tiny_model_path, tmp_path):
     """`relayrl sft --optim.name muon` on the addition rows: the train loss falls (6 steps, lr 3e-3)."""
     rows = run_sft(tiny_model_path, addition_rows(tmp_path / "train.jsonl"), tmp_path / "out", "--optim.name",

@@ -47,6 +47,23 @@ def trajectory_rewards(
     )
 
 
+def dense_rewards(trajs: list[Trajectory], width: int) -> Tensor | None:
+    """[B, width] float32 per-token rewards of the trajectories (right-padded like relayrl.workers.base
+    .collate: column t is token t), or None when no trajectory has any (`Trajectory.dense_rewards`)."""
+    if not any(t.dense_rewards for t in trajs):
+        return None
+    out = torch.zeros((len(trajs), width), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        if t.dense_rewards:
+            if len(t.dense_rewards) != len(t.token_ids):
+                raise ValueError(
+                    f"trajectory of sample {t.sample.index}: dense_rewards has {len(t.dense_rewards)} entries "
+                    f"for {len(t.token_ids)} tokens; the reward source must give one per token"
+                )
+            out[i, : len(t.dense_rewards)] = torch.tensor(t.dense_rewards, dtype=torch.float32)
+    return out
+
+
 def filter_groups(
     trajs: list[Trajectory], group_size: int, cfg: FilterConfig
 ) -> tuple[list[Trajectory], dict[str, float]]:
@@ -77,6 +94,7 @@ def step_advantages(
     ref_logprobs: Tensor | None,
     values: Tensor | None,
     kl_coef: float,
+    dense: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, dict[str, float]]:
     """(advantages [B, T], returns [B, T], per-token KL [B, T] or None, metrics) of the step's batch under the
     run's (resolved) `algo` and `rollout.n_samples`: relayrl.algorithms.experience.compute_advantages."""
@@ -94,6 +112,7 @@ def step_advantages(
         kl_estimator=a.kl_estimator,
         n_samples=cfg.rollout.n_samples,
         kl_coef=kl_coef,
+        dense_rewards=dense,
     )
 
 

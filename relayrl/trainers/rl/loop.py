@@ -45,7 +45,7 @@ from relayrl.config.command_line import run_command
 from relayrl.config.rl import RLConfig
 from relayrl.trainers.rl.async_rollout import build_rollout_strategy
 from relayrl.trainers.rl.eval import evaluate
-from relayrl.trainers.rl.experience import step_advantages, trajectory_rewards
+from relayrl.trainers.rl.experience import dense_rewards, step_advantages, trajectory_rewards
 from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, log_samples, plot_curves
 from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
 from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
@@ -204,6 +204,7 @@ class RLTrainer:
             ref_logprobs=ref_lp,
             values=values_t,
             kl_coef=self.kl_ctl.value,
+            dense=dense_rewards(trajs, batch.input_ids.shape[1]),
         )
         metrics.update(m)
         if old_lp is not None:  # the engine's log-probs against the trainer's, before the update
