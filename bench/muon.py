@@ -52,14 +52,21 @@ def speed(args: argparse.Namespace) -> dict:
         prepare_model(m, layout)
     steps = make_steps(args, vocab=models["adamw"].config.vocab_size)
     train = {
-        o: build_train_step(m, OptimConfig(name=o, lr=args.lr, warmup_steps=0, scheduler="constant"),
-                            len(steps), precision=precision, device=device)  # fmt: skip
+        o: build_train_step(
+            m,
+            OptimConfig(name=o, lr=args.lr, warmup_steps=0, scheduler="constant"),
+            len(steps),
+            precision=precision,
+            device=device,
+        )
         for o, m in models.items()
     }
     acc = {o: {"rates": [], "optim_s": [], "losses": [], "mem": 0.0} for o in OPTIMIZERS}
     for i, batch in enumerate(steps):
         for o in OPTIMIZERS:
-            mbs = sft_micro_batches(batch, layout=layout, packing=True, max_tokens_per_micro_batch=args.budget)
+            mbs = sft_micro_batches(
+                batch, layout=layout, packing=True, max_tokens_per_micro_batch=args.budget
+            )
             opt = train[o].optimizer
             orig = opt.step
             timer: list[float] = []
@@ -146,7 +153,10 @@ def main() -> None:
     result = speed(args) if args.mode == "speed" else learn(args)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     for k, v in result.items():
-        print(f"{k:<16} " + "  ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items()))
+        print(
+            f"{k:<16} "
+            + "  ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items())
+        )
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "device": card, "torch": torch.__version__,

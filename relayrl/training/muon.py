@@ -82,7 +82,9 @@ def uses_muon(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and min(p.shape) > 1 and not any(k in lowered for k in ADAMW_NAMES)
 
 
-def muon_param_groups(named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+def muon_param_groups(
+    named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
     """Groups for `Muon`: the 2-D hidden weights (`uses_muon`, weight decay `weight_decay`); AdamW matrices
     (embeddings, heads; decay) and AdamW 1-D / norm parameters (no decay). Empty groups are dropped."""
     muon, decay, no_decay = [], [], []
@@ -136,7 +138,7 @@ class Muon(torch.optim.Optimizer):
             g.setdefault("use_muon", False)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # noqa: ANN401  (torch's signature)
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -140,7 +140,9 @@ def test_clipping_acts_on_the_raw_gradient_before_newton_schulz(tiny_tokenizer):
                             precision="fp32", device=torch.device("cpu"))  # fmt: skip
     out = step.step([ids])
     assert out.grad_norm > 0.1  # so clipping to 0.01 really rescales
-    bufs = [step.optimizer.state[p]["momentum_buffer"] for n, p in model.named_parameters() if uses_muon(n, p)]
+    bufs = [
+        step.optimizer.state[p]["momentum_buffer"] for n, p in model.named_parameters() if uses_muon(n, p)
+    ]
     moments = [s["exp_avg"] / 0.1 for s in step.optimizer.state.values() if "exp_avg" in s]  # (1 - beta1) g
     assert len(bufs) == 7 and len(moments) == len(list(model.parameters())) - 7
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in bufs + moments]))
@@ -153,7 +155,9 @@ def _rank_run(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        model = shard_model(_model(build_tiny_tokenizer(), intermediate=51), ShardSpec(device=torch.device("cpu")))
+        model = shard_model(
+            _model(build_tiny_tokenizer(), intermediate=51), ShardSpec(device=torch.device("cpu"))
+        )
         step = _two_steps(model, sharded=True, rows=slice(rank * 4 // world, (rank + 1) * 4 // world))
         weights = dict(full_tensors(model))
         if rank == 0:

@@ -101,7 +101,9 @@ class ProcessRewardModel:
     def _is_step_end(self, token: int) -> bool:
         if token not in self._ends_step:
             text = self.tokenizer.decode([token])
-            self._ends_step[token] = token == self.placeholder or bool(self.separator and self.separator in text)
+            self._ends_step[token] = token == self.placeholder or bool(
+                self.separator and self.separator in text
+            )
         return self._ends_step[token]
 
     def step_ends(self, token_ids: list[int], action_mask: list[bool]) -> list[int]:
@@ -188,5 +190,10 @@ class PRMSource:
         else:
             t.reward = t.score = low if self.outcome == "min" else last
         t.extra_logs.update(
-            {"prm_steps": float(len(scores)), "prm_min": low, "prm_last": last, "prm_mean": sum(scores) / len(scores)}
+            {
+                "prm_steps": float(len(scores)),
+                "prm_min": low,
+                "prm_last": last,
+                "prm_mean": sum(scores) / len(scores),
+            }
         )
