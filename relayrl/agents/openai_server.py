@@ -22,6 +22,11 @@ token, counts `server/history_rewrites`, sets the response header `X-Relayrl-His
 session's trajectory comes back FAILED (kind "history_rewrite") instead of being silently mis-trained;
 `trace_turn_trajectories` gives one exact trajectory per call instead.
 
+Tools (relayrl.agents.tool_calls): a chat request's OpenAI `tools` go to the chat template (`tools=`); the
+completion is parsed by the template's tool-call parser (`tool_parser`, "auto" picks it from the template) into
+`tool_calls` (finish_reason "tool_calls"); output that breaks `tool_choice` or does not parse answers HTTP 422
+(type "tool_call_error"), its tokens still recorded in the session trace.
+
 Session sampling defaults (`open_session(sid, params)`): the trainer's temperature / top_p / top_k / seed
 override what the client asks for (the trainer's log-probs assume them) and its max_new_tokens caps
 `max_tokens`. A traced session samples one completion per call (n = 1).
@@ -44,6 +49,7 @@ from aiohttp import web
 
 from relayrl.agents.executors import decode_response
 from relayrl.agents.http import start_app
+from relayrl.agents.tool_calls import ToolCallError, ToolPolicy, parser_for, template_messages
 from relayrl.agents.traces import SessionTrace, TraceCall, first_diff
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
 
@@ -87,8 +93,10 @@ class OpenAIServer:
         model_name: str = "relayrl",
         max_total_len: int | None = None,
         max_sessions: int = 100_000,
+        tool_parser: str = "auto",
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.tool_parse = parser_for(tokenizer, tool_parser)
         self.max_total_len, self.max_sessions = max_total_len, max_sessions
         self.traces: dict[str, SessionTrace] = {}
         self.metrics: Counter[str] = Counter()
@@ -201,8 +209,13 @@ class OpenAIServer:
             msgs.append(
                 {**m, "content": _content_text(m.get("content"))}
             )  # tool_calls etc. reach the template
+        tools = {"tools": body["tools"]} if body.get("tools") else {}
         text = self.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=True, tokenize=False, **(body.get("chat_template_kwargs") or {})
+            template_messages(msgs),
+            add_generation_prompt=True,
+            tokenize=False,
+            **tools,
+            **(body.get("chat_template_kwargs") or {}),
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -226,6 +239,7 @@ class OpenAIServer:
                 "ask for 'logprobs': true (chat) or 'logprobs': 1 (completions)"
             )
         sid = request.headers.get("X-Session-Id") or body.get("session_id") or body.get("user") or None
+        tools = ToolPolicy.from_request(body) if chat else None
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body)
         params = self._params(body, len(prompt_ids), sid)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -251,7 +265,7 @@ class OpenAIServer:
             }
         )
         want_lp = bool(body.get("logprobs"))
-        choices = [self._choice(i, c, params, chat, want_lp) for i, c in enumerate(result.completions)]
+        choices = [self._choice(i, c, params, chat, want_lp, tools) for i, c in enumerate(result.completions)]
         payload = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -293,6 +307,10 @@ class OpenAIServer:
                     [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
                 )
                 delta = {"content": c["message"]["content"]}
+                if "tool_calls" in c["message"]:
+                    delta["tool_calls"] = [
+                        {"index": k, **t} for k, t in enumerate(c["message"]["tool_calls"])
+                    ]
                 await send([{"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}])
                 await send([{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}])
             else:
@@ -305,7 +323,15 @@ class OpenAIServer:
         await resp.write_eof()
         return resp
 
-    def _choice(self, i: int, comp: Completion, params: SamplingParams, chat: bool, want_lp: bool) -> dict:
+    def _choice(
+        self,
+        i: int,
+        comp: Completion,
+        params: SamplingParams,
+        chat: bool,
+        want_lp: bool,
+        tools: ToolPolicy | None,
+    ) -> dict:
         stops = set(params.stop_token_ids)
         if self.tokenizer.eos_token_id is not None:
             stops.add(self.tokenizer.eos_token_id)
@@ -315,6 +341,10 @@ class OpenAIServer:
         pieces = [self.tokenizer.decode([t]) for t in comp.token_ids] if want_lp else []
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tools is not None:
+                choice["message"] = tools.message(text, self.tool_parse)
+                if "tool_calls" in choice["message"]:
+                    choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = None
             if want_lp:
                 content = [
@@ -344,6 +374,10 @@ class OpenAIServer:
             async def run(request: web.Request) -> web.StreamResponse:
                 try:
                     return await handler(request)
+                except ToolCallError as e:  # the model's output, not the request: the call stays traced
+                    return web.json_response(
+                        {"error": {"message": str(e), "type": "tool_call_error"}}, status=422
+                    )
                 except (RequestError, ValueError) as e:
                     return web.json_response(
                         {"error": {"message": str(e), "type": "invalid_request_error"}}, status=400

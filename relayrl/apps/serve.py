@@ -47,7 +47,13 @@ def _serve(cfg: ServeConfig) -> int:
     )
     engine = build_engine(cfg.engine, model, tokenizer, settings)
     name = cfg.model_name or cfg.model.rstrip("/").split("/")[-1]
-    server = OpenAIServer(engine, tokenizer, model_name=name, max_total_len=cfg.max_total_len or None)
+    server = OpenAIServer(
+        engine,
+        tokenizer,
+        model_name=name,
+        max_total_len=cfg.max_total_len or None,
+        tool_parser=cfg.tool_parser,
+    )
     print(f"relayrl serve: {name} on http://{cfg.host}:{cfg.port}/v1 (engine {cfg.engine})", flush=True)
     try:
         web.run_app(server.app(), host=cfg.host, port=cfg.port, print=None, access_log=None)

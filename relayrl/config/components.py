@@ -144,11 +144,6 @@ class DataConfig:
 class OptimConfig:
     """The optimizer (AdamW or Muon), gradient clipping and the learning-rate schedule."""
 
-    name: Literal["adamw", "muon"] = "adamw"
-    """adamw, or muon: Newton-Schulz-orthogonalised momentum on 2-D hidden weights (update RMS matched to AdamW,
-    so the same lr), AdamW on embeddings, heads and 1-D params; clipping acts on the raw gradient before it."""
-    muon_momentum: float = 0.95
-    """Muon's (Nesterov) momentum, in [0, 1); used when name is muon."""
     lr: float = 1e-5
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -167,6 +162,11 @@ class OptimConfig:
     """Warmup as a fraction of the total optimizer steps (used when warmup_steps is 0)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr, in [0, 1]."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: Newton-Schulz-orthogonalised momentum on 2-D hidden weights (update RMS matched to AdamW,
+    so the same lr), AdamW on embeddings, heads and 1-D params; clipping acts on the raw gradient before it."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum, in [0, 1); used when name is muon."""
 
     def __post_init__(self) -> None:
         check_choices(self)
