@@ -34,6 +34,7 @@ set explicitly (flag or YAML) wins; `validate_rl` fills the rest from the preset
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, NewType
 
@@ -289,6 +290,24 @@ class RewardConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DistillConfig:
+    """On-policy distillation: a teacher scores every token the policy samples (relayrl.algorithms.distill)."""
+
+    teacher: str = ""
+    """Teacher model folder or hub id (the policy's tokenizer); empty = off. Each action token gets the dense
+    reward -coef * (log pi(x_t) - log teacher(x_t)) (per-token reverse KL); the teacher runs as a role sharded
+    like the reference (dist.ref_*)."""
+    coef: float = 1.0
+    """Weight of the reverse-KL reward, > 0."""
+    outcome: bool = True
+    """Keep the reward source's outcome reward beside it; false: the reverse KL alone (pure distillation)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.coef) and self.coef > 0):
+            raise invalid("coef", self.coef, "a finite float > 0")
+
+
+@dataclass(kw_only=True, slots=True)
 class FilterConfig:
     """Dynamic filtering (DAPO dynamic sampling): drop uninformative groups and refill from new prompts."""
 
@@ -398,6 +417,8 @@ class RLConfig:
     """Rewards."""
     filter: FilterConfig = field(default_factory=FilterConfig)
     """Dynamic filtering."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (off unless distill.teacher is set)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Critic (gae only)."""
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from relayrl.agents.base import Trajectory
+from relayrl.algorithms.distill import reverse_kl_rewards
 from relayrl.algorithms.experience import RewardNorm, compute_advantages, shape_rewards
 from relayrl.algorithms.filtering import dynamic_filter, group_rows
 from relayrl.config.rl import FilterConfig, ResolvedRL, RLConfig
@@ -62,6 +63,24 @@ def dense_rewards(trajs: list[Trajectory], width: int) -> Tensor | None:
                 )
             out[i, : len(t.dense_rewards)] = torch.tensor(t.dense_rewards, dtype=torch.float32)
     return out
+
+
+def step_dense_rewards(
+    trajs: list[Trajectory],
+    cfg: RLConfig,
+    width: int,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor | None,
+    action_mask: Tensor,
+) -> tuple[Tensor | None, dict[str, float]]:
+    """The step's dense rewards [B, width] (or None): the trajectories' own (`dense_rewards`, e.g. a process
+    reward model's) plus, with a teacher, the reverse-KL reward of on-policy distillation
+    (relayrl.algorithms.distill, coefficient distill.coef); metrics distill/reverse_kl."""
+    dense = dense_rewards(trajs, width)
+    if teacher_logprobs is None:
+        return dense, {}
+    kd, m = reverse_kl_rewards(student_logprobs, teacher_logprobs, action_mask, coef=cfg.distill.coef)
+    return (kd if dense is None else dense + kd), {f"distill/{k}": v for k, v in m.items()}
 
 
 def filter_groups(

@@ -45,7 +45,7 @@ from relayrl.config.command_line import run_command
 from relayrl.config.rl import RLConfig
 from relayrl.trainers.rl.async_rollout import build_rollout_strategy
 from relayrl.trainers.rl.eval import evaluate
-from relayrl.trainers.rl.experience import dense_rewards, step_advantages, trajectory_rewards
+from relayrl.trainers.rl.experience import step_advantages, step_dense_rewards, trajectory_rewards
 from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, log_samples, plot_curves
 from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
 from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
@@ -192,19 +192,32 @@ class RLTrainer:
         r = self.roles
         old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, batch)
         ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, batch)
+        teacher = None if r.teacher is None else r.teacher.submit(ReferenceWorker.logprobs, batch)
         values = None if r.critic is None else r.critic.submit(CriticWorker.values, batch)
         old_lp = old.result() if old is not None else None
         ref_lp = ref.result() if ref is not None else None
         values_t = values.result() if values is not None else None
+        student_lp = old_lp if old_lp is not None else batch.rollout_logprobs
+        dense, m = step_dense_rewards(
+            trajs,
+            self.cfg,
+            batch.input_ids.shape[1],
+            student_lp,
+            teacher.result() if teacher is not None else None,
+            batch.action_mask,
+        )
+        metrics.update(m)
+        if teacher is not None and not self.cfg.distill.outcome:
+            rewards = torch.zeros_like(rewards)  # pure distillation: the reverse KL is the whole reward
         adv, ret, _, m = step_advantages(
             self.cfg,
             rewards=rewards,
             action_mask=batch.action_mask,
-            old_logprobs=old_lp if old_lp is not None else batch.rollout_logprobs,
+            old_logprobs=student_lp,
             ref_logprobs=ref_lp,
             values=values_t,
             kl_coef=self.kl_ctl.value,
-            dense=dense_rewards(trajs, batch.input_ids.shape[1]),
+            dense=dense,
         )
         metrics.update(m)
         if old_lp is not None:  # the engine's log-probs against the trainer's, before the update
