@@ -56,10 +56,8 @@ class OptimSettings(Protocol):
 
 
 def param_groups(model: torch.nn.Module | NamedParams, weight_decay: float) -> list[dict[str, Any]]:
-    """Two `optim.name` "muon": relayrl.training.muon.Muon (Newton-Schulz-orthogonalised momentum on the 2-D hidden
-    weights, AdamW on embeddings, heads and 1-D parameters; one lr for both, see that module).
-    AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter.
-        `model` is a module or (name, parameter) pairs (e.g. MasterWeights.named_params())."""
+    """Two AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter.
+    `model` is a module or (name, parameter) pairs (e.g. MasterWeights.named_params())."""
     decay, no_decay = [], []
     named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
     for name, p in named:
