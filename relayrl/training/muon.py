@@ -176,7 +176,7 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
+            state["step"] = state["step"] + 1  # a new tensor: a loaded state_dict may share the old one
             t = float(state["step"])
             p.mul_(1.0 - lr * wd)
             state["exp_avg"].lerp_(grad, 1.0 - beta1)

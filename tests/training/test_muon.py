@@ -10,6 +10,7 @@ Newton-Schulz moves a weight by > 1e-3), except the key bias (see the test)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -204,3 +205,23 @@ def test_sft_with_muon_learns_through_the_cli(tiny_model_path, tmp_path):
                    "muon", "--train.max_steps", "6", batch_size=8)  # fmt: skip
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_a_state_dict_round_trip_continues_exactly(tiny_tokenizer):
+    """Checkpoint resume: an optimizer loaded from another's state_dict (momentum, moments, step counters)
+    takes the same next step, bitwise."""
+    cfg = OptimConfig(name="muon", lr=0.01, weight_decay=0.1)
+    a, b = _model(tiny_tokenizer), _model(tiny_tokenizer)
+    opt_a, _ = build_optim(a, cfg, total_steps=3)
+    ids = torch.randint(4, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    _loss(a, ids).backward()
+    opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b, _ = build_optim(b, cfg, total_steps=3)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a file: no tensor shared with opt_a
+    for m, o in ((a, opt_a), (b, opt_b)):
+        o.zero_grad()
+        _loss(m, ids.flip(0)).backward()
+        o.step()
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
