@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-fast lint typecheck install clean
+.PHONY: demo test test-fast lint typecheck check-deps install clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/basedpyright --project pyproject.toml
+
+# Do `pip install -e '.[dev]'` (CPU pins) and `pip install -e '.[vllm]'` (GPU image pins) resolve? Metadata
+# only (uv pip compile), ~25 s; skipped with a warning when the package index is unreachable (.ci/check_deps).
+check-deps: $(STAMP)
+	UV=$(VENV)/bin/uv .ci/check_deps
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

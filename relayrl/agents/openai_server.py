@@ -10,10 +10,18 @@
 Binds 127.0.0.1 unless told otherwise. Choices carry non-standard `token_ids` (and the response
 `prompt_token_ids`) next to the OpenAI fields; the `openai` client keeps extra fields.
 
-Training an agent written against the OpenAI client: give each episode a session id (header
-`X-Session-Id`, body `session_id` via the client's `extra_body`, or the standard `user` field). For every
-call of a session the server records a `TraceCall`: the exact prompt token ids it built and the sampled
-token ids + log-probs. `trace_to_trajectory` turns a session into one `Trajectory`: the last call's prompt +
+Requests: every field is checked (openai_request.py: types, ranges, NaN / inf, unknown fields, lone
+surrogates) and a bad one is answered 400 with OpenAI's error body naming it; a prompt that does not fit the
+context (`max_total_len`, else the engine's `max_seq_len`) is 400 "context_length_exceeded"; a body over
+`max_request_bytes` is 413; any other failure is a JSON 500, never a plain-text page. Parsing, template
+rendering and tokenization run on worker threads, so a huge prompt does not hold up other requests.
+Only the model's own chat template is rendered, unless `allow_client_chat_template` (a template is code).
+
+Training an agent written against the OpenAI client: give each episode a session id (header `X-Session-Id`,
+or body `session_id` via the client's `extra_body`). The OpenAI `user` field is NOT a session id (clients
+send it for abuse monitoring). For every call of a session the server records a `TraceCall`: the exact
+prompt token ids it built and the sampled token ids + log-probs, read back with `GET /v1/traces/{session id}`
+(or `pop_trace`). `trace_to_trajectory` turns a session into one `Trajectory`: the last call's prompt +
 completion, with every call's completion marked as action tokens and everything else (system, user, tool
 messages, template tokens) masked. That is only token-exact when each call's prompt *extends* the previous
 call's prompt + completion. A chat template that rewrites history (e.g. drops earlier reasoning) breaks
@@ -22,64 +30,58 @@ token, counts `server/history_rewrites`, sets the response header `X-Relayrl-His
 session's trajectory comes back FAILED (kind "history_rewrite") instead of being silently mis-trained;
 `trace_turn_trajectories` gives one exact trajectory per call instead.
 
-Tools (relayrl.agents.tool_calls): a chat request's OpenAI `tools` go to the chat template (`tools=`); the
-completion is parsed by the template's tool-call parser (`tool_parser`, "auto" picks it from the template) into
-`tool_calls` (finish_reason "tool_calls"); output that breaks `tool_choice` or does not parse answers HTTP 422
-(type "tool_call_error"), its tokens still recorded in the session trace.
+Tools (relayrl.agents.tool_calls): a chat request's OpenAI `tools` (checked with `tool_choice` in
+openai_request.py) go to the chat template (`tools=`, rendered off the loop like the rest); the completion is
+parsed by the template's tool-call parser (`tool_parser`, "auto" picks it from the template) into `tool_calls`
+(finish_reason "tool_calls", openai_response.py); output that breaks `tool_choice` or does not parse answers
+HTTP 422 (type "tool_call_error"), its tokens still recorded in the session trace.
 
 Session sampling defaults (`open_session(sid, params)`): the trainer's temperature / top_p / top_k / seed
 override what the client asks for (the trainer's log-probs assume them) and its max_new_tokens caps
-`max_tokens`. A traced session samples one completion per call (n = 1).
+`max_tokens`. A traced session samples one completion per call (n = 1); requests without a session may ask
+for n > 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from relayrl.agents.executors import decode_response
+from relayrl.agents.executors import stop_ids_of
 from relayrl.agents.http import start_app
-from relayrl.agents.tool_calls import ToolCallError, ToolPolicy, parser_for, template_messages
+from relayrl.agents.openai_request import (
+    ClientRequest,
+    RequestError,
+    parse_json,
+    parse_messages,
+    parse_prompt,
+    parse_request,
+    template_options,
+)
+from relayrl.agents.openai_response import choice, stream
+from relayrl.agents.tool_calls import ToolCallError, parser_for, template_messages
 from relayrl.agents.traces import SessionTrace, TraceCall, first_diff
-from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
+from relayrl.rollout.base import GenerationRequest, SamplingParams
 
 logger = logging.getLogger("relayrl.serve")
 
 
-class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 and this message."""
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024**2
+"""Largest request body `relayrl serve` reads (--max_request_mb); a larger one is answered 413."""
 
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    if content is None:
-        return ""
-    raise RequestError(
-        f"message content must be a string or a list of text parts, got {type(content).__name__}"
-    )
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise RequestError(f"body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise RequestError(f"body must be a JSON object, got {type(body).__name__}")
-    return body
+TOKENIZE_THREADS = 4
+"""Worker threads for parsing, template rendering and tokenization (off the event loop)."""
 
 
 class OpenAIServer:
@@ -93,11 +95,20 @@ class OpenAIServer:
         model_name: str = "relayrl",
         max_total_len: int | None = None,
         max_sessions: int = 100_000,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        allow_client_chat_template: bool = False,
         tool_parser: str = "auto",
     ) -> None:
+        """`max_total_len`: prompt + completion limit (None: the engine's `max_seq_len`); `max_request_bytes`:
+        larger bodies get 413; `allow_client_chat_template`: render a template sent by the client (it is
+        code: off by default); `tool_parser`: how tool calls are read from the output (tool_calls.py)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.tool_parse = parser_for(tokenizer, tool_parser)
-        self.max_total_len, self.max_sessions = max_total_len, max_sessions
+        self.max_total_len = max_total_len or getattr(engine, "max_seq_len", None)
+        self.max_sessions, self.max_request_bytes = max_sessions, max_request_bytes
+        self.allow_client_chat_template = allow_client_chat_template
+        self.vocab_size = len(tokenizer)
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="relayrl-serve-tokenize")
         self.traces: dict[str, SessionTrace] = {}
         self.metrics: Counter[str] = Counter()
         """server/requests, server/prompt_tokens, server/completion_tokens, server/history_rewrites."""
@@ -159,26 +170,12 @@ class OpenAIServer:
             return (trace.defaults, len(trace.calls)) if trace else (None, 0)
 
     # ---- request handling -----------------------------------------------------------------------------
-    def _params(self, body: dict[str, Any], prompt_len: int, session_id: str | None) -> SamplingParams:
-        if body.get("stop"):
-            raise RequestError("'stop' strings are not supported (token-exact server); use 'stop_token_ids'")
-        if body.get("echo"):
-            raise RequestError("'echo' is not supported")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-        n = int(body.get("n") or 1)
-        if session_id is not None and n != 1:
+    def _params(self, req: ClientRequest, prompt_len: int, session_id: str | None) -> SamplingParams:
+        params = req.params
+        if session_id is not None and params.n != 1:
             raise RequestError(
-                "a traced session samples one completion per call (n=1); run n sessions instead"
+                "a traced session samples one completion per call (n=1); run n sessions instead", param="n"
             )
-        params = SamplingParams(
-            n=n,
-            temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),
-            top_p=float(body.get("top_p") or 1.0),
-            top_k=int(body.get("top_k") or 0),
-            max_new_tokens=int(max_tokens),
-            stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids") or ()),
-            seed=None if body.get("seed") is None else int(body["seed"]),
-        )
         trainer, turn = self._defaults(session_id)
         if trainer is not None:
             if trainer.seed is not None:  # a different stream per turn, reproducible per session
@@ -190,58 +187,82 @@ class OpenAIServer:
                 stop_token_ids=tuple(sorted(set(trainer.stop_token_ids) | set(params.stop_token_ids))),
             )
         if self.max_total_len is not None:
-            room = self.max_total_len - prompt_len
-            if room <= 0:
-                raise RequestError(
-                    f"prompt has {prompt_len} tokens; max_total_len {self.max_total_len} leaves none"
-                )
-            params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            params = replace(
+                params, max_new_tokens=min(params.max_new_tokens, self.max_total_len - prompt_len)
+            )
         return params
 
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list of {'role', 'content'}")
-        msgs = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
-                raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
-            msgs.append(
-                {**m, "content": _content_text(m.get("content"))}
-            )  # tool_calls etc. reach the template
-        tools = {"tools": body["tools"]} if body.get("tools") else {}
-        text = self.tokenizer.apply_chat_template(
-            template_messages(msgs),
-            add_generation_prompt=True,
-            tokenize=False,
-            **tools,
-            **(body.get("chat_template_kwargs") or {}),
-        )
+    def _check_length(self, prompt_len: int, chat: bool) -> None:
+        """OpenAI's answer to a prompt that leaves no room in the context."""
+        if self.max_total_len is not None and prompt_len >= self.max_total_len:
+            what = "messages" if chat else "prompt"
+            raise RequestError(
+                f"This model's maximum context length is {self.max_total_len} tokens. However, your {what} "
+                f"resulted in {prompt_len} tokens, which leaves no room for a completion. Please reduce the "
+                f"length of the {what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: Any, kwargs: dict[str, Any], template: str | None
+    ):
+        if template is not None:
+            kwargs = {**kwargs, "chat_template": template}
+        if tools is not None:
+            kwargs = {**kwargs, "tools": tools}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                template_messages(messages), add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except Exception as e:  # the template raised (jinja's raise_exception, a missing variable, ...)
+            raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from e
+        return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _text_prompt(self, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise RequestError("'prompt' must be one string or one list of token ids")
+    def _prepare(self, raw: bytes, chat: bool) -> tuple[ClientRequest, list[int]]:
+        """Parse, check, render and tokenize a request (on a worker thread)."""
+        req = parse_request(
+            parse_json(raw), chat=chat, vocab_size=self.vocab_size,
+            allow_chat_template=self.allow_client_chat_template,
+        )  # fmt: skip
+        if chat:
+            assert req.messages is not None
+            ids = self._render(req.messages, req.tools, req.template_kwargs, req.chat_template)
+        else:
+            ids = self._encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt or [])
+        return req, ids
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _body(self, request: web.Request) -> bytes:
+        if (request.content_length or 0) > self.max_request_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=self.max_request_bytes, actual_size=request.content_length or 0
+            )
+        return await request.read()  # the app's client_max_size stops a body without Content-Length
+
+    def _session(self, request: web.Request, req: ClientRequest) -> str | None:
+        header = request.headers.get("X-Session-Id")
+        if header is not None and req.session_id is not None and header != req.session_id:
+            raise RequestError(
+                f"the X-Session-Id header ({header!r}) and the body's session_id ({req.session_id!r}) differ; "
+                "send one of them",
+                param="session_id",
+            )
+        sid = header if header is not None else req.session_id
+        if sid is not None and not 0 < len(sid) <= 256:
+            raise RequestError("X-Session-Id must be 1 to 256 characters", param="session_id")
+        return sid
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        body = await _json_object(request)
-        if body.get("top_logprobs") or (
-            not chat and isinstance(body.get("logprobs"), int) and body["logprobs"] > 1
-        ):
-            raise RequestError(
-                "top_logprobs is not supported: the engine returns the log-prob of each sampled token only; "
-                "ask for 'logprobs': true (chat) or 'logprobs': 1 (completions)"
-            )
-        sid = request.headers.get("X-Session-Id") or body.get("session_id") or body.get("user") or None
-        tools = ToolPolicy.from_request(body) if chat else None
-        prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body)
-        params = self._params(body, len(prompt_ids), sid)
+        req, prompt_ids = await self._off_loop(self._prepare, await self._body(request), chat)
+        sid = self._session(request, req)
+        self._check_length(len(prompt_ids), chat)
+        params = self._params(req, len(prompt_ids), sid)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         result = await self.engine.generate(
             GenerationRequest(prompt_ids=prompt_ids, params=params, request_id=rid)
@@ -264,8 +285,11 @@ class OpenAIServer:
                 "server/completion_tokens": gen_tokens,
             }
         )
-        want_lp = bool(body.get("logprobs"))
-        choices = [self._choice(i, c, params, chat, want_lp, tools) for i, c in enumerate(result.completions)]
+        stops = stop_ids_of(self.tokenizer, params)
+        choices = [
+            choice(self.tokenizer, i, c, stops, chat, req.logprobs, req.tool_choice, self.tool_parse)
+            for i, c in enumerate(result.completions)
+        ]  # after the trace is recorded: a ToolCallError (422) keeps the call's exact tokens traced
         payload = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -280,108 +304,32 @@ class OpenAIServer:
             "prompt_token_ids": prompt_ids,
         }
         headers = {"X-Relayrl-History-Rewrite": "1"} if rewrite else {}
-        if body.get("stream"):
-            return await self._stream(request, payload, chat, headers)
+        if req.stream:
+            return await stream(request, payload, chat, headers)
         return web.json_response(payload, headers=headers)
-
-    async def _stream(
-        self, request: web.Request, payload: dict[str, Any], chat: bool, headers: dict[str, str]
-    ) -> web.StreamResponse:
-        """`stream: true`: the OpenAI server-sent-events format (a role chunk, one content chunk per choice,
-        a finish chunk with usage, then `data: [DONE]`). The chunks are sent once generation finished: the
-        protocol is honoured, the latency is not yet incremental."""
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-        )
-        await resp.prepare(request)
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": payload["id"], "object": kind, "created": payload["created"], "model": payload["model"]}
-
-        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
-            await resp.write(f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n".encode())
-
-        for c in payload["choices"]:
-            i = c["index"]
-            if chat:
-                await send(
-                    [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                )
-                delta = {"content": c["message"]["content"]}
-                if "tool_calls" in c["message"]:
-                    delta["tool_calls"] = [
-                        {"index": k, **t} for k, t in enumerate(c["message"]["tool_calls"])
-                    ]
-                await send([{"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}])
-                await send([{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}])
-            else:
-                await send(
-                    [{"index": i, "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}]
-                )
-                await send([{"index": i, "text": "", "finish_reason": c["finish_reason"]}])
-        await send([], usage=payload["usage"])
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    def _choice(
-        self,
-        i: int,
-        comp: Completion,
-        params: SamplingParams,
-        chat: bool,
-        want_lp: bool,
-        tools: ToolPolicy | None,
-    ) -> dict:
-        stops = set(params.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stops.add(self.tokenizer.eos_token_id)
-        text = decode_response(self.tokenizer, comp.token_ids, stops)
-        finish = "stop" if comp.finish_reason == FinishReason.STOP else "length"
-        choice: dict[str, Any] = {"index": i, "finish_reason": finish, "token_ids": list(comp.token_ids)}
-        pieces = [self.tokenizer.decode([t]) for t in comp.token_ids] if want_lp else []
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            if tools is not None:
-                choice["message"] = tools.message(text, self.tool_parse)
-                if "tool_calls" in choice["message"]:
-                    choice["finish_reason"] = "tool_calls"
-            choice["logprobs"] = None
-            if want_lp:
-                content = [
-                    {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                    for p, lp in zip(pieces, comp.logprobs, strict=True)
-                ]
-                choice["logprobs"] = {"content": content}
-        else:
-            choice["text"] = text
-            choice["logprobs"] = None
-            if want_lp:
-                offsets = (
-                    list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)) if pieces else []
-                )
-                choice["logprobs"] = {
-                    "tokens": pieces,
-                    "token_logprobs": list(comp.logprobs),
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
-        return choice
 
     def app(self) -> web.Application:
         """The aiohttp application (routes in the module doc)."""
 
-        def guarded(handler):
+        def guarded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
             async def run(request: web.Request) -> web.StreamResponse:
                 try:
                     return await handler(request)
+                except RequestError as e:
+                    return web.json_response(e.payload(), status=e.status)
                 except ToolCallError as e:  # the model's output, not the request: the call stays traced
+                    error = {"message": str(e), "type": "tool_call_error", "param": None, "code": None}
+                    return web.json_response({"error": error}, status=422)
+                except web.HTTPRequestEntityTooLarge:
+                    return self._too_large()
+                except web.HTTPException as e:
                     return web.json_response(
-                        {"error": {"message": str(e), "type": "tool_call_error"}}, status=422
+                        RequestError(e.text or e.reason, status=e.status).payload(), status=e.status
                     )
-                except (RequestError, ValueError) as e:
-                    return web.json_response(
-                        {"error": {"message": str(e), "type": "invalid_request_error"}}, status=400
-                    )
+                except Exception as e:  # a bug or an engine failure: JSON, never a plain-text page
+                    logger.exception("request %s %s failed", request.method, request.path)
+                    error = RequestError(f"internal error: {type(e).__name__}: {e}", status=500)
+                    return web.json_response(error.payload(), status=500)
 
             return run
 
@@ -391,16 +339,24 @@ class OpenAIServer:
         async def completions(request: web.Request) -> web.StreamResponse:
             return await self._generate(request, chat=False)
 
-        app = web.Application(client_max_size=64 * 1024**2)
+        app = web.Application(client_max_size=self.max_request_bytes)
         app.router.add_post("/v1/chat/completions", guarded(chat))
         app.router.add_post("/v1/completions", guarded(completions))
-        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models", guarded(self._models))
         app.router.add_post("/tokenize", guarded(self._tokenize))
         app.router.add_post("/detokenize", guarded(self._detokenize))
-        app.router.add_get("/v1/traces/{session}", self._trace)
-        app.router.add_delete("/v1/traces/{session}", self._trace)
-        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/traces/{session}", guarded(self._trace))
+        app.router.add_delete("/v1/traces/{session}", guarded(self._trace))
+        app.router.add_get("/health", guarded(self._health))
         return app
+
+    def _too_large(self) -> web.Response:
+        error = RequestError(
+            f"request body over {self.max_request_bytes} bytes (relayrl serve --max_request_mb)",
+            status=413,
+            code="request_too_large",
+        )
+        return web.json_response(error.payload(), status=413)
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -411,16 +367,32 @@ class OpenAIServer:
             model["max_model_len"] = self.max_total_len
         return web.json_response({"object": "list", "data": [model]})
 
+    def _tokenize_body(self, raw: bytes) -> list[int]:
+        body = parse_json(raw)
+        unknown = sorted(
+            set(body) - {"prompt", "messages", "model", "tools", "chat_template_kwargs", "chat_template"}
+        )
+        if unknown:
+            raise RequestError(f"unknown field '{unknown[0]}'", param=unknown[0])
+        if "messages" in body:
+            kwargs, template = template_options(body, self.allow_client_chat_template)
+            return self._render(parse_messages(body["messages"]), body.get("tools"), kwargs, template)
+        prompt = parse_prompt(body.get("prompt"), self.vocab_size)
+        return self._encode(prompt) if isinstance(prompt, str) else prompt
+
     async def _tokenize(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
-        ids = self._chat_prompt(body) if "messages" in body else self._text_prompt(body)
+        ids = await self._off_loop(self._tokenize_body, await self._body(request))
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_total_len})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        tokens = (await _json_object(request)).get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise RequestError("'tokens' must be a list of token ids")
-        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+        tokens = (await self._off_loop(parse_json, await self._body(request))).get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in tokens
+        ):
+            raise RequestError(
+                f"'tokens' must be a list of token ids in [0, {self.vocab_size})", param="tokens"
+            )
+        return web.json_response({"prompt": await self._off_loop(self.tokenizer.decode, tokens)})
 
     async def _trace(self, request: web.Request) -> web.Response:
         sid = request.match_info["session"]

@@ -1,7 +1,7 @@
 """Tool calls for the OpenAI server (`relayrl serve`): the request's `tools` / `tool_choice`, and a parser per
 chat-template family that turns the model's text into OpenAI `tool_calls`.
 
-    policy = ToolPolicy.from_request(body)                  None when the request has no tools
+    policy = ToolPolicy(tools=..., choice="auto")           built by openai_request.parse_request (checked)
     parse = parser_for(tokenizer, "auto")                   PARSERS[name]: text -> ParsedCalls
     parsed = parse(text)                                    ParsedCalls(content, calls) or ToolCallError
     message = policy.message(text, parse)                   the assistant message (or ToolCallError)
@@ -118,32 +118,6 @@ class ToolPolicy:
     """"auto", "none", "required", or "function" (the call must be `function`)."""
     function: str = ""
     """The function named by tool_choice {"type": "function", "function": {"name": ...}}."""
-
-    @classmethod
-    def from_request(cls, body: dict[str, Any]) -> ToolPolicy | None:
-        """None when the request has no tools; ValueError naming the field when they are malformed."""
-        tools = body.get("tools")
-        if not tools:
-            if body.get("tool_choice") not in (None, "none", "auto"):
-                raise ValueError("'tool_choice' requires a call but the request has no 'tools'")
-            return None
-        if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools
-        ):
-            raise ValueError("'tools' must be a list of {'type': 'function', 'function': {'name': ..., ...}}")
-        choice = body.get("tool_choice") or "auto"
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if not isinstance(name, str):
-                raise ValueError(
-                    "'tool_choice' object must be {'type': 'function', 'function': {'name': ...}}"
-                )
-            return cls(tools=tools, choice="function", function=name)
-        if choice not in ("auto", "none", "required"):
-            raise ValueError(
-                f"'tool_choice' must be auto, none, required or a function object, got {choice!r}"
-            )
-        return cls(tools=tools, choice=choice)
 
     @property
     def names(self) -> set[str]:

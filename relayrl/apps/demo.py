@@ -89,6 +89,26 @@ def make_demo_data(cfg: DemoConfig, folder: Path) -> dict[str, Path]:
     return paths
 
 
+class DemoStopped(Exception):
+    """A phase of the demo stopped early (a signal, or an error the phase reported): the demo stops with its
+    exit code instead of going on to the next phase."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _check_phase(result: Any, phase: str, run_dir: Path) -> None:
+    """Raise DemoStopped when an SFT / RL phase returned a non-zero exit code (e.g. 143 after SIGTERM)."""
+    code = int(getattr(result, "exit_code", 0) or 0)
+    if code != 0:
+        raise DemoStopped(
+            code,
+            f"demo: the {phase} phase stopped (exit code {code}) with its checkpoint in {run_dir}; "
+            "run the same command again to continue",
+        )
+
+
 def run_sft_phase(cfg: DemoConfig, base: Path, data_file: Path, run_dir: Path, steps: int) -> Any:
     """SFT through relayrl.trainers.sft.run_sft up to `steps` (resuming the run folder's checkpoint, so it
     can be called again with more steps); returns the SFTResult."""
@@ -145,6 +165,7 @@ def sft_until_target(
     steps = min(cfg.sft_steps, cfg.sft_chunk)
     while True:
         result = run_sft_phase(cfg, base, data["sft"], run_dir, steps)
+        _check_phase(result, "SFT", run_dir)
         acc = dev_accuracy(result.model, result.tokenizer, data["dev"], cfg.task)
         loss = result.metrics.get("train/loss", float("nan"))
         print(f"demo: SFT step {steps}: train loss {loss:.3f}, dev accuracy {acc:.3f}", flush=True)
@@ -222,7 +243,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     result = RLTrainer(rl_config(cfg, sft_model, data, out / "rl", cfg.rl_steps)).fit()
     rl_seconds = time.perf_counter() - t_rl
     if result.exit_code != 0:
-        raise RuntimeError(f"the demo's RL run stopped: {result.message}")
+        raise DemoStopped(result.exit_code, f"demo: the RL phase stopped: {result.message}")
     summary = {
         "task": cfg.task,
         "seed": cfg.seed,
@@ -260,6 +281,7 @@ def run_control(
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(out / "sft", run_dir)
     result = run_sft_phase(cfg, base, data["sft"], run_dir, sft_steps + extra)
+    _check_phase(result, "control SFT", run_dir)
     result.model.save_pretrained(run_dir / "model")
     result.tokenizer.save_pretrained(run_dir / "model")
     acc = evaluate_only(cfg, run_dir / "model", data, out / "control_eval")
@@ -278,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     """`relayrl demo [--seed N] [--control true] ...`."""
 
     def go(cfg: DemoConfig) -> int:
-        s = run_demo(cfg)
+        try:
+            s = run_demo(cfg)
+        except DemoStopped as stop:
+            print(str(stop), file=sys.stderr, flush=True)
+            return stop.exit_code
         print(
             f"\ndemo: held-out exact match on {s['task']} ({s['eval_prompts']} prompts, greedy): "
             f"after SFT {s['accuracy_sft']:.3f} -> after RL {s['accuracy_rl']:.3f} "

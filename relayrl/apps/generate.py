@@ -284,6 +284,18 @@ def score_groups(source: Any, groups: list[list[Trajectory]], prompts_per_call: 
 
 
 # ---------------------------------------------------------------------------------------------- run
+def check_output_writable(path: Path) -> None:
+    """Fail before any generation when `path` could not be written at the end: it is a folder, or its nearest
+    existing parent folder is a file or not writable (nothing is created here)."""
+    if path.is_dir():
+        raise IsADirectoryError(f"--output {path} is a folder; give a file path (e.g. {path / 'samples.jsonl'})")
+    parent = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
+    if not parent.is_dir():
+        raise NotADirectoryError(f"--output {path} cannot be written: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"--output {path} cannot be written: no write permission in {parent}")
+
+
 def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> Path:
     """Write rows as JSONL to a temporary file in the same folder, then rename it over `path`: readers see
     the old file or the whole new one, never a partial one."""
@@ -314,6 +326,7 @@ def run_generate(cfg: GenerateConfig, *, model: Any = None, tokenizer: Any = Non
 
     # no global reseeding: every request carries its own seed, and an in-process caller keeps its RNG state
     validate_generate_config(cfg, model_given=model is not None and tokenizer is not None)
+    check_output_writable(Path(cfg.output))
     device = resolve_device(cfg.device)
     m = cfg.model
     if tokenizer is None:

@@ -10,7 +10,7 @@ from aiohttp import web
 from relayrl.agents.openai_server import OpenAIServer
 from relayrl.config.apps import ServeConfig
 from relayrl.config.command_line import run_command
-from relayrl.models.loading import load_pretrained, resolve_device
+from relayrl.models.loading import load_pretrained, load_tokenizer, resolve_device
 from relayrl.rollout.base import EngineSettings
 from relayrl.rollout.build import build_engine, engine_capabilities
 
@@ -20,7 +20,7 @@ def _serve(cfg: ServeConfig) -> int:
         print("relayrl serve: --model PATH is required", flush=True)
         return 2
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     caps = engine_capabilities(cfg.engine)
     if caps.needs_gpu and cfg.device and torch.device(cfg.device).type != "cuda":
@@ -31,11 +31,12 @@ def _serve(cfg: ServeConfig) -> int:
         return 2
     device = resolve_device(cfg.device, "device")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, what="model")
         # an engine that loads its own weights (vllm) reads the folder itself: the HF module is not loaded then
         model: Any = cfg.model
         if not caps.own_weights:
-            model = load_pretrained(AutoModelForCausalLM, cfg.model, what="model", device=device).eval()
+            model = load_pretrained(AutoModelForCausalLM, cfg.model, what="model", device=device)
+            model.eval().requires_grad_(False)  # never trained here: the native engine fuses its projections
     except (OSError, ValueError) as e:  # missing folder, not a causal LM, offline Hub id
         print(f"relayrl serve: cannot load model {cfg.model!r}: {e}", file=sys.stderr, flush=True)
         return 2
@@ -53,8 +54,14 @@ def _serve(cfg: ServeConfig) -> int:
         model_name=name,
         max_total_len=cfg.max_total_len or None,
         tool_parser=cfg.tool_parser,
+        max_request_bytes=int(cfg.max_request_mb * 1024**2),
+        allow_client_chat_template=cfg.allow_client_chat_template,
     )
-    print(f"relayrl serve: {name} on http://{cfg.host}:{cfg.port}/v1 (engine {cfg.engine})", flush=True)
+    print(
+        f"relayrl serve: {name} on http://{cfg.host}:{cfg.port}/v1 (engine {cfg.engine}, context "
+        f"{server.max_total_len} tokens)",
+        flush=True,
+    )
     try:
         web.run_app(server.app(), host=cfg.host, port=cfg.port, print=None, access_log=None)
     finally:

@@ -39,7 +39,9 @@ def _serve(cfg: ServeRMConfig) -> int:
         )
         return 2
     print(f"relayrl serve-rm: listening on http://{cfg.host}:{cfg.port}/get_reward", flush=True)
-    web.run_app(build_rm_app(scorer), host=cfg.host, port=cfg.port, print=None, access_log=None)
+    concurrency = cfg.max_concurrency if cfg.reward_func else 1  # a model scores one batch at a time
+    app = build_rm_app(scorer, timeout=cfg.timeout, max_concurrency=concurrency)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None)
     return 0
 
 

@@ -11,6 +11,7 @@ stay flat (`--host`, `--port`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -129,6 +130,13 @@ class ServeConfig:
     tool_parser: str = "auto"
     """How a chat request with `tools` reads tool calls from the output: auto (from the chat template:
     `<tool_call>` -> hermes), hermes (Hermes / Qwen `<tool_call>{json}</tool_call>`), or none (plain text)."""
+    max_request_mb: float = 8.0
+    """Largest request body in MiB; a larger one is answered 413 before it is read. Parsing, chat-template
+    rendering and tokenization run on worker threads, so a large prompt never holds up other requests."""
+    allow_client_chat_template: bool = False
+    """Render a chat template sent by a client (`chat_template`, also inside `chat_template_kwargs`). A
+    template is code the server runs (a looping one holds a worker thread): false answers such requests 400
+    and renders only the model's own template."""
 
     def __post_init__(self) -> None:
         if self.tool_parser not in ("auto", "none", "hermes"):
@@ -137,6 +145,12 @@ class ServeConfig:
             raise invalid(
                 "vllm_gpu_util", self.vllm_gpu_util, "a fraction of the GPU's memory in (0, 1), or 0"
             )
+        if not (math.isfinite(self.max_request_mb) and self.max_request_mb > 0):
+            raise invalid("max_request_mb", self.max_request_mb, "a size in MiB > 0 (e.g. 8)")
+        if self.max_total_len < 0:
+            raise invalid("max_total_len", self.max_total_len, "an int >= 0 (0 = the engine's limit)")
+        if not 0 <= self.port <= 65535:
+            raise invalid("port", self.port, "a TCP port in [0, 65535]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -157,3 +171,17 @@ class ServeRMConfig:
     """Longest sequence scored (longer ones keep their last max_len tokens)."""
     device: str = ""
     """Device for the model ('' = cuda when available, else cpu)."""
+    timeout: float = 120.0
+    """Seconds one /get_reward call may score for; a slower one is answered 504 naming this limit (the call's
+    thread is left to finish; clients such as RemoteRewardSource retry 5xx answers)."""
+    max_concurrency: int = 8
+    """Reward-function calls scored at once, each on its own thread, so a slow call does not hold up the
+    others; more wait for a free slot (within their timeout). A reward model scores one batch at a time."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise invalid("timeout", self.timeout, "seconds > 0")
+        if self.max_concurrency < 1:
+            raise invalid("max_concurrency", self.max_concurrency, "an int >= 1")
+        if not 0 <= self.port <= 65535:
+            raise invalid("port", self.port, "a TCP port in [0, 65535]")

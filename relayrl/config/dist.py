@@ -2,8 +2,10 @@
 engines, FSDP2 sharding options and timeouts (docs/distributed.md).
 
     DistConfig
-      mode, ray_address, num_cpus, gpus, timeout_s          every command
+      mode, ray_address, num_cpus, gpus, timeout_s,         every command
+      stall_timeout_s
       offload, reshard_after_forward                         every trained model (FSDP2 shards)
+      sp_size                                                sequence parallelism of every model role
       num_nodes, num_gpus_per_node                           the one-model commands' model (sft, rm, dpo, ...)
       policy_* / ref_* / critic_*, num_engines, engine_tp,   `relayrl rl` only (OpenRLHF's terms)
       colocate_*, engine_sleep, offload_optimizer_in_rollout
@@ -85,9 +87,11 @@ class DistConfig:
     CPUs) after every step. 0: each policy rank runs its own engine on its GPU (colocated). Engine native, hf
     or vllm."""
     engine_tp: int = 1
-    """relayrl rl: GPUs of each separate engine (tensor parallelism inside the engine, OpenRLHF's
-    --vllm_tensor_parallel_size): > 1 needs dist.num_engines > 0 and rollout.engine vllm (vLLM shards the
-    model over the engine actor's GPUs; each of its workers receives the broadcast weights)."""
+    """relayrl rl: GPUs of each rollout engine (tensor parallelism inside the engine, OpenRLHF's
+    --vllm_tensor_parallel_size). Separate engines (dist.num_engines > 0): rollout.engine vllm shards the model
+    over the engine actor's GPUs. Colocated (dist.num_engines 0, rollout.engine native): each block of
+    engine_tp consecutive policy ranks runs one tensor-parallel native engine, each rank holding 1/engine_tp of
+    its weights, refreshed from the FSDP shards after every step (docs/rollout.md)."""
     colocate_policy_ref: bool = False
     """relayrl rl: reference ranks share the policy's GPUs (same sizes required), as OpenRLHF's
     --colocate_actor_ref."""
@@ -110,20 +114,35 @@ class DistConfig:
     memory is short)."""
     offload_optimizer_in_rollout: bool = False
     """relayrl rl: move the policy's optimizer states to CPU memory during rollout (back before the update)."""
+    sp_size: int = 1
+    """Sequence parallelism (ray mode): each model role's ranks form groups of sp_size consecutive ranks that
+    split every packed micro-batch's tokens (Ulysses: attention all-to-alls the heads), for samples too long
+    for one GPU; data parallelism runs over the ranks / sp_size groups. Must divide every role's ranks and the
+    model's attention heads; 1: off (docs/distributed.md "Long context")."""
     timeout_s: float = 600.0
     """Bound on every collective and on waiting for a role: a dead or stuck rank stops the run with an error
     naming the role, rank and host within this time."""
+    stall_timeout_s: float = 1800.0
+    """The stall watchdog: a role call (generation, log-probs, update, weight refresh) still running after
+    this many seconds writes every thread's Python stack to <run folder>/stacks/<role>_rank<r>.txt and stops
+    the run naming the stuck role and rank (generous by default for big models; 0 = off)."""
 
     def __post_init__(self) -> None:
-        for name in (*MODEL_SIZE_FIELDS, *ROLE_SIZE_FIELDS, "num_cpus"):
+        for name in (*MODEL_SIZE_FIELDS, *ROLE_SIZE_FIELDS, "num_cpus", "sp_size"):
             if getattr(self, name) < 1:
                 raise invalid(name, getattr(self, name), "an int >= 1")
         if self.timeout_s <= 0:
             raise invalid("timeout_s", self.timeout_s, "a number of seconds > 0")
+        if not (0 <= self.stall_timeout_s < float("inf")):
+            raise invalid("stall_timeout_s", self.stall_timeout_s, "a number of seconds >= 0 (0 = off)")
         if self.num_engines < 0:
             raise invalid("num_engines", self.num_engines, "an int >= 0 (0: the engine is colocated)")
         if self.engine_tp < 1:
             raise invalid("engine_tp", self.engine_tp, "an int >= 1 (GPUs per separate engine)")
+        if self.sp_size > 1 and self.mode != "ray":
+            raise invalid(
+                "sp_size", self.sp_size, "1 in local mode (sequence parallelism needs --dist.mode ray)"
+            )
         check_choices(self)
 
     def ranks(self, role: str) -> int:
@@ -138,6 +157,14 @@ class DistConfig:
         """A ConfigError naming the first field set away from its default that command `kind` never reads:
         "model" (the one-model commands) reads no rl field, "rl" sizes each role and reads no num_nodes /
         num_gpus_per_node."""
+        role = "model" if kind == "model" else "policy"
+        if self.ranks(role) % self.sp_size:
+            prefix = "" if kind == "model" else "policy_"
+            raise ConfigError(
+                f"dist.sp_size: {self.sp_size} does not divide the {role}'s {self.ranks(role)} ranks "
+                f"(--dist.{prefix}num_nodes x --dist.{prefix}num_gpus_per_node): pick a divisor",
+                field="dist.sp_size",
+            )
         default = DistConfig()
         unread = RL_ONLY_FIELDS if kind == "model" else MODEL_SIZE_FIELDS
         for f in fields(self):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from relayrl.distributed.fsdp import is_sharded
-from relayrl.training.checkpoint import load_state
+from relayrl.training.checkpoint import check_shapes, load_state
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
@@ -88,6 +88,20 @@ def _full_dcp(folder: Path) -> dict[str, Any]:
         out = Path(tmp) / "full.pt"
         dcp_to_torch_save(str(folder / DCP_DIR), str(out))
         return load_state(out)
+
+
+def _dcp_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The model's tensor shapes (name -> global shape) from a DCP checkpoint's metadata, nothing loaded."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(folder / DCP_DIR)).read_metadata().state_dict_metadata
+    prefix = "model."
+    return {
+        k[len(prefix) :]: tuple(v.size)
+        for k, v in meta.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
 
 
 def _by_index(osd: dict[str, Any], names: list[str], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -144,6 +158,7 @@ def load_model_and_optim(
         _load_into_sharded(path, model, optimizer, names, full_weights, full_optim_state)
         return
     full = _full_dcp(path)
+    check_shapes(model, {k: tuple(v.shape) for k, v in full["model"].items()}, path)
     missing, unexpected = model.load_state_dict(full["model"], strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -165,12 +180,14 @@ def _load_into_sharded(
     from torch.distributed.checkpoint.state_dict_loader import load
 
     if is_sharded_checkpoint(path):
+        check_shapes(model, _dcp_shapes(path), path)
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
         load(state, checkpoint_id=str(path / DCP_DIR))  # reshards to this run's rank count
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         return
     weights: dict[str, Any] = full_weights(path)  # plain tensors: what set_state_dict's ValueType allows
+    check_shapes(model, {k: tuple(v.shape) for k, v in weights.items()}, path)
     set_state_dict(
         model,
         optimizer,

@@ -8,6 +8,11 @@ process), that form ONE torch.distributed process group (NCCL on GPU, gloo on CP
     rank(), world()                          0 and 1 outside a group (local mode): the same code runs there
     shares(weights, world)                   contiguous, balanced split of items into `world` ranges
     my_share(weights)                        this rank's range of `shares`
+    my_data_share(weights)                   this rank's data-parallel range: under sequence parallelism the
+                                             W ranks of an SP group share one range (relayrl.distributed.
+                                             sequence_parallel), so ranks // W ranges
+    reports()                                False on an SP group's ranks after its first (their results
+                                             repeat the first's: "concat" merges leave them out)
 (the small all-reduces of a step -- equal pass counts, global metric sums -- live in relayrl/training/step.py,
 which talks to torch.distributed directly)
 
@@ -31,6 +36,8 @@ from itertools import accumulate, pairwise
 
 import torch
 import torch.distributed as dist
+
+from relayrl.models import sequence_parallel
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,6 +125,19 @@ def shares(weights: Sequence[float], parts: int) -> list[range]:
 def my_share(weights: Sequence[float]) -> range:
     """This rank's range of `shares(weights, world())`."""
     return shares(weights, world())[rank()]
+
+
+def my_data_share(weights: Sequence[float]) -> range:
+    """This rank's data-parallel range: `shares(weights, world() // W)[rank() // W]`, W the sequence-parallel
+    group size (1 without sequence parallelism: `my_share`)."""
+    w = sequence_parallel.size()
+    return shares(weights, world() // w)[rank() // w]
+
+
+def reports() -> bool:
+    """Whether this rank's share of a "concat" result is its own: False on the ranks of a sequence-parallel
+    group after its first, whose results repeat the first's (they return an empty piece)."""
+    return sequence_parallel.is_leader()
 
 
 MERGE_ATTR = "__relayrl_merge__"

@@ -32,6 +32,8 @@ cut rows with relayrl.data.packing.plan_micro_batches):
             eager): padding sits at the end, so no real token ever attends to it, and transformers' sdpa
             path passes is_causal=True with no mask. Cost S * T_max^2, hence `plan_micro_batches` puts
             rows of similar length together (sorted by length, rows * longest <= budget).
+    Under sequence parallelism (dist.sp_size > 1, relayrl.models.sequence_parallel) always varlen: each rank
+    runs its slice of the packed row; log-probs / values come back for the whole row.
 
 How the choice is made: "varlen" on a CUDA device when torch has `varlen_attn` and the architecture can
 take it (transformers can switch its attention function, no sliding window, no logit soft-capping), else
@@ -58,6 +60,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from relayrl.data.packing import check_layout
+from relayrl.models import sequence_parallel as sp
 from relayrl.models.logprobs import head_logprobs
 from relayrl.models.value_head import head_values
 
@@ -177,13 +180,19 @@ def varlen_attention(
         sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
         return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     _check_call(module, query, dropout, kwargs)
+    group = sp.active()
+    if group is not None:  # Ulysses: this rank's tokens of every head -> every token of its heads
+        query = sp.seq_to_heads(query)
+        key, value = (sp.seq_to_heads(sp.expand_kv(x, group.size)) for x in (key, value))
     if not _kernel_usable(query):
-        return _per_sequence(query, key, value, cu_q, scaling), None
-    cu_k = kwargs.get("cu_seq_lens_k", cu_q)
-    max_q = int(kwargs["max_length_q"])
-    max_k = int(kwargs.get("max_length_k", max_q))
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
-    return _kernel(q, k, v, cu_q, cu_k, max_q, max_k, scaling).unsqueeze(0), None
+        out = _per_sequence(query, key, value, cu_q, scaling)
+    else:
+        cu_k = kwargs.get("cu_seq_lens_k", cu_q)
+        max_q = int(kwargs["max_length_q"])
+        max_k = int(kwargs.get("max_length_k", max_q))
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
+        out = _kernel(q, k, v, cu_q, cu_k, max_q, max_k, scaling).unsqueeze(0)
+    return (sp.heads_to_seq(out) if group is not None else out), None
 
 
 def _varlen_mask(*args: Any, **kwargs: Any) -> Tensor | None:
@@ -224,8 +233,13 @@ def _architecture_blocker(hf: Any) -> str | None:
 
 
 def choose_layout(model: Any, device: torch.device | str) -> str:
-    """ "varlen" on CUDA when torch has varlen_attn and the architecture can take it, else "padded"."""
+    """ "varlen" on CUDA when torch has varlen_attn and the architecture can take it, else "padded"; "varlen"
+    on any device under sequence parallelism (it splits a packed row; a CPU runs attention per sequence)."""
     device = torch.device(device)
+    if sp.size() > 1 and (blocker := _architecture_blocker(hf_model(model))) is not None:
+        raise ValueError(f"dist.sp_size > 1 needs the varlen layout; this model cannot take it ({blocker})")
+    if sp.size() > 1:
+        return "varlen"
     if device.type != "cuda":
         blocker = f"{device.type} device"
     elif _varlen_attn is None:
@@ -287,10 +301,15 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 def _varlen_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
+    """[N, H] hidden states of the packed row; under sequence parallelism this rank's slice of the row padded
+    to a multiple of the group size (models.sequence_parallel: the padding is a sequence of its own)."""
     device = ids.device
+    lo, hi, padded = sp.local_slice(ids.numel())
+    lengths = lengths + ([padded - ids.numel()] if padded > ids.numel() else [])
     starts = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
     counts = torch.tensor(lengths)
-    positions = torch.arange(int(starts[-1])) - torch.repeat_interleave(starts[:-1].long(), counts)
+    positions = (torch.arange(int(starts[-1])) - torch.repeat_interleave(starts[:-1].long(), counts))[lo:hi]
+    ids = sp.pad_to(ids, padded, 0)[lo:hi]
     cu = to_device(starts, device)
     max_len = max(lengths)
     token = _IN_VARLEN_FORWARD.set(True)
@@ -326,6 +345,13 @@ def forward_hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
     Works for causal LMs and value-head models (the trunk is `hf.<base_model_prefix>`), under peft too.
     Differentiable. The varlen layout needs `prepare_model(model, "varlen")` first.
     """
+    if sp.size() > 1:  # the head would run on every rank's gathered states (gradients W times over)
+        raise ValueError("dist.sp_size > 1 covers token log-probs and values; this loss reads hidden states")
+    return _hidden(model, seqs, layout)
+
+
+def _hidden(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
+    """`forward_hidden`'s states; under sequence parallelism only this rank's slice of the packed row."""
     check_layout(layout)
     lengths = _lengths(seqs)
     hf = hf_model(model)
@@ -405,7 +431,7 @@ def token_logprobs(
             f"{type(hf).__name__} has no output embedding (LM head): token_logprobs needs a causal LM"
         )
     lengths = _lengths(seqs)
-    hidden = forward_hidden(model, seqs, layout)
+    hidden = _hidden(model, seqs, layout)
     tokens = torch.cat(list(seqs)).long()
     vocab = head.weight.shape[0]
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):  # checked on the host
@@ -417,14 +443,19 @@ def token_logprobs(
     # row j scores token j + 1; the last token of a sequence scores nothing (ignore_index -> logp 0)
     targets = torch.cat([tokens[1:].masked_fill(first[1:], -100), tokens.new_full((1,), -100)])
     targets, first = to_device(targets, hidden.device), to_device(first, hidden.device)
-    lp, ent = head_logprobs(
+    lo, hi, padded = sp.local_slice(tokens.numel())  # targets shifted before the split: a shard's last
+    lp, ent = head_logprobs(  # token is scored by the next shard's first
         hidden,
         head.weight,
-        targets,
+        sp.pad_to(targets, padded, -100)[lo:hi],
         bias=head.bias,
         temperature=temperature,
         with_entropy=entropy,
         check_targets=False,
+    )
+    lp, ent = (
+        sp.gather_tokens(lp, tokens.numel()),
+        (ent if ent is None else sp.gather_tokens(ent, tokens.numel())),
     )
     logp = F.pad(lp[:-1], (1, 0))
     if ent is not None:
@@ -434,7 +465,7 @@ def token_logprobs(
 
 def token_values(model: Any, seqs: Sequence[Tensor], layout: str) -> Tensor:
     """Value head (`score`, hidden -> 1) on every token's own hidden state: [N] float32, not shifted."""
-    return head_values(model, forward_hidden(model, seqs, layout))
+    return sp.gather_tokens(head_values(model, _hidden(model, seqs, layout)), sum(_lengths(seqs)))
 
 
 # ---------------------------------------------------------------- flat <-> per-sequence helpers

@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from relayrl.config.components import LoraConfig, ModelConfig
+from relayrl.data.loading import hub_offline_reason
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,10 +65,12 @@ def _offline() -> bool:
 
 
 def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
-    """Check that `name_or_path` is a local folder or a Hub id we may download; return it unchanged.
+    """Check that `name_or_path` is a local folder or a Hub id we may download; return it (a local folder made
+    absolute; a Hub id unchanged, or its local Hub-cache folder when the Hub cannot be reached).
 
-    Raises a clear error for an empty value, a local-looking path that does not exist, or a Hub id while
-    HF_HUB_OFFLINE=1 (unless it is already in the local Hub cache).
+    Raises a clear error at once for an empty value, a local-looking path that does not exist, or a Hub id
+    that is not in the local Hub cache while HF_HUB_OFFLINE=1 or while the Hub does not answer
+    (relayrl.data.loading.hub_offline_reason: one connection attempt, a few seconds at most).
     """
     if not name_or_path:
         raise ValueError(
@@ -79,15 +82,33 @@ def resolve_source(name_or_path: str, what: str = "model.name_or_path") -> str:
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or p.exists()
     if looks_local:
         raise FileNotFoundError(f"{what}={name_or_path!r}: no such folder (expected an HF model folder)")
+    reason = hub_offline_reason()  # offline env vars, or no answer from HF_ENDPOINT within a few seconds
+    if reason is None:
+        return name_or_path
+    cached = _cached_snapshot(name_or_path)
+    if cached is not None:  # HF_HUB_OFFLINE: transformers reads its cache itself; else the cached folder
+        return name_or_path if _offline() else cached
     if _offline():
-        from huggingface_hub import try_to_load_from_cache
+        raise OSError(
+            f"{what}={name_or_path!r} is not a local folder and HF_HUB_OFFLINE=1 forbids downloading it: "
+            "pass a local folder, or unset HF_HUB_OFFLINE where the Hub is reachable"
+        )
+    raise OSError(
+        f"{what}={name_or_path!r} is not a local folder and the Hugging Face Hub cannot be used ({reason}): "
+        "pass a local model folder, or check the network (HF_ENDPOINT, proxy settings); fails at once instead "
+        "of after a minute of download retries"
+    )
 
-        if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
-            raise OSError(
-                f"{what}={name_or_path!r} is not a local folder and HF_HUB_OFFLINE=1 forbids downloading it: "
-                "pass a local folder, or unset HF_HUB_OFFLINE where the Hub is reachable"
-            )
-    return name_or_path
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local Hub-cache folder of `repo_id` when it holds the repo's config (model or adapter), else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("config.json", "adapter_config.json"):
+        hit = try_to_load_from_cache(repo_id, name)
+        if isinstance(hit, str):
+            return str(Path(hit).parent)
+    return None
 
 
 def hub_error(err: Exception, source: str, what: str) -> OSError:
@@ -110,12 +131,17 @@ TOKENIZER_FILES = (
 
 
 def load_tokenizer(
-    name_or_path: str, *, trust_remote_code: bool = False, padding_side: str | None = None
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    padding_side: str | None = None,
+    what: str = "model.tokenizer_name_or_path",
 ) -> Any:
-    """AutoTokenizer from a folder or Hub id; sets pad_token = eos_token (with a warning) when missing."""
+    """AutoTokenizer from a folder or Hub id; sets pad_token = eos_token (with a warning) when missing.
+    `what`: the config field errors name (model.name_or_path when the tokenizer comes from the model's)."""
     from transformers import AutoTokenizer
 
-    source = resolve_source(name_or_path, "model.tokenizer_name_or_path")
+    source = resolve_source(name_or_path, what)
     folder = Path(source)
     if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(

@@ -207,7 +207,8 @@ class EngineCapabilities:
     module; it shares nothing with a trainer, so every `load_weights` needs named tensors (never None) and
     the trainer streams them (relayrl/distributed/weights/local.py, stream)."""
     tensor_parallel: bool = False
-    """It can spread one model over several GPUs (`EngineSettings.tp`)."""
+    """It can spread one model over several GPUs: over a separate engine's GPUs (`EngineSettings.tp`, vllm's
+    workers), or one shard per process of a group (native: `build_engine(..., group=)`, rollout/native_tp.py)."""
     fixed_slots: bool = False
     """It preallocates K/V for a fixed number of sequences (native: `EngineSettings.max_seqs` rows): a caller
     sizes it to its workload. Engines without fixed slots size their batch themselves (vllm pages its cache;

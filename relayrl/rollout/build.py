@@ -28,6 +28,10 @@ ENGINES: dict[str, str] = {
 """Engine name -> "module:Class"; each class takes (model, tokenizer=None, **opts) and has `capabilities` and
 `options(settings)`."""
 
+TP_ENGINES: dict[str, str] = {"native": "relayrl.rollout.native_tp:TPNativeEngine"}
+"""Engine name -> the "module:Class" of its tensor-parallel variant over one shard per process of a group
+(`build_engine(name, shard, ..., group=tp_group)`; rollout/native_tp.py)."""
+
 
 def engine_class(name: str) -> EngineClass:
     """The class registered as `name`; a ValueError listing the names when there is none."""
@@ -47,7 +51,15 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine registered as `name` ("native" | "hf" | "vllm") over `model` (a module; a folder for an
     engine with own_weights), built from `settings` (mapped by the class) and `opts` (its constructor's own
-    keywords, e.g. native: max_slots, cuda_graphs; they win over the mapped ones)."""
+    keywords, e.g. native: max_slots, cuda_graphs; they win over the mapped ones). `group=` a TP process group:
+    the engine's tensor-parallel variant (TP_ENGINES) over `model`, this rank's shard."""
     cls = engine_class(name)
+    if opts.get("group") is not None:
+        if name not in TP_ENGINES:
+            raise ValueError(f"rollout engine {name!r} has no process-group tensor parallelism; use native")
+        module, cls_name = TP_ENGINES[name].split(":")
+        cls = cast(EngineClass, getattr(importlib.import_module(module), cls_name))
+    else:
+        opts.pop("group", None)
     mapped = cls.options(settings) if settings is not None else {}
     return cls(model, tokenizer, **{**mapped, **opts})

@@ -102,7 +102,7 @@ class _Running:
 class NativeEngine(ThreadedEngine):
     """The built-in continuous-batching engine (see module doc)."""
 
-    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(fixed_slots=True)
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(fixed_slots=True, tensor_parallel=True)
 
     @classmethod
     def options(cls, settings: EngineSettings) -> dict[str, Any]:

@@ -20,6 +20,10 @@ SiLU MLP by three of them with the product in place; anything else (LoRA layers,
         same as 4-D SDPA; math, CPU's default: baddbmm with the scale and mask fused, softmax, bmm).
         Static shapes for fixed (bs, kv_len), so the caller can capture it in a CUDA graph.
 
+Weights that do not train (an engine's own copy, a tensor-parallel shard) get fused q/k/v and gate/up
+projections: one GEMM each, over buffers the parameters are views of (native_fused.py); a module that is not a
+plain Linear (rollout/native_tp.py's row-parallel o_proj / down_proj, which all-reduce) is called as it is.
+
 Supported: decoder-only models laid out like Llama (model.model.{embed_tokens, layers, norm, rotary_emb},
 model.lm_head) with default or scaled rotary (the HF module's own inv_freq and attention_scaling are used)
 and no active sliding window: model types in SUPPORTED_MODEL_TYPES. Others raise an error naming the type
@@ -33,6 +37,8 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+
+from relayrl.rollout.native_fused import fuse_projections, gate_up_weight, qkv_weights
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -136,9 +142,23 @@ def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
     act = type(getattr(mlp, "act_fn", None)).__name__
     if type(mlp).__name__ not in _PLAIN_MLPS or act not in ("SiLUActivation", "SiLU") or _hooked(mlp):
         return mlp
-    if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs):
+    if any(not isinstance(p, torch.nn.Module) for p in projs):
         return mlp
-    gate, up, down = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs)
+    down = _linear_fn(cast(torch.nn.Module, projs[2]))  # a module (tensor-parallel row split) is called
+    gate_up = gate_up_weight(mlp)
+    if gate_up is not None:  # one GEMM for gate and up (native_fused.py)
+        inter = gate_up.shape[0] // 2
+
+        def fused(x: torch.Tensor) -> torch.Tensor:
+            gu = F.linear(x, gate_up)
+            h = F.silu(gu[..., :inter])
+            h *= gu[..., inter:]
+            return down(h)
+
+        return fused
+    if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs[:2]):
+        return mlp
+    gate, up = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs[:2])
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = F.silu(gate(x))
@@ -151,9 +171,12 @@ def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
 class DecoderRunner:
     """Prefill and decode forwards over an HF causal LM's live modules (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto") -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto", fuse: bool = True
+    ) -> None:
         """`decode_attention`: "sdpa" (fused kernel), "math" (matmul + softmax; faster on CPU for short
-        query groups) or "auto" (sdpa on CUDA, math elsewhere)."""
+        query groups) or "auto" (sdpa on CUDA, math elsewhere); `fuse`: lay out q/k/v and gate/up of weights
+        that do not train as one buffer each and run one GEMM per group (native_fused.py)."""
         base = getattr(model, "get_base_model", None)
         if base is not None:  # peft: run the base model, whose projections carry the adapters
             model = base()
@@ -186,6 +209,9 @@ class DecoderRunner:
             tuple(_linear_fn(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
             for layer in self.layers
         ]
+        self.fused_layers = fuse_projections(model) if fuse else 0
+        """Layers whose q/k/v and gate/up run as one GEMM each (native_fused.py: weights that do not train)."""
+        self.qkv = [qkv_weights(layer.self_attn) for layer in self.layers]
         self.mlps = [_mlp_fn(layer.mlp) for layer in self.layers]
         self.qk_norms: list[tuple[TensorFn, TensorFn] | None] = [
             (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
@@ -215,11 +241,18 @@ class DecoderRunner:
         return (len(self.layers), slots, self.n_kv, self.max_len, self.head_dim)
 
     def _qkv(self, li: int, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms)."""
-        q_proj, k_proj, v_proj, _ = self.projs[li]
-        q = q_proj(h).view(*shape, self.n_heads, self.head_dim)
-        k = k_proj(h).view(*shape, self.n_kv, self.head_dim)
-        v = v_proj(h).view(*shape, self.n_kv, self.head_dim)
+        """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms); one GEMM
+        when the layer's q/k/v are fused (native_fused.py)."""
+        fused = self.qkv[li]
+        if fused is not None:
+            weight, bias, sizes = fused
+            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
+        else:
+            q_proj, k_proj, v_proj, _ = self.projs[li]
+            q, k, v = q_proj(h), k_proj(h), v_proj(h)
+        q = q.view(*shape, self.n_heads, self.head_dim)
+        k = k.view(*shape, self.n_kv, self.head_dim)
+        v = v.view(*shape, self.n_kv, self.head_dim)
         qk_norms = self.qk_norms[li]
         if qk_norms is not None:
             q_norm, k_norm = qk_norms

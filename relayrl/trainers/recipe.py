@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relayrl.config.base import save_yaml, to_dict
+from relayrl.config.base import ConfigError, save_yaml, to_dict
 from relayrl.config.command_line import run_command
 from relayrl.config.components import ModelConfig, OneModelConfig
 from relayrl.config.dist import DistConfig
@@ -268,16 +268,33 @@ class _Data:
 def _prepare(recipe: Recipe) -> tuple[Path, _Data]:
     """Run folder (checked against a run it continues, config.yaml written), tokenizer, data, step total."""
     cfg, label = recipe.cfg, f"relayrl {recipe.name}"
-    seed_everything(cfg.train.seed)
-    run_dir = prepare_run_dir(run_dir_of(cfg.train, recipe.name), cfg.ckpt, label)
-    check_config_change(run_dir, cfg, label)
-    save_yaml(cfg, run_dir / "config.yaml")
     m = cfg.model
-    tokenizer = load_tokenizer(
-        m.tokenizer_name_or_path or m.name_or_path, trust_remote_code=m.trust_remote_code
+    if not m.name_or_path:
+        raise ConfigError(
+            "model.name_or_path is required: the model to train, a local folder or Hub id "
+            "(--model.name_or_path PATH)",
+            field="model.name_or_path",
+        )
+    seed_everything(cfg.train.seed)
+    tokenizer = load_tokenizer(  # a wrong model path fails here, before the run folder is touched
+        m.tokenizer_name_or_path or m.name_or_path,
+        trust_remote_code=m.trust_remote_code,
+        what="model.tokenizer_name_or_path" if m.tokenizer_name_or_path else "model.name_or_path",
     )
-    train_samples, eval_samples = recipe.load_data(tokenizer)
-    total = _total_steps(cfg, len(train_samples))
+    folder = run_dir_of(cfg.train, recipe.name)
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    run_dir = prepare_run_dir(folder, cfg.ckpt, label)
+    try:
+        check_config_change(run_dir, cfg, label)
+        train_samples, eval_samples = recipe.load_data(tokenizer)
+        total = _total_steps(cfg, len(train_samples))
+    except BaseException:
+        for p in created:  # a run that never started leaves no folder behind
+            if any(p.iterdir()):
+                break
+            p.rmdir()
+        raise
+    save_yaml(cfg, run_dir / "config.yaml")
     return run_dir, _Data(tokenizer=tokenizer, train=train_samples, evals=eval_samples, total=total)
 
 
@@ -293,7 +310,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     same global batch. The trained model is exported to <run>/final."""
     cfg = recipe.cfg
     run_dir, data = _prepare(recipe)
-    launcher = build_launcher(cfg.dist, {"model": cfg.dist.ranks("model")})
+    launcher = build_launcher(cfg.dist, {"model": cfg.dist.ranks("model")}, run_dir)
     try:
         handle, data.layout = _model_role(recipe, launcher, cfg.dist, data.total, run_dir)
         if recipe.before_fit is not None:

@@ -245,7 +245,9 @@ class CheckpointManager:
         """Restore a checkpoint in place (default: `latest()`); returns trainer state and `extra`.
 
         Models must have the same architecture as when saved; weights are copied into them (so optimizers
-        built on their parameters stay valid). Optimizer and scheduler states are loaded after the weights.
+        built on their parameters stay valid). Optimizer and scheduler states are loaded after the weights. A
+        `step_<N>` folder whose trainer state holds another step is refused (renamed or copied: resuming would
+        skip or repeat steps).
         """
         path = Path(path) if path is not None else self.resumable()
         if path is None or not (path / "trainer_state.json").is_file():
@@ -258,6 +260,14 @@ class CheckpointManager:
                 f"checkpoint {path} is damaged ({problem}); resume from another one with --ckpt.resume "
                 f"{self.root}/step_<N>, or remove it and rerun to fall back to the previous one"
             )
+        state = json.loads((path / "trainer_state.json").read_text())
+        step = int(state["step"])
+        if path.name.startswith(STEP_PREFIX) and path.name != f"{STEP_PREFIX}{step}":
+            raise ValueError(
+                f"checkpoint {path} holds step {step} (trainer_state.json), not the step its name says: it was "
+                f"renamed or copied, and resuming would skip or repeat steps; rename it {STEP_PREFIX}{step} or "
+                f"resume from another one"
+            )
         for name, model in (models or {}).items():
             load_weights_into(model, path / name)
         optim = load_state(path / "optim.pt")
@@ -268,8 +278,7 @@ class CheckpointManager:
         if restore_rng:
             restore_rng_state(load_state(path / "rng.pt"))
         extra = load_state(path / "extra.pt")
-        state = json.loads((path / "trainer_state.json").read_text())
-        return LoadedCheckpoint(path=path, step=int(state["step"]), trainer_state=state, extra=extra)
+        return LoadedCheckpoint(path=path, step=step, trainer_state=state, extra=extra)
 
 
 MANIFEST = "manifest.json"
@@ -357,7 +366,9 @@ def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
     """
     folder = Path(folder)
     if (folder / WEIGHTS_FILE).is_file():
-        model.load_state_dict(torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True))
+        weights = torch.load(folder / WEIGHTS_FILE, map_location="cpu", weights_only=True)
+        check_shapes(model, {k: tuple(v.shape) for k, v in weights.items()}, folder)
+        model.load_state_dict(weights)
         return
     if (folder / "adapter_config.json").is_file():
         from peft import set_peft_model_state_dict
@@ -365,6 +376,7 @@ def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
         set_peft_model_state_dict(model, _read_safetensors_folder(folder, "adapter_model"))
         return
     state = _read_safetensors_folder(folder, "model")
+    check_shapes(model, {k: tuple(v.shape) for k, v in state.items()}, folder)
     result = model.load_state_dict(state, strict=False)
     own = model.state_dict()
     loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
@@ -385,3 +397,36 @@ def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
         model.load_state_dict(fresh.state_dict(), strict=True)
     except RuntimeError as err:
         raise ValueError(mismatch) from err
+
+
+def _architecture(config: Any) -> str:
+    """"hidden 64, 2 layers, vocab 300" from an HF config (object or config.json dict); "" when unknown."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    parts = [
+        f"{label} {get(key)}"
+        for key, label in (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("vocab_size", "vocab"))
+        if isinstance(get(key), int)
+    ]
+    return ", ".join(parts)
+
+
+def check_shapes(model: torch.nn.Module, saved: Mapping[str, tuple[int, ...]], source: str | Path) -> None:
+    """One clear ValueError when tensors saved in `source` (name -> shape; names as the model's) have other
+    shapes than the model's: the checkpoint belongs to another model. Names both shapes (and both
+    architectures, where `source` holds a config.json) and what to do. Names only one side has are left to
+    the caller."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    diff = [(k, shape, own[k]) for k, shape in saved.items() if k in own and tuple(shape) != own[k]]
+    if not diff:
+        return
+    name, theirs, ours = diff[0]
+    arch_ours = _architecture(getattr(model, "config", None))
+    config_file = Path(source) / "config.json"
+    arch_theirs = _architecture(json.loads(config_file.read_text())) if config_file.is_file() else ""
+    archs = f" (checkpoint: {arch_theirs}; this model: {arch_ours})" if arch_theirs and arch_ours else ""
+    raise ValueError(
+        f"checkpoint {source} belongs to another model{archs}: {len(diff)} of its tensors have other shapes, "
+        f"e.g. {name} is {list(theirs)} there and {list(ours)} here. Resume with the model the run was started "
+        "with (its config.yaml names it), or start a new run from this model: another --train.output_dir, or "
+        "--ckpt.resume none --ckpt.overwrite true"
+    )

@@ -182,7 +182,8 @@ class Trainer:
         if path is None:
             return False
         loaded = self.state.load(self.ckpt, path)
-        self.sampler.load_state_dict(loaded.extra["data"])
+        # one batch per step: the data position must be the step's (never skip or repeat a batch)
+        self.sampler.load_state_dict(loaded.extra["data"], expect_batches=loaded.step, where=str(path))
         self.step = loaded.step
         self.tokens_seen = int(loaded.trainer_state.get("tokens_seen", 0))
         self.train_step.nonfinite_total = int(loaded.trainer_state.get("nonfinite_skips", 0))

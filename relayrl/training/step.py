@@ -20,6 +20,9 @@ is needed before the forward passes. Under torch.distributed the count is all-re
 divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks.
 Ranks run the same number of forward passes (FSDP gathers weights in each, a collective): a rank with fewer
 micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric).
+Under sequence parallelism (relayrl.models.sequence_parallel) the W ranks of a group compute the same
+micro-batch's loss, so the all-reduced sums count it W times and are divided by W: with FSDP's average over
+all R ranks, R / count then sums the gradients inside each group and averages them over the R / W groups.
 
 Precision (relayrl/training/precision.py): with precision "bf16" (the default on a CUDA card that supports it)
 the module computes with bf16 weights (under bf16 autocast for any fp32 leftovers) while the optimizer holds
@@ -43,6 +46,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from relayrl.models import sequence_parallel
 from relayrl.models.forward import to_device
 from relayrl.training.precision import PRECISIONS, MasterWeights, autocast, resolve_precision
 
@@ -152,7 +156,8 @@ class _Sums:
             + [float(self.metrics[k]) for k in keys]
             + [float(self.counts[k]) for k in keys]
         )
-        loss_sum, count = flat[0], flat[1]
+        replicas = sequence_parallel.size()  # the W ranks of an SP group all hold the same micro-batch's sums
+        loss_sum, count = flat[0] / replicas, flat[1] / replicas
         loss = loss_sum / count if count > 0 else math.nan
         m, c = flat[2 : 2 + len(keys)], flat[2 + len(keys) :]
         metrics = {k: v / max(n, 1e-12) for k, v, n in zip(keys, m, c, strict=True)}

@@ -111,13 +111,15 @@ def build_engine_for(
     *,
     source: ModelConfig | None = None,
     tp: int = 0,
+    group: Any = None,
 ) -> RolloutEngine:
     """The rollout engine of a policy rank or an engine actor, through the one factory (relayrl/rollout/
     build.py), over `model` (the policy's engine copy, or the policy itself when they share). An engine that
     loads its own weights (vllm) loads `source.name_or_path` instead (`model` is unused; the policy streams its
     weights after every step: LocalWeights(stream=True)) in the inference dtype, beside the trainer on its GPU;
     `tp` > 0: a separate engine actor's engine over `tp` GPUs, taking broadcast weights in its workers. Slots:
-    rollout.engine_slots, else one per sample of a step (and at least the eval samples of a prompt)."""
+    rollout.engine_slots, else one per sample of a step (and at least the eval samples of a prompt). `group`: a
+    TP group: `model` is this rank's shard of a tensor-parallel native engine (rollout/native_tp.py)."""
     caps = engine_capabilities(rollout.engine)
     slots = rollout.engine_slots or rollout.prompts_per_step * rollout.n_samples
     settings = EngineSettings(
@@ -131,7 +133,7 @@ def build_engine_for(
         tp=tp,
     )
     if not caps.own_weights:
-        return build_engine(rollout.engine, model, tokenizer, settings)
+        return build_engine(rollout.engine, model, tokenizer, settings, group=group)
     if source is None or not source.name_or_path:
         raise ValueError(
             f"rollout.engine {rollout.engine} loads the policy from its folder: build_engine_for needs source= "
@@ -162,10 +164,11 @@ def build_generation(
     task_name: str,
     step_timeout: float,
     tp: int = 0,
+    group: Any = None,
 ) -> tuple[RolloutEngine, AgentExecutorBase]:
     """(engine, agent executor over it): what generates for a policy rank (colocated) or an engine actor;
     `build_engine_for` and `build_executor`."""
-    engine = build_engine_for(rollout, evaluation, model, tokenizer, source=source, tp=tp)
+    engine = build_engine_for(rollout, evaluation, model, tokenizer, source=source, tp=tp, group=group)
     executor = build_executor(rollout, engine, tokenizer, task_name=task_name, step_timeout=step_timeout)
     return engine, executor
 

@@ -82,6 +82,7 @@ class CriticWorker:
             optim=spec.optim,
             opt_steps=spec.total_steps * spec.epochs * max(1, spec.mini_batches),
             dist=spec.dist,
+            role="critic",
         )
         self.layout, self.train = built.layout, built.train
         self.objective = ValueObjective(clip_eps=spec.value_clip or None)

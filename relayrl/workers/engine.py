@@ -22,7 +22,11 @@ full replica (a cast-copy, or FSDP all-gathers across its ranks) and its rank 0 
   process per GPU): the actor holds no model of its own (the engine loads the policy's folder itself), and each
   worker enters the weight group itself, as rank 1 + engine rank x engine_tp + its tp rank, receiving the
   broadcast straight into its model's loader (`VLLMReceiver`). The weight group then has 1 + num_engines x
-  engine_tp ranks (`weight_ranks`).
+  engine_tp ranks (`weight_ranks`);
+- a tensor-parallel native engine (`dist.engine_tp` > 1, rollout.engine native): the role has num_engines x
+  engine_tp actors of one GPU, each block of engine_tp consecutive actors one engine (rollout/native_tp.py);
+  each actor holds its shard, receives every broadcast tensor and keeps its slice (`TensorParallelReceiver`),
+  and its block's first actor generates the engine's share (`generate_tp_share`) while the others follow.
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ from relayrl.agents.base import AgentExecutorBase, Trajectory
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
-from relayrl.distributed.group import merged, my_share, rank
+from relayrl.distributed.group import merged, my_share, rank, shares, world
 from relayrl.distributed.weights.base import Channel, Layout, WeightReceiver
 from relayrl.distributed.weights.broadcast import ModuleReceiver
+from relayrl.distributed.weights.tensor_parallel import TensorParallelReceiver, tp_groups
 from relayrl.distributed.weights.vllm import VLLMReceiver
 from relayrl.models.loading import load_tokenizer, resolve_device
 from relayrl.rollout.base import RolloutEngine, SamplingParams, WorkerLoading
 from relayrl.rollout.build import engine_capabilities
+from relayrl.rollout.native_tp import TPNativeEngine, shard_model
 from relayrl.workers.builders import build_frozen, build_generation, setup_process
 
 
@@ -62,11 +68,19 @@ def sampling_params(rollout: RolloutConfig, evaluation: EvalConfig, *, eval: boo
 
 
 def generate_share(
-    executor: AgentExecutorBase, base: SamplingParams, samples: list[PromptSample], seed: int, budget: int
+    executor: AgentExecutorBase,
+    base: SamplingParams,
+    samples: list[PromptSample],
+    seed: int,
+    budget: int,
+    share: tuple[int, int] | None = None,
 ) -> list[Trajectory]:
     """This rank's contiguous share of `samples` (balanced by prompt + `budget` tokens), n trajectories per
-    prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume)."""
-    mine = [samples[i] for i in my_share([len(s.prompt_ids) + budget for s in samples])]
+    prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume).
+    `share` (index, parts): share `index` of `parts` instead of this rank's of all ranks (TP engine groups)."""
+    weights = [len(s.prompt_ids) + budget for s in samples]
+    part = my_share(weights) if share is None else shares(weights, share[1])[share[0]]
+    mine = [samples[i] for i in part]
 
     async def run() -> list[list[Trajectory]]:
         jobs = [
@@ -78,6 +92,27 @@ def generate_share(
     with torch.no_grad():
         groups = asyncio.run(run())
     return [t for g in groups for t in g]
+
+
+def generate_tp_share(
+    engine: TPNativeEngine,
+    executor: AgentExecutorBase,
+    base: SamplingParams,
+    samples: list[PromptSample],
+    seed: int,
+    budget: int,
+) -> list[Trajectory]:
+    """A tensor-parallel engine's ranks (blocks of tp consecutive ranks of the role): the block's leader
+    generates the block's share of `samples` (`generate_share`) and releases the followers, which run its
+    rounds (`follow`) and return nothing; the shares concatenate back in rank order."""
+    if not engine.is_leader:
+        engine.follow()
+        return []
+    tp = engine.tp_size
+    try:
+        return generate_share(executor, base, samples, seed, budget, (rank() // tp, world() // tp))
+    finally:
+        engine.release()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,7 +134,8 @@ class EngineSpec:
     step_timeout: float = 60.0
     """Timeout of one agent environment step."""
     tp: int = 1
-    """GPUs of this engine (tensor parallelism; vllm only)."""
+    """GPUs of this engine (tensor parallelism): vllm's workers in this actor, or (native) this actor is one
+    of the engine's tp shard actors."""
 
 
 def weight_receiver(
@@ -129,8 +165,18 @@ class EngineWorker:
         )
         caps = engine_capabilities(spec.rollout.engine)
         # an engine that loads its own weights (vllm, in its tp workers) needs no copy here; native / hf
-        # generate from this actor's copy
-        self.model = None if caps.own_weights else build_frozen(m, self.device)
+        # generate from this actor's copy; a TP native engine's shard actor from its slices of it
+        self.tp_group = None
+        if not caps.own_weights and spec.tp > 1:
+            self.tp_group = tp_groups(spec.tp)
+            full = build_frozen(m, torch.device("cpu"), like=self.device)
+            tp_rank = rank() % spec.tp
+            self.model = shard_model(
+                full, rank=tp_rank, size=spec.tp, group=self.tp_group, device=self.device
+            )
+            del full
+        else:
+            self.model = None if caps.own_weights else build_frozen(m, self.device)
         tp = spec.tp if caps.tensor_parallel else 0
         self.engine, self.executor = build_generation(
             spec.rollout,
@@ -141,14 +187,22 @@ class EngineWorker:
             task_name=spec.task_name,
             step_timeout=spec.step_timeout,
             tp=tp,
+            group=self.tp_group,
         )
-        self.receiver = weight_receiver(self.engine, self.model, rank(), tp)
+        self.receiver: WeightReceiver = (
+            TensorParallelReceiver(self.engine, self.model, rank(), self.tp_group)
+            if self.tp_group is not None and self.model is not None
+            else weight_receiver(self.engine, self.model, rank(), tp)
+        )
 
     @merged("concat")
     def rollout(self, samples: list[PromptSample], seed: int, eval: bool = False) -> list[Trajectory]:
         """n trajectories per prompt of this engine's share of `samples` (see `generate_share`)."""
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
-        return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
+        budget = self.spec.rollout.max_new_tokens
+        if isinstance(self.engine, TPNativeEngine):
+            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget)
+        return generate_share(self.executor, base, samples, seed, budget)
 
     def weight_layout(self) -> Layout | None:
         """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's); None when

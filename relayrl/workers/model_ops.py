@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from relayrl.data.packing import plan_micro_batches
-from relayrl.distributed.group import my_share
+from relayrl.distributed.group import my_data_share, reports
 from relayrl.models import forward
 from relayrl.training.step import padded_passes
 from relayrl.workers.base import SequenceBatch
@@ -92,16 +92,19 @@ def masked_logprobs(
 
 
 def my_rows(batch: SequenceBatch) -> list[int]:
-    """This rank's rows of `batch`: a contiguous share balanced by token count (all rows on one rank)."""
-    return list(my_share(batch.lengths))
+    """This rank's rows of `batch`: a contiguous share balanced by token count (all rows on one rank; the
+    ranks of a sequence-parallel group share theirs)."""
+    return list(my_data_share(batch.lengths))
 
 
 def on_my_rows(batch: SequenceBatch, fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
     """`fn` on this rank's rows -> [rows, T] at the batch's full width T (so the ranks' pieces concatenate
     along dim 0 into [B, T]). A rank without rows (fewer rows than ranks) runs `fn` on row 0 to keep the
-    ranks' collectives in step, and returns an empty [0, T]."""
+    ranks' collectives in step, and returns an empty [0, T]; so does a sequence-parallel group's rank after
+    its first (the same rows)."""
     rows = my_rows(batch)
     piece = fn(batch.select(rows or [0]))
+    rows = rows if reports() else []
     out = torch.zeros((len(rows), batch.input_ids.shape[1]), dtype=piece.dtype)
     out[:, : piece.shape[1]] = piece[: len(rows)]
     return out

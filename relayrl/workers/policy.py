@@ -5,6 +5,10 @@ compute weights have the engine's dtype (fp32 on a CPU; on a GPU the bf16 comput
 refreshes from the fp32 masters after every optimizer step), else its own copy refreshed on the device by
 `sync`; an engine that loads its own weights (vllm) is streamed them. With separate engines
 (dist.num_engines) the policy keeps a full replica and its rank 0 broadcasts it (distributed/weights/broadcast).
+With dist.engine_tp > 1 (colocated, native) each block of engine_tp consecutive ranks runs ONE tensor-parallel
+engine (rollout/native_tp.py): every rank holds 1/TP of the weights (TensorParallelWeights, refreshed from the
+FSDP shards one parameter at a time), the block's first rank generates the block's share of the prompts and the
+others follow its rounds (their `rollout` returns nothing).
 
 Methods (called by the controller through a RoleHandle, in-process or on a Ray actor):
 
@@ -46,10 +50,12 @@ from relayrl.distributed.group import in_group, merged, rank, world
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
+from relayrl.distributed.weights.tensor_parallel import TensorParallelWeights, tp_groups
 from relayrl.models.forward import to_device
 from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
+from relayrl.rollout.native_tp import TPNativeEngine
 from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.step import LossOutput
@@ -61,7 +67,7 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
-from relayrl.workers.engine import generate_share, sampling_params
+from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
 from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
@@ -120,13 +126,23 @@ class PolicyWorker:
         engine_device = torch.device(spec.rollout.engine_device) if spec.rollout.engine_device else None
         # an engine holding its own copy (vllm) is streamed the weights; separate engines take a broadcast
         stream = engine_capabilities(spec.rollout.engine).own_weights and not spec.separate_engines
+        self.weights: LocalWeights | TensorParallelWeights
+        self.tp_group: Any = None
+        """This rank's tensor-parallel engine group (dist.engine_tp > 1, colocated): its engine is a TP shard."""
+        engine_tp = spec.dist.engine_tp if spec.dist is not None and not spec.separate_engines else 1
 
         def gather_replica(layout: str) -> None:
-            """The engine's full replica, copied before the model is sharded."""
+            """The engine's full replica (or its TP shard), copied before the model is sharded."""
             if spec.ema > 0:
                 raise ValueError(
                     "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
                 )
+            if engine_tp > 1:  # 1/TP of the weights, refreshed one gathered parameter at a time
+                self.tp_group = tp_groups(engine_tp)
+                self.weights = TensorParallelWeights(
+                    self.model, dtype=engine_dtype, group=self.tp_group, device=engine_device or self.device
+                )
+                return
             self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,
@@ -143,6 +159,7 @@ class PolicyWorker:
             opt_steps=spec.total_steps * max(1, a.epochs * a.mini_batches),
             dist=spec.dist,
             before_shard=gather_replica if grouped else None,
+            role="policy",
         )
         self.layout, self.train = built.layout, built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
@@ -175,6 +192,7 @@ class PolicyWorker:
                 source=spec.model,
                 task_name=spec.task_name,
                 step_timeout=spec.step_timeout,
+                group=self.tp_group,
             )
 
     # ----------------------------------------------------------------------------------------- rollout
@@ -195,7 +213,10 @@ class PolicyWorker:
         if self.device.type == "cuda" and not eval and not self.spec.async_train:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
-        return generate_share(self.executor, base, samples, seed, self.spec.rollout.max_new_tokens)
+        budget = self.spec.rollout.max_new_tokens
+        if isinstance(self.engine, TPNativeEngine):  # the block's leader generates, the others follow
+            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget)
+        return generate_share(self.executor, base, samples, seed, budget)
 
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")

@@ -18,6 +18,7 @@ from relayrl.config.components import ModelConfig
 from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged
+from relayrl.distributed.sequence_parallel import setup_sequence_parallel
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.models.loading import resolve_device
 from relayrl.training.setup import compute_precision
@@ -56,6 +57,7 @@ class ReferenceWorker:
         self.model = build_frozen(
             spec.model, torch.device("cpu") if grouped else self.device, like=self.device
         )
+        setup_sequence_parallel(spec.dist.sp_size if spec.dist else 1, self.model, "reference")
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
         self.precision = compute_precision(spec.model.dtype, self.device)

@@ -59,7 +59,8 @@ from relayrl.distributed.checkpoint import (
     save_sharded,
 )
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
-from relayrl.distributed.group import in_group, merged, my_share, rank, world
+from relayrl.distributed.group import in_group, merged, my_data_share, rank, reports, world
+from relayrl.distributed.sequence_parallel import setup_sequence_parallel
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer, pretrained, resolve_device
 from relayrl.models.value_head import build_value_model
@@ -92,12 +93,14 @@ def build_trained(
     dist: DistConfig | None,
     loss_fn: LossFn | None = None,
     before_shard: Callable[[str], None] | None = None,
+    role: str = "model",
 ) -> TrainedModel:
     """The one construction sequence of a trained role, after its model is loaded (on the CPU when grouped):
     the forward layout, the compute precision of `dtype` (model.dtype), FSDP2 shards when this process is one
     rank of a group, then the train step for `opt_steps` optimizer steps. `before_shard(layout)` builds what
     must see the whole model first (the policy's gathered engine replica; a recipe's frozen model, laid out
-    like this one)."""
+    like this one). Under dist.sp_size > 1 the `role`'s ranks first join their sequence-parallel groups."""
+    setup_sequence_parallel(dist.sp_size if dist is not None else 1, model, role)
     layout = choose_layout(model, device)
     prepare_model(model, layout)
     precision = compute_precision(dtype, device)
@@ -295,9 +298,10 @@ class PrepareFn(Protocol):
 
 
 def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
-    """(this rank's micro-batches, how many are real): a contiguous share balanced by tokens; a rank left
-    without one runs the first micro-batch as a padding pass."""
-    mine = [micro_batches[i] for i in my_share([getattr(m, "num_tokens", 1) for m in micro_batches])]
+    """(this rank's micro-batches, how many are real): a contiguous share balanced by tokens (per
+    data-parallel group: an SP group's ranks share one); a rank left without one runs the first micro-batch
+    as a padding pass."""
+    mine = [micro_batches[i] for i in my_data_share([getattr(m, "num_tokens", 1) for m in micro_batches])]
     return (mine, len(mine)) if mine or not micro_batches else ([micro_batches[0]], 0)
 
 
@@ -426,7 +430,7 @@ class ModelWorker:
         self.frozen = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return [move_to(m, "cpu") for m in mine[:real]]
+        return [move_to(m, "cpu") for m in mine[:real]] if reports() else []
 
     @merged("concat")
     def infer(self, fn: Callable[[Models, Any], Any], micro_batches: list[Any]) -> list[Any]:
@@ -436,7 +440,7 @@ class ModelWorker:
         if not micro_batches:
             return []
         outs = self._no_grad_passes(lambda models, mbs, _: [fn(models, mb) for mb in mbs], mine, real)
-        return outs[:real]
+        return outs[:real] if reports() else []
 
     def save(self, folder: str) -> None:
         self.state.save(folder, {})

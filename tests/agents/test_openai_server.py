@@ -85,8 +85,10 @@ def test_session_trace_is_token_exact(served, tiny_model, tiny_tokenizer, tf_log
     assert raw.headers.get("X-Relayrl-History-Rewrite") is None
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "more"}]
     second = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=6, temperature=0.8, seed=4, user="s1"
-    )  # the `user` field names the session too
+        model="tiny", messages=messages, max_tokens=6, temperature=0.8, seed=4, user="end-user-7",
+        extra_body={"session_id": "s1"},
+    )  # the body's session_id names the session too; OpenAI's `user` field does not  # fmt: skip
+    assert "end-user-7" not in server.traces
     trace = server.pop_trace("s1")
     assert len(trace.calls) == 2 and not trace.rewritten and server.metrics["server/history_rewrites"] == 0
     traj = trace_to_trajectory(trace, PromptSample(index=7, prompt="hi", prompt_ids=[], label=None))
@@ -133,7 +135,7 @@ def test_history_rewrite_detected(engine, tiny_tokenizer):
 
 
 def test_bad_requests(served):
-    _, client, port = served
+    server, client, port = served
     for path, data, why in [
         ("/tokenize", b"[1, 2]", "body must be a JSON object, got list"),
         ("/detokenize", b"not json", "body is not valid JSON"),
@@ -147,12 +149,17 @@ def test_bad_requests(served):
         assert err.value.code == 400 and why in err.value.read().decode()
     with pytest.raises(openai.BadRequestError, match="one completion per call"):
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], n=2, user="s3"
+            model="tiny", messages=[{"role": "user", "content": "x"}], n=2, extra_headers={"X-Session-Id": "s3"}
         )
-    with pytest.raises(openai.BadRequestError, match="'stop' strings are not supported"):
+    # `user` is not a session: n > 1 works with it, and nothing is traced under its name
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
+                                       max_tokens=3, user="s3")  # fmt: skip
+    assert len(r.choices) == 2 and not server.traces
+    with pytest.raises(openai.BadRequestError, match=r"'stop' is not supported \(stop strings would break"):
         client.completions.create(model="tiny", prompt="x", stop=["\n"])
-    with pytest.raises(openai.BadRequestError, match="max_total_len 256 leaves none"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens") as err:
         client.completions.create(model="tiny", prompt="x" * 300)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
 
 
 async def _agent(base_url: str, session_id: str, sample: PromptSample) -> dict:

@@ -286,3 +286,62 @@ def test_unreachable_servers_are_found_at_start(free_port, tiny_model_path, tmp_
     err = capsys.readouterr().err
     assert "no remote reward server is reachable" in err and url in err
     assert not (tmp_path / "run/metrics.jsonl").exists()
+
+
+SLOW_REWARD = """
+import time
+
+def reward_func(queries, prompts, labels):
+    if queries[0] == "slow":
+        time.sleep(3.0)
+    return [1.0 for _ in queries]
+"""
+
+
+def test_serve_rm_times_out_a_slow_reward_and_keeps_answering_others(tmp_path, monkeypatch):
+    """`relayrl serve-rm --reward-func F --timeout 1`: a call still scoring after 1 s is answered 504 naming
+    the limit, and calls sent meanwhile are scored at once (each call on its own thread), not queued behind
+    it. Timings: the slow call sleeps 3 s; the fast ones must answer within 1 s of being sent."""
+    import aiohttp
+
+    from relayrl.apps import serve_rm
+
+    f = tmp_path / "slow_reward.py"
+    f.write_text(SLOW_REWARD)
+    apps = []
+    monkeypatch.setattr(serve_rm.web, "run_app", lambda app, **kw: apps.append(app))
+    assert serve_rm.main(["--reward-func", str(f), "--timeout", "1", "--max-concurrency", "4"]) == 0
+
+    async def run():
+        runners, urls = await _serve(apps[0])
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def post(query):
+                    t = time.monotonic()
+                    async with s.post(urls[0], json={"query": [query]}) as r:
+                        return r.status, await r.json(), time.monotonic() - t
+
+                slow = asyncio.create_task(post("slow"))
+                await asyncio.sleep(0.2)
+                fast = await asyncio.gather(*(post(f"q{i}") for i in range(3)))
+                return await slow, fast
+        finally:
+            await runners[0].cleanup()
+
+    (status, body, waited), fast = asyncio.run(run())
+    assert [(s, b["rewards"]) for s, b, _ in fast] == [(200, [1.0])] * 3
+    assert all(t < 1.0 for _, _, t in fast), [t for _, _, t in fast]
+    assert status == 504 and "did not finish within 1s (serve-rm --timeout)" in body["error"]
+    assert 0.9 <= waited < 2.5
+
+
+def test_serve_rm_options_are_checked():
+    from relayrl.config.apps import ServeRMConfig
+    from relayrl.config.base import ConfigError
+    from relayrl.config.command_line import parse_cli
+
+    for flags, name in [(["--timeout", "0"], "timeout"), (["--timeout", "nan"], "timeout"),
+                        (["--max_concurrency", "0"], "max_concurrency")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=name):
+            parse_cli(ServeRMConfig, flags)

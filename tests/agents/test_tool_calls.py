@@ -12,12 +12,14 @@ import copy
 import functools
 import json
 import operator
+import re
 
 import openai
 import pytest
 
+from relayrl.agents.openai_request import RequestError, parse_request
 from relayrl.agents.openai_server import OpenAIServer
-from relayrl.agents.tool_calls import ToolCallError, ToolPolicy, hermes, parser_for, template_messages
+from relayrl.agents.tool_calls import ToolCallError, hermes, parser_for, template_messages
 from relayrl.agents.traces import trace_to_trajectory
 from relayrl.rollout.base import Completion, FinishReason, GenerationResult
 
@@ -95,9 +97,15 @@ def test_hermes_parses_calls_and_the_text_around_them():
         hermes('<tool_call>{"arguments": {}}</tool_call>')
 
 
+def _policy(body: dict):
+    """The request parser's tool policy for a chat body with `body`'s tools / tool_choice."""
+    msgs = [{"role": "user", "content": "hi"}]
+    return parse_request({"messages": msgs, **body}, chat=True, vocab_size=1000).tool_choice
+
+
 def test_tool_choice_rules():
     parse = hermes
-    auto = ToolPolicy.from_request({"tools": TOOLS})
+    auto = _policy({"tools": TOOLS})
     assert auto is not None and auto.message("20", parse) == {"role": "assistant", "content": "20"}
     msg = auto.message(_call("add", 2, 3), parse)
     assert msg["content"] is None and msg["tool_calls"][0]["function"] == {
@@ -107,23 +115,31 @@ def test_tool_choice_rules():
     assert msg["tool_calls"][0]["id"].startswith("call_") and msg["tool_calls"][0]["type"] == "function"
     with pytest.raises(ToolCallError, match="not among the offered tools"):
         auto.message(_call("sub", 1, 1), parse)
-    required = ToolPolicy.from_request({"tools": TOOLS, "tool_choice": "required"})
+    required = _policy({"tools": TOOLS, "tool_choice": "required"})
     assert required is not None
     with pytest.raises(ToolCallError, match="requires a tool call; the model answered '20'"):
         required.message("20", parse)
-    named = ToolPolicy.from_request(
-        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}
-    )
+    named = _policy({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}})
     assert named is not None and named.function == "mul"
     with pytest.raises(ToolCallError, match="tool_choice names 'mul'"):
         named.message(_call("add", 1, 2), parse)
-    none = ToolPolicy.from_request({"tools": TOOLS, "tool_choice": "none"})
+    none = _policy({"tools": TOOLS, "tool_choice": "none"})
     assert none is not None and none.message(_call("add", 1, 2), parse)["content"] == _call("add", 1, 2)
-    assert ToolPolicy.from_request({}) is None
-    with pytest.raises(ValueError, match="requires a call but the request has no 'tools'"):
-        ToolPolicy.from_request({"tool_choice": "required"})
-    with pytest.raises(ValueError, match="'tools' must be a list"):
-        ToolPolicy.from_request({"tools": [{"type": "function"}]})
+    assert _policy({}) is None
+    bad = [
+        ({"tool_choice": "required"}, "tool_choice", "asks for a tool call but the request has no 'tools'"),
+        ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice", "'tool_choice' must be 'none', 'auto'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "'tool_choice' must be"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice",
+         "names 'sub', not one of the request's tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "'tools[0]' must be"),
+        ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name", "a string"),
+        ({"tools": {"add": {}}}, "tools", "'tools' must be a list"),
+    ]  # fmt: skip
+    for body, param, message in bad:
+        with pytest.raises(RequestError, match=re.escape(message)) as e:
+            _policy(body)
+        assert e.value.param == param and e.value.status == 400, body
 
 
 def test_the_parser_is_chosen_by_the_chat_template(tiny_tokenizer, tool_tokenizer):
@@ -202,3 +218,21 @@ def test_output_that_breaks_tool_choice_is_a_422_and_stays_traced(tool_tokenizer
             )
     finally:
         server.stop_thread()
+
+
+def test_a_streamed_answer_carries_the_tool_calls(tool_tokenizer):
+    """stream: true gives the same tool call as chunks (delta.tool_calls with an index, finish "tool_calls")."""
+    server, client = _serve(ScriptedEngine(tool_tokenizer, [_call("mul", 5, 4)]), tool_tokenizer)
+    try:
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "5*4?"}], tools=TOOLS, stream=True
+            )
+        )
+    finally:
+        server.stop_thread()
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id and calls[0].id.startswith("call_")
+    assert calls[0].function is not None and calls[0].function.name == "mul"
+    assert json.loads(calls[0].function.arguments or "") == {"a": 5, "b": 4}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

@@ -51,3 +51,28 @@ def test_demo_writes_summary_plot_and_model(tmp_path, capsys):
     }
     inputs = {name: {json.loads(r)["input"] for r in v} for name, v in rows.items()}
     assert not inputs["eval"] & (inputs["sft"] | inputs["rl"])
+
+
+@pytest.mark.timeout(60)
+def test_demo_stops_with_the_exit_code_of_an_interrupted_sft_phase(tmp_path, monkeypatch, capsys):
+    """An SFT chunk that returns exit code 143 (SIGTERM: checkpoint written) ends the demo with 143; it does
+    not go on to the next chunk or to RL."""
+    import relayrl.apps.demo as demo
+
+    calls = []
+
+    class Stopped:
+        exit_code = 143
+
+    def stopped_phase(cfg, base, data_file, run_dir, steps):
+        calls.append(steps)
+        return Stopped()
+
+    monkeypatch.setattr(demo, "run_sft_phase", stopped_phase)
+    out = tmp_path / "demo"
+    argv = ["--output_dir", str(out), "--hidden", "32", "--layers", "1", "--sft_rows", "64", "--sft_steps", "8"]
+    argv += ["--sft_chunk", "4"]
+    assert main(argv) == 143
+    assert calls == [4]
+    assert "SFT phase stopped (exit code 143)" in capsys.readouterr().err
+    assert not (out / "rl").exists() and not (out / "summary.json").exists()

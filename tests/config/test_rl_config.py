@@ -323,15 +323,24 @@ def test_vllm_gpu_util_is_a_fraction():
 
 
 def test_engine_tp_needs_separate_engines_of_a_tensor_parallel_engine():
-    """dist.engine_tp is read from the engine's declared capabilities (rollout/build.py), not its name."""
+    """dist.engine_tp is read from the engine's declared capabilities (rollout/build.py), not its name:
+    separate engines need one with tensor_parallel (vllm, native); colocated, it is the native TP engine."""
     ray = ["--dist.mode", "ray", "--dist.num_engines", "1", "--dist.engine_tp", "2"]
-    for engine in ("native", "hf"):  # one-GPU engines
-        with pytest.raises(
-            ConfigError, match=r"dist\.engine_tp=2: tensor parallelism inside an engine needs"
-        ):
-            validate_rl(parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", engine]))
-    with pytest.raises(ConfigError, match=r"needs separate engines \(dist.num_engines > 0, got 0\)"):
+    with pytest.raises(
+        ConfigError, match=r"engine_tp=2 with separate engines .* vllm or native \(got 'hf'\)"
+    ):
+        validate_rl(parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", "hf"]))
+    assert validate_rl(parse_cli(RLConfig, [*BASE, *ray])).dist.engine_tp == 2  # native TP engine actors
+    with pytest.raises(
+        ConfigError, match=r"engine_tp=2 \(colocated\) needs rollout.engine native \(got 'vllm'\)"
+    ):
         validate_rl(parse_cli(RLConfig, [*BASE, "--rollout.engine", "vllm", "--dist.engine_tp", "2"]))
+    with pytest.raises(ConfigError, match=r"engine_tp=2 \(colocated\) must divide the policy's 1 ranks"):
+        validate_rl(parse_cli(RLConfig, [*BASE, "--dist.engine_tp", "2"]))
+    colocated = ["--dist.mode", "ray", "--dist.policy_num_gpus_per_node", "2", "--dist.engine_tp", "2"]
+    assert validate_rl(parse_cli(RLConfig, [*BASE, *colocated])).dist.engine_tp == 2
+    with pytest.raises(ConfigError, match=r"\(colocated\) cannot overlap rollout and training"):
+        validate_rl(parse_cli(RLConfig, [*BASE, *colocated, "--train.async_train", "true"]))
     resolved = validate_rl(
         parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", "vllm"])
     )  # vllm not imported

@@ -160,3 +160,25 @@ def test_export_full_saves_the_gathered_weights_once(saved):
     (state,) = got
     for name, t in weights.items():
         assert t.device.type == "cpu" and torch.equal(state[name], t), name
+
+
+def test_a_checkpoint_of_another_model_shape_is_one_clear_error(saved, tiny_tokenizer, one_rank_group):
+    """A sharded checkpoint (hidden 32) into a plain or a sharded model of hidden 48, and a full one into a
+    sharded model: one line naming both shapes, before anything is loaded."""
+    folder, weights, _ = saved
+
+    def wider(sharded):
+        model = build_tiny_model(tiny_tokenizer, TinyModelSpec(hidden=48, layers=2, seed=1))
+        if sharded:
+            shard_model(model, ShardSpec(device=torch.device("cpu")))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    for sharded, source, full in [(False, folder, _unexpected), (True, folder, _unexpected),
+                                  (True, folder.parent, lambda _: dict(weights))]:  # fmt: skip
+        model, opt = wider(sharded)
+        names = [n for n, _ in model.named_parameters()]
+        with pytest.raises(ValueError) as err:
+            load_model_and_optim(source, model, opt, names, full_weights=full, full_optim_state=_unexpected)
+        text = str(err.value)
+        assert "\n" not in text and f"checkpoint {source} belongs to another model" in text, text
+        assert ", 32] there and [" in text and ", 48] here" in text, text

@@ -118,3 +118,40 @@ def test_sft_two_ranks_equal_one_rank_and_resume_across_rank_counts(ray_cluster,
         final.model.embed_tokens.weight,
         AutoModelForCausalLM.from_pretrained(tiny_model_path).model.embed_tokens.weight,
     )
+
+
+@pytest.mark.timeout(300)
+def test_rl_two_ranks_with_one_tensor_parallel_engine_equal_one_rank(ray_cluster, tiny_model_path, tmp_path):
+    """GRPO, the policy on 2 FSDP2 ranks running ONE colocated native engine with TP = 2 (dist.engine_tp 2:
+    each rank holds half of the engine's weights, rank 0 generates every prompt, rank 1 follows) == 1 rank
+    with a whole engine: the same sampled tokens (fp32, TP only reorders sums), metrics within the tolerance
+    above, and after every step both shards hold exactly the trained weights (canary 0)."""
+
+    def cfg(ranks: int, out: str):
+        base = tiny_cpu_config(
+            str(tiny_model_path), str(tmp_path / out), steps=2, reward=str(DATA / "digit_reward.py")
+        )
+        mode = "ray" if ranks > 1 else "local"
+        dist = replace(base.dist, mode=mode, policy_num_gpus_per_node=ranks, engine_tp=ranks, timeout_s=120)
+        return replace(base, dist=dist)
+
+    samples: dict[str, list] = {"one": [], "tp": []}
+    one_trainer = RLTrainer(cfg(1, "one"))
+    one = one_trainer.fit(
+        on_step=lambda s, m: samples["one"].append([t.token_ids for t in one_trainer._last_trajs])
+    )
+    trainer = RLTrainer(cfg(2, "tp"))
+    info = trainer.roles.policy.call(PolicyWorker.info)
+    canaries: list[float] = []
+
+    def on_step(step: int, m: dict) -> None:
+        samples["tp"].append([t.token_ids for t in trainer._last_trajs])
+        canaries.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+
+    two = trainer.fit(on_step=on_step)
+    assert one.exit_code == two.exit_code == 0, two.message
+    assert info["ranks"] == 2 and info["engine_weights"] == "tensor-parallel"
+    assert canaries == [0.0, 0.0]
+    assert samples["tp"] == samples["one"] and len(samples["one"][0]) > 0
+    for i, (a, b) in enumerate(zip(one.history, two.history, strict=True)):
+        _close(a, b, f"step {i + 1}")

@@ -63,6 +63,25 @@ def test_two_engine_actors_match_the_colocated_run_and_hold_the_trained_weights(
 
 
 @pytest.mark.timeout(300)
+def test_a_tensor_parallel_native_engine_of_two_actors_matches_the_colocated_run(tiny_model_path, tmp_path):
+    """One separate native engine with dist.engine_tp 2: two shard actors (rank 0 leads, rank 1 follows),
+    each receiving the policy's broadcast and keeping its half; the run equals one colocated engine (fp32:
+    TP only reorders sums, so the same samples and, after the step-1 broadcast, the same step-2 losses)."""
+    local = run_rl(_cfg(tiny_model_path, tmp_path / "local", steps=2, mode="local"))
+    cfg = _cfg(tiny_model_path, tmp_path / "ray", steps=2, engines=1)
+    cfg = replace(cfg, dist=replace(cfg.dist, engine_tp=2))
+    trainer = RLTrainer(cfg, banner=False)
+    assert trainer.roles.engines is not None and trainer.roles.engines.world == 2
+    result = trainer.fit()
+    assert local.exit_code == result.exit_code == 0, result.message
+    for a, b in zip(local.history, result.history, strict=True):
+        for k in ("rollout/reward_mean", "rollout/response_len", "train/policy_loss", "train/logprob_diff"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (
+                f"{k}: local {a[k]} vs TP engine {b[k]}"
+            )
+
+
+@pytest.mark.timeout(300)
 def test_async_training_with_separate_engines(tiny_model_path, tmp_path):
     cfg = _cfg(tiny_model_path, tmp_path / "run", steps=3, async_train=True)
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=24, max_len=96, engine_slots=4))
@@ -94,8 +113,8 @@ def test_num_engines_needs_ray_mode(tiny_model_path, tmp_path):
 @pytest.mark.parametrize(
     "engine, engines, match",
     [
-        ("native", 2, r"dist\.engine_tp=2: .* rollout\.engine vllm \(got 'native'\)"),
-        ("vllm", 0, r"dist\.engine_tp=2: .*dist\.num_engines > 0, got 0"),
+        ("hf", 2, r"dist\.engine_tp=2 with separate engines .* vllm or native \(got 'hf'\)"),
+        ("vllm", 0, r"dist\.engine_tp=2 \(colocated\) needs rollout\.engine native \(got 'vllm'\)"),
     ],
 )
 def test_engine_tp_needs_separate_vllm_engines(tiny_model_path, tmp_path, engine, engines, match):

@@ -15,7 +15,7 @@ from relayrl.rollout.vllm_engine import VLLMEngine
 
 
 def test_each_engine_declares_its_capabilities_before_it_is_built():
-    assert engine_capabilities("native") == EngineCapabilities(fixed_slots=True)
+    assert engine_capabilities("native") == EngineCapabilities(fixed_slots=True, tensor_parallel=True)
     assert engine_capabilities("hf") == EngineCapabilities()
     assert engine_capabilities("vllm") == EngineCapabilities(
         own_weights=True, tensor_parallel=True, needs_gpu=True

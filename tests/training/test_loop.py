@@ -7,8 +7,9 @@ import contextlib
 from pathlib import Path
 
 import pytest
+import torch
 
-from relayrl.training.checkpoint import CheckpointManager, LoadedCheckpoint
+from relayrl.training.checkpoint import CheckpointManager, LoadedCheckpoint, write_manifest
 from relayrl.training.loop import LoopSettings, ModelParts, Trainer, due
 from relayrl.training.sampler import ResumableSampler
 from relayrl.training.setup import checkpoint_to_resume
@@ -113,3 +114,24 @@ def test_one_resume_rule(tmp_path):
     assert checkpoint_to_resume(str(tmp_path / "ckpt" / "step_3"), ckpt) == tmp_path / "ckpt" / "step_3"
     with pytest.raises(FileNotFoundError, match=r"ckpt.resume='.*nope' is not a checkpoint folder"):
         checkpoint_to_resume(str(tmp_path / "nope"), ckpt)
+
+
+def test_a_resume_at_a_position_other_than_its_step_is_refused(tmp_path):
+    """A checkpoint whose data position disagrees with its step (one batch per step), or a step_<N> folder that
+    holds another step, stops the resume with an error instead of skipping or repeating batches."""
+    _trainer(tmp_path, RemoteLike(), 4).fit()
+    step_4 = tmp_path / "ckpt" / "step_4"
+    extra = torch.load(step_4 / "extra.pt", weights_only=True)
+    torch.save({"data": {**extra["data"], "position": 0}}, step_4 / "extra.pt")  # 3 batches in, not 4
+    write_manifest(step_4)  # a consistent but wrong checkpoint (the checksums alone would not catch it)
+    with pytest.raises(
+        ValueError,
+        match=r"step_4 recorded 4 batch\(es\) drawn but its data position .* is 3 batches in: resuming would repeat 1",
+    ):
+        _trainer(tmp_path, RemoteLike(), 6).resume()
+    step_2 = tmp_path / "ckpt" / "step_2"
+    step_2.rename(tmp_path / "ckpt" / "step_5")  # a copied / renamed folder
+    with pytest.raises(
+        ValueError, match=r"step_5 holds step 2 \(trainer_state.json\), not the step its name says"
+    ):
+        _trainer(tmp_path, RemoteLike(), 6).resume(tmp_path / "ckpt" / "step_5")

@@ -6,7 +6,9 @@ When one rank fails, its peers usually fail too (their collectives break); `gath
 their outcomes and names the culprit first: a rank that died, else one that raised its own error, else ranks
 still running while the others' collectives failed or timed out (a stuck rank), then the peers' errors. When
 some ranks of a call are done and others are still running `timeout_s` later, the RoleError names the
-stragglers. Ray is imported in the functions (an optional heavy dependency).
+stragglers. When no rank is done `stall_s` (dist.stall_timeout_s) after the call started, it is a stall: the
+ranks' own watchdogs have written their stacks (launch.watchdog), and `Stalled` names every rank still running.
+Ray is imported in the functions (an optional heavy dependency).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ import time
 from typing import Any
 
 from relayrl.distributed.launch.base import RoleError
+from relayrl.distributed.launch.oom import PHASES
+from relayrl.distributed.launch.watchdog import STALL_GRACE_S
+
+
+class Stalled(RoleError):
+    """No rank of a role call finished within dist.stall_timeout_s (the ranks are stuck in it)."""
 
 
 def _label(role: str, rank: int, hosts: list[str], world: int) -> str:
@@ -78,8 +86,27 @@ def _blame(
     return err
 
 
-def gather(role: str, method: str, refs: list[Any], hosts: list[str], timeout_s: float) -> list[Any]:
-    """Every rank's result; on failure a RoleError naming the culprit rank (see module doc and `_blame`)."""
+def _stalled(
+    role: str, method: str, running: list[int], hosts: list[str], world: int, stall_s: float
+) -> Stalled:
+    ranks = "; ".join(_label(role, i, hosts, world) for i in running)
+    return Stalled(
+        f"{ranks} made no progress in {PHASES.get(method, method)} ({role}.{method}) for {stall_s:g} s "
+        f"(dist.stall_timeout_s): stuck; every rank's Python stack is in the run folder's stacks/ (or its "
+        f"Ray worker log); a larger dist.stall_timeout_s allows slower calls (0 turns the watchdog off)"
+    )
+
+
+def gather(
+    role: str,
+    method: str,
+    refs: list[Any],
+    hosts: list[str],
+    timeout_s: float,
+    stall: tuple[float, float] = (0.0, 0.0),
+) -> list[Any]:
+    """Every rank's result; on failure a RoleError naming the culprit rank (see module doc and `_blame`).
+    `stall`: (dist.stall_timeout_s, the call's start on time.monotonic()); a timeout of 0 is off."""
     import ray
 
     index = {r: i for i, r in enumerate(refs)}
@@ -88,14 +115,20 @@ def gather(role: str, method: str, refs: list[Any], hosts: list[str], timeout_s:
     pending = list(refs)
     first_done: float | None = None
     first_failed: float | None = None
+    stall_s, started = stall
+    stall_at = started + stall_s + min(STALL_GRACE_S, max(2.0, stall_s)) if stall_s > 0 else None
     while pending:
         deadlines = [t + d for t, d in ((first_done, timeout_s), (first_failed, GRACE_S)) if t is not None]
+        if first_done is None and stall_at is not None:
+            deadlines.append(stall_at)
         wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
         if not ready:
             running = sorted(index[r] for r in pending)
             if failed:
                 raise _blame(role, method, failed, running, hosts, len(refs))
+            if first_done is None:  # nothing done, nothing failed: only the stall deadline can have passed
+                raise _stalled(role, method, running, hosts, len(refs), stall_s)
             raise RoleError(
                 f"{role}.{method}: ranks {running} of {len(refs)} still running {timeout_s:.0f} s after the "
                 f"others finished (a peer stuck or dead; dist.timeout_s bounds this): "

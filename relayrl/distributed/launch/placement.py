@@ -2,8 +2,9 @@
 bundle asks for.
 
 Each role with a model is a group of `num_nodes x num_gpus_per_node` rank actors, one per placement-group
-bundle ({GPU: 1, CPU: c}, PACK strategy, so a group fills a node before the next; a separate engine's bundle
-has dist.engine_tp GPUs, for its tensor-parallel workers). Colocated roles share a placement group: their
+bundle ({GPU: 1, CPU: c}, PACK strategy, so a group fills a node before the next; a separate vllm engine's
+bundle has dist.engine_tp GPUs, for its tensor-parallel workers; a TP native engine is engine_tp actors of one
+GPU, placed with engine_tp 1, trainers/rl/roles.py). Colocated roles share a placement group: their
 rank i actors sit on the same bundle, each asking for a fraction of its GPU (1 / roles sharing it); a bundle
 asks for the CPUs of the actors it hosts. The rule-based / remote reward role is one actor without a GPU.
 

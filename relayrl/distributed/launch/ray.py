@@ -15,9 +15,12 @@ model with FSDP2. Without `ray_address` a local Ray cluster is started (`num_cpu
 down by `shutdown()`; a cluster we did not start is left running (our actors and placement groups are removed).
 
 Failures: a rank that raises or dies (killed, out of memory) makes `call` / `result()` raise `RoleError`
-naming the role, rank, host and the original error (relayrl.distributed.launch.failures). The caller stops the
-run; its last complete checkpoint stays loadable. Ray is imported in the functions (an optional heavy
-dependency).
+naming the role, rank, host and the original error (relayrl.distributed.launch.failures; a CUDA OOM is one
+line with the phase and memory figures, launch.oom). A call that no rank finishes within dist.stall_timeout_s
+is a stall: each rank's watchdog writes its stacks to the run folder (launch.watchdog) and `result()` raises a
+RoleError naming the ranks still running; later calls of that role fail at once (its actors are stuck). The
+caller stops the run; its last complete checkpoint stays loadable. Ray is imported in the functions (an
+optional heavy dependency).
 """
 
 from __future__ import annotations
@@ -25,14 +28,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from relayrl.config.dist import DistConfig
 from relayrl.distributed.group import GroupSpec, join_group, leave_group, merge_results
 from relayrl.distributed.launch.base import RoleError
-from relayrl.distributed.launch.failures import gather
+from relayrl.distributed.launch.failures import Stalled, gather
+from relayrl.distributed.launch.oom import call_method
 from relayrl.distributed.launch.placement import MODEL_FREE, Pool, cpu_share, plan_pools, rank_gpus
+from relayrl.distributed.launch.watchdog import StallWatch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,8 +53,12 @@ class RankHost:
     """The Ray actor hosting one rank of a role: joins the role's process group, then builds and runs the
     worker. Keeps worker classes free of Ray."""
 
-    def __init__(self, role: str, rank: int, quiet: bool = False) -> None:
+    def __init__(
+        self, role: str, rank: int, quiet: bool = False, stall_s: float = 0.0, stack_dir: str = ""
+    ) -> None:
         self.role, self.rank = role, rank
+        self.watch = StallWatch(stall_s, Path(stack_dir) if stack_dir else None, on_stall=_log_stall)
+        """This rank's stall watchdog: dumps its stacks; the controller names the stall (failures.gather)."""
         self.worker: Any = None
         """The worker object (any worker class: this actor hosts whichever the launcher names)."""
         if quiet:  # the driver silenced transformers' per-file progress bars: so do its workers
@@ -73,7 +84,8 @@ class RankHost:
         return socket.gethostname(), ray.get_runtime_context().get_node_id()
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+        with self.watch.watching(self.role, self.rank, method):
+            return call_method(self.worker, self.role, self.rank, method, args, kwargs)
 
     def stop(self) -> None:
         close = getattr(self.worker, "close", None)
@@ -82,16 +94,33 @@ class RankHost:
         leave_group()
 
 
+def _log_stall(message: str) -> None:
+    print(f"relayrl: {message}", file=sys.stderr, flush=True)
+
+
 class RayPending(Generic[R]):
     """Outstanding per-rank calls of one role (what `RayRole.submit` returns)."""
 
-    __slots__ = ("method", "refs", "role")
+    __slots__ = ("method", "refs", "role", "started")
 
     def __init__(self, role: RayRole[Any], method: str, refs: list[Any]) -> None:
         self.role, self.method, self.refs = role, method, refs
+        self.started = time.monotonic()
 
     def result(self) -> R:
-        results = gather(self.role.name, self.method, self.refs, self.role.hosts, self.role.timeout_s)
+        role = self.role
+        try:
+            results = gather(
+                role.name,
+                self.method,
+                self.refs,
+                role.hosts,
+                role.timeout_s,
+                stall=(role.stall_s, self.started),
+            )
+        except Stalled as e:  # its actors still run the stuck call: later calls would queue behind it
+            role.stalled = str(e)
+            raise
         return merge_results(self.role.cls, self.method, results)  # type: ignore[return-value]  # per @merged
 
 
@@ -106,12 +135,17 @@ class RayRole(Generic[W]):
         hosts: list[str],
         timeout_s: float,
         nodes: list[str],
+        stall_s: float = 0.0,
     ) -> None:
         self.name, self.cls, self.actors, self.hosts = name, cls, actors, hosts
         self.nodes = nodes
         """The Ray node id of each rank."""
         self.world = len(actors)
         self.timeout_s = timeout_s
+        self.stall_s = stall_s
+        """dist.stall_timeout_s (0 = off): a call no rank finished within it is a stall (failures.gather)."""
+        self.stalled = ""
+        """Set when a call stalled: the role's actors are stuck, so later calls fail at once with it."""
 
     def call(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.submit(method, *args, **kwargs).result()
@@ -122,6 +156,10 @@ class RayRole(Generic[W]):
         import ray
 
         name = method.__name__
+        if self.stalled:
+            raise RoleError(
+                f"{self.name}.{name}: not called, the role is stuck in an earlier call ({self.stalled})"
+            )
         put_args: tuple[Any, ...] = args
         put_kwargs: dict[str, Any] = kwargs
         if self.world > 1:  # one copy in the object store, not one per rank
@@ -145,10 +183,12 @@ class RayLauncher:
 
     mode = "ray"
 
-    def __init__(self, cfg: DistConfig, roles: dict[str, int]) -> None:
+    def __init__(self, cfg: DistConfig, roles: dict[str, int], stack_dir: Path | None = None) -> None:
         import ray
 
         self.cfg = cfg
+        self.stack_dir = stack_dir
+        """Where the ranks' stall watchdogs write their stacks (each rank's own stderr log when None)."""
         self._started = False
         self._actors: list[Any] = []
         self.use_gpus = False
@@ -225,6 +265,7 @@ class RayLauncher:
                 f"RayLauncher was planned for roles {sorted(self.roles)}; cannot spawn {name!r}"
             )
         world = self.roles[name]
+        cfg = self.cfg
         pool = self.pools[self.where[name]]
         host_cls = ray.remote(RankHost)
         actors = []
@@ -237,7 +278,7 @@ class RayLauncher:
                 num_gpus=self._gpu_share(name),
                 scheduling_strategy=strategy,
                 max_concurrency=self.concurrency.get(name, 1),
-            ).remote(name, rank, _bars_off())
+            ).remote(name, rank, _bars_off(), cfg.stall_timeout_s, str(self.stack_dir or ""))
             actors.append(actor)
         self._actors += actors
         addr, port, host0 = gather(
@@ -257,7 +298,13 @@ class RayLauncher:
         ]
         placed = gather(name, "start", refs, [host0] * world, self.cfg.timeout_s)
         return RayRole(
-            name, cls, actors, [h for h, _ in placed], self.cfg.timeout_s, nodes=[n for _, n in placed]
+            name,
+            cls,
+            actors,
+            [h for h, _ in placed],
+            cfg.timeout_s,
+            nodes=[n for _, n in placed],
+            stall_s=cfg.stall_timeout_s,
         )
 
     def shutdown(self) -> None:

@@ -26,13 +26,12 @@ One file per transport:
                   controller's side of it) and weight_ranks
     vllm.py       VLLMReceiver: each vLLM worker process of a separate engine enters the group itself and
                   loads the broadcast through vLLM's loader (the functions run inside the workers)
-
-The tensor-parallel native engine (the next issue) plugs in as one more receiver beside vllm.py's: each TP
-shard's process joins the group as rank 1 + engine x tp + shard (`weight_ranks` already counts them, as for
-vLLM's workers) and keeps only its slice of each broadcast tensor (a per-parameter rule: column-parallel
-weights split their rows, row-parallel ones their columns), loading it under the engine's pause. Colocated, a
-LocalWeights(gather or stream) source yields full tensors and each shard copies its slice. The sender and
-the source do not change.
+    tensor_parallel.py  TensorParallelWeights, same process: each rank's engine holds a TP shard
+                  (rollout/native_tp.py); `refresh` all-gathers one parameter at a time from the FSDP shards
+                  and keeps this rank's slice (`tp_slice`: column-parallel weights split their rows,
+                  row-parallel ones their columns). TensorParallelReceiver: a separate TP native engine's
+                  shard actor in broadcast.py's group (rank 1 + engine x tp + shard, as `weight_ranks`
+                  counts), keeping its slice of each broadcast tensor; the sender does not change.
 """
 
 from __future__ import annotations

@@ -74,16 +74,12 @@ class LocalWeights:
             self._lora = _check_streamable(source, gather)
             self.shared = False
             self.model = source  # no copy: the engine loads its own weights, then takes `engine_tensors()`
-            self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-            self._targets: dict[str, torch.Tensor] = {}
             return
         params = list(source.parameters())
         same_device = device is None or all(p.device == torch.device(device) for p in params)
         self.shared = not gather and not own_copy and same_device and all(p.dtype == dtype for p in params)
         if self.shared:
             self.model = source
-            self._pairs = []
-            self._targets = {}
             return
         # the structure is deep-copied, each parameter is made directly in `dtype` on `device` (memo): no
         # second full-precision copy of the model ever exists
@@ -97,11 +93,11 @@ class LocalWeights:
         self.model.eval()
         if device is not None:
             self.model.to(device)  # buffers (rotary tables) too
-        self._targets = {n: p.data for n, p in self.model.named_parameters()}
-        src = dict(source.named_parameters())
-        self._pairs = (
-            [] if gather else [(src[n].data, self._targets[n]) for n in self._targets if n in self.trained]
-        )
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """The engine copy's parameters, read now: an engine may re-lay them out after construction (fused
+        projections, rollout/native_fused.py), so their storage is never cached here."""
+        return {n: p.data for n, p in self.model.named_parameters()}
 
     @property
     def kind(self) -> str:
@@ -118,13 +114,15 @@ class LocalWeights:
         if self.shared or self.stream:
             return 0.0
         t0 = time.perf_counter()
+        targets = self._targets()
         if self.gather:
             for name, full in unit_tensors(self.source, self.trained):
-                self._targets[name].copy_(full)
+                targets[name].copy_(full)
         else:
-            for s, d in self._pairs:
-                d.copy_(s)
-        first = next(iter(self._targets.values()), None)
+            src = dict(self.source.named_parameters())
+            for name in self.trained:
+                targets[name].copy_(src[name].data)
+        first = next(iter(targets.values()), None)
         if first is not None and first.is_cuda:
             torch.cuda.synchronize(first.device)
         return time.perf_counter() - t0
@@ -161,11 +159,12 @@ class LocalWeights:
         `engine_tensors()` after each `load_weights`)."""
         if self.shared or self.stream:
             return 0.0
+        targets = self._targets()
         if self.gather:
-            pairs = ((full, self._targets[n]) for n, full in full_tensors(self.source, self.dtype))
+            pairs = ((full, targets[n]) for n, full in full_tensors(self.source, self.dtype))
         else:
             src = dict(self.source.named_parameters())
-            pairs = ((src[n].data, d) for n, d in self._targets.items())
+            pairs = ((src[n].data, d) for n, d in targets.items())
         return max((float((d - s.to(d.dtype)).abs().max()) for s, d in pairs), default=0.0)
 
 

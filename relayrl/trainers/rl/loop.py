@@ -52,7 +52,7 @@ from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
 from relayrl.trainers.rl.setup import prepare_run
 from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 from relayrl.training.loop import LoopSettings, due
-from relayrl.training.sampler import ResumableSampler
+from relayrl.training.sampler import ResumableSampler, batches_drawn
 from relayrl.training.setup import build_checkpoint_manager, build_logger, checkpoint_to_resume
 from relayrl.training.signals import SignalFlag
 from relayrl.workers.base import Experience, collate
@@ -136,7 +136,11 @@ class RLTrainer:
         self.rollouts = build_rollout_strategy(cfg.train, cfg.rollout)
         """Sync, or async (the next steps' rollout overlaps this step's update): chosen here, once."""
         self.roles = build_roles(
-            cfg, cfg.train.max_steps, concurrency=self.rollouts.concurrency, overlaps=self.rollouts.overlaps
+            cfg,
+            cfg.train.max_steps,
+            concurrency=self.rollouts.concurrency,
+            overlaps=self.rollouts.overlaps,
+            run_dir=self.run_dir,
         )
         self.rollout = RolloutPhase(
             generator=self.roles.generator,
@@ -402,12 +406,18 @@ class RLTrainer:
         if self.roles.critic is not None:
             models["critic"] = WorkerFolder(self.roles.critic)
         metric = metrics.get(self.settings.best_metric)
+        sampler = self.rollouts.sampler_state(self.sampler)
         extra = {  # async: the sampler as after this step's batch (the producer may have drawn further)
-            "sampler": self.rollouts.sampler_state(self.sampler),
+            "sampler": sampler,
             "kl": self.kl_ctl.state_dict(),
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm is not None else None,
         }
-        state = {"skipped": self.skipped, "total_steps": self.cfg.train.max_steps}
+        # the data position, also in trainer_state.json: a resume checks the sampler state against it
+        state = {
+            "skipped": self.skipped,
+            "total_steps": self.cfg.train.max_steps,
+            "prompts_drawn": batches_drawn(sampler),
+        }
         return self.ckpt.save(self.step, models=models, trainer_state=state, extra=extra, metric=metric)
 
     def resume(self) -> bool:
@@ -420,7 +430,9 @@ class RLTrainer:
         self.roles.sync_weights(loaded.step)  # the engines start from the restored weights
         if self.roles.critic is not None:
             self.roles.critic.call(CriticWorker.load, str(path / "critic"))
-        self.sampler.load_state_dict(loaded.extra["sampler"])
+        self.sampler.load_state_dict(  # same data order, at the recorded position (never skip or repeat)
+            loaded.extra["sampler"], expect_batches=loaded.trainer_state.get("prompts_drawn"), where=str(path)
+        )
         self.kl_ctl.load_state_dict(loaded.extra["kl"])
         if self.reward_norm is not None and loaded.extra.get("reward_norm"):
             self.reward_norm.load_state_dict(loaded.extra["reward_norm"])

@@ -18,6 +18,7 @@ Each role gets the component configs it reads (relayrl/workers/*Spec); the launc
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
@@ -28,6 +29,7 @@ from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
 from relayrl.models.value_head import reward_stats
+from relayrl.rollout.build import engine_capabilities
 from relayrl.workers.critic import CriticSpec, CriticWorker
 from relayrl.workers.engine import EngineSpec, EngineWorker
 from relayrl.workers.policy import PolicySpec, PolicyWorker
@@ -84,12 +86,24 @@ def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int) -> dict[str, int]:
     return sizes
 
 
+def native_tp_actors(cfg: ResolvedRL) -> bool:
+    """Separate engines that are tensor-parallel native engines: each engine is dist.engine_tp actors of one
+    GPU (its shards, relayrl/rollout/native_tp.py), not one actor with engine_tp GPUs (vllm's workers)."""
+    return cfg.dist.engine_tp > 1 and not engine_capabilities(cfg.rollout.engine).own_weights
+
+
 def build_roles(
-    cfg: ResolvedRL, total_steps: int, *, concurrency: dict[str, int] | None = None, overlaps: bool = False
+    cfg: ResolvedRL,
+    total_steps: int,
+    *,
+    concurrency: dict[str, int] | None = None,
+    overlaps: bool = False,
+    run_dir: Path | None = None,
 ) -> Roles:
     """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
     the component configs it reads. `concurrency` / `overlaps`: the rollout strategy's
-    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates."""
+    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates.
+    `run_dir`: where the stall watchdog writes stacks (<run_dir>/stacks)."""
     algo = cfg.algo
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
     d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
@@ -109,7 +123,11 @@ def build_roles(
         **run,
     )
     sizes = _sizes(cfg, algo, d_engines)
-    launcher = build_launcher(cfg.dist, sizes)
+    placed = cfg.dist
+    if d_engines and native_tp_actors(cfg):  # one shard actor (one GPU) per TP rank of each engine
+        sizes["engine"] = d_engines * cfg.dist.engine_tp
+        placed = replace(cfg.dist, engine_tp=1)
+    launcher = build_launcher(placed, sizes, run_dir)
     launcher.concurrency.update(concurrency or {})
     try:
         policy = launcher.spawn("policy", PolicyWorker, policy_spec)

@@ -98,12 +98,26 @@ def _check_engines(cfg: RLConfig) -> None:
         )
         if why:
             raise ConfigError(f"dist.num_engines={cfg.dist.num_engines} {why}", field="dist.num_engines")
-    tp_engine = engine_capabilities(cfg.rollout.engine).tensor_parallel
-    if cfg.dist.engine_tp > 1 and (cfg.dist.num_engines == 0 or not tp_engine):
+    tp, d, caps = cfg.dist.engine_tp, cfg.dist, engine_capabilities(cfg.rollout.engine)
+    if tp > 1 and d.num_engines == 0:  # colocated: blocks of tp policy ranks run one TP native engine
+        ranks = d.ranks("policy")
+        why = (
+            f"needs rollout.engine native (got {cfg.rollout.engine!r})"
+            if not caps.tensor_parallel or caps.own_weights
+            else f"must divide the policy's {ranks} ranks (dist.mode ray, policy_num_nodes x policy_num_gpus_per_node)"
+            if d.mode != "ray" or ranks % tp
+            else "does not take LoRA (the TP shards hold plain weights); merge first or use 1"
+            if cfg.model.lora.rank > 0
+            else "cannot overlap rollout and training (train.async_train): the shards' ranks train meanwhile"
+            if cfg.train.async_train
+            else ""
+        )
+        if why:
+            raise ConfigError(f"dist.engine_tp={tp} (colocated) {why}", field="dist.engine_tp")
+    elif tp > 1 and not caps.tensor_parallel:
         raise ConfigError(
-            f"dist.engine_tp={cfg.dist.engine_tp}: tensor parallelism inside an engine needs separate engines "
-            f"(dist.num_engines > 0, got {cfg.dist.num_engines}) and rollout.engine vllm (got "
-            f"{cfg.rollout.engine!r}); the colocated and native engines run on one GPU",
+            f"dist.engine_tp={tp} with separate engines (dist.num_engines={d.num_engines}) needs an engine with "
+            f"tensor parallelism, rollout.engine vllm or native (got {cfg.rollout.engine!r})",
             field="dist.engine_tp",
         )
 
@@ -209,6 +223,13 @@ def _validate_placement(cfg: RLConfig) -> None:
         pairs.append(("ref", "colocate_all" if d.colocate_all else "colocate_policy_ref"))
     if d.colocate_all and needs_critic(a.advantage):
         pairs.append(("critic", "colocate_all"))
+    built = [("ref", needs_reference(a.kl_mode)), ("critic", needs_critic(a.advantage))]
+    for role in (r for r, needed in built if needed and d.ranks(r) % d.sp_size):
+        raise ConfigError(
+            f"dist.sp_size: {d.sp_size} does not divide the {role} role's {d.ranks(role)} ranks (every model "
+            f"role runs sequence-parallel); set --dist.{role}_num_gpus_per_node to a multiple of it",
+            field="dist.sp_size",
+        )
     for role, flag in pairs:
         if d.ranks(role) != d.ranks("policy"):
             raise ConfigError(

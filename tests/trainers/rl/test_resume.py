@@ -8,6 +8,7 @@ reward (reference model), running reward normalisation, EMA of the policy, and t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from dataclasses import replace
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer
+from relayrl.training.checkpoint import write_manifest
 from relayrl.training.logging import read_jsonl
 
 DATA = Path(__file__).parents[1] / "data"
@@ -65,6 +67,9 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_model_path, tmp_
     # as if the interrupted run had logged step 3 before dying without a checkpoint (and torn a line)
     with (tmp_path / "split/samples.jsonl").open("a") as f:
         f.write('{"step": 3, "prompt": "stale", "response": "", "reward": 0}\n{"step": 3, "pro')
+    _a_tampered_position_is_refused(
+        tiny_model_path, tmp_path / "split", tmp_path / "split/checkpoints/step_2"
+    )
     second = RLTrainer(_cfg(tiny_model_path, tmp_path / "split")).fit()
     assert second.exit_code == 0 and second.steps == STEPS
 
@@ -79,6 +84,24 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_model_path, tmp_
         assert wa.keys() == wb.keys()
         for k in wa:
             assert torch.equal(wa[k], wb[k]), f"{name}:{k} differs after resume"
+
+
+def _a_tampered_position_is_refused(model: Path, run: Path, ckpt: Path) -> None:
+    """A checkpoint whose recorded data position (trainer_state.json) disagrees with its sampler state is
+    refused on resume, naming both, instead of silently skipping prompts; restored afterwards."""
+    state_file = ckpt / "trainer_state.json"
+    original = state_file.read_text()
+    state = json.loads(original)
+    assert state["prompts_drawn"] == 2 * 8  # 2 steps x prompts_per_step 8 of tiny_cpu_config
+    state_file.write_text(json.dumps({**state, "prompts_drawn": 15}))
+    write_manifest(ckpt)  # consistent checksums: only the position check can catch it
+    with pytest.raises(
+        ValueError,
+        match=r"recorded 15 batch\(es\) drawn but its data position .* is 16 batches in: resuming would skip 1",
+    ):
+        RLTrainer(_cfg(model, run)).fit()
+    state_file.write_text(original)
+    write_manifest(ckpt)
 
 
 @pytest.mark.slow  # a CLI subprocess signalled mid-run

@@ -1,0 +1,229 @@
+"""Tensor-parallel native engine decode: TP = 1 vs 2 (vs 4, ...) on the GPUs of one host, no Ray.
+
+    torchrun --standalone --nproc_per_node=4 bench/tp_decode.py                    # 7B shape, TP 1, 2, 4
+    torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2
+    torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --shape tiny --device cpu   # smoke test
+
+Model: random bf16 weights of Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate
+18944, vocab 152064, untied), built straight into each rank's TP shard (a meta-device model sharded by
+rollout/native_tp.shard_model, filled with N(0, 0.02), norms 1; the same generator on every rank, so the
+replicated weights agree). For each TP size, ranks [0, tp) form the engine (rank 0 the leader, the others
+follow its rounds); the other ranks wait.
+
+Workload: --batch prompts of --prompt-len random tokens -> --new-tokens tokens each at temperature 1, EOS
+ignored (every sample runs the full length), so the decode batch is --batch slots for --new-tokens steps.
+One full warm-up round, then --rounds timed rounds (median reported). Per TP size:
+    tok_s            generated tokens / wall time of a round (prefill included)
+    ms_per_step      (round - a prefill-only round [--new-tokens 1]) / (new_tokens - 1) decode steps
+    startup_s        engine construction (KV cache, CUDA graph capture; NCCL communicator); TP 1 runs the
+                     plain NativeEngine over a 1-way "shard" (the same weights, no collectives)
+    shard_s          building the shard's weights on the GPU (not a checkpoint load: random init)
+    graphs / eager   CUDA graphs captured / keys whose capture failed (run eagerly)
+    peak_gib         peak GPU memory of rank 0
+A last row runs TP 1 with unfused projections (q/k/v and gate/up as separate GEMMs): the fused projections'
+gain (--no-unfused skips it). Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from relayrl.rollout.base import GenerationRequest, SamplingParams, generate_all
+from relayrl.rollout.native import NativeEngine
+from relayrl.rollout.native_tp import TPNativeEngine, shard_model
+
+SHAPES = {
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def build_shard(shape: str, tp: int, rank: int, group, device: torch.device, dtype: torch.dtype):
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    shard = shard_model(model, rank=rank, size=tp, group=group, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in shard.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return shard
+
+
+def requests(args, new_tokens: int) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(1)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    return [
+        GenerationRequest(
+            prompt_ids=torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist(),
+            params=SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i),
+        )
+        for i in range(args.batch)
+    ]
+
+
+def timed_round(engine: NativeEngine, reqs: list[GenerationRequest] | None, device: torch.device) -> float:
+    """Leader (or a TP = 1 engine): one round of `reqs` (then release the followers); follower: follow it.
+    Wall seconds."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    if not isinstance(engine, TPNativeEngine):
+        assert reqs is not None
+        generate_all(engine, reqs)
+    elif engine.is_leader:
+        assert reqs is not None
+        generate_all(engine, reqs)
+        engine.release()
+    else:
+        engine.follow()
+    sync()
+    return time.perf_counter() - t0
+
+
+def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool = True) -> dict | None:
+    """One row: TP size `tp` over ranks [0, tp) (tp 1: the plain NativeEngine, no collectives); `fused`
+    False keeps the projections separate (the shard's parameters left trainable, which fusion skips)."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(tp)))  # every rank creates it (torch.distributed's rule)
+    out = None
+    if rank < tp:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        shard = build_shard(args.shape, tp, rank, group, device, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        shard_s = time.perf_counter() - t0
+        if not fused:
+            shard.requires_grad_(True)
+        dist.barrier(group)  # start-up without the ranks' skew
+        t0 = time.perf_counter()
+        opts = dict(
+            max_slots=args.batch,
+            max_seq_len=args.prompt_len + args.new_tokens,
+            max_prefill_tokens=args.prefill_tokens,
+            eos_token_id=[],
+            seed=0,
+        )
+        engine = TPNativeEngine(shard, group=group, **opts) if tp > 1 else NativeEngine(shard, **opts)
+        startup_s = time.perf_counter() - t0
+        full, prefill = requests(args, args.new_tokens), requests(args, 1)
+        lead = rank == 0
+        timed_round(engine, full if lead else None, device)  # warm-up: one full-size round
+        pre = [timed_round(engine, prefill if lead else None, device) for _ in range(args.rounds)]
+        rounds = [timed_round(engine, full if lead else None, device) for _ in range(args.rounds)]
+        t, tp_pre = statistics.median(rounds), statistics.median(pre)
+        graphs = engine.graphs.graphs if engine.graphs is not None else {}
+        out = {
+            "tp": tp,
+            "fused": fused,
+            "tok_s": args.batch * args.new_tokens / t,
+            "round_s": rounds,
+            "prefill_round_s": pre,
+            "ms_per_step": 1000 * (t - tp_pre) / max(1, args.new_tokens - 1),
+            "startup_s": startup_s,
+            "shard_s": shard_s,
+            "graphs": sum(g is not None for g in graphs.values()),
+            "eager": sum(g is None for g in graphs.values()),
+            "fused_layers": engine.runner.fused_layers,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+        }
+        engine.close()
+        del engine, shard
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    return out if rank == 0 else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument(
+        "--tp", type=int, nargs="+", default=None, help="TP sizes (default 1, 2, 4, ... <= world)"
+    )
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
+    ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
+    args = ap.parse_args()
+    world_rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        dtype = torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    sizes = args.tp or [t for t in (1, 2, 4, 8) if t <= world]
+    rows = [run_tp(args, tp, device, dtype) for tp in sizes]
+    if 1 in sizes and not args.no_unfused:  # the fused projections' gain, at TP = 1
+        rows.append(run_tp(args, 1, device, dtype, fused=False))
+    if world_rank == 0:
+        base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
+        result = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "args": vars(args),
+            "rows": rows,
+        }
+        head = (
+            f"{'tp':>3} {'fused':>5} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8} {'graphs':>6}"
+        )
+        print(f"{head} {'peak GiB':>8}")
+        for r in rows:
+            assert r is not None
+            speed = r["tok_s"] / base["tok_s"] if base else float("nan")
+            print(
+                f"{r['tp']:>3} {r['fused']!s:>5} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} {speed:>6.2f} {r['startup_s']:>8.2f} "
+                f"{r['graphs']:>6} {r['peak_gib']:>8.1f}"
+            )
+        folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "tp_decode.json").write_text(json.dumps(result, indent=2))
+        print(f"wrote {folder / 'tp_decode.json'}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

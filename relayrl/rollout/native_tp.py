@@ -1,0 +1,270 @@
+"""The tensor-parallel native engine: one model spread over a process group of TP ranks (Megatron's split).
+
+Sharding (`shard_model`): every rank holds its own copy of its slice of the weights (an engine shard cannot
+read a trainer's modules in place):
+
+    q_proj, k_proj, v_proj     column-parallel: output rows split by heads (H / TP query heads, Hkv / TP KV
+                               heads per rank; the GQA group of a query head stays on its rank), biases too
+    o_proj                     row-parallel: input columns split by the same heads; ONE all-reduce of its
+                               output (`RowParallelLinear`), bias added once after it
+    gate_proj, up_proj         column-parallel: intermediate rows split
+    down_proj                  row-parallel: input columns split; ONE all-reduce
+    embed_tokens, lm_head, norms, rotary, q_norm / k_norm (Qwen3, per head_dim)   replicated
+
+So a decoder block costs two all-reduces ([tokens, hidden] each), and the KV cache of a rank holds its Hkv / TP
+heads. The shard is the HF model itself with smaller Linears, its config saying H / TP and Hkv / TP heads, and
+o_proj / down_proj swapped for `RowParallelLinear`: `DecoderRunner` runs it unchanged (it calls a module that
+is not a plain Linear), fused q/k/v and gate/up per shard included (native_fused.py). Parameters keep their HF
+names; `tp_slice(name, full, rank, size)` is the rule every weight transport applies to a full tensor
+(distributed/weights/tensor_parallel.py).
+
+Vocabulary: replicated. Every rank then computes the same logits from the same all-reduced hidden state
+(all-reduce hands every rank the same sum), so the same per-slot seeds sample the same tokens on every rank
+with no extra collective: no logits all-gather on the critical path, no sampling on one rank plus a
+broadcast, and sampling stays the single-GPU code. The cost is memory and one unsplit GEMM: at 7B (Qwen2.5,
+vocab 152064, untied) embedding + lm_head are 2.2 GB bf16 per rank, and the lm_head GEMM is ~7% of a decode
+step's FLOPs, which TP does not divide.
+
+Lock step (`TPNativeEngine`): the collectives inside every forward need every rank to run the same rounds
+with the same requests. Rank 0 of the group (the leader) is the engine callers talk to (`generate`); at the
+start of each round it broadcasts what the round takes in (new requests, the ids of requests cancelled since
+the last round) and every other rank (a follower, inside `follow()`) replays that round on its own shard with
+the same requests, the same engine seed (agreed at construction) and the same logits, so every scheduling
+decision (admission, decode steps, retirement) is the same on all ranks. Followers' results are dropped.
+Cancellation is snapshotted by the leader per round (its rounds run on copies of the callers' requests that
+no caller can cancel mid-round). Every other engine call (load_weights, sleep, wake_up, close) is made by
+every rank itself, between rounds (a colocated policy's ranks all call them in `sync`). `release()` (leader)
+ends the followers' `follow()`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import random
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from relayrl.rollout.base import EngineCapabilities, GenerationRequest, GenerationResult
+from relayrl.rollout.driver import Pending
+from relayrl.rollout.native import NativeEngine
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""Modules whose output rows (weight dim 0, bias) are split over the TP ranks."""
+ROW_PARALLEL = ("o_proj", "down_proj")
+"""Modules whose input columns (weight dim 1) are split; their output is all-reduced, their bias replicated."""
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension of parameter `name` (HF naming) split over TP ranks; None: replicated."""
+    module, _, leaf = name.rpartition(".")
+    module = module.rpartition(".")[2]
+    if module in COLUMN_PARALLEL:
+        return 0
+    if module in ROW_PARALLEL and leaf == "weight":
+        return 1
+    return None
+
+
+def tp_slice(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s slice (a view) of the full tensor of parameter `name` (module doc)."""
+    dim = split_dim(name)
+    if dim is None or size == 1:
+        return full
+    return full.chunk(size, dim)[rank]
+
+
+def check_shardable(config: Any, size: int) -> None:
+    """A ValueError naming the model dimension that `size` ranks do not divide."""
+    heads = config.num_attention_heads
+    dims = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for field, value in dims.items():
+        if value % size:
+            raise ValueError(
+                f"tensor-parallel native engine: the model's {field}={value} is not divisible by the TP size "
+                f"{size} (dist.engine_tp); pick a TP size dividing {field} (KV heads are split, not replicated)"
+            )
+
+
+class RowParallelLinear(torch.nn.Linear):
+    """A row-parallel Linear: this rank's input columns; the partial products summed over `group` by one
+    all-reduce; the (replicated) bias added once, after it."""
+
+    group: Any = None
+    """The TP process group."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        y = F.linear(input, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+@torch.no_grad()
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    size: int,
+    group: Any,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.nn.Module:
+    """Rank `rank`'s shard of an HF Llama-layout causal LM (module doc): its own parameters (requires_grad
+    False) in `dtype` on `device`, copied slice by slice (never a full copy). Parameters of a model on the
+    meta device become uninitialised tensors of the slice's shape (the caller fills them, e.g. a benchmark's
+    random weights, or a weight refresh)."""
+    cfg: Any = model.config
+    check_shardable(cfg, size)
+    memo: dict[int, object] = {}
+    for name, p in model.named_parameters():  # tied weights: one name, one copy (the memo ties them back)
+        local = tp_slice(name, p.detach(), rank, size)
+        kind = dtype or p.dtype
+        if p.is_meta:
+            t = torch.empty(local.shape, dtype=kind, device=device)
+        else:
+            t = local.to(device=device or p.device, dtype=kind).contiguous().clone()
+        memo[id(p)] = torch.nn.Parameter(t, requires_grad=False)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shard: Any = copy.deepcopy(model, memo)  # an HF causal LM (untyped config and children)
+    scfg = shard.config
+    scfg.head_dim = head_dim  # explicit: hidden_size // local heads would be wrong
+    scfg.num_attention_heads = cfg.num_attention_heads // size
+    scfg.num_key_value_heads = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // size
+    scfg.intermediate_size = cfg.intermediate_size // size
+    for lin in shard.modules():
+        if isinstance(lin, torch.nn.Linear):  # the sliced shapes
+            lin.out_features, lin.in_features = lin.weight.shape
+    for layer in shard.model.layers if size > 1 else []:  # one rank: nothing to reduce
+        for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            lin = getattr(owner, name)
+            if type(lin) is not torch.nn.Linear:
+                raise ValueError(
+                    f"tensor-parallel native engine: {name} is a {type(lin).__name__}, not a plain Linear "
+                    "(LoRA adapters are not supported with TP; merge them or use dist.engine_tp 1)"
+                )
+            lin.__class__ = RowParallelLinear  # same parameters and fields; forward adds the all-reduce
+            lin.group = group
+    rot = shard.model.rotary_emb
+    if any(b.is_meta for b in rot.buffers()):  # a meta model: rebuild the rotary tables for real
+        with torch.device(device or "cpu"):
+            shard.model.rotary_emb = type(rot)(config=scfg)
+    shard.eval()
+    return shard
+
+
+def _relay(real: Pending, future: concurrent.futures.Future) -> None:
+    """Copy a finished shadow's outcome to the caller's future."""
+    if real.future.done():
+        return
+    exc = future.exception() if not future.cancelled() else None
+    if future.cancelled():
+        real.abort()
+    elif exc is not None:
+        real.fail(exc)
+    else:
+        real.future.set_result(future.result())
+
+
+class TPNativeEngine(NativeEngine):
+    """The native engine over one TP shard (`shard_model`), in lock step with the other ranks of `group`
+    (module doc). Keywords are NativeEngine's; `seed` (None: drawn by the leader) is agreed by all ranks."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(fixed_slots=True, tensor_parallel=True)
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, group: Any, **opts: Any) -> None:
+        self.group = group
+        self.leader = dist.get_global_rank(group, 0)
+        self.is_leader = dist.get_rank(group) == 0
+        device = next(model.parameters()).device
+        seed = opts.pop("seed", None)
+        seed = self._bcast(("seed", random.getrandbits(31) if seed is None else seed), device)[1]
+        if device.type == "cuda":  # NCCL builds its communicator lazily: before any graph capture
+            with torch.cuda.device(device):
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
+        self._tp_device = device
+        self._callers: dict[int, Pending] = {}
+        """Leader: id -> the caller's pending of each request in flight."""
+        self._shadows: dict[int, Pending] = {}
+        """id -> the pending the rounds run on (never cancelled by a caller; see module doc)."""
+        self._next_id = 0
+        self._follow_msg: tuple[list[GenerationRequest], list[int]] = ([], [])
+        super().__init__(model, tokenizer, seed=seed, **opts)
+        self.tp_size = dist.get_world_size(group)
+
+    def _bcast(self, msg: Any, device: torch.device | None = None) -> Any:
+        box = [msg if self.is_leader else None]
+        dev = device or self._tp_device
+        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=dev)
+        return box[0]
+
+    # ---- leader ---------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not self.is_leader:
+            raise RuntimeError(
+                "tensor-parallel native engine: only TP rank 0 takes requests; others follow()"
+            )
+        return await super().generate(request)
+
+    def release(self) -> None:
+        """Leader: end the followers' `follow()` (call when this rollout's requests are all done)."""
+        with self._round_lock:
+            self._bcast(("stop",))
+
+    # ---- follower -------------------------------------------------------------------------------------
+    def follow(self) -> int:
+        """Follower: replay the leader's rounds until its `release()`; returns the rounds run."""
+        if self.is_leader:
+            raise RuntimeError("follow() runs on TP ranks > 0; the leader calls release() instead")
+        rounds = 0
+        while True:
+            msg = self._bcast(None)
+            if msg[0] == "stop":
+                return rounds
+            self._follow_msg = (msg[1], msg[2])
+            with self._round_lock, torch.no_grad():
+                self._step([])
+            rounds += 1
+
+    # ---- the round, on every rank ---------------------------------------------------------------------
+    def _round(self, new: list[Pending]) -> None:
+        if self.is_leader:
+            cancelled = [i for i, real in self._callers.items() if real.cancelled]
+            requests = [p.request for p in new]
+            self._bcast(("round", requests, cancelled))
+        else:
+            requests, cancelled = self._follow_msg
+        for i in cancelled:
+            self._callers.pop(i, None)
+            shadow = self._shadows.pop(i, None)
+            if shadow is not None:
+                shadow.future.cancel()
+        shadows = []
+        for k, request in enumerate(requests):
+            shadow = Pending(request=request)
+            self._shadows[self._next_id] = shadow
+            if self.is_leader:
+                real = new[k]
+                self._callers[self._next_id] = real
+                shadow.future.add_done_callback(lambda f, real=real: _relay(real, f))
+            self._next_id += 1
+            shadows.append(shadow)
+        super()._round(shadows)
+        for i in [i for i, s in self._shadows.items() if s.future.done()]:
+            del self._shadows[i]
+            self._callers.pop(i, None)
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        if named_tensors is not None:
+            raise ValueError(
+                "tensor-parallel native engine: load_weights takes None (the shard's slices were written in "
+                "place by distributed/weights/tensor_parallel.py); full named tensors would not fit the shard"
+            )
+        super()._load(None)

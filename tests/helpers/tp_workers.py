@@ -1,0 +1,114 @@
+"""Process bodies of the tensor-parallel engine tests (spawned over a real gloo group; importable by name in
+the children, which test modules under --import-mode=importlib are not)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
+from relayrl.rollout.base import GenerationRequest, SamplingParams, generate_all
+
+SPEC = TinyModelSpec(hidden=64, layers=2, heads=8, kv_heads=4, intermediate=128, seed=0)
+"""Qwen2-shaped, 8 query / 4 KV heads and 128 MLP columns: divisible by TP 1, 2 and 4."""
+
+ENGINE = {"max_slots": 8, "max_seq_len": 64, "sync_every": 4}
+
+
+def requests() -> list[GenerationRequest]:
+    """Greedy, seeded sampling with n > 1, and seeded top-p / top-k: every sampling mode."""
+    return [
+        GenerationRequest(
+            prompt_ids=[5, 9, 13, 17, 21], params=SamplingParams(temperature=0, max_new_tokens=12)
+        ),
+        GenerationRequest(
+            prompt_ids=[7, 8, 9], params=SamplingParams(n=3, temperature=1.0, seed=11, max_new_tokens=10)
+        ),
+        GenerationRequest(
+            prompt_ids=[30, 31, 32, 33, 34, 35, 36],
+            params=SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=9),
+        ),
+    ]
+
+
+def tiny_model() -> torch.nn.Module:
+    return build_tiny_model(build_tiny_tokenizer(), SPEC)
+
+
+def outputs(results) -> list[list[tuple[list[int], list[float]]]]:
+    return [[(c.token_ids, c.logprobs) for c in r.completions] for r in results]
+
+
+def init(rank: int, world: int, store_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+
+
+def engine_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    """TP = world over the whole group: the leader generates, the followers follow; rank 0 saves what it got
+    and every rank saves its decode step count (lock step)."""
+    from relayrl.rollout.native_tp import TPNativeEngine, shard_model
+
+    init(rank, world, store_path)
+    try:
+        group = dist.group.WORLD
+        shard = shard_model(tiny_model(), rank=rank, size=world, group=group)
+        engine = TPNativeEngine(shard, group=group, **ENGINE)
+        got = None
+        if rank == 0:
+            got = outputs(generate_all(engine, requests()))
+            engine.release()
+        else:
+            engine.follow()
+        torch.save({"outputs": got, "steps": engine.decode_steps, "kv": engine.runner.n_kv}, f"{out}.{rank}")
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def refresh_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    """A policy FSDP2-sharded over `world` ranks, TP = world engine shards refreshed from it after an
+    optimizer step: the canary before / after the refresh, and the engine's outputs after it (rank 0)."""
+    from relayrl.distributed.fsdp import ShardSpec, full_tensors
+    from relayrl.distributed.fsdp import shard_model as fsdp_shard
+    from relayrl.distributed.weights.tensor_parallel import TensorParallelWeights, tp_groups
+    from relayrl.rollout.native_tp import TPNativeEngine
+
+    init(rank, world, store_path)
+    try:
+        policy = tiny_model()
+        tw = TensorParallelWeights(policy, dtype=torch.float32, group=tp_groups(world))
+        fsdp_shard(policy, ShardSpec(device=torch.device("cpu")))
+        engine = TPNativeEngine(tw.model, group=tw.group, **ENGINE)
+        opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+        ids = torch.tensor([[5, 9, 13, 17, 21, 25, 29]])
+        policy(input_ids=ids).logits.float().pow(2).mean().backward()
+        opt.step()
+        stale = tw.max_abs_diff()
+        seconds = tw.load_into(engine, version=1)
+        canary = tw.max_abs_diff()
+        full = {n: t.clone() for n, t in full_tensors(policy)}  # the trained weights, for the TP=1 reference
+        got = None
+        if rank == 0:
+            got = outputs(generate_all(engine, requests()))
+            engine.release()
+        else:
+            engine.follow()
+        torch.save(
+            {
+                "outputs": got,
+                "stale": stale,
+                "canary": canary,
+                "seconds": seconds,
+                "full": full if rank == 0 else None,
+                "steps": engine.decode_steps,
+                "kv": engine.runner.n_kv,
+            },
+            f"{out}.{rank}",
+        )
+        engine.close()
+    finally:
+        dist.destroy_process_group()
