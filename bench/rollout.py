@@ -1,498 +1,324 @@
-"""Rollout throughput: the native engine vs `transformers.generate` (hf engine) on the same requests
-(and vLLM, with --engines native,hf,vllm, where the vllm package is installed).
+"""Rollout throughput, engine against engine on the same requests, warmed and timed fairly.
 
-    python bench/rollout.py --shape tiny --device cpu --prompts 32 --new-tokens 64 --n-prompts 8 --n-new-tokens 64
-    python bench/rollout.py --shape qwen2.5-0.5b --device cuda            # the GPU target (bf16)
+    python bench/rollout.py --shapes 0.5b,7b --engines native,vllm-default,vllm-tuned --workloads w1,w2,w3
+    python bench/rollout.py --shapes 32b --tp 4 --engines native,vllm-tuned          # 32B over 4 GPUs
+    python bench/rollout.py --shapes 7b --profile                                    # where a decode step goes
+    python bench/rollout.py --shapes tiny --device cpu --engines native,hf --rounds 2 \
+        --prompts 16 --new-tokens 32 --n-prompts 4 --n 4 --n-new-tokens 32 --w3-prompts 16 --w3-max-new 32
 
-Workload 1: --prompts prompts of --prompt-len random tokens -> --new-tokens new tokens each, sampling at
-temperature 1 (top_p 1, top_k 0). Workload 2: --n-prompts prompts x n=--n samples -> --n-new-tokens tokens,
-with log-probs (the RL shape: n samples share one prefill). EOS is ignored (engines get no stop ids and the
-model's generation_config has no EOS), so every sample has exactly the asked length and both engines do
-the same work. The model has random weights, built locally (nothing is downloaded): "tiny" is the test
-model (hidden 64, 2 layers, vocab 101); "qwen2.5-0.5b" is Qwen2.5-0.5B's shape (hidden 896, 24 layers,
-14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied embeddings).
+Every engine runs every workload as: one full-size warm-up round (the timed workload's shape, so one-time
+costs -- CUDA graph capture, torch.compile, allocator growth, cuBLAS heuristics -- are paid there), then
+`--rounds` timed rounds (>= 3 for a reported number), each with fresh random prompts (seeded by workload and
+round, the same for every engine, so no engine's prefix cache sees a repeated prompt), then one prefill-only
+round (max_new_tokens=1) of the same shape. Reported: tokens/s median, min and max over the timed rounds;
+decode ms per step = (median round - prefill round) / (longest completion - 1); and beside it the compute and
+bandwidth floors of that step for the batch on this card (bench/rollout_profile.py). Sampling: temperature
+1, top_p 1, top_k 0; EOS ignored by every engine (random weights would make EOS lengths a coin toss).
 
-Timings: tokens/s = generated tokens / wall time of all requests (after a warm-up round, with
-torch.cuda.synchronize around it); start-up = engine construction (KV cache allocation and CUDA graph
-capture for native). Prints a table and writes bench/results/rollout.json.
+Workloads (prompts of --prompt-len 128 random tokens):
+    w1  256 prompts -> exactly 256 new tokens each, no log-probs
+    w2  64 prompts x n=8 -> exactly 512 new tokens each, log-probs (the GRPO shape: n samples, one prefill)
+    w3  512 prompts -> request i stops after lengths[i] tokens, lengths drawn once from a fixed seed (16 + an
+        exponential of mean 512/3, cut at 512: mean ~180, ~5% cut), log-probs: variable-length RL sampling,
+        where slots free up at different steps. Chosen over EOS stopping so that every engine does exactly
+        the same work; the native engine knows each sample's end in advance (it syncs with the host when
+        one is due), which with EOS it would only see at its next sync (<= --sync-every steps later).
 
-vllm: the same random model is saved to a temporary folder (safetensors) and loaded by one in-process vLLM
-engine (relayrl/rollout/vllm_engine.py) built on first use and reused for both workloads (max_model_len =
-prompt + the longer workload, max_num_seqs = the most samples, gpu_memory_utilization=--vllm-gpu-util);
-its start-up (load, profiling, torch.compile, CUDA graph capture) is reported on both rows.
+Engines (bench/rollout_engines.py): native, hf (transformers.generate, CPU reference), vllm-default (vLLM's
+own `LLM(...)` defaults), vllm-tuned (settings from vLLM's tuning guide, listed there and in the JSON).
+Shapes: Qwen2.5 0.5b, 7b, 32b (random bf16 weights on CUDA, fp32 on CPU) and tiny. `--tp N` passes N to
+the native engine (tp_size; skipped if this engine has no such option) and to vLLM (tensor_parallel_size).
+On CUDA each (shape, engine) runs in its own process (the card to itself; a crash or OOM is reported as an
+error row); vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set). Prints a table and writes
+JSON to --out (a folder: a file named after the shapes, engines and workloads; or a .json path).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib.util
 import json
-import platform
+import os
+import subprocess
 import sys
 import tempfile
-import time
+import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from relayrl.rollout import build_engine
 
-from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-QWEN05 = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
+from rollout_engines import (  # noqa: E402  (the bench folder is put on the path first)
+    ALIASES,
+    SHAPES,
+    VLLM_TUNED,
+    Runner,
+    build_model,
+    mismatch,
+    native_runner,
+    param_counts,
+    shape_config,
+    time_rounds,
+    vllm_folder,
+    vllm_runner,
+    workloads,
 )
+from rollout_profile import card_peaks, floors_ms, print_profile, profile_native  # noqa: E402
+
+ENGINES = ("native", "hf", "vllm-default", "vllm-tuned")
 
 
-QWEN7B = dict(
-    QWEN05,
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    intermediate_size=18944,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
-SHAPES = {"qwen2.5-0.5b": QWEN05, "qwen2.5-7b": QWEN7B}
-
-HBM_TB_S = {"H100": 3.35, "H200": 4.8}
-"""Peak HBM bandwidth (TB/s) of the SXM cards, from NVIDIA's data sheets: the decode floor below uses it."""
-
-
-def bandwidth_floor_ms(model, row: dict, samples: int, prompt_len: int, new: int) -> float | None:
-    """Time one decode step needs at least on this card: (weight bytes + the K/V bytes it reads) / peak HBM
-    bandwidth, with every sample decoding at the workload's mean context (prompt + new / 2)."""
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    bw = next((v for k, v in HBM_TB_S.items() if k in name), None)
-    if bw is None:
-        return None
-    c = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = c.hidden_size // c.num_attention_heads
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K and V, bf16
-    kv_bytes = samples * (prompt_len + new / 2) * kv_per_token
-    return (weight_bytes + kv_bytes) / (bw * 1e12) * 1e3
-
-
-def build_model(shape: str, device: str, dtype: torch.dtype, layers: int = 0) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if shape == "tiny":
-        from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer
-
-        model = build_tiny_model(
-            build_tiny_tokenizer(), TinyModelSpec(hidden=64, layers=2, max_positions=4096)
-        )
-    else:
-        config = Qwen2Config(
-            **{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}, pad_token_id=0
-        )
-        config.eos_token_id = config.bos_token_id = None
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen2ForCausalLM(config)
-    model = model.to(device=device, dtype=dtype).eval()
-    model.generation_config.eos_token_id = None  # ignore EOS: fixed-length samples
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def requests(
-    num: int, prompt_len: int, new_tokens: int, n: int, vocab: int, seed: int
-) -> list[GenerationRequest]:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, vocab, (num, prompt_len), generator=gen)
-    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens, logprobs=True)
-    return [
-        GenerationRequest(prompt_ids=row.tolist(), params=params, request_id=str(i))
-        for i, row in enumerate(ids)
-    ]
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    add = ap.add_argument
+    add("--shapes", default="0.5b", help=f"comma list of {', '.join(SHAPES)}")
+    add("--engines", default="native", help=f"comma list of {', '.join(ENGINES)}")
+    add("--workloads", default="w1,w2,w3", help="comma list of w1, w2, w3")
+    add("--rounds", type=int, default=3, help="timed rounds per workload (after one full warm-up round)")
+    add("--tp", type=int, default=1, help="tensor-parallel size for the engines (native: tp_size)")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", default=None, help="bfloat16 | float16 | float32 (default: bf16 on cuda, fp32 on cpu)")
+    add("--prompts", type=int, default=256, help="w1 prompts")
+    add("--prompt-len", type=int, default=128)
+    add("--new-tokens", type=int, default=256, help="w1 new tokens")
+    add("--n", type=int, default=8, help="w2 samples per prompt")
+    add("--n-prompts", type=int, default=64, help="w2 prompts")
+    add("--n-new-tokens", type=int, default=512, help="w2 new tokens")
+    add("--w3-prompts", type=int, default=512)
+    add("--w3-max-new", type=int, default=512, help="w3's longest completion (the length cap)")
+    add("--layers", type=int, default=0, help="override the shape's layer count (smoke runs)")
+    add("--decode-attention", default="auto", help="native: sdpa | math | auto")
+    add("--sync-every", type=int, default=16, help="native: decode steps between host syncs")
+    add("--no-graphs", action="store_true", help="native: decode eagerly (no CUDA graphs)")
+    add(
+        "--kv-bucket",
+        type=int,
+        default=0,
+        help="native: attended-length granularity (default 256 with graphs)",
+    )
+    add("--vllm-default-args", default="{}", help="vllm-default: extra LLM(...) arguments, JSON")
+    add("--vllm-tuned-args", default="{}", help="vllm-tuned: LLM(...) arguments overriding VLLM_TUNED, JSON")
+    add("--vllm-real-weights", action="store_true", help="vLLM loads the bench's model, not dummy weights")
+    add("--mismatch", type=int, default=0, help="native, w2: compare N samples' log-probs with the trainer's")
+    add("--profile", action="store_true", help="profile the native engine's decode steps (torch.profiler)")
+    add("--profile-steps", type=int, default=48, help="new tokens of the profiled round")
+    add("--peak-tflops", type=float, default=0.0, help="override the card's bf16 dense TFLOP/s")
+    add("--peak-tbs", type=float, default=0.0, help="override the card's HBM TB/s")
+    add("--isolate", choices=("auto", "yes", "no"), default="auto",
+        help="one process per (shape, engine); auto: yes on CUDA")  # fmt: skip
+    add("--threads", type=int, default=1, help="torch threads on --device cpu")
+    add("--out", default=str(ROOT / "bench" / "results"), help="a folder or a .json path")
+    add("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.shapes = [ALIASES.get(s, s) for s in args.shapes.split(",")]
+    args.engines = args.engines.split(",")
+    args.workloads = args.workloads.split(",")
+    for what, got, known in (
+        ("--shapes", args.shapes, SHAPES), ("--engines", args.engines, ENGINES), ("--workloads", args.workloads, ("w1", "w2", "w3"))
+    ):  # fmt: skip
+        bad = [g for g in got if g not in known]
+        if bad:
+            ap.error(f"{what}: unknown {bad}; choose from {', '.join(known)}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1 (3 or more for a reported number)")
+    if any(e.startswith("vllm") for e in args.engines) and importlib.util.find_spec("vllm") is None:
+        ap.error("vllm-* engines need the vllm package importable (PYTHONPATH or pip install vllm)")
+    return args
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def dtype_of(args) -> torch.dtype:
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
 
 
-def build_vllm(model, dtype: torch.dtype, *, max_seq_len: int, max_seqs: int, gpu_util: float, eager: bool):
-    """Save `model` to a temporary folder and build the vllm engine over it (EOS ignored, like the others)."""
-    folder = tempfile.mkdtemp(prefix="relayrl-bench-vllm-")
-    model.save_pretrained(folder)
-    return build_engine(
-        "vllm",
-        folder,
-        None,
-        max_seq_len=max_seq_len,
-        eos_token_id=[],
-        dtype=str(dtype).removeprefix("torch."),
-        max_num_seqs=max_seqs,
-        gpu_memory_utilization=gpu_util,
-        enforce_eager=eager,
+def make_runner(engine: str, shape: str, model, wls: list, args, folder: str | None = None) -> Runner:
+    """The engine under test, sized for the workloads `wls` (NotImplementedError: this engine cannot)."""
+    if engine == "native":
+        opts = dict(decode_attention=args.decode_attention, sync_every=args.sync_every)
+        if args.no_graphs:
+            opts["cuda_graphs"] = False
+        if args.kv_bucket:
+            opts["kv_bucket"] = args.kv_bucket
+        return native_runner(model, wls, tp=args.tp, opts=opts)
+    if engine == "hf":
+        hf = build_engine("hf", model, None, eos_token_id=[], max_batch=max(w.samples for w in wls))
+        return Runner("hf", 0.0, {}, hf)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = folder or vllm_folder(shape, args.layers)
+    extra = json.loads(args.vllm_tuned_args if engine == "vllm-tuned" else args.vllm_default_args)
+    return vllm_runner(
+        engine, folder, dtype_of(args), wls, tp=args.tp, dummy=not args.vllm_real_weights, extra=extra
     )
 
 
-class PlainVLLM:
-    """vLLM as its users run it offline: `vllm.LLM(model=folder)` with vLLM's own defaults for the card
-    (scheduler limits, CUDA graphs, torch.compile, prefix caching), `gpu_memory_utilization` as given (0.9 is
-    vLLM's default), token ids in (`skip_tokenizer_init`), EOS ignored and the sampled token's log-prob
-    returned, like the other engines. One `llm.generate(...)` call per workload (vLLM batches it itself)."""
-
-    def __init__(
-        self, folder: str, dtype: torch.dtype, *, max_seq_len: int, gpu_util: float, extra: dict | None = None
-    ) -> None:
-        from vllm import LLM
-
-        t0 = time.perf_counter()
-        self.llm = LLM(
-            model=folder,
-            dtype=str(dtype).removeprefix("torch."),
-            max_model_len=max_seq_len,
-            gpu_memory_utilization=gpu_util,
-            skip_tokenizer_init=True,
-            seed=0,
-            **(extra or {}),
+def run_piece(shape: str, engine: str, args) -> list[dict]:
+    """Every asked workload on one engine of one shape (in this process). The native and hf engines are built
+    per workload, sized to it (max_slots = its batch, max_seq_len = prompt + its longest completion: what an
+    RL run configures); vLLM once for all (its start-up is minutes; its paged KV makes the size moot)."""
+    wls = [workloads(args)[w] for w in args.workloads]
+    config = shape_config(shape, args.layers)
+    base = dict(shape=shape, engine=engine, tp=args.tp)
+    model = folder = None
+    if engine in ("native", "hf") or args.vllm_real_weights:
+        model = build_model(shape, args.device, dtype_of(args), args.layers)
+    per_workload = engine in ("native", "hf")
+    if not per_workload and model is not None:  # vLLM loads the saved model: free the card for it
+        folder = vllm_folder(shape, args.layers, model)
+        model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    try:
+        shared = None if per_workload else make_runner(engine, shape, model, wls, args, folder)
+    except NotImplementedError as e:
+        return [dict(base, workload=w.name, skipped=str(e)) for w in wls]
+    rows = []
+    peaks = card_peaks(args.device, args.peak_tflops, args.peak_tbs)
+    counts = param_counts(config)
+    for wl in wls:
+        try:
+            runner = shared or make_runner(engine, shape, model, [wl], args)
+        except NotImplementedError as e:
+            rows.append(dict(base, workload=wl.name, skipped=str(e)))
+            continue
+        row, samples = time_rounds(runner, wl, config.vocab_size, args.rounds)
+        mean_new = wl.tokens / wl.samples
+        batch = wl.tokens / wl.longest  # w1, w2: every sample; w3: the mean live batch over the steps
+        row.update(base, workload=wl.name, startup_s=runner.startup_s, settings=runner.settings,
+                   batch=batch, context=wl.prompt_len + mean_new / 2)  # fmt: skip
+        row.update(
+            floors_ms(config, counts, peaks, batch=batch, ctx=wl.prompt_len + mean_new / 2, tp=args.tp)
         )
-        self.startup_s = time.perf_counter() - t0
-        cfg = self.llm.llm_engine.vllm_config
-        self.settings = dict(
-            max_num_seqs=cfg.scheduler_config.max_num_seqs,
-            max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
-            async_scheduling=getattr(cfg.scheduler_config, "async_scheduling", None),
-            prefix_caching=cfg.cache_config.enable_prefix_caching,
-            gpu_memory_utilization=gpu_util,
-            enforce_eager=cfg.model_config.enforce_eager,
-        )
+        if "floor_ms" in row:
+            row["x_floor"] = row["decode_ms_per_step"] / row["floor_ms"]
+        if args.mismatch and engine == "native" and wl.name == "w2":
+            row["mismatch"] = mismatch(model, samples, 1.0, args.mismatch)
+        rows.append(row)
+        print(f"{shape} {wl.name} {engine:12s} {row['tok_s_median']:10.0f} tok/s (median of {args.rounds}; "
+              f"{row['tok_s_min']:.0f}-{row['tok_s_max']:.0f})  warm-up round {row['warmup_s']:.2f} s", flush=True)  # fmt: skip
+        if runner is not shared:
+            runner.close()
+    if args.profile and engine == "native" and rows and "skipped" not in rows[0]:
+        runner = make_runner(engine, shape, model, wls[:1], args)
+        prof = profile_native(runner, wls[0], config.vocab_size, args.profile_steps, args.device)
+        print_profile(prof, f"{shape} native, batch {wls[0].samples}")
+        rows.append(dict(base, workload=f"{wls[0].name}-profile", profile=prof))
+        runner.close()
+    if shared is not None:
+        shared.close()
+    return rows
 
-    def generate(
-        self, reqs: list[GenerationRequest]
-    ) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
 
-        p = reqs[0].params
-        params = VSP(
-            n=p.n,
-            temperature=p.temperature,
-            max_tokens=p.max_new_tokens,
-            ignore_eos=True,
-            logprobs=0 if p.logprobs else None,
-            detokenize=False,
-        )
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in reqs], params, use_tqdm=False
-        )
+def run_isolated(shape: str, engine: str, args, argv: list[str]) -> list[dict]:
+    """run_piece in a child process; a failed child becomes an error row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        keep = _strip(argv, {"--shapes", "--engines", "--out", "--isolate", "--child-out"})
+        cmd = [sys.executable, __file__, *keep, "--shapes", shape, "--engines", engine, "--isolate", "no",
+               "--child-out", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
+        if proc.returncode == 0 and out.is_file():
+            return json.loads(out.read_text())
+        tail = proc.stderr.strip().splitlines()[-3:]
         return [
-            (
-                r.prompt_ids,
-                [list(o.token_ids) for o in out.outputs],
-                [
-                    [float(step[t].logprob) for step, t in zip(o.logprobs or [], o.token_ids, strict=False)]
-                    for o in out.outputs
-                ],
-            )
-            for r, out in zip(reqs, outs, strict=True)
+            dict(shape=shape, engine=engine, tp=args.tp, workload=w, error=" | ".join(tail))
+            for w in args.workloads
         ]
 
 
-def run_plain_vllm(engine: PlainVLLM, reqs: list[GenerationRequest]) -> tuple[dict, list]:
-    warm = [
-        GenerationRequest(prompt_ids=r.prompt_ids, params=SamplingParams(max_new_tokens=8)) for r in reqs[:4]
-    ]
-    engine.generate(warm)
-    _sync("cuda")
-    t0 = time.perf_counter()
-    out = engine.generate(reqs)
-    _sync("cuda")
-    elapsed = time.perf_counter() - t0
-    lengths = [len(t) for _, toks, _ in out for t in toks]
-    want = reqs[0].params.max_new_tokens
-    assert all(n == want for n in lengths), f"vllm-llm: expected {want} tokens per sample, got {set(lengths)}"
-    row = dict(
-        engine="vllm-llm",
-        tokens=sum(lengths),
-        seconds=elapsed,
-        tokens_per_s=sum(lengths) / elapsed,
-        startup_s=engine.startup_s,
-        settings=engine.settings,
-    )
-    return row, out
-
-
-def mismatch(model, samples: list, temperature: float, limit: int) -> dict:
-    """The engine's log-probs against relayrl's trainer forward (relayrl.models.forward.token_logprobs, the
-    layout the trainer uses on this device, the same weights) over the first `limit` samples:
-    relayrl.algorithms.off_policy.logprob_mismatch."""
-    from relayrl.algorithms.off_policy import logprob_mismatch
-    from relayrl.models import forward
-
-    device = next(model.parameters()).device
-    layout = forward.choose_layout(model, device)
-    forward.prepare_model(model, layout)
-    flat = [(p, t, lp) for p, toks, lps in samples for t, lp in zip(toks, lps, strict=True)][:limit]
-    seqs = [torch.tensor(p + t, device=device) for p, t, _ in flat]
-    width = max(len(s) for s in seqs)
-    parts = []
-    with torch.no_grad():  # 16 sequences per forward: bounded memory beside an engine that holds most of it
-        for i in range(0, len(seqs), 16):
-            chunk = seqs[i : i + 16]
-            lp, _ = forward.token_logprobs(model, chunk, layout, temperature=temperature)
-            parts.append(forward.to_padded(lp, [len(s) for s in chunk], width).float().cpu())
-    trainer = torch.cat(parts)
-    rollout = torch.zeros_like(trainer)
-    mask = torch.zeros_like(trainer, dtype=torch.bool)
-    for i, (p, t, lps) in enumerate(flat):
-        rollout[i, len(p) : len(p) + len(t)] = torch.tensor(lps)
-        mask[i, len(p) : len(p) + len(t)] = True
-    out = logprob_mismatch(trainer, rollout, mask)
-    out["samples"] = len(flat)
-    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in out.items()}
-
-
-def run_engine(
-    name: str,
-    model,
-    reqs,
-    *,
-    device: str,
-    max_seq_len: int,
-    slots: int,
-    hf_batch: int,
-    native_opts: dict,
-    prebuilt=None,
-) -> dict:
-    _sync(device)
-    t0 = time.perf_counter()
-    if prebuilt is not None:  # vllm: built once for all workloads
-        engine, startup = prebuilt, prebuilt.startup_s
-    else:
-        opts = dict(max_slots=slots, **native_opts) if name == "native" else dict(max_batch=hf_batch)
-        engine = build_engine(name, model, None, max_seq_len=max_seq_len, eos_token_id=[], **opts)
-        _sync(device)
-        startup = time.perf_counter() - t0
-    warm = [
-        GenerationRequest(prompt_ids=r.prompt_ids, params=SamplingParams(max_new_tokens=8)) for r in reqs[:4]
-    ]
-    generate_all(engine, warm)
-    _sync(device)
-    t0 = time.perf_counter()
-    results = generate_all(engine, reqs)
-    _sync(device)
-    elapsed = time.perf_counter() - t0
-    kept = [
-        (r.prompt_ids, [c.token_ids for c in r.completions], [c.logprobs for c in r.completions])
-        for r in results
-    ]
-    lengths = [len(c.token_ids) for r in results for c in r.completions]
-    want = reqs[0].params.max_new_tokens
-    assert all(n == want for n in lengths), f"{name}: expected {want} tokens per sample, got {set(lengths)}"
-    assert all(len(c.logprobs) == want for r in results for c in r.completions)
-    row = dict(
-        engine=name,
-        tokens=sum(lengths),
-        seconds=elapsed,
-        tokens_per_s=sum(lengths) / elapsed,
-        startup_s=startup,
-    )
-    if name == "native":
-        row.update(decode_steps=engine.decode_steps, prefill_batches=engine.prefill_batches)
-        if engine.graphs is not None:
-            row["cuda_graphs"] = len(engine.graphs.graphs)
-    if prebuilt is not None:
-        row["engine_steps"] = engine.steps
-        return row, kept
-    engine.close()
-    del engine
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return row, kept
+def _strip(argv: list[str], flags: set[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.split("=", 1)[0] in flags:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--dtype", default=None, help="bfloat16 | float16 | float32 (default: bf16 on cuda, fp32 on cpu)"
-    )
-    ap.add_argument("--shape", choices=["tiny", *SHAPES], default="qwen2.5-0.5b")
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt in workload 2 (0 skips it)")
-    ap.add_argument("--n-prompts", type=int, default=64)
-    ap.add_argument("--n-new-tokens", type=int, default=512)
-    ap.add_argument(
-        "--engines",
-        default="native,hf",
-        help="comma list of native, hf, vllm (relayrl's adapter), vllm-llm (vLLM's own LLM(...), its defaults)",
-    )
-    ap.add_argument("--vllm-llm-util", type=float, default=0.9, help="vllm-llm: gpu_memory_utilization")
-    ap.add_argument(
-        "--vllm-llm-args",
-        default="{}",
-        help='vllm-llm: more LLM(...) arguments as JSON, e.g. {"max_num_seqs": 256}',
-    )
-    ap.add_argument(
-        "--mismatch", type=int, default=0, help="workload 2: compare N samples' log-probs with the trainer's"
-    )
-    ap.add_argument("--vllm-gpu-util", type=float, default=0.5, help="vllm: gpu_memory_utilization")
-    ap.add_argument("--vllm-eager", action="store_true", help="vllm: enforce_eager (no compile / graphs)")
-    ap.add_argument("--hf-max-batch", type=int, default=0, help="rows per generate call (0: all at once)")
-    ap.add_argument("--decode-attention", default="auto", help="native: sdpa | math | auto (sdpa on cuda)")
-    ap.add_argument("--sync-every", type=int, default=16, help="native: decode steps between host syncs")
-    ap.add_argument("--no-graphs", action="store_true", help="native: run decode eagerly (no CUDA graphs)")
-    ap.add_argument(
-        "--layers", type=int, default=0, help="override the qwen shape's layer count (CPU smoke runs)"
-    )
-    ap.add_argument(
-        "--threads", type=int, default=1, help="CPU threads for torch on --device cpu (1 avoids contention)"
-    )
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "rollout.json"))
-    args = ap.parse_args(argv)
-    if {"vllm", "vllm-llm"} & set(args.engines.split(",")) and importlib.util.find_spec("vllm") is None:
-        ap.error("--engines vllm needs the vllm package (pip install vllm, on a CUDA machine)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
     if not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    )
-    model = build_model(args.shape, args.device, dtype, args.layers)
-    vocab = model.config.vocab_size
-    workloads = [
-        ("w1", requests(args.prompts, args.prompt_len, args.new_tokens, 1, vocab, 0), args.new_tokens)
-    ]
-    if args.n > 0:
-        workloads.append(
-            (
-                "w2",
-                requests(args.n_prompts, args.prompt_len, args.n_new_tokens, args.n, vocab, 1),
-                args.n_new_tokens,
-            )
-        )
-    native_opts = dict(decode_attention=args.decode_attention, sync_every=args.sync_every)
-    if args.no_graphs:
-        native_opts["cuda_graphs"] = False
-    rows = []
-    vllm_engine = plain = None
-    kept: dict[tuple[str, str], list] = {}
-    # engines outer, workloads inner: an engine built once for all workloads (vllm, vllm-llm) is closed
-    # before the next engine starts, so each has the card to itself
-    for name in args.engines.split(","):
-        for wname, reqs, new in workloads:
-            samples = sum(r.params.n for r in reqs)
-            if name == "vllm-llm":  # built once, after the other engines freed their memory
-                if plain is None:
-                    folder = tempfile.mkdtemp(prefix="relayrl-bench-vllm-llm-")
-                    model.save_pretrained(folder)
-                    plain = PlainVLLM(
-                        folder,
-                        dtype,
-                        max_seq_len=args.prompt_len + max(n for _, _, n in workloads),
-                        gpu_util=args.vllm_llm_util,
-                        extra=json.loads(args.vllm_llm_args),
-                    )
-                row, kept[(wname, name)] = run_plain_vllm(plain, reqs)
-                row.update(
-                    workload=wname,
-                    prompts=len(reqs),
-                    n=reqs[0].params.n,
-                    prompt_len=args.prompt_len,
-                    new_tokens=new,
-                )
-                rows.append(row)
-                print(
-                    f"{wname} {name:8s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s  {row['settings']}",
-                    flush=True,
-                )
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and args.device.startswith("cuda"))
+    rows: list[dict] = []
+    for shape in args.shapes:
+        for engine in args.engines:
+            if isolate:
+                rows += run_isolated(shape, engine, args, argv)
                 continue
-            if name == "vllm" and vllm_engine is None:
-                vllm_engine = build_vllm(
-                    model,
-                    dtype,
-                    max_seq_len=args.prompt_len + max(n for _, _, n in workloads),
-                    max_seqs=max(sum(r.params.n for r in w) for _, w, _ in workloads),
-                    gpu_util=args.vllm_gpu_util,
-                    eager=args.vllm_eager,
-                )
-            row, kept[(wname, name)] = run_engine(
-                name,
-                model,
-                reqs,
-                device=args.device,
-                max_seq_len=args.prompt_len + new,
-                slots=samples,
-                hf_batch=args.hf_max_batch or samples,
-                native_opts=native_opts,
-                prebuilt=vllm_engine if name == "vllm" else None,
-            )
-            row.update(
-                workload=wname,
-                prompts=len(reqs),
-                n=reqs[0].params.n,
-                prompt_len=args.prompt_len,
-                new_tokens=new,
-            )
-            if name == "native" and args.device.startswith("cuda"):
-                # decode time per step, as if all of it were decode (prefill included: an upper bound)
-                row["ms_per_decode_step"] = row["seconds"] / max(1, row["decode_steps"]) * 1e3
-                row["bandwidth_floor_ms"] = bandwidth_floor_ms(model, row, samples, args.prompt_len, new)
-            rows.append(row)
-            print(
-                f"{wname} {name:7s} {row['tokens_per_s']:10.0f} tok/s  {row['seconds']:8.2f} s  start-up {row['startup_s']:.2f} s",
-                flush=True,
-            )
-        if name == "vllm" and vllm_engine is not None:  # free the card for the next engine
-            vllm_engine.close()
-            vllm_engine = None
-    if args.mismatch and args.n > 0:
-        for row in rows:
-            if row["workload"] == "w2":
-                row["mismatch"] = mismatch(model, kept[("w2", row["engine"])], 1.0, args.mismatch)
-                print(f"w2 {row['engine']:8s} log-prob mismatch vs trainer: {row['mismatch']}", flush=True)
-    if vllm_engine is not None:
-        vllm_engine.close()
-    _report(rows, args, dtype)
+            try:
+                rows += run_piece(shape, engine, args)
+            except Exception as e:  # one engine's failure must not hide the others' numbers
+                if args.child_out:
+                    raise
+                traceback.print_exc()
+                rows += [
+                    dict(shape=shape, engine=engine, tp=args.tp, workload=w, error=repr(e)[:300])
+                    for w in args.workloads
+                ]
+    if args.child_out:
+        Path(args.child_out).write_text(json.dumps(rows))
+        return 0
+    report(rows, args)
     return 0
 
 
-def _report(rows: list[dict], args, dtype: torch.dtype) -> None:
-    card = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    print(f"\n{card}  {args.shape}  {dtype}")
-    print(f"{'workload':28s} {'engine':8s} {'tok/s':>10s} {'speed-up':>9s} {'start-up s':>10s}")
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        base = next((r["tokens_per_s"] for r in rows if r["workload"] == w and r["engine"] == "hf"), None)
-        for r in (r for r in rows if r["workload"] == w):
-            label = f"{r['prompts']}x{r['prompt_len']} n={r['n']} -> {r['new_tokens']}"
-            speed = f"{r['tokens_per_s'] / base:8.1f}x" if base else "        -"
-            print(f"{label:28s} {r['engine']:8s} {r['tokens_per_s']:10.0f} {speed} {r['startup_s']:10.2f}")
+def report(rows: list[dict], args) -> Path:
+    peaks = card_peaks(args.device, args.peak_tflops, args.peak_tbs)
+    print(
+        f"\n{peaks['card']}  peaks: {peaks['tflops']} TFLOP/s bf16 dense, {peaks['tbs']} TB/s ({peaks['source']})"
+    )
+    print(f"{'shape':5s} {'wl':3s} {'engine':13s} {'tok/s median':>12s} {'min-max':>15s} {'vs tuned':>8s} "
+          f"{'ms/step':>8s} {'floor c/bw':>13s} {'x floor':>7s} {'start s':>7s} {'warm s':>7s}")  # fmt: skip
+    for r in rows:
+        if "profile" in r:
+            continue
+        head = f"{r['shape']:5s} {r['workload']:3s} {r['engine']:13s}"
+        if "tok_s_median" not in r:
+            print(
+                f"{head} {(r.get('skipped') and 'skipped: ' + r['skipped']) or 'error: ' + r.get('error', '?')}"
+            )
+            continue
+        tuned = next((t for t in rows if t.get("engine") == "vllm-tuned" and t["shape"] == r["shape"]
+                      and t["workload"] == r["workload"] and "tok_s_median" in t), None)  # fmt: skip
+        vs = f"{r['tok_s_median'] / tuned['tok_s_median']:7.2f}x" if tuned else "       -"
+        fl = f"{r['compute_floor_ms']:5.2f}/{r['bandwidth_floor_ms']:5.2f}" if "floor_ms" in r else "-"
+        xf = f"{r['x_floor']:6.1f}x" if "x_floor" in r else "      -"
+        print(f"{head} {r['tok_s_median']:12.0f} {r['tok_s_min']:7.0f}-{r['tok_s_max']:<7.0f} {vs} "
+              f"{r['decode_ms_per_step']:8.2f} {fl:>13s} {xf} {r['startup_s']:7.1f} {r['warmup_s']:7.2f}")  # fmt: skip
     out = Path(args.out)
+    if out.suffix != ".json":
+        out = (
+            out / f"rollout_{'-'.join(args.shapes)}_{'-'.join(args.engines)}_{'-'.join(args.workloads)}.json"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
+    wls = workloads(args)
     meta = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        device=card,
-        shape=args.shape,
-        dtype=str(dtype),
+        peaks=peaks,
         torch=torch.__version__,
-        **({"vllm": sys.modules["vllm"].__version__} if "vllm" in sys.modules else {}),
-        eos="ignored (fixed-length samples)",
-        sampling="temperature 1, top_p 1, top_k 0",
+        rounds=args.rounds,
+        tp=args.tp,
+        workloads={w: vars(wls[w]) for w in args.workloads},
+        vllm_tuned={k: dict(value=v, why=why) for k, (v, why) in VLLM_TUNED.items()},
+        timing="1 full-size warm-up round, then --rounds timed rounds (fresh prompts each); median/min/max",
+        sampling="temperature 1, top_p 1, top_k 0; EOS ignored; lengths fixed per request",
     )
-    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
     print(f"wrote {out}")
+    return out
 
 
 if __name__ == "__main__":

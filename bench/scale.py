@@ -4,6 +4,7 @@ GPU, engine refresh time; and the memory run of a 7B-shaped GRPO policy sharded 
     python bench/scale.py rl  --shape qwen0.5b-char --gpus 1,2         # RL step, 1 GPU (local) vs 2 (ray)
     python bench/scale.py sft --shape qwen0.5b --gpus 1,2              # SFT tokens/s
     python bench/scale.py rl  --shape qwen7b --gpus 2 --offload --steps 3 --prompts 16 --samples 4
+    python bench/scale.py rl  --shape qwen1.5b-char --gpus 1,4 --steps 3 --ema 0.99  # EMA (sharded on 4)
 
 Every run goes through the product's own entry points (`run_rl`, `run_sft`): 1 GPU is `dist.mode=local`
 (what a one-GPU user runs: bf16 compute over fp32 masters), N GPUs is `dist.mode=ray` with N FSDP2 ranks
@@ -116,6 +117,7 @@ def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> 
         algo=replace(cfg.algo, micro_batch_tokens=args.budget),
         ckpt=replace(cfg.ckpt, save_every=0),
         dist=_dist(cfg.dist, gpus, args.offload, args.device),
+        ema=getattr(args, "ema", 0.0),
     )
     t0 = time.perf_counter()
     result = run_rl(cfg)
@@ -133,6 +135,7 @@ def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> 
         "peak_mem_gib": round(max(h.get("perf/peak_mem_gib", 0.0) for h in result.history), 2),
         "response_len": round(statistics.mean(h["rollout/response_len"] for h in hist), 1),
         "wall_s": round(wall, 1),
+        "step_s_by_step": [h.get("timing/step", 0.0) for h in result.history],
     }
 
 
@@ -189,6 +192,7 @@ def run_sft_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) ->
         "step_s": round(statistics.median(h["perf/step_s"] for h in hist), 4),
         "tokens_per_step": round(statistics.mean(h["perf/tokens_per_s"] * h["perf/step_s"] for h in hist), 1),
         "wall_s": round(wall, 1),
+        "step_s_by_step": [h["perf/step_s"] for h in result.history],
     }
 
 
@@ -199,6 +203,7 @@ def main() -> None:
     p.add_argument("--gpus", default="1,2", help="comma-separated GPU counts to compare")
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload (dist.offload)")
+    p.add_argument("--ema", type=float, default=0.0, help="RL: EMA decay of the policy (sharded on N GPUs)")
     p.add_argument("--prompts", type=int, default=64, help="RL prompts per step")
     p.add_argument("--samples", type=int, default=8, help="RL samples per prompt")
     p.add_argument("--new-tokens", type=int, default=256, help="RL max new tokens")
@@ -264,6 +269,7 @@ def main() -> None:
     for r in rows:  # keyed by the global batch too: a weak-scaling run must not replace a strong-scaling one
         r["global_batch"] = batch
         key = f"{r['kind']}/{r['shape']}/{r['gpus']}gpu/batch{batch}{'/offload' if r['offload'] else ''}"
+        key += f"/ema{args.ema}" if args.ema else ""  # an EMA run must not replace the plain one
         results[key] = {**r, **stamp}
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -26,7 +26,7 @@ from typing import Any
 
 from relayrl.agents.base import AgentExecutorBase, AgentInstanceBase, Trajectory
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
-from relayrl.agents.user_code import run_in_thread
+from relayrl.agents.user_code import UserCodeExit, await_user, exit_error, run_in_thread
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
 
@@ -157,7 +157,8 @@ async def _user_call(fn: Callable[..., Any], *args: Any, what: str, timeout: flo
 
     An `async def` runs on the event loop; a plain `def` (allowed for `reset` / `step`) runs on a daemon
     worker thread, so a blocking one cannot stall the other episodes or outlive its timeout. A
-    `TimeoutError` raised *by* the user code (e.g. its own HTTP client) is an "exception", not a "timeout"."""
+    `TimeoutError` raised *by* the user code (e.g. its own HTTP client) is an "exception", not a "timeout". A
+    `sys.exit()` in it is `UserCodeExit`, re-raised: an error of the run, not a failed episode."""
 
     def raised(e: Exception) -> _UserError:
         return _UserError("exception", f"{what} raised {type(e).__name__}: {e}")
@@ -165,6 +166,8 @@ async def _user_call(fn: Callable[..., Any], *args: Any, what: str, timeout: flo
     def guarded(*a: Any) -> Any:  # on the worker thread: user errors are not timeouts
         try:
             return fn(*a)
+        except SystemExit as e:
+            raise exit_error(e, what) from None
         except Exception as e:
             raise raised(e) from e
 
@@ -178,12 +181,12 @@ async def _user_call(fn: Callable[..., Any], *args: Any, what: str, timeout: flo
                 return result
         cm = asyncio.timeout(timeout)
         async with cm:
-            return await result
+            return await await_user(result, what)
     except TimeoutError as e:
         if cm is not None and not cm.expired():
             raise raised(e) from e
         raise _UserError("timeout", f"{what} did not finish within {timeout}s") from None
-    except _UserError:
+    except (_UserError, UserCodeExit):  # sys.exit() in the agent: an error of the run, not a failed sample
         raise
     except Exception as e:
         raise raised(e) from e

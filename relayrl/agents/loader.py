@@ -27,7 +27,7 @@ from typing import Any
 from relayrl.agents.base import AgentExecutorBase, AgentInstanceBase
 from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor
 from relayrl.agents.openai_agent import OpenAIAgentExecutor
-from relayrl.agents.user_code import load_module_from_file
+from relayrl.agents.user_code import exit_error, load_module_from_file
 
 
 def _openrlhf_shim() -> None:
@@ -52,6 +52,8 @@ def _openrlhf_shim() -> None:
 def _from_executor_class(module: Any, path: str | Path, executor_kwargs: dict[str, Any]) -> AgentExecutorBase:
     try:
         executor = module.AgentExecutor()
+    except SystemExit as e:
+        raise exit_error(e, f"{path}: AgentExecutor()") from None
     except Exception as e:
         raise TypeError(
             f"{path}: AgentExecutor() (called with no arguments) raised {type(e).__name__}: {e}"

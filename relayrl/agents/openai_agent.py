@@ -31,6 +31,7 @@ from relayrl.agents.executors import prompt_only
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
 from relayrl.agents.openai_server import OpenAIServer
 from relayrl.agents.traces import trace_to_trajectory
+from relayrl.agents.user_code import UserCodeExit, guard_exit
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
 
@@ -49,7 +50,8 @@ class OpenAIAgentExecutor(AgentExecutorBase):
         model_name: str = "relayrl",
         log: FailureLog | None = None,
     ) -> None:
-        self.agent_fn, self.timeout, self.model_name, self.log = agent_fn, timeout, model_name, log
+        self.agent_fn = guard_exit(agent_fn)  # sys.exit() in the agent: UserCodeExit, an error of the run
+        self.timeout, self.model_name, self.log = timeout, model_name, log
         self.server: OpenAIServer | None = None
         self.port: int | None = None
         self.bind(engine, tokenizer, max_total_len=max_total_len)
@@ -108,6 +110,9 @@ class OpenAIAgentExecutor(AgentExecutorBase):
                 kind, message = "timeout", f"agent did not finish within {self.timeout}s"
             else:  # the agent's own TimeoutError (e.g. its HTTP client's), not ours
                 kind, message = "exception", f"agent raised TimeoutError: {e}"
+        except UserCodeExit:
+            self.server.pop_trace(sid)
+            raise
         except Exception as e:
             kind, message = "exception", f"agent raised {type(e).__name__}: {e}"
         trace = self.server.pop_trace(sid)

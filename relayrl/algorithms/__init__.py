@@ -21,16 +21,22 @@ imported on first lookup, so reading names and requirements imports no torch):
 
 This package's namespace holds only that torch-free catalogue, so `import relayrl.algorithms` loads no torch.
 The tensor functions are imported from their modules: `advantages` (AdvantageInputs), `policy_losses`
-(PolicyLossInputs), `aggregation`, `off_policy`, `kl`, `value_loss`, `entropy`, `shaping` (clip_rewards,
+(PolicyLossInputs), `aggregation`, `off_policy`, `kl`, `value` (value_loss), `entropy`, `shaping` (clip_rewards,
 overlong_penalty, truncation_penalty, RunningRewardNorm), `filtering` (dynamic_filter, group_rows),
 `experience` (shape_rewards, compute_advantages: rewards -> advantages from explicit scalars), `objective`
 (PolicyObjective, ValueObjective) and `preference` (BT, DPO / IPO / cDPO, KTO, KD).
 
 Shapes: B sequences (n samples of a prompt contiguous), T token positions, action_mask [B, T].
 See docs/algorithms.md for formulas, defaults and papers.
+
+`from relayrl.algorithms import value_loss` gives the critic loss function (imported on first use, like the
+registries' implementations; its module is `relayrl.algorithms.value`, so no submodule shadows the name).
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from relayrl.algorithms.presets import ALGORITHM_PRESETS, AlgoNames, AlgorithmPreset, resolve_names
 from relayrl.algorithms.registry import (
@@ -70,3 +76,13 @@ __all__ = [
     "needs_reference",
     "resolve_names",
 ]
+
+_LAZY = {"value_loss": ("relayrl.algorithms.value", "value_loss")}
+"""Tensor functions exported here but imported on first access (they need torch): name -> (module, attribute)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,7 +39,7 @@ from relayrl.algorithms.entropy import entropy_bonus
 from relayrl.algorithms.kl import kl_loss
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from relayrl.algorithms.registry import AGGREGATIONS, OFF_POLICY
-from relayrl.algorithms.value_loss import value_loss
+from relayrl.algorithms.value import value_loss
 
 SUMMABLE_POLICY_METRICS = ("clip_frac", "ratio_mean", "approx_kl")
 """Policy-loss metrics that are means over action tokens (so token-weighted sums add up across micro-batches);
@@ -164,7 +164,7 @@ class ValueTerms:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ValueObjective:
-    """Clipped value loss (relayrl.algorithms.value_loss), token-mean over the optimizer step."""
+    """Clipped value loss (relayrl.algorithms.value), token-mean over the optimizer step."""
 
     clip_eps: float | None = 0.2
 

@@ -7,6 +7,9 @@ What it builds, in this process: the run folder and prompt sets (relayrl.trainer
 (relayrl.workers.builders.build_generation: the same engine and executor an RL run generates with), and the
 reward source (relayrl.workers.reward.RewardWorker). No trainer, optimizer or launcher. The metrics are the
 RL loop's eval pass (relayrl.trainers.rl.eval.evaluate): the same prompts, sampling settings and seeds.
+
+The run folder (train.output_dir, default runs/eval) must not hold a training run: eval refuses it (it would
+write its config.yaml over the run's, and a run is never moved aside to make room) and names another folder.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from relayrl.data.records import PromptSample
 from relayrl.models.loading import resolve_device
 from relayrl.rollout.build import engine_capabilities
 from relayrl.trainers.rl.eval import evaluate
-from relayrl.trainers.rl.setup import prepare_run
+from relayrl.trainers.rl.setup import RunSetup, prepare_run
+from relayrl.training.setup import holds_run, release_run_dir
 from relayrl.workers.builders import build_frozen, build_generation
 from relayrl.workers.engine import generate_share, sampling_params
 from relayrl.workers.reward import RewardWorker, reward_spec
@@ -37,12 +41,26 @@ def run_eval(cfg: RLConfig) -> dict[str, float]:
     """`relayrl eval`: the RL eval (`eval.*`: pass@1, pass@k, reward, per data source) of a model folder on a
     task's held-out prompts or on `data.eval_dataset`, without training. Writes <run>/eval.json."""
     out = Path(cfg.train.output_dir or "runs/eval")
+    if holds_run(out):
+        raise ValueError(
+            f"--train.output_dir {out} holds a training run (checkpoints / metrics.jsonl); eval "
+            "writes its own config.yaml, data/ and eval.json and never moves or replaces a run: choose another "
+            f"folder (e.g. --train.output_dir {out / 'eval'})"
+        )
     cfg = replace(
         cfg,
         train=replace(cfg.train, output_dir=str(out), max_steps=max(1, cfg.train.max_steps)),
-        ckpt=replace(cfg.ckpt, resume="none", overwrite=True),
+        ckpt=replace(cfg.ckpt, resume="none", overwrite=False),
     )
     run = prepare_run(cfg, default_dir=str(out))
+    try:
+        return _evaluate(run, out)
+    finally:
+        release_run_dir(run.run_dir)
+
+
+def _evaluate(run: RunSetup, out: Path) -> dict[str, float]:
+    """The eval pass of a prepared run; writes <out>/eval.json."""
     cfg = run.cfg
     if not run.prompts.eval:
         raise ValueError(NOTHING_TO_EVALUATE)

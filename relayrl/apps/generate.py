@@ -127,6 +127,13 @@ def validate_generate_config(cfg: GenerateConfig, *, model_given: bool = False) 
         raise bad("output", "required: the JSONL file to write (--output samples.jsonl)")
     if not cfg.task.name and not cfg.data.datasets:
         raise bad("data.datasets", "no prompts: set --data.datasets FILE... or --task.name (e.g. add2)")
+    clash = _input_at(Path(cfg.output), cfg)
+    if clash is not None:
+        raise bad(
+            "output",
+            f"{cfg.output} is also an input ({clash}); writing it would replace what the run reads: choose "
+            "another --output",
+        )
     if r.engine not in ENGINES:
         raise bad("rollout.engine", f"{r.engine!r} is not known; choose one of {', '.join(ENGINES)}")
     if r.agent != "single":
@@ -149,6 +156,23 @@ def validate_generate_config(cfg: GenerateConfig, *, model_given: bool = False) 
     if cfg.select == "pairs" and r.n_samples < 2:
         raise bad("rollout.n_samples", "pairs compares a prompt's samples: use >= 2")
     _warn_ineffective(cfg)
+
+
+def _input_at(output: Path, cfg: GenerateConfig) -> str | None:
+    """The input field that `output` would overwrite (a prompt file, a file of a prompt folder, the reward
+    file), or None."""
+    inputs: list[tuple[str, Path]] = []
+    for i, source in enumerate(cfg.data.datasets):
+        path = Path(source).expanduser()
+        inputs.append((f"data.datasets[{i}]", path))
+        if path.is_dir():
+            inputs += [
+                (f"data.datasets[{i}] (a file of the folder)", f) for f in path.iterdir() if f.is_file()
+            ]
+    if cfg.reward.source:
+        inputs.append(("reward.source", Path(cfg.reward.source).expanduser()))
+    out = output.expanduser().resolve()
+    return next((name for name, path in inputs if path.resolve() == out), None)
 
 
 def _changed(obj: Any, default: Any, names: tuple[str, ...], prefix: str) -> list[str]:

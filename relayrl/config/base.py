@@ -13,6 +13,8 @@ Seams:
   the `--help` text.
 - `invalid(field, value, valid)`   the error a component's `__post_init__` raises for a bad value; `from_dict`
   prefixes it with the dotted path (`optim.lr`).
+- Every float must be finite: `nan` / `inf` are refused for every float field of every section, from YAML and
+  flags (`coerce`) and in Python (`check_finite`, which `check_choices` calls).
 - `help.py`   the `--help` text (`format_help`), generated from field types, defaults and docstrings.
 
 Supported field types: bool, int, float, str, Path, Enum, Literal[...], X | None, list[X], tuple[X, ...],
@@ -23,12 +25,14 @@ using tyro so the error texts (path, bad key, close matches, valid choices) are 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import enum
 import functools
 import inspect
 import itertools
+import math
 import operator
 import textwrap
 import types
@@ -71,9 +75,39 @@ def invalid(field: str, value: Any, valid: str) -> ConfigError:
     return ConfigError(f"{field}: {detail}", field=field, detail=detail)
 
 
+def check_finite(obj: Any) -> None:
+    """Raise `invalid` (naming the dotted field) for a NaN or infinite float anywhere in dataclass `obj`, its
+    nested sections, lists, tuples and mappings. `from_dict` already refuses them from YAML and flags; this
+    covers direct construction in Python (`check_choices` calls it)."""
+    bad = _non_finite(obj, "")
+    if bad is not None:
+        raise invalid(bad[0], bad[1], "a finite number")
+
+
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """(dotted path, value) of the first non-finite float in `value`, else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items: Any = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value) if f.init)
+    elif isinstance(value, Mapping):
+        items = ((str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, v in items:
+        found = _non_finite(v, f"{path}{key}" if key.startswith("[") else join_path(path, key))
+        if found is not None:
+            return found
+    return None
+
+
 def check_choices(obj: Any) -> None:
     """Raise `invalid` for any Literal / Enum field of dataclass `obj` holding a value outside its choices
-    (dataclasses do not check types; `from_dict` does, this covers direct construction in Python)."""
+    (dataclasses do not check types; `from_dict` does, this covers direct construction in Python), and for
+    any non-finite float in it (`check_finite`)."""
+    check_finite(obj)
     for name, tp in config_fields(type(obj)):
         inner, optional = strip_optional(tp)
         value = getattr(obj, name)
@@ -283,14 +317,17 @@ def _coerce_scalar(value: Any, tp: Any, path: str, from_cli: bool) -> Any:
                 pass
         raise _type_error(path, value, tp)
     if tp is float:
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise _type_error(path, value, tp)
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise _type_error(path, value, tp)
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: {value!r} is not a finite number; give a finite value", field=path)
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

@@ -16,7 +16,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
-from relayrl.config.base import check_choices, invalid
+from relayrl.config.base import check_choices, check_finite, invalid
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
@@ -126,6 +126,7 @@ class IterativeDPOConfig:
     """Sampling seed (round k samples with seed + k)."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.rounds < 1:
             raise invalid("rounds", self.rounds, "an int >= 1")
         if self.dpo.ref_model:

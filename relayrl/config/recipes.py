@@ -148,6 +148,9 @@ class KDSection:
     """Weight of the divergence; 1 - coef weighs the student's cross-entropy on the data (OpenRLHF's kd_coef)."""
     temperature: float = 1.0
     """Softmax temperature of both distributions in the divergence."""
+    t2_scale: bool = True
+    """Multiply the divergence by temperature^2 (Hinton et al. 2015), so its gradient keeps its weight against
+    the cross-entropy when the temperature changes; false: the tempered divergence itself."""
     jsd_beta: float = 0.5
     """jsd: weight of the teacher in the mixture m = beta p + (1 - beta) q, in (0, 1)."""
     chunk: int = 1024

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, NewType
 
-from relayrl.config.base import check_choices, invalid
+from relayrl.config.base import check_choices, check_finite, invalid
 from relayrl.config.components import (
     CkptConfig,
     DataConfig,
@@ -429,6 +429,7 @@ class RLConfig:
     """Decay of an exponential moving average of the policy saved beside it (0 disables)."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         self.dist.check_command("rl")
 
 

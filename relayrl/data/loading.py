@@ -4,7 +4,8 @@
 
 Sources, tried in this order:
 - a file: .jsonl (one JSON object a line; blank lines skipped), .json (a list of objects, or JSON Lines
-  in a .json file), .parquet, .csv (header row; every cell a string); UTF-8, a leading byte-order mark
+  in a .json file), .parquet, .csv (header row; every cell a string; a field holding a comma is quoted, and a
+  row with more or fewer fields than the header is malformed); UTF-8, a leading byte-order mark
   (as Excel writes) ignored;
 - a folder: every such file directly in it (sorted by name), or a `datasets.save_to_disk` folder;
 - anything else that looks like a Hub id (`org/name`, optionally `org/name@config`): `datasets.load_dataset`
@@ -93,10 +94,36 @@ def _read_file(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawR
             RawRow(data=d, source=source, file=str(path), row=i) for i, d in enumerate(table.to_pylist(), 1)
         ], 0
     if name.endswith(".csv"):
-        reader = csv.DictReader(io.StringIO(_utf8(path), newline=""))
-        rows = [RawRow(data=dict(d), source=source, file=str(path), row=i) for i, d in enumerate(reader, 1)]
-        return rows, 0
+        return _read_csv(path, source, skip_malformed)
     raise DataError(f"{path}: unsupported file type; use one of {', '.join(FILE_SUFFIXES)}")
+
+
+def _read_csv(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRow], int]:
+    """Rows of a CSV file with a header (Python's csv module: a field holding a comma, quote or line break is
+    quoted, `"Hello, dear friend"`). A row with more or fewer fields than the header is malformed (an unquoted
+    comma would otherwise shift the text into a field nobody reads), named by file and line."""
+    reader = csv.reader(io.StringIO(_utf8(path), newline=""))
+    header = next(reader, None)
+    if header is None:
+        return [], 0
+    rows: list[RawRow] = []
+    bad = 0
+    for i, fields in enumerate(reader, 1):
+        if not fields:  # a blank line
+            continue
+        if len(fields) != len(header):
+            problem = (
+                f"{len(fields)} fields where the header {header} has {len(header)}; a field holding a comma "
+                'must be quoted ("Hello, dear friend")'
+            )
+            if not skip_malformed:
+                raise MalformedRowError(
+                    None, None, problem, where=f"{path}, row {i} (line {reader.line_num})"
+                )
+            bad += 1
+            continue
+        rows.append(RawRow(data=dict(zip(header, fields, strict=True)), source=source, file=str(path), row=i))
+    return rows, bad
 
 
 def _read_jsonl(path: Path, source: str, skip_malformed: bool) -> tuple[list[RawRow], int]:

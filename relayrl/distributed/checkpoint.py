@@ -16,6 +16,8 @@ Both load on any number of ranks:
                                                      1-rank model (a sharded checkpoint is gathered in memory)
     load_rng(folder)                                 this rank's RNG state, if the saving run had this rank
     export_full(model, save)                         the full weights gathered, `save` called on rank 0
+    save_tensors(folder, state) / load_tensors(folder, state) / load_full_tensors(folder) / tensors_saved(folder)
+                                                     any other sharded name -> tensor dict (the policy's EMA)
     is_sharded_checkpoint(folder)
 
 Optimizer state is matched by parameter NAME (the module's FQN) in every direction, so the rank count, FSDP
@@ -82,12 +84,7 @@ def load_rng(folder: str | Path) -> dict[str, Any] | None:
 
 def _full_dcp(folder: Path) -> dict[str, Any]:
     """The whole DCP checkpoint in this process's memory (for a 1-rank model)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(folder / DCP_DIR), str(out))
-        return load_state(out)
+    return load_full_tensors(folder / DCP_DIR)
 
 
 def _dcp_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -195,6 +192,38 @@ def _load_into_sharded(
         optim_state_dict=_by_name(full_optim_state(path), names),
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def save_tensors(folder: str | Path, state: dict[str, Any]) -> None:
+    """Write a name -> tensor dict (DTensors: each rank its shards) as its own DCP checkpoint in `folder`
+    (e.g. the policy's EMA beside dcp/). Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    save(dict(state), checkpoint_id=str(folder))
+    _barrier()
+
+
+def tensors_saved(folder: str | Path) -> bool:
+    """True when `folder` holds a checkpoint written by `save_tensors`."""
+    return (Path(folder) / ".metadata").is_file()
+
+
+def load_tensors(folder: str | Path, state: dict[str, Any]) -> None:
+    """Load `save_tensors`' checkpoint into `state` in place (its DTensors are filled with this rank's
+    shards, resharded from whatever rank count wrote it)."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    load(state, checkpoint_id=str(folder))
+
+
+def load_full_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """`save_tensors`' checkpoint as full tensors in this process (for a model on one rank)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(folder), str(out))
+        return load_state(out)
 
 
 def export_full(model: torch.nn.Module, save: Callable[[dict[str, torch.Tensor]], None]) -> None:

@@ -16,10 +16,13 @@ A round (one call of `_step` by the driver, driver.py: a thread on CUDA, the cal
   1. admit: pop waiting requests while n free slots exist (lowest slot ids first, so decode batches stay
      short); right-pad their prompts into prefill batches of <= max_prefill_tokens padded tokens; ONE
      prefill per prompt writes its K/V into all n slots of the request; each slot samples its first token
-     from the shared last-position logits with its own seed.
+     from the shared last-position logits with its own seed. With the prefix cache (slots.py), an n=1
+     request whose prompt starts with a parked slot's sequence takes that slot, and a step that admits any
+     such request prefills all of its requests' uncached suffixes in ONE call (prefix_cache.py).
   2. decode k steps without looking at the device: k = min(sync_every, fewest steps until some slot must
      hit a length limit). A step runs slots [0, bs) with bs the smallest captured batch size covering the
-     highest taken slot and attends over kv_len = the smallest length bucket covering the longest
+     highest taken slot (after `_compact` moved live samples into the lowest empty slots, when that
+     shrinks bs) and attends over kv_len = the smallest length bucket covering the longest
      sequence (buckets of 256 with CUDA graphs, one graph each; of 16 eager, so CPU attention cost
      follows the real lengths). Finished or free slots inside [0, bs) keep running harmlessly (pos and
      flags are frozen by `done`; their writes land past their ends).
@@ -72,7 +75,8 @@ from relayrl.rollout.base import (
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_model import DecoderRunner
-from relayrl.rollout.native_state import GraphCache, SlotState
+from relayrl.rollout.native_state import GraphCache, SlotState, kv_buckets, sampling_mode
+from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
 from relayrl.rollout.sampling import mix_seed
 from relayrl.rollout.slots import SlotPool
 
@@ -86,6 +90,7 @@ class _Running:
     prompt_len: int
     admit_step: int
     out: dict[int, Completion] = field(default_factory=dict)
+    """Finished samples by sample index (their entry in `slots` is then -1: the slot is no longer theirs)."""
     marks: list[tuple[int, int]] = field(default_factory=list)
     """(tokens produced per slot when the version changed, the new version), in order: token j of a slot
     was produced by the version of the last mark with count <= j."""
@@ -133,6 +138,7 @@ class NativeEngine(ThreadedEngine):
         driver: str | None = None,
         prefix_cache: bool | None = None,
         min_prefix_tokens: int = 8,
+        compact: bool = True,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -145,8 +151,9 @@ class NativeEngine(ThreadedEngine):
         the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py);
         `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
         starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode);
-        None: on for a CPU model, off on CUDA (measured there 2x SLOWER than re-prefilling on the multi-turn
-        bench, 0.49x on an H100, 2026-11-26: the suffix prefill runs per request, uncaptured)."""
+        None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
+        bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
+        lowest slots when that shrinks the decode batch (slots of finished samples stop being computed)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -164,7 +171,7 @@ class NativeEngine(ThreadedEngine):
             raise ValueError("NativeEngine(cuda_graphs=True) needs the model on a CUDA device")
         sizes = graph_batch_sizes or tuple(2**i for i in range(max_slots.bit_length()) if 2**i < max_slots)
         self.graph_batch_sizes = tuple(sorted({min(s, max_slots) for s in sizes} | {max_slots}))
-        self.kv_buckets = _kv_buckets(
+        self.kv_buckets = kv_buckets(
             kv_bucket or (256 if self.cuda_graphs else 16), self.max_seq_len, self.cuda_graphs
         )
         self._rng = random.Random(seed)
@@ -172,7 +179,7 @@ class NativeEngine(ThreadedEngine):
         self._running: set[_Running] = set()
         self._slot_owner: dict[int, _Running] = {}
         if prefix_cache is None:
-            prefix_cache = next(model.parameters()).device.type == "cpu"
+            prefix_cache = default_prefix_cache(self.device)
         self.pool = SlotPool(max_slots, prefix_cache=prefix_cache, min_prefix_tokens=min_prefix_tokens)
         """Free slots and the prefix cache (slots.py)."""
         self.cached_tokens = 0
@@ -187,6 +194,9 @@ class NativeEngine(ThreadedEngine):
         """Batched decode steps run."""
         self.prefill_batches = 0
         """Prefill forward calls."""
+        self.compact = compact
+        self.compactions = 0
+        """Times live slots were moved down to shrink the decode batch (`_compact`)."""
         self._reacquire()
         self.startup_s = time.perf_counter() - t0
         """Seconds spent in the constructor (cache allocation and CUDA graph capture)."""
@@ -277,9 +287,11 @@ class NativeEngine(ThreadedEngine):
         self._admit()
         if not self._running:
             return
+        if self.compact:
+            self._compact()
         # batch size, sampling mode and longest sequence are fixed for the round (host-side bounds)
         bs = next(b for b in self.graph_batch_sizes if b > max(self._slot_owner))
-        mode = _mode(run.pending.request.params for run in self._running)
+        mode = sampling_mode(run.pending.request.params for run in self._running)
         longest = max(run.prompt_len + self.decode_steps - run.admit_step for run in self._running)
         for _ in range(self._steps_before_sync()):
             longest = min(longest + 1, self.max_seq_len)  # attend to positions [0, pos] of the longest
@@ -289,40 +301,31 @@ class NativeEngine(ThreadedEngine):
     # ---- admission / prefill --------------------------------------------------------------------------
     def _admit(self) -> None:
         while self._waiting:
-            batch: list[_Running] = []
-            extends: list[tuple[_Running, int]] = []  # (run, cached prefix length)
-            width = ext_width = 0
+            admitted: list[tuple[_Running, int]] = []  # (run, cached prefix length; 0: none)
+            width = 0
             while self._waiting and self.pool.available() >= self._waiting[0].request.params.n:
                 p = self._waiting[0]
-                plen = len(p.request.prompt_ids)
+                plen, n = len(p.request.prompt_ids), p.request.params.n
                 if p.cancelled or plen >= self.max_seq_len:
                     self._waiting.popleft()
-                    p.finish(
-                        [Completion(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)]
-                        * p.request.params.n
-                    )
+                    p.finish([Completion(token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH)] * n)
                     continue
-                hit = self.pool.match(p.request.prompt_ids) if p.request.params.n == 1 else None
-                if hit is not None:
-                    slot, m = hit
-                    if self._over_budget(len(extends), max(ext_width, plen - m)):
-                        break
-                    self._waiting.popleft()
-                    self.pool.claim(slot)
-                    extends.append((self._start(p, [slot]), m))
-                    ext_width = max(ext_width, plen - m)
-                    continue
-                if self._over_budget(len(batch), max(width, plen)):
+                hit = self.pool.match(p.request.prompt_ids) if n == 1 else None
+                m = 0 if hit is None else hit[1]
+                if self._over_budget(len(admitted), max(width, plen - m)):
                     break
                 self._waiting.popleft()
-                batch.append(self._start(p, [self.pool.take() for _ in range(p.request.params.n)]))
-                width = max(width, plen)
-            if not batch and not extends:
+                if hit is not None:
+                    self.pool.claim(hit[0])
+                slots = [hit[0]] if hit is not None else [self.pool.take() for _ in range(n)]
+                admitted.append((self._start(p, slots), m))
+                width = max(width, plen - m)
+            if not admitted:
                 return
-            if extends:
-                self._prefill_cached(extends, ext_width)
-            if batch:
-                self._prefill(batch, width)
+            if any(m for _, m in admitted):  # one call for the step: cached suffixes and fresh prompts
+                self._prefill_suffixes(admitted)
+            else:
+                self._prefill([run for run, _ in admitted], width)
 
     def _start(self, pending: Pending, slots: list[int]) -> _Running:
         """A request admitted onto `slots` now, under the current weight version."""
@@ -338,53 +341,50 @@ class NativeEngine(ThreadedEngine):
         """One more row would push a non-empty prefill batch past max_prefill_tokens padded tokens."""
         return rows > 0 and (rows + 1) * width > self.max_prefill_tokens
 
-    # ---- prefix cache ---------------------------------------------------------------------------------
-    def _prefill_cached(self, extends: list[tuple[_Running, int]], width: int) -> None:
-        """Admit requests onto slots holding a prefix of their prompt: only the rest is prefilled."""
+    def _register(self, batch: list[_Running]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make `batch` running, set its slots' sampling state; returns (slot ids, each slot's batch row)."""
         st = self.state
         assert st is not None, "the engine holds no slot state (asleep or closed)"
-        ids = torch.zeros((len(extends), width), dtype=torch.long)
-        settings = []
-        for b, (run, m) in enumerate(extends):
-            req = run.pending.request
-            rest = req.prompt_ids[m:]
-            ids[b, : len(rest)] = torch.tensor(rest)
-            settings.append(self._slot_settings(req.params, 0, run.prompt_len))
-            self._slot_owner[run.slots[0]] = run
-            self._running.add(run)
-        slots = [run.slots[0] for run, _ in extends]
-        slot_idx = torch.tensor(slots, device=self.device)
-        start = [m for _, m in extends]
-        lengths = [run.prompt_len - m for run, m in extends]
-        st.assign(slot_idx, settings)
-        logits = self.runner.extend(ids.to(self.device), start, lengths, st.k_cache, st.v_cache, slots)
-        st.advance(slot_idx, logits, _mode(run.pending.request.params for run, _ in extends))
-        self.prefill_count += len(extends)
-        self.prefill_tokens += sum(lengths)
-        self.cached_tokens += sum(start)
-        self.prefill_batches += 1
-
-    def _prefill(self, batch: list[_Running], width: int) -> None:
-        st = self.state
-        assert st is not None, "the engine holds no slot state (asleep or closed)"
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
         slot_rows, settings = [], []
         for b, run in enumerate(batch):
-            req = run.pending.request
-            ids[b, : run.prompt_len] = torch.tensor(req.prompt_ids)
             for j, s in enumerate(run.slots):
                 slot_rows.append((s, b))
-                settings.append(self._slot_settings(req.params, j, run.prompt_len))
+                settings.append(self._slot_settings(run.pending.request.params, j, run.prompt_len))
                 self._slot_owner[s] = run
             self._running.add(run)
         slot_idx = torch.tensor([s for s, _ in slot_rows], device=self.device)
-        row_idx = torch.tensor([b for _, b in slot_rows], device=self.device)
-        last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
         st.assign(slot_idx, settings)
+        return slot_idx, torch.tensor([b for _, b in slot_rows], device=self.device)
+
+    def _prefill(self, batch: list[_Running], width: int) -> None:
+        """Fresh prompts, right-padded to `width`: one causal prefill, K/V shared by each prompt's n slots."""
+        st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for b, run in enumerate(batch):
+            ids[b, : run.prompt_len] = torch.tensor(run.pending.request.prompt_ids)
+        slot_idx, row_idx = self._register(batch)
+        last = torch.tensor([run.prompt_len - 1 for run in batch], device=self.device)
         logits = self.runner.prefill(ids.to(self.device), last, st.k_cache, st.v_cache, slot_idx, row_idx)
-        st.advance(slot_idx, logits[row_idx], _mode(r.pending.request.params for r in batch))
+        st.advance(slot_idx, logits[row_idx], sampling_mode(r.pending.request.params for r in batch))
+        self._count(batch, 0)
+
+    def _prefill_suffixes(self, admitted: list[tuple[_Running, int]]) -> None:
+        """The step's requests, some on slots holding a prefix of their prompt (m > 0 tokens): one forward
+        over every uncached suffix (prefix_cache.py)."""
+        st = self.state
+        assert st is not None, "the engine holds no slot state (asleep or closed)"
+        batch = [run for run, _ in admitted]
+        suffixes = [Suffix(run.pending.request.prompt_ids[m:], m, run.slots) for run, m in admitted]
+        slot_idx, row_idx = self._register(batch)
+        logits = suffix_prefill(self.runner, st.k_cache, st.v_cache, suffixes)
+        st.advance(slot_idx, logits[row_idx], sampling_mode(r.pending.request.params for r in batch))
+        self._count(batch, sum(m for _, m in admitted))
+
+    def _count(self, batch: list[_Running], cached: int) -> None:
         self.prefill_count += len(batch)
-        self.prefill_tokens += sum(run.prompt_len for run in batch)
+        self.prefill_tokens += sum(run.prompt_len for run in batch) - cached
+        self.cached_tokens += cached
         self.prefill_batches += 1
 
     def _slot_settings(
@@ -444,8 +444,9 @@ class NativeEngine(ThreadedEngine):
         toks, lps = st.tokens[fidx, lo:hi].tolist(), st.logprobs[fidx, lo:hi].tolist()
         for i, (s, stopped, pos) in enumerate(finished):
             run = self._slot_owner.pop(s)
-            a, b = run.prompt_len - lo, pos + 1 - lo
-            run.out[s] = Completion(
+            a, b, j = run.prompt_len - lo, pos + 1 - lo, run.slots.index(s)
+            run.slots[j] = -1
+            run.out[j] = Completion(
                 token_ids=toks[i][a:b],
                 logprobs=lps[i][a:b],
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
@@ -459,7 +460,29 @@ class NativeEngine(ThreadedEngine):
                 self.pool.park(s, list(run.pending.request.prompt_ids) + toks[i][a : b - 1])
             if len(run.out) == len(run.slots):
                 self._running.discard(run)
-                run.pending.finish([run.out[s2] for s2 in run.slots])
+                run.pending.finish([run.out[j2] for j2 in range(len(run.slots))])
+
+    def _compact(self) -> None:
+        """When the taken slots would fit a smaller decode batch than the highest one needs (samples finished
+        at different steps), move the highest into the lowest empty slots (K/V, sequences, settings, seeds'
+        uniforms: samples are unchanged), so decode runs over live slots, not finished ones."""
+        taken = sorted(self._slot_owner)
+        need = next(b for b in self.graph_batch_sizes if b >= len(taken))
+        if taken[-1] < need:
+            return
+        movers = [s for s in taken if s >= need]
+        targets = sorted(s for s in self.pool.free if s < need)[: len(movers)]
+        if len(targets) < len(movers):  # parked slots hold the room
+            return
+        runs = [self._slot_owner.pop(s) for s in movers]
+        length = max(r.prompt_len + self.decode_steps - r.admit_step for r in runs) + 1
+        assert self.state is not None, "the engine holds no slot state (asleep or closed)"
+        self.state.move(movers, targets, min(length, self.max_seq_len))
+        for src, dst, run in zip(movers, targets, runs, strict=True):
+            self._slot_owner[dst] = run
+            run.slots[run.slots.index(src)] = dst
+        self.pool.swap_free(targets, movers)
+        self.compactions += 1
 
     def _free_slots(self, run: _Running) -> None:
         """Drop a request's remaining slots (cancel / abort) and mark them done on the device."""
@@ -470,24 +493,3 @@ class NativeEngine(ThreadedEngine):
             del self._slot_owner[s]
             self.pool.release(s)
         self._running.discard(run)
-
-
-def _kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:
-    """Attention lengths decode runs with: multiples of `step`, always ending at max_len. With `doubling`
-    (each is a CUDA graph to capture) only up to 8 steps, then doubling (256, 512, ..., 2048, 4096, 8192, ...
-    for step 256)."""
-    buckets, b = [], step
-    while b < max_len:
-        buckets.append(b)
-        b = 2 * b if doubling and b >= 8 * step else b + step
-    return (*buckets, max_len)
-
-
-def _mode(params: Iterable[SamplingParams]) -> str:
-    """Sampling mode covering every request in `params` (see sampling.py)."""
-    params = list(params)
-    if all(p.temperature == 0 for p in params):
-        return "greedy"
-    if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
-        return "truncate"
-    return "sample"

@@ -296,27 +296,32 @@ class DecoderRunner:
         lengths: list[int],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: list[int],
+        slots: list[list[int]],
     ) -> torch.Tensor:
         """Prefill after a cached prefix: row b's tokens ids[b, :lengths[b]] (right-padded [B, T]) sit at
-        positions start[b] + [0, lengths[b]) of slot slots[b], whose cache already holds valid K/V at
-        [0, start[b]). Writes their K/V there and attends over the slot's cache [0, start[b] + i] for the
-        token at offset i. Returns logits [B, V] at each row's last token. (Prefix caching: the next turn of
-        a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet.) Offsets
-        come from the host, so nothing here waits for the device."""
+        positions start[b] + [0, lengths[b]) of slot slots[b][0], whose cache already holds valid K/V at
+        [0, start[b]) (start 0: a fresh prompt). Writes their K/V there and into every other slot of
+        slots[b] (the n samples of a fresh prompt) and attends over the first slot's cache [0, start[b] + i]
+        for the token at offset i. Returns logits [B, V] at each row's last token. (Prefix caching: the next
+        turn of a multi-turn episode, or a repeated prompt, prefills only what the slot does not hold yet;
+        prefix_cache.py batches every request of a step into one call.) Offsets come from the host, so nothing
+        here waits for the device; the attended length is rounded up to a multiple of 64 (fewer shapes)."""
         b, t = ids.shape
         d, hkv, n_layers, dev = self.head_dim, self.n_kv, len(self.layers), ids.device
-        kv_len = max(s + n for s, n in zip(start, lengths, strict=True))
-        # per real token, in [B, Hkv, T] order: its row in k.reshape(-1, D) and its row in the cache viewed as
-        # [layers, slots * Hkv * max_len, D] (padding tokens are neither read nor written); built on the host
-        rows, heads, toks = torch.arange(b)[:, None, None], torch.arange(hkv)[None, :, None], torch.arange(t)
-        real = (toks < torch.tensor(lengths)[:, None, None]).expand(b, hkv, t)
-        src = ((rows * hkv + heads) * t + toks).expand(b, hkv, t)[real]
-        slot_rows = torch.tensor(slots)[:, None, None] * hkv + heads
-        dst = (slot_rows * self.max_len + torch.tensor(start)[:, None, None] + toks)[real]
+        kv_len = min(self.max_len, -(-max(s + n for s, n in zip(start, lengths, strict=True)) // 64) * 64)
+        # per (row, target slot) pair and real token, in [pair, Hkv, T] order: its row in k.reshape(-1, D) and
+        # its row in the cache viewed as [layers, slots * Hkv * max_len, D] (padding is neither read nor
+        # written); built on the host
+        pairs = [(row, slot) for row, row_slots in enumerate(slots) for slot in row_slots]
+        rows = torch.tensor([r for r, _ in pairs])[:, None, None]
+        heads, toks = torch.arange(hkv)[None, :, None], torch.arange(t)
+        real = (toks < torch.tensor(lengths)[rows]).expand(len(pairs), hkv, t)
+        src = ((rows * hkv + heads) * t + toks).expand(len(pairs), hkv, t)[real]
+        slot_rows = torch.tensor([s for _, s in pairs])[:, None, None] * hkv + heads
+        dst = (slot_rows * self.max_len + torch.tensor(start)[rows] + toks)[real]
         src_t, dst_t = src.to(dev), dst.to(dev)
         start_t = torch.tensor(start, device=dev)
-        slot_t = torch.tensor(slots, device=dev)
+        slot_t = torch.tensor([row_slots[0] for row_slots in slots], device=dev)
         last = torch.tensor([n - 1 for n in lengths], device=dev)
         pos = (start_t[:, None] + torch.arange(t, device=dev)[None, :]).clamp(max=self.max_len - 1)  # [B, T]
         x = self.body.embed_tokens(ids)

@@ -11,10 +11,11 @@ rewrites before anyone reads them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
+from relayrl.rollout.base import SamplingParams
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.sampling import sample_tokens, uniform
 
@@ -62,6 +63,19 @@ class SlotState:
         self.stop_ids[idx] = i[:, 4:]
         self.done[idx] = False
         self.stopped[idx] = False
+
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        """Move slots `src` into the empty slots `dst` (pairwise, disjoint): K/V of positions [0, length),
+        sequence buffers, sampling settings, progress; the sources are left done."""
+        s, d = torch.tensor(src, device=self.rows.device), torch.tensor(dst, device=self.rows.device)
+        for cache in (self.k_cache, self.v_cache):
+            for layer in cache:  # one layer at a time: the gathered copy stays small
+                layer[d, :, :length] = layer[s, :, :length]
+        per_slot = (self.tokens, self.logprobs, self.uniforms, self.cur_tok, self.pos, self.last, self.done,
+                    self.stopped, self.temp, self.top_p, self.top_k, self.stop_ids)  # fmt: skip
+        for t in per_slot:
+            t[d] = t[s]
+        self.done[s] = True
 
     def advance(self, idx: torch.Tensor | slice, logits: torch.Tensor, mode: str) -> None:
         """Sample the token at pos + 1 for slots `idx` (ids, or a slice: views instead of gathers, as decode
@@ -156,3 +170,24 @@ class GraphCache:
         self.graphs.clear()
         self.ptrs = ptrs
         return True
+
+
+def kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:
+    """Attention lengths decode runs with: multiples of `step`, always ending at max_len. With `doubling`
+    (each is a CUDA graph to capture) only up to 8 steps, then doubling (256, 512, ..., 2048, 4096, 8192, ...
+    for step 256)."""
+    buckets, b = [], step
+    while b < max_len:
+        buckets.append(b)
+        b = 2 * b if doubling and b >= 8 * step else b + step
+    return (*buckets, max_len)
+
+
+def sampling_mode(params: Iterable[SamplingParams]) -> str:
+    """Sampling mode covering every request in `params` (see sampling.py)."""
+    params = list(params)
+    if all(p.temperature == 0 for p in params):
+        return "greedy"
+    if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
+        return "truncate"
+    return "sample"

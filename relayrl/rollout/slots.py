@@ -9,6 +9,7 @@ hold a sequence's K/V worth reusing.
     pool.park(slot, tokens)     a finished slot keeps K/V of `tokens` (positions [0, len)); when the cache is
                                 off or the sequence is short, it is simply freed
     pool.release(slot)          back to the empty slots (cancelled, aborted, or K/V not worth keeping)
+    pool.swap_free(taken, freed) the engine moved samples from slots `freed` into empty slots `taken`
     pool.drop_parked()          forget every parked sequence (new weights, sleep)
 
 Index: for each parked sequence, its prefix hashes at every PREFIX_STRIDE-th length from min_prefix_tokens
@@ -61,6 +62,12 @@ class SlotPool:
 
     def release(self, slot: int) -> None:
         heapq.heappush(self.free, slot)
+
+    def swap_free(self, taken: list[int], freed: list[int]) -> None:
+        """Empty slots `taken` are now in use and slots `freed` are empty (the engine moved samples)."""
+        gone = set(taken)
+        self.free = [s for s in self.free if s not in gone] + list(freed)
+        heapq.heapify(self.free)
 
     def _lengths(self, n: int) -> list[int]:
         lo = self.min_tokens

@@ -9,7 +9,8 @@ training core.
 
 Per target token t (the response tokens, as SFT): the student's and the teacher's next-token distributions at
 t's previous position. loss = (1 - kd.coef) * CE(student, x_t) + kd.coef * D(teacher || student), D one of
-relayrl.algorithms.preference.DIVERGENCES (forward_kl, reverse_kl, jsd) at temperature kd.temperature,
+relayrl.algorithms.preference.DIVERGENCES (forward_kl, reverse_kl, jsd) at temperature kd.temperature (times
+T^2 with kd.t2_scale, the default, as Hinton et al.),
 averaged over target tokens. The teacher runs without gradients before each step (its final hidden states
 only); both LM heads are applied chunk by chunk inside the loss (chunked_divergence), so no [N, V] float32
 logits exist. Teacher and student must share the tokenizer (same vocabulary). Metrics: kd (the divergence),
@@ -87,7 +88,15 @@ def kd_prepare(models: Any, micro_batches: list[KDBatch], num_real: int) -> None
 
 
 def kd_loss(
-    model: Any, batch: KDBatch, *, divergence: str, coef: float, temperature: float, beta: float, chunk: int
+    model: Any,
+    batch: KDBatch,
+    *,
+    divergence: str,
+    coef: float,
+    temperature: float,
+    beta: float,
+    chunk: int,
+    t2_scale: bool = True,
 ):
     """(1 - coef) CE + coef D summed over target tokens; count = target tokens (see module doc)."""
     if batch.teacher_hidden is None or batch.teacher_head is None:
@@ -106,6 +115,7 @@ def kd_loss(
         temperature=temperature,
         beta=beta,
         chunk=chunk,
+        t2_scale=t2_scale,
     )
     loss = (1.0 - coef) * ce + coef * div
     return LossOutput(
@@ -133,6 +143,7 @@ def kd_recipe(cfg: KDConfig) -> Recipe:
             temperature=k.temperature,
             beta=k.jsd_beta,
             chunk=k.chunk,
+            t2_scale=k.t2_scale,
         ),
         load_data=load,
         to_batch=kd_batch,

@@ -4,14 +4,21 @@ recipe on the shared training core.
     KTOConfig(model, data, optim, train, ckpt, logger, dist, kto)
       -> build_unpaired_data(data, tokenizer)     relayrl.data.preference: UnpairedSample(sample, desirable)
       -> kto_collate(...)                         per step: each sample k also gets a KL sequence, its prompt
-                                                  with the response of the step's next sample (k + 1 mod n)
+                                                  with the response of another prompt's sample (kl_partners)
       -> run_recipe(loss_fn=kto_loss, frozen=reference, prepare=kto_prepare)
 
 `kto_prepare` runs before each step without gradients: the reference log-probs of every sample, and the KL
 reference point z0 = max(0, mean over the whole step's KL sequences, on every rank, of log pi - log pi_ref)
 (relayrl.algorithms.preference.kto). The loss is relayrl.algorithms.preference.kto averaged over samples.
 Metrics (train/ and eval/): reward_desirable / reward_undesirable (beta log pi / pi_ref, each over its own
-samples), kl (z0).
+samples; left out of a step with no sample of that side, never a made-up 0), kl (z0).
+
+KL pairing (`kl_partners`): sample k of a step of n takes the response of the first sample j, going round from
+k + n // 2 (half the step away), whose prompt differs from k's. Half the step away keeps a prompt's rows that
+sit next to each other (an unshuffled eval set, a paired dataset split into desirable and undesirable rows)
+from pairing with each other; the prompt check covers the rest. A sample with no other prompt in its step (a
+one-sample step, a step of one prompt's responses) has no KL sequence: it is left out of z0, and a step in
+which no sample has one uses z0 = 0 (the reference point of a policy equal to its reference).
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ class KTOBatch:
     """2N [L_i] bool: response tokens."""
     desirable: Tensor
     """[N] bool."""
+    kl_valid: Tensor | None = None
+    """[N] bool: the sample's KL sequence pairs it with another prompt's response (False: a placeholder, its own
+    sequence, left out of z0). None: all True."""
     ref_logps: Tensor | None = None
     """[N] float32 reference log-probs of the samples' responses (filled by kto_prepare)."""
     z0: float | None = None
@@ -70,16 +80,32 @@ def kl_sequence(prompt_of: Any, response_of: Any) -> tuple[list[int], list[bool]
     return ids, [False] * a + [True] * (len(ids) - a)
 
 
+def prompt_ids(sample: Any) -> tuple[int, ...]:
+    """The prompt tokens of a sample (before its first response token)."""
+    return tuple(sample.input_ids[: _prompt_len(sample.loss_mask)])
+
+
+def kl_partners(prompts: Sequence[Any]) -> list[int | None]:
+    """For each sample of a step, the sample whose response makes its KL sequence: the first j, going round from
+    k + n // 2, with another prompt; None when every other sample shares k's prompt (see module doc)."""
+    n = len(prompts)
+    out: list[int | None] = []
+    for k in range(n):
+        order = ((k + n // 2 + i) % n for i in range(n))
+        out.append(next((j for j in order if j != k and prompts[j] != prompts[k]), None))
+    return out
+
+
 def kto_collate(
     samples: Sequence[UnpairedSample], train: TrainConfig, layout: str
 ) -> Callable[[list[int]], list[Any]]:
-    """step indices -> KTOBatches; sample k of the step is paired with the response of sample k + 1 (mod n)."""
+    """step indices -> KTOBatches; sample k's KL sequence uses the response of sample `kl_partners(...)[k]`."""
     batching = MicroBatching.of(train, layout)
 
     def collate(indices: list[int]) -> list[KTOBatch]:
         step = [samples[i] for i in indices]
-        n = len(step)
-        kl = [kl_sequence(step[k].sample, step[(k + 1) % n].sample) for k in range(n)]
+        partners = kl_partners([prompt_ids(u.sample) for u in step])
+        kl = [kl_sequence(step[k].sample, step[k if j is None else j].sample) for k, j in enumerate(partners)]
         out = []
         for g in batching.groups([s.num_tokens for s in step]):
             seqs = [step[k].sample.input_ids for k in g] + [kl[k][0] for k in g]
@@ -89,6 +115,7 @@ def kto_collate(
                     input_ids=[torch.as_tensor(s, dtype=torch.long) for s in seqs],
                     targets=[torch.as_tensor(m, dtype=torch.bool) for m in masks],
                     desirable=torch.tensor([step[k].desirable for k in g], dtype=torch.bool),
+                    kl_valid=torch.tensor([partners[k] is not None for k in g], dtype=torch.bool),
                     layout=layout,
                     num_tokens=sum(step[k].num_tokens for k in g),
                 )
@@ -117,9 +144,8 @@ def kto_prepare(models: Any, micro_batches: list[KTOBatch], num_real: int) -> No
             kl_pol = side_logps(models.model, _mismatched(mb))[0].double().cpu()
             kl_ref = side_logps(models.frozen, _mismatched(mb))[0].double().cpu()
         if i < num_real:
-            total += torch.stack(
-                [(kl_pol - kl_ref).sum(), torch.tensor(float(len(kl_pol)), dtype=torch.float64)]
-            )
+            valid = mb.kl_valid if mb.kl_valid is not None else torch.ones(len(kl_pol), dtype=torch.bool)
+            total += torch.stack([(kl_pol - kl_ref)[valid].sum(), valid.sum().to(torch.float64)])
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(total)
     z0 = float(kto_reference_point(total[0], total[1]))

@@ -42,6 +42,7 @@ from relayrl.training.setup import (
     build_logger,
     check_config_change,
     prepare_run_dir,
+    release_run_dir,
     resume_if_asked,
     run_dir_of,
     seed_everything,
@@ -289,6 +290,7 @@ def _prepare(recipe: Recipe) -> tuple[Path, _Data]:
         train_samples, eval_samples = recipe.load_data(tokenizer)
         total = _total_steps(cfg, len(train_samples))
     except BaseException:
+        release_run_dir(run_dir, remove=folder in created)
         for p in created:  # a run that never started leaves no folder behind
             if any(p.iterdir()):
                 break
@@ -337,6 +339,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
             recipe.after_fit(handle, result)
     finally:
         launcher.shutdown()
+        release_run_dir(run_dir)
     return result
 
 

@@ -19,6 +19,10 @@ complete; `latest` is then replaced with `os.replace` (atomic on POSIX). A crash
 `keep_last` newest checkpoints plus the `keep_best` best by the `metric` passed to `save` (`best_mode` min or
 max); the one `latest` points to is never removed.
 
+Never a non-finite model: `check_finite_weights(model, what)` raises `NonFiniteWeights` (naming how many values
+and which parameters) before a checkpoint or the final model is written from weights that hold NaN or inf
+(relayrl.workers.trained calls it), so a run that diverged stops with an error and exports nothing.
+
 Resume: `load(path, models=..., optimizers=..., schedulers=...)` restores weights in place (HF safetensors or a
 peft adapter), optimizer and scheduler states, the RNG states, and returns a `LoadedCheckpoint` with the trainer
 state and the extra payload. Single-process (or rank-0 full-state) checkpoints; sharded FSDP state belongs to
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from relayrl.training.rng import capture_rng_state, restore_rng_state
 
@@ -59,6 +64,39 @@ class LoadedCheckpoint:
     """The JSON trainer state passed to `save` (plus "step" and "metric")."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The `extra` payload passed to `save` (e.g. {"data": data-iterator state})."""
+
+
+class NonFiniteWeights(RuntimeError):
+    """The weights about to be saved hold NaN or inf: the run diverged (see `check_finite_weights`)."""
+
+
+def check_finite_weights(tensors: Mapping[str, torch.Tensor], what: str, *, reduce: bool = False) -> None:
+    """Raise NonFiniteWeights before `what` (e.g. "the final model <run>/final") is written from `tensors`
+    (name -> tensor; DTensor shards are read locally) when any value is NaN or inf. `reduce`: sum the count
+    over the ranks of the default process group (sharded weights: every rank must call it)."""
+    bad, total, names = 0, 0, []
+    for name, t in tensors.items():
+        local = t.detach()
+        local = local.to_local() if isinstance(local, DTensor) else local  # a sharded parameter: its shard
+        if not local.is_floating_point():
+            continue
+        n = int((~torch.isfinite(local)).sum())
+        bad, total = bad + n, total + local.numel()
+        if n:
+            names.append(name)
+    if reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
+        counts = torch.tensor([bad, total], dtype=torch.int64)
+        if "nccl" in torch.distributed.get_backend():
+            counts = counts.cuda()
+        torch.distributed.all_reduce(counts)
+        bad, total = (int(v) for v in counts.tolist())
+    if bad:
+        where = f" (in {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else ""
+        raise NonFiniteWeights(
+            f"refusing to write {what}: {bad} of {total} weight values are NaN or infinite{where}; the run "
+            "diverged. Lower --optim.lr or set --optim.max_grad_norm, and continue from an earlier checkpoint "
+            "(--ckpt.resume PATH)"
+        )
 
 
 def step_of(path: Path) -> int:

@@ -31,6 +31,7 @@ from relayrl.training.loop import Trainer
 from relayrl.training.optim import build_optim, schedule_lr
 from relayrl.training.precision import MasterWeights, resolve_precision
 from relayrl.training.rng import seed_everything
+from relayrl.training.run_lock import lock_run_dir, release_run_dir
 from relayrl.training.step import LossFn, TrainStep
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "build_train_step",
     "checkpoint_to_resume",
     "compute_precision",
+    "holds_run",
+    "release_run_dir",
     "resume_if_asked",
     "run_dir_of",
     "seed_everything",
@@ -55,20 +58,30 @@ def compute_precision(model_dtype: str, device: torch.device) -> str:
     return resolve_precision("auto", device)
 
 
+def holds_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a training run: metrics.jsonl or a checkpoint."""
+    return run_dir.is_dir() and (
+        (run_dir / "metrics.jsonl").is_file()
+        or any(p.name.startswith(("step_", "latest")) for p in (run_dir / "checkpoints").glob("*"))
+    )
+
+
 def prepare_run_dir(run_dir: Path, ckpt: CkptConfig, prog: str) -> Path:
     """The run folder, ready for a run that starts per `ckpt.resume`: created when missing; an error naming
     the folder when it is a file, or when it holds another run (checkpoints or metrics) and this run does
     not continue it (resume none or a checkpoint path) -- unless ckpt.overwrite, which moves the old run aside
-    to <folder>.old-<YYYYmmdd-HHMMSS> first. Two runs' metrics, samples and checkpoints are never mixed."""
+    to <folder>.old-<YYYYmmdd-HHMMSS> first. Two runs' metrics, samples and checkpoints are never mixed.
+
+    The folder is locked for this process (relayrl.training.run_lock) before anything in it is read or moved:
+    a folder another process is running in is refused (RunFolderBusy, naming its pid). The runner releases it
+    at the end (`release_run_dir`); the process ending releases it too."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(
             f"train.output_dir {run_dir} is a file, not a folder; choose another --train.output_dir"
         )
-    holds_run = run_dir.is_dir() and (
-        (run_dir / "metrics.jsonl").is_file()
-        or any(p.name.startswith(("step_", "latest")) for p in (run_dir / "checkpoints").glob("*"))
-    )
-    if holds_run and ckpt.resume != "auto":
+    if run_dir.is_dir():
+        lock_run_dir(run_dir, prog)
+    if holds_run(run_dir) and ckpt.resume != "auto":
         if not ckpt.overwrite:
             raise ValueError(
                 f"{prog}: {run_dir} already holds a run (checkpoints / metrics.jsonl) and --ckpt.resume "
@@ -77,8 +90,10 @@ def prepare_run_dir(run_dir: Path, ckpt: CkptConfig, prog: str) -> Path:
             )
         aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
+        release_run_dir(run_dir)  # the lock file moved with the old run
         print(f"{prog}: moved the previous run in {run_dir} aside to {aside}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock_run_dir(run_dir, prog)
     return run_dir
 
 

@@ -17,7 +17,8 @@ The step back-propagates each raw `loss_sum_i`, then multiplies the accumulated 
 count once: the update does not depend on how the step is split into micro-batches (tested), and no count
 is needed before the forward passes. Under torch.distributed the count is all-reduced and the gradients
 (averaged over ranks by FSDP) are multiplied by world_size / global count. Metrics are sums too, each
-divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks.
+divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks; a
+metric whose denominator is 0 over the whole step is left out of the row (no made-up 0).
 Ranks run the same number of forward passes (FSDP gathers weights in each, a collective): a rank with fewer
 micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric).
 Under sequence parallelism (relayrl.models.sequence_parallel) the W ranks of a group compute the same
@@ -160,7 +161,9 @@ class _Sums:
         loss_sum, count = flat[0] / replicas, flat[1] / replicas
         loss = loss_sum / count if count > 0 else math.nan
         m, c = flat[2 : 2 + len(keys)], flat[2 + len(keys) :]
-        metrics = {k: v / max(n, 1e-12) for k, v, n in zip(keys, m, c, strict=True)}
+        # a metric none of whose units occurred this step (KTO's reward_undesirable in a step without an
+        # undesirable sample) is left out, never reported as a made-up 0
+        metrics = {k: v / n for k, v, n in zip(keys, m, c, strict=True) if n > 0}
         return loss, count, metrics
 
 

@@ -10,16 +10,25 @@ padding has attention_mask False and action_mask False. The n samples of one pro
 controller keeps groups together), which is what the group advantage estimators expect.
 
 These records are plain tensors in slotted dataclasses, so they cross a Ray actor boundary by pickling.
+
+What a worker method reads is a `Rows[...]` source: the record itself (local mode), or, on Ray, the record
+stored one row per object (relayrl.distributed.launch.rows.StoredRows), from which each rank fetches only the
+rows it reads. Workers pick their rows from `lengths` alone (`my_update_parts`; model_ops.my_rows), then `select`
+them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from relayrl.agents.base import Trajectory
+from relayrl.distributed.group import my_data_share
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +48,11 @@ class SequenceBatch:
     def lengths(self) -> list[int]:
         """Real length of each row."""
         return self.attention_mask.sum(1).tolist()
+
+    @property
+    def width(self) -> int:
+        """T, the padded width."""
+        return self.input_ids.shape[1]
 
     def select(self, rows: list[int] | Tensor) -> SequenceBatch:
         """The sub-batch of `rows`, trimmed to its longest row."""
@@ -66,6 +80,16 @@ class Experience:
     """[B, T] float32: critic values V(x_<t) (gae only)."""
     returns: Tensor | None = None
     """[B, T] float32: value targets (gae only)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real length of each row."""
+        return self.tokens.lengths
+
+    @property
+    def width(self) -> int:
+        """T, the padded width."""
+        return self.tokens.width
 
     def select(self, rows: list[int] | Tensor) -> Experience:
         """The sub-experience of `rows`, trimmed to its longest row."""
@@ -125,3 +149,57 @@ def split_rows(num_rows: int, parts: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return [o for o in out if o]
+
+
+class Rows(Protocol[T_co]):
+    """A batch of rows (SequenceBatch / Experience) that a worker reads only part of: the record itself, or
+    its rows in Ray's object store (relayrl.distributed.launch.rows.StoredRows)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real length of every row of the whole batch."""
+        ...
+
+    @property
+    def width(self) -> int:
+        """The whole batch's padded width T."""
+        ...
+
+    def select(self, rows: list[int]) -> T_co:
+        """The record of `rows` (global indices), trimmed to its longest row, as the record's own `select`."""
+        ...
+
+
+class Selectable(Protocol):
+    """A record that selects its own rows (SequenceBatch, Experience)."""
+
+    def select(self, rows: list[int]) -> Selectable: ...
+
+
+S = TypeVar("S", bound=Selectable)
+
+
+def take(source: Rows[S], groups: list[list[int]]) -> list[S]:
+    """The records of several row groups of `source`, fetched together once (from Ray's object store: only
+    these rows); each equals `source.select(group)`."""
+    union = sorted({r for g in groups for r in g})
+    if not union:
+        return []
+    whole = source.select(union)
+    pos = {r: i for i, r in enumerate(union)}
+    return [whole.select([pos[r] for r in g]) for g in groups]  # type: ignore[misc]  (S.select -> S)
+
+
+def my_update_parts(exp: Rows[S], mini_batches: int) -> list[tuple[S, bool]]:
+    """(this rank's rows of the mini-batch, real) for each mini-batch of an update (split_rows; this rank's
+    data-parallel share of each, distributed.group.my_data_share), fetched together once. A rank left without
+    rows of a mini-batch gets its first row as a padding pass (real False: weight 0, run to keep the ranks'
+    collectives in step)."""
+    lengths = exp.lengths
+    groups: list[list[int]] = []
+    real: list[bool] = []
+    for mb in split_rows(len(lengths), mini_batches):
+        mine = [mb[i] for i in my_data_share([lengths[r] for r in mb])]
+        groups.append(mine or mb[:1])
+        real.append(bool(mine))
+    return list(zip(take(exp, groups), real, strict=True))

@@ -29,9 +29,9 @@ from relayrl.models.loading import load_tokenizer, resolve_device
 from relayrl.models.value_head import build_value_model
 from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.step import LossOutput, padded_passes
-from relayrl.workers.base import Experience, SequenceBatch, split_rows
+from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import setup_process
-from relayrl.workers.model_ops import critic_values, my_rows, on_my_rows
+from relayrl.workers.model_ops import critic_values, on_my_rows
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -103,7 +103,7 @@ class CriticWorker:
 
     @merged("concat")
     @torch.no_grad()
-    def values(self, batch: SequenceBatch) -> Tensor:
+    def values(self, batch: Rows[SequenceBatch]) -> Tensor:
         """V(x_<t) [B, T] (float32, CPU), 0 off the action mask; under N ranks each computes its rows."""
         self.model.eval()
         return on_my_rows(batch, self._values)
@@ -119,14 +119,14 @@ class CriticWorker:
                 out[rows, : v.shape[1]] = v.float().cpu()
         return out * batch.action_mask
 
-    def update(self, exp: Experience) -> dict[str, float]:
-        """Critic epochs over the experience; returns critic/* metrics averaged over optimizer steps."""
+    def update(self, exp: Rows[Experience]) -> dict[str, float]:
+        """Critic epochs over the experience; returns critic/* metrics averaged over optimizer steps. Each
+        rank reads only its share of each mini-batch (a rank without rows: a padding pass on its first)."""
+        parts = my_update_parts(exp, self.spec.mini_batches)
         sums: dict[str, float] = {}
         steps = 0
         for _ in range(self.spec.epochs):
-            for rows in split_rows(len(exp.rewards), self.spec.mini_batches):
-                mine = my_rows(exp.tokens.select(rows))
-                mb = exp.select([rows[i] for i in mine] or rows[:1])  # no rows here: a padding pass
+            for mb, mine in parts:
                 groups = plan_micro_batches(mb.tokens.lengths, self.spec.micro_batch_tokens, self.layout)
                 out = self.train.step(
                     groups,

@@ -29,7 +29,7 @@ from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import my_data_share, reports
 from relayrl.models import forward
 from relayrl.training.step import padded_passes
-from relayrl.workers.base import SequenceBatch
+from relayrl.workers.base import Rows, SequenceBatch
 
 
 def _rows(batch: SequenceBatch, rows: list[int]) -> tuple[list[Tensor], list[int], int]:
@@ -91,20 +91,20 @@ def masked_logprobs(
     return out * batch.action_mask
 
 
-def my_rows(batch: SequenceBatch) -> list[int]:
+def my_rows(batch: Rows[SequenceBatch]) -> list[int]:
     """This rank's rows of `batch`: a contiguous share balanced by token count (all rows on one rank; the
     ranks of a sequence-parallel group share theirs)."""
     return list(my_data_share(batch.lengths))
 
 
-def on_my_rows(batch: SequenceBatch, fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
+def on_my_rows(batch: Rows[SequenceBatch], fn: Callable[[SequenceBatch], Tensor]) -> Tensor:
     """`fn` on this rank's rows -> [rows, T] at the batch's full width T (so the ranks' pieces concatenate
-    along dim 0 into [B, T]). A rank without rows (fewer rows than ranks) runs `fn` on row 0 to keep the
-    ranks' collectives in step, and returns an empty [0, T]; so does a sequence-parallel group's rank after
-    its first (the same rows)."""
+    along dim 0 into [B, T]); only these rows are read from `batch`. A rank without rows (fewer rows than
+    ranks) runs `fn` on row 0 to keep the ranks' collectives in step, and returns an empty [0, T]; so does a
+    sequence-parallel group's rank after its first (the same rows)."""
     rows = my_rows(batch)
     piece = fn(batch.select(rows or [0]))
     rows = rows if reports() else []
-    out = torch.zeros((len(rows), batch.input_ids.shape[1]), dtype=piece.dtype)
+    out = torch.zeros((len(rows), batch.width), dtype=piece.dtype)
     out[:, : piece.shape[1]] = piece[: len(rows)]
     return out

@@ -56,10 +56,10 @@ from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.rollout.native_tp import TPNativeEngine
-from relayrl.training.checkpoint import load_weights_into
+from relayrl.training.checkpoint import check_finite_weights, load_weights_into
 from relayrl.training.optim import move_optimizer_state
 from relayrl.training.step import LossOutput
-from relayrl.workers.base import Experience, split_rows
+from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import (
     build_generation,
     build_policy_objective,
@@ -67,8 +67,9 @@ from relayrl.workers.builders import (
     inference_dtype,
     setup_process,
 )
+from relayrl.workers.ema import PolicyEma
 from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
-from relayrl.workers.model_ops import masked_logprobs, my_rows, on_my_rows, row_logprobs
+from relayrl.workers.model_ops import masked_logprobs, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -133,10 +134,6 @@ class PolicyWorker:
 
         def gather_replica(layout: str) -> None:
             """The engine's full replica (or its TP shard), copied before the model is sharded."""
-            if spec.ema > 0:
-                raise ValueError(
-                    "ema: the EMA of a policy sharded over several ranks is not supported; set ema 0"
-                )
             if engine_tp > 1:  # 1/TP of the weights, refreshed one gathered parameter at a time
                 self.tp_group = tp_groups(engine_tp)
                 self.weights = TensorParallelWeights(
@@ -163,10 +160,10 @@ class PolicyWorker:
         )
         self.layout, self.train = built.layout, built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
-        self.ema = None
-        if spec.ema > 0:
-            with self.train.full_precision():  # the EMA tracks the fp32 weights
-                self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.ema: PolicyEma | None = None
+        if spec.ema > 0:  # fp32, sharded like the policy under N ranks (relayrl.workers.ema)
+            with self.train.full_precision():
+                self.ema = PolicyEma(self.model, spec.ema)
         if not grouped:
             self.weights = LocalWeights(
                 self.model,
@@ -221,7 +218,7 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")
     @torch.no_grad()
-    def logprobs(self, batch: Any) -> Tensor:
+    def logprobs(self, batch: Rows[SequenceBatch]) -> Tensor:
         """log pi_old(x_t | x_<t) [B, T] under the sampling temperature (0 where not an action); under N ranks
         each rank computes its share of the rows."""
         self.model.eval()
@@ -238,15 +235,18 @@ class PolicyWorker:
         )
 
     # ----------------------------------------------------------------------------------------- update
-    def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
-        """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps."""
+    def update(self, exp: Rows[Experience], kl_coef: float) -> dict[str, float]:
+        """Policy update over epochs x mini-batches; returns train/* metrics averaged over optimizer steps.
+        Each rank reads only its share of each mini-batch (workers.base.my_update_parts; a rank left without
+        rows runs a padding pass on the mini-batch's first row, weight 0)."""
         a = self.spec.algo
+        parts = my_update_parts(exp, a.mini_batches)
         sums: dict[str, float] = {}
         steps = 0
         self._prepare_update()
         for _ in range(a.epochs):
-            for rows in split_rows(len(exp.rewards), a.mini_batches):
-                for k, v in self._optimizer_step(exp.select(rows), kl_coef).items():
+            for part, real in parts:
+                for k, v in self._optimizer_step(part, kl_coef, real).items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         self._ema_update()
@@ -257,16 +257,15 @@ class PolicyWorker:
             out["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
-    def _optimizer_step(self, mb: Experience, kl_coef: float) -> dict[str, float]:
-        """One optimizer step on the mini-batch: this rank's share of its rows (all of them on one rank)."""
-        rows = my_rows(mb.tokens)
-        part = mb.select(rows or [0])  # a rank without rows runs a padding pass (weight 0)
+    def _optimizer_step(self, part: Experience, kl_coef: float, real: bool) -> dict[str, float]:
+        """One optimizer step on this rank's share `part` of the mini-batch (all of it on one rank); `real`
+        False: a padding pass (weight 0) of a rank without rows."""
         groups = plan_micro_batches(part.tokens.lengths, self.spec.algo.micro_batch_tokens, self.layout)
 
         def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
             return self._loss(model, part, r, kl_coef)
 
-        out = self.train.step(groups, loss_fn, num_real=len(groups) if rows else 0)
+        out = self.train.step(groups, loss_fn, num_real=len(groups) if real else 0)
         return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
 
     def _prepare_update(self) -> None:
@@ -306,13 +305,9 @@ class PolicyWorker:
         )
 
     def _ema_update(self) -> None:
-        if self.ema is None:
-            return
-        d = self.spec.ema
-        with torch.no_grad(), self.train.full_precision():
-            for k, v in self.model.state_dict().items():
-                if v.is_floating_point():
-                    self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
+        if self.ema is not None:
+            with self.train.full_precision():
+                self.ema.update(self.model)
 
     # ----------------------------------------------------------------------------------------- sync
     def weight_endpoint(self) -> tuple[str, int]:
@@ -361,13 +356,17 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------- state
     def save(self, folder: str) -> None:
         """Model, optimizer, schedule, EMA, RNG (relayrl.workers.trained: HF folder on 1 rank, DCP on N)."""
-        self.state.save(folder, {"ema": self.ema})
+        self.state.save(folder, self.ema.extra() if self.ema is not None else {"ema": None})
+        if self.ema is not None:
+            self.ema.save(folder)
 
     def load(self, folder: str) -> None:
         """Restore everything `save` wrote, in place (from a checkpoint of any rank count). The engines get
         the restored weights from the controller's next `sync` (RLTrainer.resume calls it)."""
         state = self.state.load(folder)
-        self.ema = state.get("ema")
+        if self.ema is not None and not self.ema.load(folder, state.get("ema")):
+            with self.train.full_precision():  # a checkpoint without an EMA: it restarts from its weights
+                self.ema = PolicyEma(self.model, self.spec.ema)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         """The full state dict of a 1-rank checkpoint folder, named as this model's (a CPU model built like
@@ -382,9 +381,17 @@ class PolicyWorker:
         path = Path(folder)
         if self.ema is None:
             return self.state.export(path)
+        # a NaN / inf anywhere in the EMA stops the export (every rank counts its shards when sharded)
+        check_finite_weights(self.ema.state, f"the final (EMA) model to {path}", reduce=self.ema.sharded)
+        if self.ema.sharded:  # gathered on every rank, written by rank 0
+            full = self.ema.full(keep=rank() == 0)
+            if rank() == 0:
+                self.state.save_hf(path, full)
+            torch.distributed.barrier()
+            return str(path)
         with self.train.full_precision():
             current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.model.load_state_dict(self.ema)
+            self.model.load_state_dict(self.ema.state)
             pretrained(self.model).save_pretrained(path)
             self.model.load_state_dict(current)
         self.tokenizer.save_pretrained(path)

@@ -23,7 +23,7 @@ from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.models.loading import resolve_device
 from relayrl.training.setup import compute_precision
 from relayrl.training.step import autocast
-from relayrl.workers.base import SequenceBatch
+from relayrl.workers.base import Rows, SequenceBatch
 from relayrl.workers.builders import build_frozen, setup_process
 from relayrl.workers.model_ops import masked_logprobs, on_my_rows
 
@@ -69,7 +69,7 @@ class ReferenceWorker:
             )
 
     @merged("concat")
-    def logprobs(self, batch: SequenceBatch) -> Tensor:
+    def logprobs(self, batch: Rows[SequenceBatch]) -> Tensor:
         """Reference log-probs [B, T] (float32, CPU); under N ranks each rank computes its share of rows."""
         out = on_my_rows(
             batch,

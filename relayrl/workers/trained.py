@@ -64,7 +64,7 @@ from relayrl.distributed.sequence_parallel import setup_sequence_parallel
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer, pretrained, resolve_device
 from relayrl.models.value_head import build_value_model
-from relayrl.training.checkpoint import WEIGHTS_FILE, load_state, load_weights_into
+from relayrl.training.checkpoint import WEIGHTS_FILE, check_finite_weights, load_state, load_weights_into
 from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
 from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossFn, StepOutput, TrainStep, autocast, move_to
@@ -169,8 +169,15 @@ class RoleState:
     def sharded(self) -> bool:
         return is_sharded(self.model)
 
+    def check_finite(self, what: str) -> None:
+        """NonFiniteWeights (relayrl.training.checkpoint) when the trained weights hold NaN / inf: nothing
+        is written from a diverged model. Every rank calls it (the count is summed over a sharded role)."""
+        with self.train.full_precision():
+            check_finite_weights(dict(self.model.named_parameters()), what, reduce=self.sharded)
+
     def save(self, folder: str | Path, extra: dict[str, Any]) -> None:
         path = Path(folder)
+        self.check_finite(f"a checkpoint to {path}")
         path.mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {
             "scheduler": self.train.scheduler.state_dict(),
@@ -226,8 +233,10 @@ class RoleState:
         return state
 
     def export(self, folder: str | Path) -> str:
-        """The full model as an HF folder (+ tokenizer); every rank calls it, rank 0 writes."""
+        """The full model as an HF folder (+ tokenizer); every rank calls it, rank 0 writes. Refused
+        (NonFiniteWeights, nothing written) when the weights are not finite."""
         path = Path(folder)
+        self.check_finite(f"the final model to {path}")
         if self.sharded:
             export_full(self.model, lambda sd: self.save_hf(path, sd))
             return str(path)

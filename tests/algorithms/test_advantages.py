@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import threading
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from relayrl.algorithms.advantages import (
     ADVANTAGES,
     AdvantageInputs,
+    masked_mean_std,
     masked_moments,
     moments_to_mean_std,
     whiten,
@@ -227,10 +230,12 @@ def test_whitening_rank_invariance(name):
         AdvantageInputs(rewards=d["r"][s], action_mask=d["mask"][s], group_size=3, kl=d["kl"][s], kl_coef=0.1)
         for s in shards
     ]
-    total = sum(masked_moments(ADVANTAGES[name](p, whiten=False)[1], p.action_mask) for p in parts)
+    reducer = _SumOverThreads(len(parts))  # each simulated rank on its own thread, summing like all_reduce
     for p in parts:
-        p.stats_reducer = lambda t, total=total: total
-    adv_ranks = torch.cat([ADVANTAGES[name](p)[0] for p in parts])
+        p.stats_reducer = reducer
+    with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
+        adv_ranks = torch.cat(list(pool.map(lambda p: ADVANTAGES[name](p)[0], parts)))
+    assert reducer.calls == 2 * len(parts)  # two-pass statistics: two reductions per rank
     close(adv_ranks, adv_full)
     local = torch.cat(
         [
@@ -243,6 +248,26 @@ def test_whitening_rank_invariance(name):
         ]
     )
     assert not torch.allclose(local, adv_full)  # per-rank statistics would differ: the test can fail
+
+
+class _SumOverThreads:
+    """A stats reducer for N simulated ranks on N threads: every call returns the sum of the N ranks' tensors
+    of that call (as torch.distributed.all_reduce does)."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier, self.lock, self.calls = threading.Barrier(n), threading.Lock(), 0
+        self.parts: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.parts.append(t.clone())
+            self.calls += 1
+        self.barrier.wait()
+        total = torch.stack(self.parts).sum(0)
+        if self.barrier.wait() == 0:
+            self.parts.clear()
+        self.barrier.wait()
+        return total
 
 
 def test_whiten_explicit_stats():
@@ -285,3 +310,42 @@ def test_gae_whiten_option():
     vals = adv[d["mask"]]
     assert abs(float(vals.mean())) < 1e-12 and float(vals.std()) == pytest.approx(1.0, rel=1e-12)
     assert "whiten_std" in m
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_equal_reward_groups_get_exactly_zero_in_float32(name):
+    # groups of 8 equal fractional rewards: r - mean(r) in float32 leaves a rounding residual (7.3 -> 4.8e-7)
+    # that group_norm's zero std turned into advantages of 0.48 / 0.95 / -7.6; every group estimator now
+    # zeroes a group whose max == min exactly. The last group varies: its advantages must stay non-zero.
+    r = torch.tensor([7.3] * 8 + [13.7] * 8 + [99.9] * 8 + [0.0, 1.0] * 4, dtype=torch.float32)
+    inp = AdvantageInputs(rewards=r, action_mask=torch.ones(32, 3, dtype=torch.bool), group_size=8)
+    adv, _, m = ADVANTAGES[name](inp, whiten=False)
+    assert adv.dtype == torch.float32
+    assert torch.equal(adv[:24], torch.zeros(24, 3))
+    assert (adv[24:] != 0).all()
+    assert m["zero_std_group_frac"] == 0.75
+
+
+def test_whitening_an_equal_batch_gives_exactly_zero():
+    r = torch.full((6,), 13.7, dtype=torch.float32)
+    adv, _, _ = ADVANTAGES["reinforce"](
+        AdvantageInputs(rewards=r, action_mask=torch.ones(6, 4, dtype=torch.bool))
+    )
+    assert torch.equal(adv, torch.zeros(6, 4))
+
+
+def test_batch_std_is_exact_at_a_large_offset():
+    # x = 1e6 + [0.01, 0.02, 0.03]: mean 1e6 + 0.02, unbiased std 0.01. A one-pass E[x^2] - mean^2 in float64
+    # loses ~ 3e12 * 2.2e-16 = 7e-4 of a variance of 1e-4 (it returned std 0.027 / 0); two passes are exact
+    # to ~1e-10 (the spacing of float64 at 1e6). Tolerance rtol 1e-6.
+    x = torch.tensor([[1e6 + 0.01, 1e6 + 0.02, 1e6 + 0.03, 5.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0]]).bool()
+    mean, std = masked_mean_std(x, mask)
+    assert math.isclose(mean, 1e6 + 0.02, rel_tol=1e-12)
+    assert math.isclose(std, 0.01, rel_tol=1e-6)
+    # the same through REINFORCE++ whitening of float64 rewards: (r - mean) / (std + eps), eps 0
+    r = x[0, :3].clone()
+    adv, _, _ = ADVANTAGES["reinforce"](
+        AdvantageInputs(rewards=r, action_mask=torch.ones(3, 1, dtype=torch.bool)), eps=0.0
+    )
+    close(adv[:, 0], [-1.0, 0.0, 1.0])

@@ -12,7 +12,7 @@ from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
 from relayrl.algorithms.kl import kl_loss
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from relayrl.algorithms.registry import AGGREGATIONS, OFF_POLICY
-from relayrl.algorithms.value_loss import value_loss
+from relayrl.algorithms.value import value_loss
 
 F64 = torch.float64
 NAMES = sorted(AGGREGATIONS)

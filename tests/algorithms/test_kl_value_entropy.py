@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
+from relayrl.algorithms import value_loss as exported_value_loss
 from relayrl.algorithms.entropy import entropy_bonus, entropy_from_logits
 from relayrl.algorithms.kl import KL_CONTROLLERS, KL_ESTIMATORS, kl_estimate, kl_loss
-from relayrl.algorithms.value_loss import value_loss
+from relayrl.algorithms.value import value_loss
 
 F64 = torch.float64
 
@@ -161,3 +162,8 @@ def test_kl_loss_expected_gradients():
         got = torch.autograd.grad((pi.detach() * kl[0]).sum(), theta, retain_graph=True)[0]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
     assert float(targets["k2"].abs().max()) > 1e-3 and not torch.allclose(targets["k2"], targets["k3"])
+
+
+def test_value_loss_is_exported_as_the_function():
+    # the package export must not be shadowed by a submodule of the same name (it returned the module)
+    assert exported_value_loss is value_loss and callable(exported_value_loss)

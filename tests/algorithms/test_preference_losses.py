@@ -390,3 +390,34 @@ def test_step_loss_shapes():
         step_loss(torch.zeros(4, 3), torch.zeros(4))
     with pytest.raises(ValueError, match=r"got \(4, 2\) and \(3,\)"):
         step_loss(torch.zeros(4, 2), torch.zeros(3))
+
+
+@pytest.mark.parametrize("name", sorted(DIVERGENCES))
+def test_divergences_mask_minus_inf_logits(name):
+    # row 0: entry 1 masked (-inf) in both models: exactly the divergence over the other entries (0 log 0 = 0),
+    # where 0 x -inf made the row NaN. Row 1: entries masked in one model only are left out of the sum
+    # (OpenRLHF's KD mask); each model's softmax still normalises over its own finite entries.
+    inf = -math.inf
+    s = t([[0.3, inf, -1.2, 0.5], [1.0, 0.2, inf, -0.4]], True)
+    te = t([[-0.7, inf, 0.4, 0.1], [0.5, -0.3, 0.9, inf]])
+    got = DIVERGENCES[name](s, te)
+    close(got[:1], DIVERGENCES[name](t([[0.3, -1.2, 0.5]]), t([[-0.7, 0.4, 0.1]])))
+    q = [v / sum(math.exp(x) for x in (1.0, 0.2, -0.4)) for v in (math.exp(1.0), math.exp(0.2))]
+    p = [v / sum(math.exp(x) for x in (0.5, -0.3, 0.9)) for v in (math.exp(0.5), math.exp(-0.3))]
+    if name == "forward_kl":
+        close(got[1:], [sum(pv * (math.log(pv) - math.log(qv)) for pv, qv in zip(p, q, strict=True))])
+    elif name == "reverse_kl":
+        close(got[1:], [sum(qv * (math.log(qv) - math.log(pv)) for pv, qv in zip(p, q, strict=True))])
+    assert bool(torch.isfinite(got).all())
+    g = grad(got, s)
+    assert bool(torch.isfinite(g).all()) and float(g[0, 1]) == 0.0
+
+
+def test_chunked_divergence_t2_scale():
+    # t2_scale multiplies the tempered divergence by T^2 (Hinton et al.): T = 2 -> 4x; the cross-entropy is
+    # untouched
+    hs, ws, ht, wt, targets = kd_inputs()
+    plain, ce = chunked_divergence(hs, ws, ht, wt, targets, temperature=2.0, chunk=3)
+    scaled, ce2 = chunked_divergence(hs, ws, ht, wt, targets, temperature=2.0, chunk=3, t2_scale=True)
+    torch.testing.assert_close(scaled, 4.0 * plain, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ce2, ce, rtol=0, atol=0)

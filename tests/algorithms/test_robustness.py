@@ -16,7 +16,7 @@ from relayrl.algorithms.kl import KL_CONTROLLERS, kl_estimate, kl_loss
 from relayrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from relayrl.algorithms.registry import AGGREGATIONS, OFF_POLICY
 from relayrl.algorithms.shaping import RunningRewardNorm, clip_rewards, truncation_penalty
-from relayrl.algorithms.value_loss import value_loss
+from relayrl.algorithms.value import value_loss
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")

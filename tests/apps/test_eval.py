@@ -27,3 +27,23 @@ def test_eval_a_model_on_a_task_without_training(tiny_model_path, tmp_path, caps
             str(DATA / "digit_reward.py"), "--train.device", "cpu", "--train.output_dir", str(tmp_path / "e2")]  # fmt: skip
     assert cli_main(argv) == 1
     assert "nothing to evaluate" in capsys.readouterr().err
+
+
+def test_eval_into_a_training_run_folder_is_refused(tiny_model_path, tmp_path, capsys):
+    # it used to move the run aside (then fail: the model it was asked to score moved with it)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_2")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "config.yaml").write_text("kept: true\n")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    argv = ["eval", "--model.name_or_path", str(tiny_model_path), "--task.name", "add2",
+            "--train.output_dir", str(run), "--ckpt.overwrite", "true"]  # fmt: skip
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"--train.output_dir {run} holds a training run" in err
+        and f"--train.output_dir {run / 'eval'}" in err
+    )
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    assert (run / "config.yaml").read_text() == "kept: true\n"

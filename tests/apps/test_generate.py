@@ -207,6 +207,34 @@ def test_failing_reward_is_counted_and_marked_never_zeroed(tiny_model_path, tmp_
     assert {int(r["label"]) % 3 for r in best.rows} == {2} and len(best.rows) == 9 - raising - nan
 
 
+def test_reward_file_calling_sys_exit_fails_the_command(tiny_model_path, tmp_path, capsys):
+    # before: exit 0, nothing printed, nothing written
+    reward = write(
+        tmp_path / "quits.py", "import sys\n\n\ndef reward_func(queries, prompts, labels):\n    sys.exit(0)\n"
+    )
+    out = tmp_path / "o.jsonl"
+    argv = ["--model.name_or_path", str(tiny_model_path), "--task.name", "add2", "--task.train_rows", "2",
+            "--rollout.n_samples", "2", "--rollout.max_new_tokens", "3", "--rollout.max_len", "64",
+            "--reward.source", reward, "--device", "cpu", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"reward_func in reward file '{reward}' called sys.exit(0) at {reward}, line 5" in err
+    assert not out.exists()
+
+
+def test_output_over_an_input_is_refused(tmp_path, capsys):
+    data = write(tmp_path / "p.jsonl", '{"input": "1+1=", "label": "2"}\n')
+    argv = ["--model.name_or_path", str(tmp_path), "--data.datasets", data]
+    for output in (data, str(tmp_path / "." / "p.jsonl")):
+        assert main([*argv, "--output", output]) == 2
+        err = capsys.readouterr().err
+        assert f"output: {output} is also an input (data.datasets[0])" in err
+    folder_argv = ["--model.name_or_path", str(tmp_path), "--data.datasets", str(tmp_path)]
+    assert main([*folder_argv, "--output", data]) == 2
+    assert "is also an input (data.datasets[0] (a file of the folder))" in capsys.readouterr().err
+    assert (tmp_path / "p.jsonl").read_text() == '{"input": "1+1=", "label": "2"}\n'
+
+
 # ---------------------------------------------------------------------------------------------- output
 def test_same_seed_writes_the_same_file(tiny_model_path, tmp_path):
     """Data-file prompts without labels or a reward: rows are {input, output}; a seed fixes the file."""

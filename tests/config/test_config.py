@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -25,7 +26,11 @@ from relayrl.config import (
     save_yaml,
     to_dict,
 )
-from relayrl.config.base import field_docs
+from relayrl.config import apps as config_apps
+from relayrl.config import generate as config_generate
+from relayrl.config import recipes as config_recipes
+from relayrl.config import rl as config_rl
+from relayrl.config.base import config_fields, field_docs, is_dataclass_type, strip_optional
 
 
 @dataclass(kw_only=True, slots=True)
@@ -301,3 +306,67 @@ def test_fixed_length_tuple_checks_length_and_each_type():
         from_dict(Pair, {"point": [1, "a", 2]})
     with pytest.raises(ConfigError, match=r"^point\[0\]: 'x' is not a valid int$"):
         parse_cli(Pair, ["--point", "x", "y"])
+
+
+def _command_configs() -> list[type]:
+    """Every top-level command config (a dataclass of relayrl.config with a `dist` section)."""
+    out = []
+    for mod in (config_apps, config_generate, config_recipes, config_rl):
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and is_dataclass(obj) and obj.__module__ == mod.__name__:
+                out.append(obj)
+    return out
+
+
+def _float_paths(cls: type, prefix: str = "") -> list[str]:
+    """Dotted paths of every float field (plain, optional, list / tuple of floats) under dataclass `cls`."""
+    paths = []
+    for name, tp in config_fields(cls):
+        inner, _ = strip_optional(tp)
+        path = f"{prefix}{name}"
+        if is_dataclass_type(inner):
+            paths += _float_paths(inner, path + ".")
+        elif inner is float or float in getattr(inner, "__args__", ()):
+            paths.append(path)
+    return paths
+
+
+def _nested(path: str, value):
+    out = value
+    for key in reversed(path.split(".")):
+        out = {key: out}
+    return out
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", float("nan"), float("inf")])
+def test_every_float_field_of_every_config_refuses_non_finite(bad):
+    # --optim.lr inf / --optim.weight_decay nan trained to NaN weights and exported them; now every float
+    # field of every section of every command is refused from flags and YAML, naming its dotted path
+    checked = 0
+    for cls in _command_configs():
+        for path in _float_paths(cls):
+            value = [bad, bad] if _is_list_field(cls, path) else bad
+            with pytest.raises(ConfigError, match=rf"{re.escape(path)}(\[0\])?: .*finite") as e:
+                from_dict(cls, _nested(path, value))
+            assert e.value.field is not None, (cls, path)
+            checked += 1
+    assert checked > 60  # optim.lr, optim.weight_decay, optim.max_grad_norm, algo.*, rollout.*, kd.* ...
+
+
+def _is_list_field(cls: type, path: str) -> bool:
+    *parents, last = path.split(".")
+    for p in parents:
+        cls = strip_optional(dict(config_fields(cls))[p])[0]
+    tp = strip_optional(dict(config_fields(cls))[last])[0]
+    return getattr(tp, "__origin__", None) in (list, tuple)
+
+
+def test_non_finite_floats_refused_in_python_construction():
+    with pytest.raises(ConfigError, match=r"lr: inf is invalid; expected a finite number"):
+        OptimConfig(lr=float("inf"))
+    with pytest.raises(ConfigError, match=r"adam_betas\[1\]: nan is invalid"):
+        OptimConfig(adam_betas=(0.9, float("nan")))
+    # a section without its own checks (AlgoConfig) is caught by the command that holds it
+    algo = config_rl.AlgoConfig(kl_coef=float("nan"))
+    with pytest.raises(ConfigError, match=r"algo.kl_coef: nan is invalid; expected a finite number"):
+        config_rl.RLConfig(algo=algo)

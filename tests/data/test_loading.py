@@ -118,3 +118,25 @@ def test_save_to_disk_folder(tmp_path):
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
     assert [r.data for r in load_source(str(tmp_path / "ds"))[0]] == ROWS
+
+
+def test_csv_quoted_commas_and_rows_with_extra_fields(tmp_path):
+    # a quoted field keeps its comma; an unquoted one made an extra field and the row silently trained on
+    # "Hello": now that row is malformed, named by file and row (and line), skippable and counted
+    p = tmp_path / "greet.csv"
+    p.write_text(
+        'input,output\n"Greet me:","Hello, dear friend"\nSay hi:,"two\nlines"\nGreet me:,Hello, dear friend\n'
+    )
+    with pytest.raises(MalformedRowError, match=rf"^{p}, row 3 \(line 5\): 3 fields where the header"):
+        load_source(str(p))
+    rows, bad = load_source(str(p), skip_malformed=True)
+    assert bad == 1
+    assert [r.data for r in rows] == [
+        {"input": "Greet me:", "output": "Hello, dear friend"},
+        {"input": "Say hi:", "output": "two\nlines"},
+    ]
+    assert [r.row for r in rows] == [1, 2]
+    # a short row is malformed too (a missing field is not an empty one)
+    p.write_text("input,output\nonly one field\n")
+    with pytest.raises(MalformedRowError, match=r"row 1 \(line 2\): 1 fields"):
+        load_source(str(p))

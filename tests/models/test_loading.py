@@ -129,6 +129,25 @@ def test_lora_trains_adapters_only_and_merges(tmp_path, tiny_model_path):
         AutoModelForCausalLM.from_pretrained(out)(IDS).logits, expect, atol=1e-5, rtol=1e-5
     )
     assert merge_lora_main([str(tmp_path / "adapter"), str(tmp_path / "m4")]) == 1  # one-line error, exit 1
+    # a folder holding another model is refused (it was overwritten file by file); --overwrite replaces it as a
+    # whole; the adapter or base folder is never an output
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model-00002-of-00002.safetensors").write_text("stale shard")
+    with pytest.raises(ValueError, match=rf"output folder {other} is not empty \(config.json, model-00002"):
+        merge_lora(tmp_path / "adapter", other, base=str(tiny_model_path))
+    assert merge_lora_main([str(tmp_path / "adapter"), str(other), "--base", str(tiny_model_path)]) == 1
+    assert (other / "config.json").read_text() == "{}"
+    merge_lora(tmp_path / "adapter", other, base=str(tiny_model_path), overwrite=True)
+    assert not (other / "model-00002-of-00002.safetensors").exists()
+    torch.testing.assert_close(
+        AutoModelForCausalLM.from_pretrained(other)(IDS).logits, expect, atol=1e-5, rtol=1e-5
+    )
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+    for into in (tmp_path / "adapter", tiny_model_path):
+        with pytest.raises(ValueError, match=r"is the (adapter|base model) folder"):
+            merge_lora(tmp_path / "adapter", into, base=str(tiny_model_path), overwrite=True)
 
 
 def test_lora_all_linear(tiny_model_path):

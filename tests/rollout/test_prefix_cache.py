@@ -152,3 +152,58 @@ def test_multi_turn_episodes_reuse_their_conversation_and_stay_identical(tiny_mo
     assert sum(t.num_turns for t in trajs) > len(trajs)  # several turns per episode
     assert off_cached == 0 and on_cached > 0
     assert on_prefilled + on_cached == off_prefilled and on_prefilled < off_prefilled / 2
+
+
+def test_a_step_of_next_turns_and_fresh_prompts_is_one_batched_prefill(
+    lively_model, tiny_tokenizer, prompts, monkeypatch
+):
+    """Three episodes' next turns (each continuing its parked slot) and a fresh n=2 prompt arrive together:
+    the engine runs ONE prefill forward for all four (ragged suffixes, right-padded), and every sample equals
+    the cache-off engine's (fp32, seeded sampling: tokens exact, log-probs within 1e-5; the fresh prompt's
+    second sample would differ if its slot had not received the prompt's K/V)."""
+    kw = {"temperature": 1.0, "seed": 3}
+    from relayrl.rollout.native_model import DecoderRunner
+
+    calls: list[tuple[str, int]] = []
+    for name in ("prefill", "extend"):
+        orig = getattr(DecoderRunner, name)
+
+        def counted(self, ids, *a, _orig=orig, _name=name, **k):
+            calls.append((_name, ids.shape[0]))
+            return _orig(self, ids, *a, **k)
+
+        monkeypatch.setattr(DecoderRunner, name, counted)
+    feedback = tiny_tokenizer(" and?")["input_ids"]
+    fresh = GenerationRequest(prompt_ids=prompts[4], params=SamplingParams(n=2, max_new_tokens=7, **kw))
+
+    def play(cache: bool):
+        engine = build_engine(
+            "native", lively_model, tiny_tokenizer, max_slots=8, max_seq_len=256, eos_token_id=[],
+            prefix_cache=cache, driver="loop",
+        )  # fmt: skip
+
+        async def turns():
+            firsts = await asyncio.gather(*(engine.generate(_req(prompts[i], **kw)) for i in (0, 1, 3)))
+            nexts = [
+                _req(prompts[i] + r.completions[0].token_ids + feedback, **kw)
+                for i, r in zip((0, 1, 3), firsts, strict=True)
+            ]
+            calls.clear()
+            before = engine.prefill_batches
+            second = await asyncio.gather(*(engine.generate(r) for r in [*nexts, fresh]))
+            return firsts, second, engine.prefill_batches - before, list(calls)
+
+        try:
+            return asyncio.run(turns()), engine.cached_tokens
+        finally:
+            engine.close()
+
+    (on_first, on_second, on_batches, on_calls), on_cached = play(True)
+    (off_first, off_second, _, _), off_cached = play(False)
+    assert on_cached > 0 and off_cached == 0
+    assert on_batches == 1 and on_calls == [("extend", 4)]  # one forward: 3 cached suffixes + 1 fresh prompt
+    for a, b in zip(on_first + on_second, off_first + off_second, strict=True):
+        assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+        for ca, cb in zip(a.completions, b.completions, strict=True):
+            assert torch.allclose(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5)
+    assert len(on_second[3].completions) == 2

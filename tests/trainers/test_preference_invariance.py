@@ -32,7 +32,7 @@ from relayrl.models.tiny import TinyModelSpec, build_tiny_model
 from relayrl.tasks.preference import PLACEHOLDER, pair_rows, step_rows, unpaired_rows
 from relayrl.trainers.dpo import dpo_loss, dpo_prepare, precompute_reference
 from relayrl.trainers.kd import kd_batch, kd_loss, kd_prepare
-from relayrl.trainers.kto import kl_sequence, kto_collate, kto_loss, kto_prepare
+from relayrl.trainers.kto import kl_partners, kl_sequence, kto_collate, kto_loss, kto_prepare, prompt_ids
 from relayrl.trainers.pairs import pair_batch, side_logps
 from relayrl.trainers.prm import prm_loss, step_batch
 from relayrl.trainers.rm import rm_loss
@@ -288,8 +288,9 @@ def kto_models(tok, samples):
     """(policy, reference, {KL sequence ids: log pi - log pi_ref over its response}), the two tiny models
     ordered so that the step's mean KL log-ratio is positive (z0 is not clamped to 0)."""
     a, b = tiny(tok, 0), tiny(tok, 1)
-    n = len(samples)
-    kl = [kl_sequence(samples[k].sample, samples[(k + 1) % n].sample) for k in range(n)]
+    partners = kl_partners([prompt_ids(s.sample) for s in samples])
+    assert None not in partners
+    kl = [kl_sequence(samples[k].sample, samples[j].sample) for k, j in enumerate(partners) if j is not None]
     diff = {tuple(ids): hf_response_logp(a, ids, m) - hf_response_logp(b, ids, m) for ids, m in kl}
     if sum(diff.values()) > 0:
         return a, frozen_copy(b), diff
@@ -297,7 +298,8 @@ def kto_models(tok, samples):
 
 
 def test_kto_reference_point_is_the_whole_steps_mean(tiny_tokenizer):
-    """z0 = max(0, mean over ALL the step's KL sequences (prompt k + response k+1) of log pi - log pi_ref),
+    """z0 = max(0, mean over ALL the step's KL sequences (prompt k + another prompt's response) of log pi -
+    log pi_ref),
     the same in every micro-batch whatever the split (a per-micro-batch mean, OpenRLHF's, would differ),
     padding passes left out; the loss then matches the formula with that z0."""
     samples = unpaired_of(tiny_tokenizer)
@@ -349,6 +351,47 @@ def test_kto_micro_batch_invariance(tiny_tokenizer):
     assert_invariant(results)
     out = results["one"][0]
     assert out.metrics["reward_desirable"] != out.metrics["reward_undesirable"]
+
+
+def test_kto_kl_partners_never_pair_a_prompt_with_itself():
+    # an unshuffled eval set (a prompt's desirable and undesirable rows side by side): "the next sample" paired
+    # 4 of 8 with their own prompt's other response; half the step away pairs none
+    step = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    partners = kl_partners(step)
+    assert partners == [4, 5, 6, 7, 0, 1, 2, 3]
+    # the prompt check covers what the shift does not (odd-sized steps, repeated prompts anywhere)
+    for step in (["a", "b", "a"], ["a", "b", "c", "a", "a"], ["x", "x", "x", "y"]):
+        for k, j in enumerate(kl_partners(step)):
+            assert j is not None and j != k and step[j] != step[k], (step, k, j)
+    # nobody to pair with: a one-sample step, one prompt's responses only
+    assert kl_partners(["a"]) == [None]
+    assert kl_partners(["a", "a", "a"]) == [None, None, None]
+
+
+def test_kto_step_without_kl_partner_uses_z0_zero(tiny_tokenizer):
+    # a one-sample step (and a step of one prompt's responses): no KL sequence is valid, z0 = 0 (the sample's
+    # own response would give z0 = max(0, r), its own reward)
+    samples = unpaired_of(tiny_tokenizer)
+    policy, ref, _ = kto_models(tiny_tokenizer, samples)
+    (mb,) = kto_collate(samples, TrainConfig(batch_size=1, micro_batch_size=1), LAYOUT)([3])
+    assert mb.kl_valid is not None and mb.kl_valid.tolist() == [False]
+    with torch.no_grad():
+        kto_prepare(models_of(policy, ref), [mb], 1)
+    assert mb.z0 == 0.0
+
+
+def test_kto_absent_side_logs_nothing(tiny_tokenizer):
+    # a step of desirable samples only: reward_undesirable is left out of the row, not logged as 0.0
+    samples = unpaired_of(tiny_tokenizer)
+    good = [s for s in samples if s.desirable][:2]
+    assert len(good) == 2
+    policy, ref, _ = kto_models(tiny_tokenizer, samples)
+    engine = TrainStep(model=policy, optimizer=None, grad_clip=0.0, device="cpu", precision="fp32")
+    (mb,) = kto_collate(good, TrainConfig(batch_size=2, micro_batch_size=2), LAYOUT)([0, 1])
+    with torch.no_grad():
+        kto_prepare(models_of(policy, ref), [mb], 1)
+    metrics = engine.evaluate([[mb]], partial(kto_loss, **KTO))
+    assert "eval/reward_desirable" in metrics and "eval/reward_undesirable" not in metrics
 
 
 # ---------------------------------------------------------------------------------------------- KD

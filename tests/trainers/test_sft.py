@@ -265,3 +265,19 @@ def test_lora_sft_checkpoints_adapter_resumes_and_merges(tmp_path, tiny_model_pa
     ids = torch.tensor([[5, 6, 7, 8]])
     second.model.eval()
     torch.testing.assert_close(merged(ids).logits, second.model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_whose_weights_became_non_finite_exports_nothing(tmp_path, tiny_model_path, train_file):
+    # --optim.lr inf trained to NaN and wrote a final/ of 100% non-finite weights with exit 0. The config now
+    # refuses inf (tests/config); a run that diverges anyway (here: the value forced past the check) stops
+    # with an error when it would save, and writes neither a checkpoint nor final/
+    from relayrl.config.command_line import parse_cli
+    from relayrl.training.checkpoint import NonFiniteWeights
+
+    out = tmp_path / "run"
+    cfg = parse_cli(SFTConfig, _argv(tiny_model_path, train_file, out, "--train.max_steps", "1"))
+    cfg.optim.lr = float("inf")
+    with pytest.raises(NonFiniteWeights, match=r"refusing to write a checkpoint to .* weight values are NaN"):
+        run_sft(cfg)
+    assert not (out / "final").exists()
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")]

@@ -5,17 +5,23 @@ warning on resume."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
 
 from relayrl.cli import main as cli_main
 from relayrl.config.base import ConfigError, to_dict
-from relayrl.config.components import ModelConfig, TrainConfig
+from relayrl.config.components import CkptConfig, ModelConfig, TrainConfig
 from relayrl.config.recipes import SFTConfig
+from relayrl.training import run_lock
 from relayrl.training.logging import keep_rows_up_to, read_jsonl
-from relayrl.training.setup import check_config_change
+from relayrl.training.run_lock import RunFolderBusy, release_run_dir
+from relayrl.training.setup import check_config_change, prepare_run_dir
 
 
 def _sft(model, data, out, *extra):
@@ -101,3 +107,65 @@ def test_a_field_added_since_the_run_was_saved_reads_as_its_default(tmp_path):
     changed = replace(cfg, optim=replace(cfg.optim, weight_decay=cfg.optim.weight_decay + 0.5))
     with pytest.raises(ConfigError, match=r"another config \(optim\.weight_decay "):
         check_config_change(tmp_path, changed, "relayrl sft")
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+HOLDER = """
+import importlib.util, pathlib, sys, time
+spec = importlib.util.spec_from_file_location("run_lock", {module!r})
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+m.lock_run_dir(pathlib.Path({folder!r}), "relayrl sft")
+print("locked", flush=True)
+sys.stdin.read()  # hold until the test closes stdin (or kills this process)
+m.release_run_dir(pathlib.Path({folder!r}))  # a run that ends normally releases its folder
+"""
+
+
+def _start_holder(folder):
+    """Another process holding `folder`'s lock (the lock module loaded on its own: no torch import)."""
+    code = HOLDER.format(module=str(Path(run_lock.__file__)), folder=str(folder))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_folder_in_use_by_another_process_is_refused_then_taken_over_when_it_dies(tmp_path, capsys):
+    # two runs into one folder at once used to both exit 0 claiming one final/; now the second is refused with
+    # the first's pid, and once that process is gone (killed: its record is left behind) the folder is taken
+    # over with a note naming it
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = _start_holder(out)
+    try:
+        with pytest.raises(
+            RunFolderBusy, match=rf"{out} is in use by another run \(pid {proc.pid} on .*relayrl sft"
+        ):
+            prepare_run_dir(out, CkptConfig(), "relayrl sft")
+        # --ckpt.overwrite never moves a folder another process is running in
+        (out / "metrics.jsonl").write_text("")
+        with pytest.raises(RunFolderBusy, match=rf"kill {proc.pid}"):
+            prepare_run_dir(out, CkptConfig(resume="none", overwrite=True), "relayrl sft")
+        assert out.is_dir() and not list(tmp_path.glob("run.old-*"))
+    finally:
+        proc.kill()
+        proc.wait()
+    capsys.readouterr()
+    assert prepare_run_dir(out, CkptConfig(), "relayrl sft") == out
+    err = capsys.readouterr().err
+    assert (
+        f"note: taking over the lock of {out} left by a run that ended without releasing it (pid {proc.pid}"
+        in err
+    )
+    assert f"pid {proc.pid} is no longer running" in err
+    assert (out / ".relayrl.lock").read_text().startswith(f"pid {os.getpid()} on ")
+    # released at the end of the run: a run that ends normally leaves no record, so no note next time
+    release_run_dir(out)
+    assert (out / ".relayrl.lock").read_text() == ""
+    proc = _start_holder(out)
+    proc.communicate("")
+    prepare_run_dir(out, CkptConfig(), "relayrl sft")
+    release_run_dir(out)
+    assert "note:" not in capsys.readouterr().err

@@ -287,21 +287,23 @@ def test_ema_tracks_saves_and_exports(tiny_model_path, tmp_path):
     start = {k: v.clone() for k, v in w.model.state_dict().items()}
     w.update(_experience(_handmade_batch()), kl_coef=0.0)
     now = w.model.state_dict()
+    assert w.ema is not None
     for k, v in start.items():
-        torch.testing.assert_close(w.ema[k], 0.75 * v + 0.25 * now[k], rtol=0, atol=1e-7)
+        torch.testing.assert_close(w.ema.state[k], 0.75 * v + 0.25 * now[k], rtol=0, atol=1e-7)
 
     out = Path(w.export(str(tmp_path / "export")))
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     for k, v in exported.items():
-        torch.testing.assert_close(v, w.ema[k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(v, w.ema.state[k], rtol=0, atol=0, msg=k)
     assert torch.equal(w.model.state_dict()["model.norm.weight"], now["model.norm.weight"])  # restored
     assert (out / "tokenizer_config.json").is_file()
 
     w.save(str(tmp_path / "ckpt"))
     w2 = PolicyWorker(_spec(tiny_model_path, tmp_path, ema=0.75))
     w2.load(str(tmp_path / "ckpt"))
-    for k, v in w.ema.items():
-        assert torch.equal(w2.ema[k], v), k
+    assert w2.ema is not None
+    for k, v in w.ema.state.items():
+        assert torch.equal(w2.ema.state[k], v), k
 
 
 def _warmup_worker(path: Path, out: Path) -> PolicyWorker:

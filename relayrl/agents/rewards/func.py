@@ -8,7 +8,9 @@
 
 It returns {"rewards": [B], "scores": [B], "extra_logs": {...}} or a plain [B] list / tensor. It is called on
 batches of `batch_size` trajectories, on a daemon thread (never on the event loop), each call bounded by
-`timeout` seconds; an `async def reward_func` is awaited on the event loop instead (same timeout).
+`timeout` seconds; an `async def reward_func` is awaited on the event loop instead (same timeout). A function
+that raises is a failed sample (counted, logged); one that calls `sys.exit()` is an error of the run naming the
+file and the exit code (`UserCodeExit`, relayrl.agents.user_code).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from relayrl.agents.rewards.base import (
     pending,
     queries_of,
 )
-from relayrl.agents.user_code import load_module_from_file, run_in_thread
+from relayrl.agents.user_code import UserCodeExit, guard_exit, load_module_from_file, run_in_thread
 
 EXTRA_KWARGS = ("responses", "datasources")
 
@@ -40,7 +42,7 @@ def load_reward_func(path: str | Path, name: str = "reward_func") -> Callable[..
     func = getattr(module, name, None)
     if not callable(func):
         raise AttributeError(f"{path} has no function `{name}(queries, prompts, labels, **kwargs)`")
-    return func
+    return guard_exit(func, f"{name} in reward file {str(path)!r}")  # sys.exit() in it: UserCodeExit
 
 
 def _accepted_kwargs(func: Callable[..., Any]) -> set[str]:
@@ -67,7 +69,7 @@ class RewardFuncSource:
     ) -> None:
         """`tokenizer`: when given, queries are the decode of all token ids (OpenRLHF); `batch_size`: most
         trajectories per call (None: one call per `score`); batches run concurrently."""
-        self.func = load_reward_func(func) if isinstance(func, str | Path) else func
+        self.func = load_reward_func(func) if isinstance(func, str | Path) else guard_exit(func)
         self.name = f"reward_func {getattr(self.func, '__module__', '')}.{getattr(self.func, '__name__', '')}"
         self.tokenizer, self.timeout, self.batch_size, self.log = tokenizer, timeout, batch_size, log
         self._kwargs = _accepted_kwargs(self.func)
@@ -94,6 +96,8 @@ class RewardFuncSource:
             return fail_all(chunk, "timeout", f"no result within {self.timeout}s", self.name, self.log)
         except ScalarError as e:
             return fail_all(chunk, e.kind, str(e), self.name, self.log)
+        except UserCodeExit:
+            raise  # the file called sys.exit(): an error of the run, not a failed sample (relayrl.agents.user_code)
         except Exception as e:
             return fail_all(chunk, "exception", f"raised {type(e).__name__}: {e}", self.name, self.log)
         fill(chunk, batch, self.name, self.log)

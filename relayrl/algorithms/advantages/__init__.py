@@ -9,6 +9,7 @@ relayrl/algorithms/registry.py (which also says whether it needs a critic or gro
 from relayrl.algorithms.advantages.base import (
     AdvantageEstimator,
     AdvantageInputs,
+    masked_mean_std,
     masked_moments,
     moments_to_mean_std,
     whiten,
@@ -19,6 +20,7 @@ __all__ = [
     "ADVANTAGES",
     "AdvantageEstimator",
     "AdvantageInputs",
+    "masked_mean_std",
     "masked_moments",
     "moments_to_mean_std",
     "whiten",

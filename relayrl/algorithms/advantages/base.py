@@ -25,7 +25,10 @@ the returns).
 
 Numerics. Integer / float16 / bfloat16 rewards and values are computed in float32 (float64 stays float64;
 the outputs have that dtype). Non-finite rewards, or non-finite `values` / `kl` on action tokens, raise a
-ValueError naming the rows; whatever sits at masked positions (padding) is never read.
+ValueError naming the rows; whatever sits at masked positions (padding) is never read. A group whose
+rewards are all equal (max == min) gets group scores of exactly 0 in every group estimator (`zero_equal_groups`),
+and batch whitening of values that are all equal gives exactly 0. Batch means and standard deviations are
+two-pass in float64 (`masked_mean_std`), exact at any common offset.
 
 Registry: `relayrl.algorithms.advantages.ADVANTAGES[name](inputs, gamma=..., lam=..., eps=...)`; every
 estimator accepts the same keyword arguments (each docstring says which ones it uses).
@@ -64,7 +67,8 @@ class AdvantageInputs:
     scores at step ends), else None."""
     stats_reducer: Callable[[Tensor], Tensor] | None = None
     """For batch whitening across data-parallel ranks: a function that sums a small float64 tensor over
-    ranks (e.g. `lambda t: (dist.all_reduce(t), t)[1]`). None: this batch is the whole batch."""
+    ranks (e.g. `lambda t: (dist.all_reduce(t), t)[1]`); called twice per whitening (two-pass statistics).
+    None: this batch is the whole batch."""
 
 
 class AdvantageEstimator(Protocol):
@@ -195,39 +199,52 @@ def discounted_returns(scores: Tensor, inputs: AdvantageInputs, gamma: float) ->
     return masked_backward_scan(r, inputs.action_mask, gamma)
 
 
-def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
-    """float64 [3] = (sum x, sum x^2, count) over mask: all-reduce it (sum) for global statistics."""
+def masked_moments(x: Tensor, mask: Tensor, *, center: float = 0.0) -> Tensor:
+    """float64 [3] = (sum (x - c), sum (x - c)^2, count) over mask, c = `center`: all-reduce it (sum) for global
+    statistics. Two passes (`masked_mean_std`): center 0 for the mean, then center = that mean for the
+    variance, so a large common offset (rewards near 1e6) costs no precision."""
     m = mask.bool()
-    xd = torch.where(m, x.detach().to(torch.float64), 0.0)
+    xd = torch.where(m, x.detach().to(torch.float64) - center, 0.0)
     return torch.stack([xd.sum(), (xd * xd).sum(), m.sum().to(torch.float64)])
 
 
-def moments_to_mean_std(moments: Tensor) -> tuple[float, float]:
-    """(mean, unbiased std) from summed `masked_moments`: mean = sum / N, var = (sum x^2 - N mean^2) / (N - 1)
-    with N = the action-token count (all ranks after the all-reduce); (0, 0) for N = 0, std 0 for N = 1."""
+def moments_to_mean_std(moments: Tensor, *, center: float = 0.0) -> tuple[float, float]:
+    """(mean, unbiased std) from summed `masked_moments` taken around `center`: with d = x - c,
+    mean = c + sum d / N and var = (sum d^2 - (sum d)^2 / N) / (N - 1), N = the action-token count (all ranks
+    after the all-reduce); (0, 0) for N = 0, std 0 for N = 1. Exact up to rounding when c is (close to) the
+    mean: take the moments twice, as `masked_mean_std` does (a one-pass c = 0 loses ~ offset^2 / var digits)."""
     s, s2, n = (float(v) for v in moments)
     if n < 1:
         return 0.0, 0.0
-    mean = s / n
-    var = max(s2 - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
-    return mean, var**0.5
+    var = max(s2 - s * s / n, 0.0) / max(n - 1.0, 1.0)
+    return center + s / n, var**0.5
+
+
+def masked_mean_std(
+    x: Tensor, mask: Tensor, reducer: Callable[[Tensor], Tensor] | None = None
+) -> tuple[float, float]:
+    """Two-pass (mean, unbiased std) of x over mask; `reducer` sums the moments over ranks (called twice, in
+    the same order on every rank)."""
+    reduce = reducer if reducer is not None else (lambda t: t)
+    mean, _ = moments_to_mean_std(reduce(masked_moments(x, mask)))
+    return moments_to_mean_std(reduce(masked_moments(x, mask, center=mean)), center=mean)
 
 
 def whiten(x: Tensor, mask: Tensor, *, mean: float, std: float, eps: float = 1e-6) -> tuple[Tensor, Metrics]:
-    """(x - mean) / (std + eps) on action tokens, 0 elsewhere, with the statistics passed in explicitly.
+    """(x - mean) / (std + eps) on action tokens, 0 elsewhere, with the statistics passed in explicitly; all 0
+    when std is 0 (every value equal: no rounding residual of x - mean is blown up by 1 / eps).
 
-    Use `masked_moments` + an all-reduce + `moments_to_mean_std` to get global (all ranks) statistics.
+    Use `masked_mean_std` (with a reducer for global, all-ranks statistics) to get them.
     """
+    if std == 0.0:
+        return torch.zeros_like(x), {"whiten_mean": mean, "whiten_std": std}
     out = torch.where(mask.bool(), (x - mean) / (std + eps), 0.0)
     return out, {"whiten_mean": mean, "whiten_std": std}
 
 
 def batch_whiten(x: Tensor, inputs: AdvantageInputs, eps: float) -> tuple[Tensor, Metrics]:
     """Whiten over all action tokens of the batch (of all ranks when `inputs.stats_reducer` is set)."""
-    moments = masked_moments(x, inputs.action_mask)
-    if inputs.stats_reducer is not None:
-        moments = inputs.stats_reducer(moments)
-    mean, std = moments_to_mean_std(moments)
+    mean, std = masked_mean_std(x, inputs.action_mask, inputs.stats_reducer)
     return whiten(x, inputs.action_mask, mean=mean, std=std, eps=eps)
 
 
@@ -269,7 +286,19 @@ def scores_to_advantages(
     return adv, returns, {**summarize(adv, returns, inputs), **metrics}
 
 
+def equal_groups(groups: Tensor) -> Tensor:
+    """[G, 1] bool: the groups whose rewards are all equal (max == min). They carry no group-relative signal;
+    the group estimators set their scores to exactly 0 (in float32, r - mean(r) leaves a rounding residual
+    that a std of 0 would turn into a large advantage)."""
+    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+
+
+def zero_equal_groups(scores: Tensor, groups: Tensor) -> Tensor:
+    """[G, n] scores with the rows of `equal_groups(groups)` set to exactly 0, flattened to [B]."""
+    return torch.where(equal_groups(groups), 0.0, scores).reshape(-1)
+
+
 def group_stats_metrics(groups: Tensor) -> Metrics:
     """Fraction of groups whose rewards are all equal (they carry no group-relative signal)."""
-    same = (groups.amax(dim=1) == groups.amin(dim=1)).float().mean()
+    same = equal_groups(groups).float().mean()
     return {"zero_std_group_frac": float(same)}

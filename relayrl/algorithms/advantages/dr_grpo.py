@@ -8,6 +8,7 @@ Paper: Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective"
 It removes GRPO's two biases: the per-question std division (here) and the per-response length
 normalisation (pair it with the aggregation `seq_mean_token_sum_norm`, a constant denominator such as the
 max generation length). Denominator: the group mean divides by n. Defaults gamma = 1. Needs group_size >= 2.
+A group whose rewards are all equal (max == min) gets s = 0 exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from relayrl.algorithms.advantages.base import (
     group_stats_metrics,
     group_view,
     scores_to_advantages,
+    zero_equal_groups,
 )
 
 
@@ -36,6 +38,6 @@ def dr_grpo(
     """Dr. GRPO advantages. Uses gamma (lam, eps unused). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs, need_group=True)
     g = group_view(float_rewards(inputs), inputs.group_size)
-    scores = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    scores = zero_equal_groups(g - g.mean(dim=1, keepdim=True), g)
     adv, ret, metrics = scores_to_advantages(scores, inputs, gamma=gamma, eps=eps, whiten=bool(whiten))
     return adv, ret, {**metrics, **group_stats_metrics(g)}

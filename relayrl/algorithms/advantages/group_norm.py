@@ -9,7 +9,8 @@ Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning 
     A_t = G_t = sum_{k >= t} gamma^(k - t) R_k            (= s_i on every action token when beta = 0, gamma = 1)
 
 Denominators: the group mean divides by n, the group variance by n - 1. Defaults gamma = 1, eps = 1e-6. A
-group with equal rewards gets s = 0. Needs group_size >= 2.
+group with equal rewards (max == min) gets s = 0 exactly (zeroed, not computed: in float32 r - mean r leaves
+a rounding residual that the zero std would divide). Needs group_size >= 2.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from relayrl.algorithms.advantages.base import (
     group_stats_metrics,
     group_view,
     scores_to_advantages,
+    zero_equal_groups,
 )
 
 
@@ -38,6 +40,6 @@ def group_norm(
     """GRPO advantages. Uses gamma, eps (lam unused). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs, need_group=True)
     g = group_view(float_rewards(inputs), inputs.group_size)
-    scores = ((g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + eps)).reshape(-1)
+    scores = zero_equal_groups((g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + eps), g)
     adv, ret, metrics = scores_to_advantages(scores, inputs, gamma=gamma, eps=eps, whiten=bool(whiten))
     return adv, ret, {**metrics, **group_stats_metrics(g)}

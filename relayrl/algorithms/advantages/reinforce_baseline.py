@@ -11,6 +11,7 @@ Denominators: the group mean divides by n; the whitening mean by N and its (unbi
 N = action tokens of the whole batch (all data-parallel ranks when `AdvantageInputs.stats_reducer` sums the
 moments across ranks). Defaults gamma = 1, eps = 1e-6; `whiten=False` skips the whitening. Needs
 group_size >= 2.
+A group whose rewards are all equal (max == min) gets s = 0 exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from relayrl.algorithms.advantages.base import (
     group_stats_metrics,
     group_view,
     scores_to_advantages,
+    zero_equal_groups,
 )
 
 
@@ -39,7 +41,7 @@ def reinforce_baseline(
     """REINFORCE++-baseline advantages. Uses gamma, eps (lam unused). -> (A [B,T], G [B,T], metrics)."""
     check_inputs(inputs, need_group=True)
     g = group_view(float_rewards(inputs), inputs.group_size)
-    scores = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    scores = zero_equal_groups(g - g.mean(dim=1, keepdim=True), g)
     adv, ret, metrics = scores_to_advantages(
         scores, inputs, gamma=gamma, eps=eps, whiten=True if whiten is None else whiten
     )

@@ -9,6 +9,7 @@ Feedback in LLMs", arXiv 2402.14740 (baseline from Kool et al. 2019).
 
 Defaults gamma = 1. Needs group_size n >= 2 (the leave-one-out mean divides by n - 1). Equivalently
 s_i = n / (n - 1) * (r_i - mean_group r). `whiten=True` adds batch whitening as in `reinforce`.
+A group whose rewards are all equal (max == min) gets s = 0 exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from relayrl.algorithms.advantages.base import (
     group_stats_metrics,
     group_view,
     scores_to_advantages,
+    zero_equal_groups,
 )
 
 
@@ -38,6 +40,6 @@ def rloo(
     check_inputs(inputs, need_group=True)
     n = inputs.group_size
     g = group_view(float_rewards(inputs), n)
-    scores = (g - (g.sum(dim=1, keepdim=True) - g) / (n - 1)).reshape(-1)
+    scores = zero_equal_groups(g - (g.sum(dim=1, keepdim=True) - g) / (n - 1), g)
     adv, ret, metrics = scores_to_advantages(scores, inputs, gamma=gamma, eps=eps, whiten=bool(whiten))
     return adv, ret, {**metrics, **group_stats_metrics(g)}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
 from relayrl.distributed.launch.oom import call_method
+from relayrl.distributed.launch.profile import profiled
 from relayrl.distributed.launch.watchdog import StallWatch
 
 P = ParamSpec("P")
@@ -51,7 +52,9 @@ class LocalRole(Generic[W]):
         # an out-of-memory error becomes one line naming role, rank 0 and phase (launch.oom)
         name = method.__name__
         with self.watch.watching(self.name, 0, name):
-            return call_method(self.instance, self.name, 0, name, args, kwargs)
+            return profiled(
+                self.name, 0, name, lambda: call_method(self.instance, self.name, 0, name, args, kwargs)
+            )
 
     def submit(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> Done[R]:
         return Done(self.call(method, *args, **kwargs))

@@ -39,13 +39,14 @@ from relayrl.distributed.launch.base import RoleError
 from relayrl.distributed.launch.failures import Stalled, gather
 from relayrl.distributed.launch.oom import call_method
 from relayrl.distributed.launch.placement import MODEL_FREE, Pool, cpu_share, plan_pools, rank_gpus
+from relayrl.distributed.launch.profile import CALL_ENV, PROFILE_ENV, profiled
 from relayrl.distributed.launch.watchdog import StallWatch
 
 P = ParamSpec("P")
 R = TypeVar("R")
 W = TypeVar("W")
 
-PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH")
+PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH", PROFILE_ENV, CALL_ENV)
 """Environment variables of the driver that Ray actors inherit (when set)."""
 
 
@@ -85,7 +86,12 @@ class RankHost:
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with self.watch.watching(self.role, self.rank, method):
-            return call_method(self.worker, self.role, self.rank, method, args, kwargs)
+            return profiled(
+                self.role,
+                self.rank,
+                method,
+                lambda: call_method(self.worker, self.role, self.rank, method, args, kwargs),
+            )
 
     def stop(self) -> None:
         close = getattr(self.worker, "close", None)

@@ -75,6 +75,18 @@ class WeightGroup:
         else:
             raise ValueError(f"WeightGroup backend must be nccl or gloo, got {backend!r}")
 
+    @classmethod
+    def on(cls, channel: Channel, rank: int) -> WeightGroup:
+        """Join `channel`'s group as `rank` (0: the sender; 1..world-1: the receiving processes)."""
+        return cls(
+            channel.address,
+            channel.port,
+            rank=rank,
+            world=channel.world,
+            backend=channel.backend,
+            timeout_s=channel.timeout_s,
+        )
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` into every other rank's `tensor` (same shape and dtype everywhere), in place."""
         opts = dist.BroadcastOptions()
@@ -102,14 +114,7 @@ class BroadcastSender:
         self.group: WeightGroup | None = None
 
     def join(self, channel: Channel) -> None:
-        self.group = WeightGroup(
-            channel.address,
-            channel.port,
-            rank=0,
-            world=channel.world,
-            backend=channel.backend,
-            timeout_s=channel.timeout_s,
-        )
+        self.group = WeightGroup.on(channel, 0)
 
     @torch.no_grad()
     def send(self, model: torch.nn.Module) -> None:
@@ -132,14 +137,7 @@ class ModuleReceiver:
 
     def join(self, channel: Channel, layout: Layout) -> None:
         """`layout` equals this receiver's own (connect_engines checked it before anyone joined)."""
-        self.group = WeightGroup(
-            channel.address,
-            channel.port,
-            rank=self.rank,
-            world=channel.world,
-            backend=channel.backend,
-            timeout_s=channel.timeout_s,
-        )
+        self.group = WeightGroup.on(channel, self.rank)
 
     @torch.no_grad()
     def receive(self, version: int) -> None:

@@ -146,14 +146,7 @@ class TensorParallelReceiver:
                 f"tensor-parallel engine: the sender's tensors {missing[:3]} have no shard here"
             )
         self.sent = layout
-        self.group = WeightGroup(
-            channel.address,
-            channel.port,
-            rank=self.rank,
-            world=channel.world,
-            backend=channel.backend,
-            timeout_s=channel.timeout_s,
-        )
+        self.group = WeightGroup.on(channel, self.rank)
 
     @torch.no_grad()
     def receive(self, version: int) -> None:

@@ -21,6 +21,7 @@ from relayrl.algorithms.distill import reverse_kl_rewards
 from relayrl.algorithms.experience import RewardNorm, compute_advantages, shape_rewards
 from relayrl.algorithms.filtering import dynamic_filter, group_rows
 from relayrl.config.rl import FilterConfig, ResolvedRL, RLConfig
+from relayrl.workers.base import SequenceBatch
 
 
 def _reward(t: Trajectory) -> float:
@@ -81,6 +82,23 @@ def step_dense_rewards(
         return dense, {}
     kd, m = reverse_kl_rewards(student_logprobs, teacher_logprobs, action_mask, coef=cfg.distill.coef)
     return (kd if dense is None else dense + kd), {f"distill/{k}": v for k, v in m.items()}
+
+
+def distill_and_dense(
+    trajs: list[Trajectory],
+    cfg: RLConfig,
+    batch: SequenceBatch,
+    rewards: Tensor,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor | None,
+) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    """(outcome rewards, dense rewards or None, metrics) of a step: `step_dense_rewards`, and with a teacher
+    and distill.outcome false (pure distillation) the outcome rewards zeroed (the reverse KL is the reward)."""
+    width = batch.input_ids.shape[1]
+    dense, m = step_dense_rewards(trajs, cfg, width, student_logprobs, teacher_logprobs, batch.action_mask)
+    if teacher_logprobs is not None and not cfg.distill.outcome:
+        rewards = torch.zeros_like(rewards)
+    return rewards, dense, m
 
 
 def filter_groups(

@@ -24,8 +24,9 @@ run samples exactly what an uninterrupted one would have (exact resume).
 
 Run folder (train.output_dir, default runs/rl): config.yaml, data/ (task rows), metrics.jsonl, samples.jsonl,
 tensorboard/, checkpoints/step_<N>/{policy,critic}/ (HF folders + worker_state.pt), curves.png, final/ (HF).
-Exit codes: 0 done, 1 stopped on an error (message printed), 2 bad config, 130 / 143 interrupted by
-SIGINT / SIGTERM after writing a checkpoint.
+Exit codes: 0 done, 1 stopped on an error (message printed; also a run in which no step had a non-zero advantage:
+nothing was learned, no final/ written), 2 bad config, 130 / 143 interrupted by SIGINT / SIGTERM after writing a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -45,15 +46,20 @@ from relayrl.config.command_line import run_command
 from relayrl.config.rl import RLConfig
 from relayrl.trainers.rl.async_rollout import build_rollout_strategy
 from relayrl.trainers.rl.eval import evaluate
-from relayrl.trainers.rl.experience import step_advantages, step_dense_rewards, trajectory_rewards
-from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, log_samples, plot_curves
+from relayrl.trainers.rl.experience import distill_and_dense, step_advantages, trajectory_rewards
+from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, banner_text, log_samples, plot_curves
 from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
 from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
 from relayrl.trainers.rl.setup import prepare_run
 from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 from relayrl.training.loop import LoopSettings, due
 from relayrl.training.sampler import ResumableSampler, batches_drawn
-from relayrl.training.setup import build_checkpoint_manager, build_logger, checkpoint_to_resume
+from relayrl.training.setup import (
+    build_checkpoint_manager,
+    build_logger,
+    checkpoint_to_resume,
+    release_run_dir,
+)
 from relayrl.training.signals import SignalFlag
 from relayrl.workers.base import Experience, collate
 from relayrl.workers.builders import exact_on_policy
@@ -105,19 +111,6 @@ def settings_of(cfg: RLConfig) -> LoopSettings:
     )
 
 
-def banner_text(cfg: RLConfig, info: dict, run_dir: Path, on_policy: bool) -> str:
-    """The start-up line: algorithm, model, precision, layout, engine, ranks, steps, run folder."""
-    a = cfg.algo
-    return (
-        f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
-        f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
-        f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
-        f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
-        f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
-        f"{'skipped (exactly on-policy)' if on_policy else 'on'}; run folder {run_dir}"
-    )
-
-
 class RLTrainer:
     """Builds the run (config check, prompts, roles, logger, checkpoints) and runs the loop."""
 
@@ -131,6 +124,8 @@ class RLTrainer:
         self.reward_norm = build_reward_norm(cfg.reward)
         self.step = 0
         self.skipped = 0
+        self.learned = False
+        """Whether any step so far had a non-zero advantage on an action token (else the run learned nothing)."""
         self.version = 0
         """The policy version the engine holds: the step of the last weight sync (async staleness counts it)."""
         self.rollouts = build_rollout_strategy(cfg.train, cfg.rollout)
@@ -194,25 +189,18 @@ class RLTrainer:
         batch = collate(trajs, self.pad_id)
         rewards, metrics = trajectory_rewards(trajs, self.cfg, self.reward_norm)
         r = self.roles
-        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, batch)
-        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, batch)
-        teacher = None if r.teacher is None else r.teacher.submit(ReferenceWorker.logprobs, batch)
-        values = None if r.critic is None else r.critic.submit(CriticWorker.values, batch)
+        rows = r.rows(batch)  # on Ray: put once, each rank fetches its share
+        old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, rows)
+        ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, rows)
+        teacher = None if r.teacher is None else r.teacher.submit(ReferenceWorker.logprobs, rows)
+        values = None if r.critic is None else r.critic.submit(CriticWorker.values, rows)
         old_lp = old.result() if old is not None else None
         ref_lp = ref.result() if ref is not None else None
         values_t = values.result() if values is not None else None
         student_lp = old_lp if old_lp is not None else batch.rollout_logprobs
-        dense, m = step_dense_rewards(
-            trajs,
-            self.cfg,
-            batch.input_ids.shape[1],
-            student_lp,
-            teacher.result() if teacher is not None else None,
-            batch.action_mask,
-        )
+        teacher_lp = teacher.result() if teacher is not None else None
+        rewards, dense, m = distill_and_dense(trajs, self.cfg, batch, rewards, student_lp, teacher_lp)
         metrics.update(m)
-        if teacher is not None and not self.cfg.distill.outcome:
-            rewards = torch.zeros_like(rewards)  # pure distillation: the reverse KL is the whole reward
         adv, ret, _, m = step_advantages(
             self.cfg,
             rewards=rewards,
@@ -224,6 +212,7 @@ class RLTrainer:
             dense=dense,
         )
         metrics.update(m)
+        self.learned = self.learned or bool((adv[batch.action_mask.bool()] != 0).any())
         if old_lp is not None:  # the engine's log-probs against the trainer's, before the update
             mm = logprob_mismatch(old_lp, batch.rollout_logprobs, batch.action_mask)
             metrics.update({f"mismatch/{k}": v for k, v in mm.items()})
@@ -240,9 +229,12 @@ class RLTrainer:
 
     def update(self, exp: Experience, kl: float) -> dict[str, float]:
         """Policy and critic updates (in parallel across roles); then the KL controller."""
-        jobs = [self.roles.policy.submit(PolicyWorker.update, exp, self.kl_ctl.value)]
+        rows = self.roles.rows(
+            exp
+        )  # on Ray: only the rows' new fields are put; the tokens were, for make_experience
+        jobs = [self.roles.policy.submit(PolicyWorker.update, rows, self.kl_ctl.value)]
         if self.roles.critic is not None:
-            jobs.append(self.roles.critic.submit(CriticWorker.update, exp))
+            jobs.append(self.roles.critic.submit(CriticWorker.update, rows))
         metrics: dict[str, float] = {"train/kl_coef": self.kl_ctl.value}
         for job in jobs:
             metrics.update(job.result())
@@ -301,6 +293,7 @@ class RLTrainer:
             plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             self.roles.close()  # aborts a batch still in flight
             self.rollouts.close(timeout=60)
+            release_run_dir(self.run_dir)
         return result
 
     def _loop(
@@ -349,6 +342,16 @@ class RLTrainer:
             result.message = (
                 f"no update was made: all {self.step - self._start_step} step(s) of this run were skipped "
                 f"(last: {result.message or 'nothing to train'}); the model is unchanged, no final model written"
+            )
+        elif not self.learned and self.step > self._start_step:
+            # every advantage was 0 (e.g. greedy sampling: a prompt's samples are identical, each group's
+            # rewards equal): the policy loss was 0 at every step, so the "final model" is the starting one
+            result.exit_code = 1
+            result.message = (
+                f"nothing to learn: no step of the run had a non-zero advantage ({self.cfg.algo.advantage}, "
+                f"rollout.temperature {self.cfg.rollout.temperature}, {self.cfg.rollout.n_samples} samples per "
+                "prompt: every group's rewards were equal); no final model written. Sample with "
+                "--rollout.temperature > 0, or use a reward that tells the samples apart"
             )
         else:
             latest = self.ckpt.latest()
@@ -417,6 +420,7 @@ class RLTrainer:
             "skipped": self.skipped,
             "total_steps": self.cfg.train.max_steps,
             "prompts_drawn": batches_drawn(sampler),
+            "learned": self.learned,
         }
         return self.ckpt.save(self.step, models=models, trainer_state=state, extra=extra, metric=metric)
 
@@ -438,6 +442,7 @@ class RLTrainer:
             self.reward_norm.load_state_dict(loaded.extra["reward_norm"])
         self.step = self.version = loaded.step
         self.skipped = int(loaded.trainer_state.get("skipped", 0))
+        self.learned = bool(loaded.trainer_state.get("learned", True))
         print(f"relayrl rl: resumed from {path} (step {self.step})", flush=True)
         return True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 from dataclasses import dataclass, replace
@@ -76,7 +77,7 @@ def reads_labels(func: Any) -> bool:
     """True when a Python reward function reads its `labels` argument (a load of that name in its code)."""
     import dis
 
-    code = getattr(func, "__code__", None)
+    code = getattr(inspect.unwrap(func), "__code__", None)  # the user's function, not its sys.exit guard
     if code is None:
         return False
     return any(i.opname.startswith("LOAD") and i.argval == "labels" for i in dis.get_instructions(code))

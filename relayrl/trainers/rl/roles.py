@@ -8,6 +8,8 @@
         roles.critic     RoleHandle[CriticWorker]     when the advantage estimator needs values, else None
         roles.engines    RoleHandle[EngineWorker]     dist.num_engines > 0 (ray), else None
         roles.generator  the engines, else the policy (RoleHandle[Generates])
+    roles.rows(batch_or_experience)    what the workers read: the record itself (local), or its rows in Ray's object
+                                       store, each put once per step; each rank fetches only its share
     roles.sync_weights(version); roles.close()
     kl_ctl = build_kl_controller(cfg.algo); norm = build_reward_norm(cfg.reward)
 
@@ -17,9 +19,9 @@ Each role gets the component configs it reads (relayrl/workers/*Spec); the launc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
 from relayrl.algorithms.registry import needs_critic, needs_reference
@@ -27,15 +29,19 @@ from relayrl.algorithms.shaping import FixedRewardNorm, RunningRewardNorm
 from relayrl.config.rl import AlgoConfig, ResolvedRL, RewardConfig, RLConfig
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
+from relayrl.distributed.launch.rows import RowStore
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
 from relayrl.models.value_head import reward_stats
 from relayrl.rollout.build import engine_capabilities
+from relayrl.workers.base import Rows
 from relayrl.workers.critic import CriticSpec, CriticWorker
 from relayrl.workers.engine import EngineSpec, EngineWorker
 from relayrl.workers.policy import PolicySpec, PolicyWorker
 from relayrl.workers.proxies import Generates
 from relayrl.workers.reference import ReferenceSpec, ReferenceWorker
 from relayrl.workers.reward import RewardWorker, reward_spec
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------ roles
@@ -52,6 +58,16 @@ class Roles:
     critic: RoleHandle[CriticWorker] | None = None
     engines: RoleHandle[EngineWorker] | None = None
     """Separate engine actors (dist.num_engines > 0), else None: the policy's ranks generate."""
+    store: RowStore = field(default_factory=RowStore)
+    """Ray mode: the step's records, put row by row (relayrl.distributed.launch.rows)."""
+
+    def rows(self, record: T) -> Rows[T]:
+        """What a worker reads of a SequenceBatch / Experience: the record itself in local mode; on Ray, its
+        rows in the object store (each serialised once per step, however many roles and ranks read it;
+        each rank fetches only the rows it reads)."""
+        if self.launcher.mode != "ray":
+            return record  # type: ignore[return-value]  (SequenceBatch and Experience are Rows of themselves)
+        return self.store.put(record)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """The policy's new weights to whoever generates, as `version`; the policy's sync metrics."""

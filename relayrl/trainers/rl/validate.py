@@ -141,12 +141,6 @@ def _check_values(cfg: RLConfig) -> None:
         )
     if not 0.0 <= cfg.ema < 1.0:
         raise ConfigError(f"ema: {cfg.ema} is invalid; expected a decay in [0, 1) (0 = off)", field="ema")
-    if cfg.ema > 0 and cfg.dist.ranks("policy") > 1:
-        raise ConfigError(
-            f"ema: an EMA of a policy sharded over {cfg.dist.ranks('policy')} ranks is not supported yet; set ema 0 "
-            "or run the policy on one rank",
-            field="ema",
-        )
     _check_engines(cfg)
     if cfg.train.async_train:
         for flag, on in (
@@ -172,6 +166,15 @@ def _check_groups(cfg: RLConfig) -> None:
             f"rollout.n_samples: {r.n_samples} is invalid; {a.advantage!r} / dynamic filtering compare the "
             "samples of a prompt, so use >= 2 (or a critic-free single-sample estimator: reinforce)",
             field="rollout.n_samples",
+        )
+    if r.temperature == 0 and needs_groups(a.advantage):
+        warnings.warn(
+            f"rollout.temperature 0 (greedy) with {r.n_samples} samples per prompt: the samples of a prompt are "
+            f"identical, so {a.advantage!r} gets equal rewards and advantage 0 in every group (nothing to "
+            "learn; the run stops with an error if no step had a non-zero advantage); sample with "
+            "--rollout.temperature > 0",
+            ConfigWarning,
+            stacklevel=3,
         )
     if not keeps_groups(r.failure_policy):
         keeping = [n for n, e in FAILURE_POLICIES.items() if e.keeps_groups]

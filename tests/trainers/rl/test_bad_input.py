@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.config.base import ConfigWarning
 from relayrl.trainers.rl.loop import main
 from relayrl.training.logging import read_jsonl
 
@@ -25,6 +26,7 @@ REWARD_FUNCS = {
     ),
     "wrong_length": "def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * (len(queries) + 1)\n",
     "constant": "def reward_func(queries, prompts, labels, **kw):\n    return [1.0] * len(queries)\n",
+    "exits": "import sys\n\n\ndef reward_func(queries, prompts, labels, **kw):\n    sys.exit(0)\n",
     "mostly_constant": (  # every group zero-variance except those whose prompt has a 7 in it
         "def reward_func(queries, prompts, labels, **kw):\n"
         "    return [float(i % 2) if '7' in p else 1.0 for i, p in enumerate(prompts)]\n"
@@ -231,9 +233,42 @@ def test_rerunning_a_finished_run_says_it_is_complete(tiny_model_path, tmp_path,
     argv = _argv(
         tiny_model_path, out, "--reward.source", str(DATA / "digit_reward.py"), "--train.max_steps", "2"
     )
+    # 4 samples per prompt: the 2 of _argv drew no digit in any group under this seed (every advantage 0: a
+    # run with nothing to learn, which ends with exit code 1)
+    argv[argv.index("--rollout.n_samples") + 1] = "4"
     assert main(argv) == 0
     capsys.readouterr()
     assert main(argv) == 0
     said = capsys.readouterr().out
     assert "already complete at step 2" in said and "--train.max_steps" in said
     assert len(read_jsonl(out / "metrics.jsonl")) == 2
+
+
+@pytest.mark.timeout(60)
+def test_greedy_sampling_with_group_baselines_warns_and_stops_with_nothing_to_learn(
+    tiny_model_path, tmp_path, capsys
+):
+    # temperature 0 makes a prompt's samples identical: every group's rewards are equal, every advantage 0,
+    # loss 0 at every step; the run used to exit 0 with a "final" model equal to the starting one
+    out = tmp_path / "run"
+    argv = _argv(
+        tiny_model_path, out, "--algo.preset", "grpo", "--rollout.temperature", "0", "--train.max_steps", "2"
+    )
+    with pytest.warns(ConfigWarning, match=r"rollout.temperature 0 \(greedy\) with 2 samples per prompt"):
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "nothing to learn: no step of the run had a non-zero advantage (group_norm" in err
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2  # the steps ran (and were logged): none had a signal
+    assert not (out / "final").exists()
+
+
+@pytest.mark.timeout(60)
+def test_reward_file_calling_sys_exit_stops_the_run_with_an_error(tiny_model_path, tmp_path, capsys):
+    # it used to end the process with exit 0: no checkpoint, no final/, empty metrics, nothing printed
+    out = tmp_path / "run"
+    reward = _reward(tmp_path, "exits")
+    assert main(_argv(tiny_model_path, out, "--reward.source", reward, "--train.max_steps", "2")) == 1
+    err = capsys.readouterr().err
+    assert f"reward_func in reward file '{reward}' called sys.exit(0) at {reward}, line 5" in err
+    assert not (out / "final").exists()

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer
 
 
 def test_keep_best_ranks_every_eval(tiny_model_path, tmp_path):
-    cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path / "run"), steps=4)
+    # the digit reward: a random tiny model scores 0 on add2 in every group, a run with nothing to learn
+    # (which ends with exit code 1 and no final model)
+    digits = str(Path(__file__).parents[1] / "data" / "digit_reward.py")
+    cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path / "run"), steps=4, reward=digits)
     cfg = replace(
         cfg,
         task=replace(cfg.task, eval_rows=8),

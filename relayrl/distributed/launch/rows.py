@@ -1,0 +1,136 @@
+"""Batches to Ray ranks without sending every rank every row: the driver puts a record (SequenceBatch,
+Experience: slotted dataclasses of [B, ...] tensors) into Ray's object store ONE ROW PER OBJECT, once per
+step, and hands the ranks a small `StoredRows` (row lengths, width, object refs); each rank fetches only the
+rows it reads (its share, relayrl.workers.base.my_update_parts / model_ops.my_rows).
+
+    store = RowStore()                     on the driver (Roles owns one in ray mode)
+    batch_rows = store.put(batch)          every row of the step's SequenceBatch serialised once ...
+    exp_rows = store.put(exp)              ... and reused inside the Experience (only its own fields are new)
+    policy.submit(PolicyWorker.update, exp_rows, kl)      # the ranks: exp_rows.select(my_rows) -> Experience
+
+Before this, `RayRole.submit` put each call's whole argument once and every rank deserialised all of it: a
+step serialised the batch for each of up to three log-prob / value passes and the experience for each of two
+updates (~5x the experience), and each of N ranks read all of it. Now the driver serialises the experience
+once per step (the object refs and lengths besides), and each rank reads ~1/N of it
+(tests/distributed/test_transfer.py counts both).
+
+`select(rows)` returns exactly what the record's own `select(rows)` returns (same rows, trimmed to the
+longest), so the numerics do not depend on the transport. Each row is stored at the batch's full width as ONE
+bytes object: its fields' raw bytes one after another (a copy of the row, bit for bit), the layout (names,
+dtypes, row shapes) kept once in the StoredRows; raw bytes skip pickling, so the store holds the data and
+little else (a small torch tensor pickles with ~300 bytes of header; a tensor view would pickle its whole
+storage). The rows' object refs travel as ONE object (put once per record), so a call's argument is one ref
+plus the row lengths, not B refs. Ray is imported in the functions (optional dependency).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields, is_dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+T = TypeVar("T")
+
+FETCH = {"seconds": 0.0, "rows": 0.0}
+"""This process's running totals of row fetches (seconds in `StoredRows.select`, rows fetched): the
+transfer time of relayrl.distributed.launch.profile."""
+
+
+def _row(record: Any, names: list[str], i: int) -> bytes:
+    """Row i of the named tensor fields of `record` (those not None), their raw bytes one after another."""
+    return b"".join(getattr(record, n)[i].numpy().tobytes() for n in names)
+
+
+def _schema(record: Any, names: list[str]) -> list[tuple[str, np.dtype, tuple[int, ...]] | None]:
+    """(name, numpy dtype, shape of one row) of each named field; None for a field that is None."""
+    out: list[tuple[str, np.dtype, tuple[int, ...]] | None] = []
+    for n in names:
+        x = getattr(record, n)
+        out.append(None if x is None else (n, x[:1].numpy().dtype, tuple(x.shape[1:])))
+    return out
+
+
+class StoredRows(Generic[T]):
+    """A record in Ray's object store, one object per row (see module doc). Satisfies
+    relayrl.workers.base.Rows[T]: `lengths`, `width`, `select(rows)`."""
+
+    def __init__(self, record: T, nested: dict[str, StoredRows[Any]]) -> None:
+        """Put `record`'s own tensor fields row by row; its dataclass fields are `nested` stores (put
+        already)."""
+        import ray
+
+        if not is_dataclass(record):
+            raise TypeError(f"StoredRows holds a dataclass record of [B, ...] tensors, got {type(record)}")
+        self.cls = type(record)
+        self.lengths: list[int] = list(getattr(record, "lengths"))  # noqa: B009  (every record has it)
+        self.width: int = int(getattr(record, "width"))  # noqa: B009
+        self.nested = nested
+        own = [f.name for f in fields(record) if f.name not in nested]
+        self.schema = _schema(record, own)
+        """Each own field's (name, dtype, row shape), or None: the rows are raw bytes in this layout."""
+        self.none = [n for n, s in zip(own, self.schema, strict=True) if s is None]
+        present = [n for n, s in zip(own, self.schema, strict=True) if s is not None]
+        # raw bytes pickle to themselves (no per-array headers): the object store holds the data and little else
+        self.index = ray.put([ray.put(_row(record, present, i)) for i in range(len(self.lengths))])
+        """One object: the list of the rows' object refs (one per row: that row's own fields)."""
+        self._refs: list[Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_refs": None}  # the row refs travel inside `index`, fetched on first use
+
+    def _stacked(self, rows: list[int]) -> T:
+        """The record of `rows` at the full width (not yet trimmed)."""
+        import ray
+
+        if self._refs is None:
+            self._refs = ray.get(self.index)
+        refs = self._refs
+        got = ray.get([refs[i] for i in rows])
+        kw: dict[str, Any] = dict.fromkeys(self.none)
+        offset = 0
+        for s in self.schema:
+            if s is None:
+                continue
+            name, dtype, shape = s
+            count = int(np.prod(shape, dtype=np.int64))
+            column = [np.frombuffer(g, dtype=dtype, count=count, offset=offset).reshape(shape) for g in got]
+            kw[name] = torch.from_numpy(np.stack(column))
+            offset += count * dtype.itemsize
+        for n, sub in self.nested.items():
+            kw[n] = sub._stacked(rows)
+        return self.cls(**kw)
+
+    def select(self, rows: list[int]) -> T:
+        """The record of `rows`, trimmed to its longest row: what `record.select(rows)` returns."""
+        if not rows:
+            raise ValueError("StoredRows.select: no rows")
+        t0 = time.perf_counter()
+        out = self._stacked(rows).select(list(range(len(rows))))  # type: ignore[attr-defined]
+        FETCH["seconds"] += time.perf_counter() - t0
+        FETCH["rows"] += len(rows)
+        return out
+
+
+class RowStore:
+    """The driver's side: puts records row by row, each record once; a record nested in a later one (the
+    step's SequenceBatch inside its Experience) is reused, not put again. Remembers the last few records."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._recent: list[tuple[Any, StoredRows[Any]]] = []
+
+    def put(self, record: T) -> StoredRows[T]:
+        for r, stored in self._recent:
+            if r is record:
+                return stored
+        nested = {
+            f.name: self.put(getattr(record, f.name))
+            for f in fields(record)  # type: ignore[arg-type]  (a dataclass instance: checked by StoredRows)
+            if is_dataclass(getattr(record, f.name))
+        }
+        stored = StoredRows(record, nested)
+        self._recent = [(record, stored), *self._recent][: self.keep]
+        return stored
