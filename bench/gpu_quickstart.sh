@@ -8,7 +8,8 @@
 # The code block under "### On a GPU" in README.md is read from the README itself, and each of its lines runs as
 # written in the repository root, in a fresh venv that sees the machine's packages (--system-site-packages:
 # the image's torch, and vLLM when installed), with three substitutions only:
-#   - `MODEL=...` points at a tiny random Qwen2 folder built here (python -m relayrl.models.tiny, no download);
+#   - `MODEL=...` points at a tiny Qwen2 built and SFT'd on add2 here by `relayrl demo`'s SFT phase (no download;
+#     a random model earns no add2 reward, and such a run stops as "nothing to learn");
 #   - the `pip install` line: when PyPI is unreachable, pip gets --no-index --no-build-isolation (and
 #     --find-links $WHEELS), so it resolves relayrl's dependency ranges against the installed packages (the
 #     GPU image's torch 2.11 + transformers 5.17: the low ends of pyproject's ranges); without vLLM it installs
@@ -79,10 +80,14 @@ for line in "${LINES[@]}"; do
     note=""
     case "$cmd" in
     MODEL=*)
-        MODEL=$WORK/tiny-model
-        python -m relayrl.models.tiny "$MODEL" --hidden 256 > "$OUT/$n.log" 2>&1 # 4 heads of 64 (vLLM kernels)
+        # a tiny Qwen2 (4 heads of 64: vLLM's kernels) SFT'd on add2 by the demo's own SFT phase until it answers
+        # 40% of dev prompts: a random model scores 0 on add2 in every group, and a run with no non-zero
+        # advantage stops as "nothing to learn" (exit 1, no final model) instead of training
+        python -m relayrl.apps.demo --device cuda --hidden 256 --rl_steps 1 --eval_rows 16 \
+            --output_dir "$WORK/demo" > "$OUT/$n.log" 2>&1
+        MODEL=$WORK/demo/sft/model
         export MODEL
-        record "$n" note 0 0 "$cmd" "MODEL=$MODEL (a tiny random Qwen2 built here)"
+        record "$n" note 0 0 "$cmd" "MODEL=$MODEL (a tiny Qwen2 built and SFT'd on add2 here: relayrl demo's SFT phase)"
         continue
         ;;
     pip\ install*)

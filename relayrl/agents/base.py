@@ -46,6 +46,9 @@ class Trajectory:
     """Scalar reward; None until a reward source fills it."""
     score: float | None = None
     """Score used by dynamic filtering and pass@k (defaults to reward)."""
+    dense_rewards: list[float] = field(default_factory=list)
+    """[T] per-token rewards added to the return at their tokens (a process reward model's step scores at
+    step-end tokens, relayrl.agents.rewards.prm), 0.0 elsewhere; empty when the source gives none."""
     status: TrajectoryStatus = TrajectoryStatus.OK
     """OK or FAILED."""
     error: str | None = None

@@ -19,7 +19,11 @@ Field by field (OpenAI's semantics unless said otherwise; `null` always means th
     stream, stream_options      bool; usage is always in the last chunk
     stop                        empty only: stop strings would break token exactness (use stop_token_ids)
     user                        a string; only recorded by OpenAI for abuse monitoring, never a session id
-    tools, tool_choice          tools reach the chat template; tool_choice none / auto (no forced calls)
+    tools                       a list of {"type": "function", "function": {"name": str, ...}}; reach the
+                                chat template; the output's tool calls come back as `tool_calls`
+    tool_choice                 "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+                                (one of the tools); a call other than "none" / "auto" needs tools. The
+                                output is checked against it (tool_calls.py: HTTP 422 when it breaks it)
     presence_penalty,           0 only (not implemented: any other value is refused, never ignored)
       frequency_penalty, logit_bias {}, response_format text, best_of = n, echo false, suffix null
     metadata, store,            accepted and ignored (they change nothing in what is generated)
@@ -40,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from relayrl.agents.tool_calls import ToolPolicy
 from relayrl.rollout.base import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
@@ -97,6 +102,8 @@ class ClientRequest:
     """chat: the messages, content flattened to text (other keys, e.g. tool_calls, reach the template)."""
     tools: list[dict[str, Any]] | None = None
     """chat: the tools, passed to the chat template."""
+    tool_choice: ToolPolicy | None = None
+    """chat: the tools and tool_choice the output is checked against (None: no tools, text as it is)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """chat: extra template variables (chat_template_kwargs)."""
     chat_template: str | None = None
@@ -206,7 +213,6 @@ def _unsupported(body: dict[str, Any], chat: bool) -> None:
     _only(body, "stop", ("", []), "stop strings would break token exactness; use 'stop_token_ids'")
     if chat:
         _only(body, "response_format", ({"type": "text"},), "no constrained decoding")
-        _only(body, "tool_choice", ("none", "auto"), "no forced tool calls; the template decides ('auto')")
         _only(body, "modalities", (["text"],), "text only")
         for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort", "verbosity",
                      "web_search_options"):  # fmt: skip
@@ -283,6 +289,7 @@ def parse_request(
     if chat:
         req.messages = parse_messages(body.get("messages"))
         req.tools = _tools(body.get("tools"))
+        req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
         req.template_kwargs, req.chat_template = template_options(body, allow_chat_template)
     else:
         req.prompt = parse_prompt(body.get("prompt"), vocab_size)
@@ -346,6 +353,35 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(fn.get("name"), str):
             raise _bad(f"tools[{i}].function.name", "a string", fn.get("name"))
     return tools
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolPolicy | None:
+    """The policy the output is checked against (None without tools); a 400 naming tool_choice when it is
+    malformed, asks for a call without tools, or names a function the request does not offer."""
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(name, str):
+            raise _bad("tool_choice", "{'type': 'function', 'function': {'name': ...}}", choice)
+    elif choice is not None and choice not in ("none", "auto", "required"):
+        raise _bad(
+            "tool_choice", "'none', 'auto', 'required' or {'type': 'function', 'function': {...}}", choice
+        )
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise RequestError(
+                "'tool_choice' asks for a tool call but the request has no 'tools'", param="tool_choice"
+            )
+        return None
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        offered = [t["function"]["name"] for t in tools]
+        if name not in offered:
+            raise RequestError(
+                f"'tool_choice' names {name!r}, not one of the request's tools {offered}", param="tool_choice"
+            )
+        return ToolPolicy(tools=tools, choice="function", function=name)
+    return ToolPolicy(tools=tools, choice=choice or "auto")
 
 
 def template_options(body: dict[str, Any], allow_chat_template: bool) -> tuple[dict[str, Any], str | None]:

@@ -30,6 +30,12 @@ token, counts `server/history_rewrites`, sets the response header `X-Relayrl-His
 session's trajectory comes back FAILED (kind "history_rewrite") instead of being silently mis-trained;
 `trace_turn_trajectories` gives one exact trajectory per call instead.
 
+Tools (relayrl.agents.tool_calls): a chat request's OpenAI `tools` (checked with `tool_choice` in
+openai_request.py) go to the chat template (`tools=`, rendered off the loop like the rest); the completion is
+parsed by the template's tool-call parser (`tool_parser`, "auto" picks it from the template) into `tool_calls`
+(finish_reason "tool_calls", openai_response.py); output that breaks `tool_choice` or does not parse answers
+HTTP 422 (type "tool_call_error"), its tokens still recorded in the session trace.
+
 Session sampling defaults (`open_session(sid, params)`): the trainer's temperature / top_p / top_k / seed
 override what the client asks for (the trainer's log-probs assume them) and its max_new_tokens caps
 `max_tokens`. A traced session samples one completion per call (n = 1); requests without a session may ask
@@ -64,6 +70,7 @@ from relayrl.agents.openai_request import (
     template_options,
 )
 from relayrl.agents.openai_response import choice, stream
+from relayrl.agents.tool_calls import ToolCallError, parser_for, template_messages
 from relayrl.agents.traces import SessionTrace, TraceCall, first_diff
 from relayrl.rollout.base import GenerationRequest, SamplingParams
 
@@ -90,11 +97,13 @@ class OpenAIServer:
         max_sessions: int = 100_000,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         allow_client_chat_template: bool = False,
+        tool_parser: str = "auto",
     ) -> None:
         """`max_total_len`: prompt + completion limit (None: the engine's `max_seq_len`); `max_request_bytes`:
         larger bodies get 413; `allow_client_chat_template`: render a template sent by the client (it is
-        code: off by default)."""
+        code: off by default); `tool_parser`: how tool calls are read from the output (tool_calls.py)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.tool_parse = parser_for(tokenizer, tool_parser)
         self.max_total_len = max_total_len or getattr(engine, "max_seq_len", None)
         self.max_sessions, self.max_request_bytes = max_sessions, max_request_bytes
         self.allow_client_chat_template = allow_client_chat_template
@@ -204,7 +213,7 @@ class OpenAIServer:
             kwargs = {**kwargs, "tools": tools}
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **kwargs
+                template_messages(messages), add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as e:  # the template raised (jinja's raise_exception, a missing variable, ...)
             raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from e
@@ -278,8 +287,9 @@ class OpenAIServer:
         )
         stops = stop_ids_of(self.tokenizer, params)
         choices = [
-            choice(self.tokenizer, i, c, stops, chat, req.logprobs) for i, c in enumerate(result.completions)
-        ]
+            choice(self.tokenizer, i, c, stops, chat, req.logprobs, req.tool_choice, self.tool_parse)
+            for i, c in enumerate(result.completions)
+        ]  # after the trace is recorded: a ToolCallError (422) keeps the call's exact tokens traced
         payload = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -307,6 +317,9 @@ class OpenAIServer:
                     return await handler(request)
                 except RequestError as e:
                     return web.json_response(e.payload(), status=e.status)
+                except ToolCallError as e:  # the model's output, not the request: the call stays traced
+                    error = {"message": str(e), "type": "tool_call_error", "param": None, "code": None}
+                    return web.json_response({"error": error}, status=422)
                 except web.HTTPRequestEntityTooLarge:
                     return self._too_large()
                 except web.HTTPException as e:

@@ -6,7 +6,8 @@
         truncation penalty, clipping to [-clip, clip], normalisation (`norm`, e.g. RunningRewardNorm)
     adv, ret, kl, m = compute_advantages(rewards [B], action_mask [B, T], old_logprobs [B, T],
                                          ref_logprobs [B, T] | None, values [B, T] | None, *, advantage,
-                                         gamma, lam, kl_mode, kl_estimator, n_samples, kl_coef)
+                                         gamma, lam, kl_mode, kl_estimator, n_samples, kl_coef,
+                                         dense_rewards [B, T] | None)
         ADVANTAGES[advantage] on the batch: advantages [B, T] and returns [B, T] (float32), the per-token
         KL(pi_old || ref) [B, T] when a reference exists (else None)
 
@@ -85,13 +86,15 @@ def compute_advantages(
     kl_estimator: str,
     n_samples: int,
     kl_coef: float,
+    dense_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Metrics]:
     """(advantages [B, T], returns [B, T], per-token KL [B, T] or None, metrics) of estimator `advantage`.
 
     KL(pi_old || ref) with `kl_estimator` is measured whenever `ref_logprobs` is given (metric rollout/kl); it
     enters the reward only with kl_mode "reward" (R_t = -kl_coef kl_t), the loss only with kl_mode "loss" (in
     the policy objective, not here). Group estimators compare the `n_samples` contiguous samples of a prompt;
-    the others see groups of 1. Metrics: rollout/kl, adv/*."""
+    the others see groups of 1. `dense_rewards` [B, T] (or None): per-token rewards added to R_t (a process
+    reward model's step scores). Metrics: rollout/kl, adv/*."""
     kl, metrics = None, {}
     if ref_logprobs is not None:
         kl, m = kl_estimate(old_logprobs, ref_logprobs, action_mask, estimator=kl_estimator)
@@ -104,6 +107,7 @@ def compute_advantages(
         values=values,
         kl=kl if in_reward else None,
         kl_coef=kl_coef if in_reward else 0.0,
+        dense_rewards=dense_rewards,
     )
     adv, ret, m = ADVANTAGES[advantage](inputs, gamma=gamma, lam=lam)
     metrics.update({f"adv/{k}": v for k, v in m.items()})

@@ -287,7 +287,7 @@ def build_scorer(cfg: GenerateConfig, tokenizer: Any, log: Any, device: str) -> 
     if parsed.kind == "task":
         return build_reward_source(parsed, get_task=get_task, log=log)
     opts: dict[str, Any] = {"log": log}
-    if parsed.kind == "rm":
+    if parsed.kind in ("rm", "prm"):
         opts["device"] = device
     else:
         opts["timeout"] = cfg.reward.timeout_s

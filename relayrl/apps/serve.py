@@ -53,6 +53,7 @@ def _serve(cfg: ServeConfig) -> int:
         tokenizer,
         model_name=name,
         max_total_len=cfg.max_total_len or None,
+        tool_parser=cfg.tool_parser,
         max_request_bytes=int(cfg.max_request_mb * 1024**2),
         allow_client_chat_template=cfg.allow_client_chat_template,
     )

@@ -127,6 +127,9 @@ class ServeConfig:
     vllm_any_version: bool = False
     """engine vllm: start with an installed vLLM outside the release line relayrl supports (at your own risk);
     false refuses, naming both versions."""
+    tool_parser: str = "auto"
+    """How a chat request with `tools` reads tool calls from the output: auto (from the chat template:
+    `<tool_call>` -> hermes), hermes (Hermes / Qwen `<tool_call>{json}</tool_call>`), or none (plain text)."""
     max_request_mb: float = 8.0
     """Largest request body in MiB; a larger one is answered 413 before it is read. Parsing, chat-template
     rendering and tokenization run on worker threads, so a large prompt never holds up other requests."""
@@ -136,6 +139,8 @@ class ServeConfig:
     and renders only the model's own template."""
 
     def __post_init__(self) -> None:
+        if self.tool_parser not in ("auto", "none", "hermes"):
+            raise invalid("tool_parser", self.tool_parser, "auto, none or hermes")
         if not 0.0 <= self.vllm_gpu_util < 1.0:
             raise invalid(
                 "vllm_gpu_util", self.vllm_gpu_util, "a fraction of the GPU's memory in (0, 1), or 0"

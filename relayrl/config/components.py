@@ -142,7 +142,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    """AdamW, gradient clipping and the learning-rate schedule."""
+    """The optimizer (AdamW or Muon), gradient clipping and the learning-rate schedule."""
 
     lr: float = 1e-5
     """Peak learning rate."""
@@ -162,11 +162,18 @@ class OptimConfig:
     """Warmup as a fraction of the total optimizer steps (used when warmup_steps is 0)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr, in [0, 1]."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: Newton-Schulz-orthogonalised momentum on 2-D hidden weights (update RMS matched to AdamW,
+    so the same lr), AdamW on embeddings, heads and 1-D params; clipping acts on the raw gradient before it."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum, in [0, 1); used when name is muon."""
 
     def __post_init__(self) -> None:
         check_choices(self)
         if not self.lr > 0:
             raise invalid("lr", self.lr, "a float > 0")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise invalid("muon_momentum", self.muon_momentum, "a float in [0, 1)")
         if self.weight_decay < 0:
             raise invalid("weight_decay", self.weight_decay, "a float >= 0")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):

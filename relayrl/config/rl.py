@@ -34,6 +34,7 @@ set explicitly (flag or YAML) wins; `validate_rl` fills the rest from the preset
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, NewType
 
@@ -273,8 +274,15 @@ class RewardConfig:
 
     source: str = ""
     """Reward source: task:<name>, a reward_func .py file, http(s) URL(s) of remote RMs (comma-separated),
-    rm:<path> (a local reward model), or agent (the multi-turn agent's own rewards). Empty: the task's
-    reward when `task.name` is set, the agent's own rewards for multi-turn agents."""
+    rm:<path> (a local reward model), prm:<path> (a process reward model: per-step scores), or agent (the
+    multi-turn agent's own rewards). Empty: the task's reward when `task.name` is set, the agent's own
+    rewards for multi-turn agents."""
+    prm_outcome: Literal["dense", "min", "last"] = "dense"
+    """prm:<path> sources: dense (each step's score as a token reward at its last token), min or last (that
+    step score as the sequence reward)."""
+    prm_step_separator: str = "\n"
+    """prm:<path> sources: a generated token whose text contains this ends a step (the last token always
+    does); "" = only the PRM's placeholder token."""
     timeout_s: float = 60.0
     """Timeout of one reward call."""
     clip: float = 0.0
@@ -287,6 +295,24 @@ class RewardConfig:
     """Subtracted from the reward of a response cut at the length limit."""
     normalize: bool = False
     """Running normalisation of rewards."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DistillConfig:
+    """On-policy distillation: a teacher scores every token the policy samples (relayrl.algorithms.distill)."""
+
+    teacher: str = ""
+    """Teacher model folder or hub id (the policy's tokenizer); empty = off. Each action token gets the dense
+    reward -coef * (log pi(x_t) - log teacher(x_t)) (per-token reverse KL); the teacher runs as a role sharded
+    like the reference (dist.ref_*)."""
+    coef: float = 1.0
+    """Weight of the reverse-KL reward, > 0."""
+    outcome: bool = True
+    """Keep the reward source's outcome reward beside it; false: the reverse KL alone (pure distillation)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.coef) and self.coef > 0):
+            raise invalid("coef", self.coef, "a finite float > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -399,6 +425,8 @@ class RLConfig:
     """Rewards."""
     filter: FilterConfig = field(default_factory=FilterConfig)
     """Dynamic filtering."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (off unless distill.teacher is set)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Critic (gae only)."""
     eval: EvalConfig = field(default_factory=EvalConfig)

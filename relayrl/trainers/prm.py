@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from relayrl.agents.rewards.prm import write_prm_file
 from relayrl.algorithms.preference import step_loss
 from relayrl.config.recipes import PRMConfig
 from relayrl.data.preference import build_step_data, single_token
@@ -87,12 +88,17 @@ def prm_recipe(cfg: PRMConfig, tokenizer: Any = None) -> Recipe:
         )
         return train, evals
 
+    def after_fit(handle: Any, result: RecipeResult) -> None:
+        assert result.final_model is not None  # after_fit runs after the export only
+        write_prm_file(result.final_model, p.placeholder, (p.reward_tokens[0], p.reward_tokens[1]))
+
     return Recipe(
         name="prm",
         cfg=cfg,
         loss_fn=partial(prm_loss, good=good, bad=bad),
         load_data=load,
         to_batch=step_batch,
+        after_fit=after_fit,
         describe=f"process reward model (placeholder {p.placeholder!r}, reward tokens {p.reward_tokens})",
     )
 

@@ -1,9 +1,12 @@
 """Optimizer and learning-rate schedule builders shared by every trainer and worker.
 
-    opt, sched = build_optim(model, optim_cfg, total_steps)      AdamW (fused on CUDA) + warmup/decay schedule
+    opt, sched = build_optim(model, optim_cfg, total_steps)      AdamW (fused on CUDA) or Muon (optim.name)
+                                                                 + warmup/decay schedule
     build_optimizer(model, lr=..., weight_decay=..., betas=..., eps=...)   the pieces, for tests and benches
     build_scheduler(opt, total_steps=..., warmup_steps=..., schedule=..., min_lr_ratio=...)
 
+`optim.name` "muon": relayrl.training.muon.Muon (Newton-Schulz-orthogonalised momentum on the 2-D hidden
+weights, AdamW on embeddings, heads and 1-D parameters; one lr for both, see that module).
 AdamW groups: decay on matrices; no decay on biases, norm weights and any other 1-D parameter. The optimizer
 holds the model's own (fp32 master) parameters, so its states are fp32 whatever the compute precision.
 Schedule: linear warmup, then cosine / linear / constant down to `min_lr_ratio` (`lr_factor` has the formula).
@@ -20,13 +23,20 @@ from typing import Any, Protocol
 
 import torch
 
+from relayrl.training.muon import Muon, muon_param_groups
+
 SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "muon")
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
 
 class OptimSettings(Protocol):
     """The fields of an optimizer section (config's OptimConfig) that `build_optim` and `schedule_lr` read."""
 
+    @property
+    def name(self) -> str: ...
+    @property
+    def muon_momentum(self) -> float: ...
     @property
     def lr(self) -> float: ...
     @property
@@ -68,13 +78,22 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
-) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters of `model` (see `param_groups`); fused on CUDA, foreach on CPU."""
-    groups = param_groups(model, weight_decay)
+    name: str = "adamw",
+    muon_momentum: float = 0.95,
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters of `model` (see `param_groups`); fused on CUDA, foreach on CPU.
+    name "muon": `Muon` over `muon_param_groups` (Muon on 2-D hidden weights, AdamW with these betas / eps on
+    the rest)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optim.name must be one of {OPTIMIZERS}, got {name!r}")
+    named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else model
+    groups = muon_param_groups(named, weight_decay) if name == "muon" else param_groups(named, weight_decay)
     if not groups:
         raise ValueError(
             "the model has no trainable parameters (all requires_grad=False): nothing to optimize"
         )
+    if name == "muon":
+        return Muon(groups, lr=lr, momentum=muon_momentum, betas=betas, eps=eps)
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     if on_cuda:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
@@ -167,12 +186,18 @@ def schedule_lr(optim: OptimSettings, step: int, total_steps: int) -> float:
 
 def build_optim(
     model: torch.nn.Module | NamedParams, optim: OptimSettings, total_steps: int
-) -> tuple[torch.optim.AdamW, Schedule]:
-    """(AdamW, LambdaLR) from an OptimConfig (lr, weight_decay, adam_betas, eps, scheduler, warmup_*,
-    min_lr_ratio) for `total_steps` optimizer steps."""
+) -> tuple[torch.optim.Optimizer, Schedule]:
+    """(AdamW or Muon, LambdaLR) from an OptimConfig (name, lr, weight_decay, adam_betas, eps, muon_momentum,
+    scheduler, warmup_*, min_lr_ratio) for `total_steps` optimizer steps."""
     beta1, beta2 = optim.adam_betas  # two floats (OptimConfig checks)
     opt = build_optimizer(
-        model, lr=optim.lr, weight_decay=optim.weight_decay, betas=(beta1, beta2), eps=optim.eps
+        model,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=(beta1, beta2),
+        eps=optim.eps,
+        name=optim.name,
+        muon_momentum=optim.muon_momentum,
     )
     sched = build_scheduler(
         opt,

@@ -4,6 +4,7 @@
                                                            failures marked (never a silent zero)
 
 Source spec (`reward.source`, see RewardConfig): task:<name>, a reward_func .py file, http(s) URL(s), rm:<path>,
+prm:<path> (a process reward model, with reward.prm_outcome / prm_step_separator),
 or "agent" (the multi-turn agent already set its rewards: nothing to do); the grammar is
 relayrl.agents.rewards.spec's. The spec in force is resolved by `reward_spec` before any work starts; a
 `task:` source gets its task from relayrl.tasks here (the reward layer below does not import tasks). As a Ray
@@ -40,6 +41,10 @@ class RewardSpec:
     """Tokenizer folder / id for sources that decode text (reward_func files, remote and local RMs)."""
     timeout_s: float = 60.0
     """Timeout of one reward call."""
+    prm_outcome: str = "dense"
+    """prm: sources: dense, min or last (relayrl.agents.rewards.prm)."""
+    prm_step_separator: str = "\n"
+    """prm: sources: the text that ends a step."""
     seed: int = 0
     """Seed of the worker process."""
 
@@ -56,6 +61,8 @@ def reward_spec(cfg: RLConfig) -> RewardSpec:
         source=source,
         tokenizer=cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
         timeout_s=cfg.reward.timeout_s,
+        prm_outcome=cfg.reward.prm_outcome,
+        prm_step_separator=cfg.reward.prm_step_separator,
         seed=cfg.train.seed + 2,
     )
 
@@ -66,6 +73,8 @@ def build_source(rs: RewardSpec) -> RewardSource:
     parsed = parse_reward_spec(rs.source)
     tokenizer = None if parsed.kind in ("task", "agent") else load_tokenizer(rs.tokenizer)
     options: dict[str, Any] = {} if parsed.kind in ("task", "rm", "agent") else {"timeout": rs.timeout_s}
+    if parsed.kind == "prm":
+        options.update(outcome=rs.prm_outcome, step_separator=rs.prm_step_separator)
     return build_reward_source(parsed, tokenizer=tokenizer, get_task=get_task, **options)
 
 

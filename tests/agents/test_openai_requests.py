@@ -62,7 +62,11 @@ CHAT_BAD = [
     ({"frequency_penalty": 1}, "frequency_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # a call without tools
+    ({"tool_choice": 5}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
     ({"stream": "yes"}, "stream"),
     ({"user": 5}, "user"),

@@ -8,15 +8,28 @@ folder loads with `from_pretrained`.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from relayrl.apps.demo import main
+from relayrl.tasks.arith import Addition
+from relayrl.tasks.registry import TASKS
+
+
+class DigitCredit(Addition):
+    """add2 with a reward a random tiny model can earn: 1 when the answer holds a digit. At toy size the demo's
+    SFT leaves exact match at 0 in every group, and a run without any non-zero advantage stops as "nothing to
+    learn" (exit 1); this reward gives the groups variance, so the plumbing runs to the end."""
+
+    def reward(self, response: str, label: Any) -> float:
+        return 1.0 if any(c.isdigit() for c in response) else 0.0
 
 
 @pytest.mark.timeout(120)
-def test_demo_writes_summary_plot_and_model(tmp_path, capsys):
+def test_demo_writes_summary_plot_and_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(TASKS, "add2", lambda: DigitCredit(digits=2, name="add2"))
     out = tmp_path / "demo"
     argv = [
         "--output_dir",

@@ -18,6 +18,8 @@ from relayrl.training.optim import Schedule, build_optim, move_optimizer_state, 
 class Settings:
     """Not an OptimConfig: only the fields OptimSettings names."""
 
+    name: str = "adamw"
+    muon_momentum: float = 0.95
     lr: float = 0.1
     weight_decay: float = 0.01
     adam_betas: tuple[float, float] = (0.8, 0.9)

@@ -4,6 +4,7 @@ the multi-turn agent's own rewards. The spec grammar is spec.py's.
 source = build_reward_source("examples/reward_func.py")                 # Python reward_func file
 source = build_reward_source("http://127.0.0.1:5000/get_reward,http://127.0.0.1:5001/get_reward")
 source = build_reward_source("rm:/path/to/reward_model")                # local value-head model
+source = build_reward_source("prm:/path/to/prm", outcome="dense")       # process reward model: step scores
 source = build_reward_source("task:add2", get_task=relayrl.tasks.get_task)   # a built-in task's reward
 await source.score(trajs)
 
@@ -20,6 +21,7 @@ from relayrl.agents.base import Trajectory
 from relayrl.agents.rewards.base import RewardBatch, RewardSource, parse_reward_output
 from relayrl.agents.rewards.func import RewardFuncSource, load_reward_func
 from relayrl.agents.rewards.local_rm import LocalRewardModel, LocalRMSource
+from relayrl.agents.rewards.prm import PRMSource, ProcessRewardModel
 from relayrl.agents.rewards.remote import RemoteRewardSource, RemoteRMError
 from relayrl.agents.rewards.spec import SourceSpec, parse_reward_spec, resolve_reward_spec
 from relayrl.agents.rewards.task import TaskRewardSource
@@ -28,6 +30,8 @@ __all__ = [
     "AgentRewards",
     "LocalRMSource",
     "LocalRewardModel",
+    "PRMSource",
+    "ProcessRewardModel",
     "RemoteRMError",
     "RemoteRewardSource",
     "RewardBatch",
@@ -44,6 +48,8 @@ __all__ = [
 
 RM_KEYS = {"batch_size", "max_len", "dtype", "device"}
 """Options of a local reward model (`LocalRewardModel.from_pretrained`); the rest go to its source."""
+PRM_KEYS = {"device", "dtype", "step_separator", "max_len"}
+"""Options of a process reward model (`ProcessRewardModel.from_pretrained`); the rest go to `PRMSource`."""
 
 
 class AgentRewards:
@@ -79,5 +85,10 @@ def build_reward_source(
         return TaskRewardSource(get_task(parsed.target), **options)
     if parsed.kind == "file":
         return RewardFuncSource(parsed.target, tokenizer=tokenizer, **options)
+    if parsed.kind == "prm":
+        prm = ProcessRewardModel.from_pretrained(
+            parsed.target, **{k: v for k, v in options.items() if k in PRM_KEYS}
+        )
+        return PRMSource(prm, **{k: v for k, v in options.items() if k not in PRM_KEYS})
     rm = LocalRewardModel.from_pretrained(parsed.target, **{k: v for k, v in options.items() if k in RM_KEYS})
     return LocalRMSource(rm, **{k: v for k, v in options.items() if k not in RM_KEYS})

@@ -11,6 +11,8 @@ spec to a source.
                                                   a higher layer: the caller passes the task lookup)
     path/to/reward.py                   file      target: a reward_func file
     rm:<path>, or any folder            rm        target: a local reward model folder
+    prm:<path>                          prm       target: a process reward model folder (`relayrl prm`'s
+                                                  export; per-step scores, relayrl.agents.rewards.prm)
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-SourceKind = Literal["agent", "remote", "task", "file", "rm"]
+SourceKind = Literal["agent", "remote", "task", "file", "rm", "prm"]
 
 AGENT = "agent"
 """The spec of the multi-turn agent's own rewards."""
 
 SPEC_FORMS = (
     "a reward_func file 'path/to/reward.py', http(s) URLs (comma-separated or a list) of remote reward "
-    "models, 'rm:<path>' (a local reward model folder), or 'task:<name>' (a built-in task)"
+    "models, 'rm:<path>' (a local reward model folder), 'prm:<path>' (a process reward model folder), or "
+    "'task:<name>' (a built-in task)"
 )
 
 
@@ -36,9 +39,9 @@ class SourceSpec:
     """A parsed reward-source spec (see module doc)."""
 
     kind: SourceKind
-    """Which source: agent, remote, task, file or rm."""
+    """Which source: agent, remote, task, file, rm or prm."""
     target: str = ""
-    """task: the task name; file: the reward_func path; rm: the model folder; "" for agent / remote."""
+    """task: the task name; file: the reward_func path; rm / prm: the model folder; "" for agent / remote."""
     urls: tuple[str, ...] = field(default_factory=tuple)
     """remote: the reward servers' URLs."""
     text: str = ""
@@ -69,6 +72,8 @@ def parse_reward_spec(spec: str | Sequence[str]) -> SourceSpec:
         return SourceSpec(kind="task", target=spec[len("task:") :], text=spec)
     if spec.endswith(".py"):
         return SourceSpec(kind="file", target=spec, text=spec)
+    if spec.startswith("prm:"):
+        return SourceSpec(kind="prm", target=spec[len("prm:") :], text=spec)
     if spec.startswith("rm:") or Path(spec).is_dir():
         return SourceSpec(kind="rm", target=spec[len("rm:") :] if spec.startswith("rm:") else spec, text=spec)
     raise ValueError(f"reward source {spec!r} not understood; give {SPEC_FORMS}")

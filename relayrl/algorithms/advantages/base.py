@@ -16,10 +16,12 @@ get advantage 0 and return 0 and are skipped by the recursion, so "t+1" always m
 token* and the scalar reward lands on the *last action token* of the row. Environment tokens between turns
 are part of the transition; gamma is applied once per action token.
 
-Per-token rewards (KL in the reward, when `kl` is given):
-    R_t = -kl_coef * kl_t + [t = last action token] * s
+Per-token rewards (KL in the reward, when `kl` is given; dense rewards d, when `dense_rewards` is given):
+    R_t = -kl_coef * kl_t + [t = last action token] * s + d_t
 where s is the estimator's scalar (the raw reward r for `gae`/`reinforce`, a group-baselined score for the
-group estimators).
+group estimators) and d_t a dense per-token reward (a process reward model's step scores at the step-end
+tokens), added as is (not baselined or whitened before the returns; the estimator's whitening, if any, acts on
+the returns).
 
 Numerics. Integer / float16 / bfloat16 rewards and values are computed in float32 (float64 stays float64;
 the outputs have that dtype). Non-finite rewards, or non-finite `values` / `kl` on action tokens, raise a
@@ -59,7 +61,10 @@ class AdvantageInputs:
     kl: Tensor | None = None
     """[B, T] float: per-token KL estimate (policy vs reference) for KL-in-reward, else None."""
     kl_coef: float = 0.0
-    """beta: weight of `kl` in the per-token reward R_t = -beta * kl_t + [last] * s."""
+    """beta: weight of `kl` in the per-token reward R_t = -beta * kl_t + [last] * s + d_t."""
+    dense_rewards: Tensor | None = None
+    """[B, T] float: dense per-token rewards d_t added to R_t on action tokens (e.g. process-reward step
+    scores at step ends), else None."""
     stats_reducer: Callable[[Tensor], Tensor] | None = None
     """For batch whitening across data-parallel ranks: a function that sums a small float64 tensor over
     ranks (e.g. `lambda t: (dist.all_reduce(t), t)[1]`); called twice per whitening (two-pass statistics).
@@ -90,7 +95,7 @@ def check_inputs(inputs: AdvantageInputs, *, need_group: bool = False, need_valu
             f"AdvantageInputs.action_mask must be [B, T] with B = len(rewards) = {r.shape[0]}, "
             f"got {tuple(m.shape)}"
         )
-    for name in ("values", "kl"):
+    for name in ("values", "kl", "dense_rewards"):
         x = getattr(inputs, name)
         if x is not None and x.shape != m.shape:
             raise ValueError(
@@ -101,14 +106,14 @@ def check_inputs(inputs: AdvantageInputs, *, need_group: bool = False, need_valu
         raise ValueError(
             f"AdvantageInputs.rewards has non-finite values at rows {bad[:10]}; fix the reward source"
         )
-    for name in ("values", "kl"):
+    for name in ("values", "kl", "dense_rewards"):
         x = getattr(inputs, name)
         if x is not None:
             rows = (~torch.isfinite(x.detach()) & m.bool()).any(dim=1).nonzero().flatten().tolist()
             if rows:
                 raise ValueError(
                     f"AdvantageInputs.{name} has non-finite values on action tokens of rows {rows[:10]}; "
-                    f"check the {'critic' if name == 'values' else 'policy / reference log-probs'}"
+                    f"check the {_SOURCES[name]}"
                 )
     if need_values and inputs.values is None:
         raise ValueError(
@@ -123,6 +128,9 @@ def check_inputs(inputs: AdvantageInputs, *, need_group: bool = False, need_valu
             )
         if r.shape[0] % n:
             raise ValueError(f"batch of {r.shape[0]} rewards is not a whole number of groups of size {n}")
+
+
+_SOURCES = {"values": "critic", "kl": "policy / reference log-probs", "dense_rewards": "dense reward source"}
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -169,8 +177,10 @@ def last_action_index(mask: Tensor) -> Tensor:
     return (mask.bool() * (t + 1)).amax(dim=1).clamp(min=1) - 1
 
 
-def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float) -> Tensor:
-    """R_t = -kl_coef * kl_t + [t = last action token] * score, zero off the action mask. [B, T]."""
+def token_rewards(
+    scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float, dense: Tensor | None = None
+) -> Tensor:
+    """R_t = -kl_coef * kl_t + [t = last action token] * score + dense_t, zero off the action mask. [B, T]."""
     mask = mask.bool()
     dtype = compute_dtype(scores)
     r = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
@@ -178,12 +188,14 @@ def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: floa
         r = torch.where(mask, -kl_coef * kl.detach().to(dtype), 0.0)  # padding KL is never read
     has_action = mask.any(dim=1)
     r = r.scatter_add(1, last_action_index(mask)[:, None], (scores.to(dtype) * has_action)[:, None])
+    if dense is not None:
+        r = r + torch.where(mask, dense.detach().to(dtype), 0.0)
     return r * mask
 
 
 def discounted_returns(scores: Tensor, inputs: AdvantageInputs, gamma: float) -> Tensor:
     """G_t = sum_{k >= t, k action} gamma^{#action tokens between} R_k over action tokens. [B, T]."""
-    r = token_rewards(scores.detach(), inputs.action_mask, inputs.kl, inputs.kl_coef)
+    r = token_rewards(scores.detach(), inputs.action_mask, inputs.kl, inputs.kl_coef, inputs.dense_rewards)
     return masked_backward_scan(r, inputs.action_mask, gamma)
 
 

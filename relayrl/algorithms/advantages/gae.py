@@ -3,7 +3,7 @@
 Paper: Schulman et al., "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
 arXiv 1506.02438; used by PPO (arXiv 1707.06347) and OpenRLHF's PPO.
 
-    R_t     = -beta * kl_t + [t = last action token] * r
+    R_t     = -beta * kl_t + [t = last action token] * r + d_t      (d: dense rewards, when given)
     delta_t = R_t + gamma * V_{t+1} - V_t
     A_t     = delta_t + gamma * lam * A_{t+1}
     returns = A + V
@@ -47,7 +47,9 @@ def gae(
     mask = inputs.action_mask.bool()
     values = inputs.values.detach()
     values = torch.where(mask, values.to(compute_dtype(values)), 0.0)  # padding values are never read
-    r = token_rewards(inputs.rewards.detach().to(values.dtype), mask, inputs.kl, inputs.kl_coef)
+    r = token_rewards(
+        inputs.rewards.detach().to(values.dtype), mask, inputs.kl, inputs.kl_coef, inputs.dense_rewards
+    )
     delta = (r + gamma * next_action_values(values, mask) - values) * mask
     adv = masked_backward_scan(delta, mask, gamma * lam)
     returns = (adv + values) * mask

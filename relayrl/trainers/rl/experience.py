@@ -17,9 +17,11 @@ import torch
 from torch import Tensor
 
 from relayrl.agents.base import Trajectory
+from relayrl.algorithms.distill import reverse_kl_rewards
 from relayrl.algorithms.experience import RewardNorm, compute_advantages, shape_rewards
 from relayrl.algorithms.filtering import dynamic_filter, group_rows
 from relayrl.config.rl import FilterConfig, ResolvedRL, RLConfig
+from relayrl.workers.base import SequenceBatch
 
 
 def _reward(t: Trajectory) -> float:
@@ -45,6 +47,58 @@ def trajectory_rewards(
         clip=r.clip,
         norm=norm,
     )
+
+
+def dense_rewards(trajs: list[Trajectory], width: int) -> Tensor | None:
+    """[B, width] float32 per-token rewards of the trajectories (right-padded like relayrl.workers.base
+    .collate: column t is token t), or None when no trajectory has any (`Trajectory.dense_rewards`)."""
+    if not any(t.dense_rewards for t in trajs):
+        return None
+    out = torch.zeros((len(trajs), width), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        if t.dense_rewards:
+            if len(t.dense_rewards) != len(t.token_ids):
+                raise ValueError(
+                    f"trajectory of sample {t.sample.index}: dense_rewards has {len(t.dense_rewards)} entries "
+                    f"for {len(t.token_ids)} tokens; the reward source must give one per token"
+                )
+            out[i, : len(t.dense_rewards)] = torch.tensor(t.dense_rewards, dtype=torch.float32)
+    return out
+
+
+def step_dense_rewards(
+    trajs: list[Trajectory],
+    cfg: RLConfig,
+    width: int,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor | None,
+    action_mask: Tensor,
+) -> tuple[Tensor | None, dict[str, float]]:
+    """The step's dense rewards [B, width] (or None): the trajectories' own (`dense_rewards`, e.g. a process
+    reward model's) plus, with a teacher, the reverse-KL reward of on-policy distillation
+    (relayrl.algorithms.distill, coefficient distill.coef); metrics distill/reverse_kl."""
+    dense = dense_rewards(trajs, width)
+    if teacher_logprobs is None:
+        return dense, {}
+    kd, m = reverse_kl_rewards(student_logprobs, teacher_logprobs, action_mask, coef=cfg.distill.coef)
+    return (kd if dense is None else dense + kd), {f"distill/{k}": v for k, v in m.items()}
+
+
+def distill_and_dense(
+    trajs: list[Trajectory],
+    cfg: RLConfig,
+    batch: SequenceBatch,
+    rewards: Tensor,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor | None,
+) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    """(outcome rewards, dense rewards or None, metrics) of a step: `step_dense_rewards`, and with a teacher
+    and distill.outcome false (pure distillation) the outcome rewards zeroed (the reverse KL is the reward)."""
+    width = batch.input_ids.shape[1]
+    dense, m = step_dense_rewards(trajs, cfg, width, student_logprobs, teacher_logprobs, batch.action_mask)
+    if teacher_logprobs is not None and not cfg.distill.outcome:
+        rewards = torch.zeros_like(rewards)
+    return rewards, dense, m
 
 
 def filter_groups(
@@ -77,6 +131,7 @@ def step_advantages(
     ref_logprobs: Tensor | None,
     values: Tensor | None,
     kl_coef: float,
+    dense: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, dict[str, float]]:
     """(advantages [B, T], returns [B, T], per-token KL [B, T] or None, metrics) of the step's batch under the
     run's (resolved) `algo` and `rollout.n_samples`: relayrl.algorithms.experience.compute_advantages."""
@@ -94,6 +149,7 @@ def step_advantages(
         kl_estimator=a.kl_estimator,
         n_samples=cfg.rollout.n_samples,
         kl_coef=kl_coef,
+        dense_rewards=dense,
     )
 
 

@@ -46,8 +46,8 @@ from relayrl.config.command_line import run_command
 from relayrl.config.rl import RLConfig
 from relayrl.trainers.rl.async_rollout import build_rollout_strategy
 from relayrl.trainers.rl.eval import evaluate
-from relayrl.trainers.rl.experience import step_advantages, trajectory_rewards
-from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, log_samples, plot_curves
+from relayrl.trainers.rl.experience import distill_and_dense, step_advantages, trajectory_rewards
+from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, banner_text, log_samples, plot_curves
 from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
 from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
 from relayrl.trainers.rl.setup import prepare_run
@@ -108,19 +108,6 @@ def settings_of(cfg: RLConfig) -> LoopSettings:
         save_final=False,
         best_metric=cfg.ckpt.best_metric,
         log_every=max(1, cfg.train.log_every),
-    )
-
-
-def banner_text(cfg: RLConfig, info: dict, run_dir: Path, on_policy: bool) -> str:
-    """The start-up line: algorithm, model, precision, layout, engine, ranks, steps, run folder."""
-    a = cfg.algo
-    return (
-        f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
-        f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
-        f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
-        f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
-        f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
-        f"{'skipped (exactly on-policy)' if on_policy else 'on'}; run folder {run_dir}"
     )
 
 
@@ -205,18 +192,24 @@ class RLTrainer:
         rows = r.rows(batch)  # on Ray: put once, each rank fetches its share
         old = None if self.on_policy else r.policy.submit(PolicyWorker.logprobs, rows)
         ref = None if r.reference is None else r.reference.submit(ReferenceWorker.logprobs, rows)
+        teacher = None if r.teacher is None else r.teacher.submit(ReferenceWorker.logprobs, rows)
         values = None if r.critic is None else r.critic.submit(CriticWorker.values, rows)
         old_lp = old.result() if old is not None else None
         ref_lp = ref.result() if ref is not None else None
         values_t = values.result() if values is not None else None
+        student_lp = old_lp if old_lp is not None else batch.rollout_logprobs
+        teacher_lp = teacher.result() if teacher is not None else None
+        rewards, dense, m = distill_and_dense(trajs, self.cfg, batch, rewards, student_lp, teacher_lp)
+        metrics.update(m)
         adv, ret, _, m = step_advantages(
             self.cfg,
             rewards=rewards,
             action_mask=batch.action_mask,
-            old_logprobs=old_lp if old_lp is not None else batch.rollout_logprobs,
+            old_logprobs=student_lp,
             ref_logprobs=ref_lp,
             values=values_t,
             kl_coef=self.kl_ctl.value,
+            dense=dense,
         )
         metrics.update(m)
         self.learned = self.learned or bool((adv[batch.action_mask.bool()] != 0).any())

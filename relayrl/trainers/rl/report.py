@@ -5,6 +5,7 @@
     RLProgress                      step/total, reward, KL, response length, step time, ETA
     log_samples(trajs, step, run_dir, console=, tokenizer=)   a few prompt / response / reward rows per step
     plot_curves(metrics_jsonl, png)               reward, KL, response length and eval accuracy over steps
+    banner_text(cfg, info, run_dir, on_policy)    the start-up line of a run
 
 Samples: <run>/samples.jsonl gets a few rows every step, with the raw text (the templated prompt, the
 decoded response). The console table (every `train.log_every` steps, with logger.progress_bar) shows a
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.agents.base import Trajectory
+from relayrl.config.rl import RLConfig
 from relayrl.data.records import PromptSample
 from relayrl.training.logging import ConsoleProgress, _scalar, read_jsonl
 
@@ -188,3 +190,16 @@ def plot_curves(metrics_path: Path, png: Path, title: str = "relayrl rl") -> Pat
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def banner_text(cfg: RLConfig, info: dict, run_dir: Path, on_policy: bool) -> str:
+    """The start-up line: algorithm, model, precision, layout, engine, ranks, steps, run folder."""
+    a = cfg.algo
+    return (
+        f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
+        f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
+        f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
+        f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
+        f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
+        f"{'skipped (exactly on-policy)' if on_policy else 'on'}; run folder {run_dir}"
+    )

@@ -4,6 +4,7 @@
         roles.policy     RoleHandle[PolicyWorker]     trains; generates too unless engines are separate
         roles.reward     RoleHandle[RewardWorker]     scores trajectories
         roles.reference  RoleHandle[ReferenceWorker]  when the KL mode needs reference log-probs, else None
+        roles.teacher    RoleHandle[ReferenceWorker]  on-policy distillation's teacher (distill.teacher), else None
         roles.critic     RoleHandle[CriticWorker]     when the advantage estimator needs values, else None
         roles.engines    RoleHandle[EngineWorker]     dist.num_engines > 0 (ray), else None
         roles.generator  the engines, else the policy (RoleHandle[Generates])
@@ -52,6 +53,8 @@ class Roles:
     policy: RoleHandle[PolicyWorker]
     reward: RoleHandle[RewardWorker]
     reference: RoleHandle[ReferenceWorker] | None = None
+    teacher: RoleHandle[ReferenceWorker] | None = None
+    """distill.teacher's frozen model (a reference worker over the teacher, sharded like the reference)."""
     critic: RoleHandle[CriticWorker] | None = None
     engines: RoleHandle[EngineWorker] | None = None
     """Separate engine actors (dist.num_engines > 0), else None: the policy's ranks generate."""
@@ -92,6 +95,8 @@ def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int) -> dict[str, int]:
         sizes["reference"] = d.ranks("ref")
     if needs_critic(algo.advantage):
         sizes["critic"] = d.ranks("critic")
+    if cfg.distill.teacher:
+        sizes["teacher"] = d.ranks("ref")
     if engines:
         sizes["engine"] = engines
     return sizes
@@ -153,6 +158,17 @@ def build_roles(
                 **run,
             )
             reference = launcher.spawn("reference", ReferenceWorker, ref_spec)
+        teacher = None
+        if "teacher" in sizes:
+            teacher_model = replace(cfg.model, name_or_path=cfg.distill.teacher, tokenizer_name_or_path=None)
+            teacher_spec = ReferenceSpec(
+                model=teacher_model,
+                micro_batch_tokens=algo.micro_batch_tokens,
+                temperature=cfg.rollout.temperature,
+                dist=cfg.dist,
+                **run,
+            )
+            teacher = launcher.spawn("teacher", ReferenceWorker, teacher_spec)
         critic = None
         if "critic" in sizes:
             critic_spec = CriticSpec(
@@ -174,7 +190,13 @@ def build_roles(
         launcher.shutdown()
         raise
     return Roles(
-        launcher=launcher, policy=policy, reward=reward, reference=reference, critic=critic, engines=engines
+        launcher=launcher,
+        policy=policy,
+        reward=reward,
+        reference=reference,
+        teacher=teacher,
+        critic=critic,
+        engines=engines,
     )
 
 
