@@ -95,10 +95,14 @@ class DemoConfig:
     """Also run the control: continue SFT for as long as RL took, and measure it the same way."""
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     """Device (the demo is sized for 2 CPU cores)."""
+    threads: int = 1
+    """CPU threads for torch (torch.set_num_threads) during the whole demo. 1: the tiny model's ops are too
+    small to split, and with 2 OpenMP threads on 2 cores every op paid a thread hand-off (measured on the
+    2-core machine: docs/rl.md "The demo")."""
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("sft_steps", "sft_chunk", "rl_steps", "sft_rows", "dev_rows", "eval_rows"):
+        for name in ("sft_steps", "sft_chunk", "rl_steps", "sft_rows", "dev_rows", "eval_rows", "threads"):
             if getattr(self, name) < 1:
                 raise invalid(name, getattr(self, name), "an int >= 1")
 
