@@ -227,7 +227,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     """The whole demo; returns the summary (also written to <output_dir>/summary.json)."""
 
     t0 = time.perf_counter()
-    torch.set_num_threads(2)
+    torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("base", "data", "sft", "rl", "final", "control_sft", "control_eval"):  # a re-run starts fresh
