@@ -24,11 +24,13 @@ STEPS = 4
 
 
 def build(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, PolicyEma]:
-    """The same tiny model on every rank (fixed seed), sharded or not, its AdamW and its EMA."""
+    """The same tiny model on every rank (fixed seed), sharded or not, its optimizer and its EMA. SGD with
+    momentum (state to checkpoint, and linear in the gradient): Adam would scale the fp32 rounding noise of
+    near-zero gradient entries to lr-sized steps, so a 2-rank and a 1-rank run could not be compared tightly."""
     model = build_tiny_model(build_tiny_tokenizer(), TinyModelSpec(hidden=32, layers=2, seed=0))
     if sharded:
         shard_model(model, ShardSpec(device=torch.device("cpu")))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     return model, opt, PolicyEma(model, DECAY)
 
 
