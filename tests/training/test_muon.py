@@ -163,6 +163,7 @@ def _rank_run(rank: int, world: int, store: str, out: str) -> None:
         weights = dict(full_tensors(model))
         if rank == 0:
             torch.save({"weights": weights, "muon_state": step}, out)
+        dist.barrier()  # no rank tears gloo down while its peer is still in a collective (SIGABRT seen in CI)
     finally:
         dist.destroy_process_group()
 
