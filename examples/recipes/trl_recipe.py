@@ -22,11 +22,14 @@ has memory to spare, and it would cost TRL a recomputed forward) and `per_device
 gradient accumulation to the batch (TRL's max_num_seqs for vLLM is that times the accumulation: the whole
 generation batch in one vLLM call).
 
-Timing: `t` counts training time only, from the first step's start (TRL's set-up, vLLM's start-up included,
-is `setup_s` in the summary); each evaluation's time is left out of `t` and summed as `eval_s`. Training stops
-at the first step that ends past --budget-s seconds of training time (or --max-steps). The evaluation is HF
-`generate` (greedy, batched, the training model itself in the trainer's precision), not vLLM: vLLM's weights
-are refreshed only before TRL's next generation.
+Timing, as the recipe's relayrl runs (examples/recipes/recipe.py, Curve): the clock starts once the trainer is
+built (TRL's set-up, vLLM's start-up included, is `setup_s` in the summary, outside `t`); `t` is wall seconds
+since then, evaluations included, and each line also carries `eval_s`, the evaluation seconds so far (so
+`t - eval_s` is training time alone, for either side). Evaluation at t 0, then at the first step ending
+--eval-seconds or more after the previous one; training stops at the first step that ends past --budget-s (that
+step is evaluated) or at --max-steps. Defaults: the recipe's full scale (rl_seconds 270, eval_seconds 30). The
+evaluation is HF `generate` (greedy, batched, the training model itself under the trainer's bf16 autocast), not
+vLLM: vLLM's weights are refreshed only before TRL's next generation.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: no hub look-up can hang an offline machine
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples" / "recipes"), str(ROOT / "bench" / "peers")]
 
@@ -80,11 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=float(os.environ.get("TRL_RECIPE_BUDGET_S", 300)),
-        help="training seconds (evaluation left out) after which training stops",
+        default=float(os.environ.get("RECIPE_RL_SECONDS", 270)),
+        help="wall seconds of the run (evaluation included) after which training stops",
     )
     p.add_argument(
-        "--eval-every", type=int, default=0, help="steps between evaluations (0: RL_SETTINGS' or 10)"
+        "--eval-seconds", type=float, default=30.0, help="held-out evaluation every this many seconds"
     )
     p.add_argument("--max-steps", type=int, default=100_000, help="stop after this many steps at the latest")
     p.add_argument(
@@ -108,11 +112,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """RL_SETTINGS, the smoke overrides on --cpu-smoke, and the evaluation interval."""
+    """RL_SETTINGS, with the smoke overrides on --cpu-smoke."""
     s = dict(recipe_task.RL_SETTINGS)
     if args.cpu_smoke:
         s.update(SMOKE)
-    s["eval_every"] = args.eval_every or int(s.get("eval_every", 10))
     return s
 
 
@@ -198,8 +201,8 @@ def heldout_em(model: Any, tok: Any, rows: list[dict[str, Any]], max_new_tokens:
 def make_curve_callback(
     args: argparse.Namespace, s: dict[str, Any], heldout: list[dict[str, Any]], out: Path
 ):
-    """A TrainerCallback that evaluates at step 0, every eval_every steps and at the last step, writes curve
-    lines as it goes, keeps the training clock (evaluation left out) and stops training at the budget."""
+    """A TrainerCallback that starts the clock, evaluates at t 0, every --eval-seconds and at the last step,
+    writes curve lines as it goes and stops training at the budget (module doc: Timing)."""
     import torch
     from transformers import TrainerCallback
 
@@ -212,40 +215,41 @@ def make_curve_callback(
         def __init__(self) -> None:
             self.points: list[dict[str, float]] = []
             self.logs: dict[int, dict[str, float]] = {}
-            self.eval_s = 0.0
-            self.train_start = 0.0
+            self.t0 = self.eval_s = 0.0
+            self.next_at = 0.0
             self.last_eval_step = -1
 
-        def train_s(self) -> float:
-            return now() - self.train_start - self.eval_s
+        def elapsed(self) -> float:
+            return now() - self.t0
 
-        def evaluate(self, step: int, t: float, model: Any, tok: Any) -> None:
-            t0 = now()
+        def evaluate(self, step: int, model: Any, tok: Any) -> None:
+            t = self.elapsed()
             em = heldout_em(model, tok, heldout, s["max_new_tokens"], args.eval_batch)
-            self.eval_s += now() - t0
-            point = {"t": round(t, 3), "step": step, "heldout_em": em}
+            took = self.elapsed() - t
+            self.eval_s += took
+            point = {"t": round(t, 3), "step": step, "heldout_em": em, "eval_s": round(self.eval_s, 3)}
             self.points.append(point)
-            self.last_eval_step = step
+            self.last_eval_step, self.next_at = step, t + args.eval_seconds
             with (out / "curve.jsonl").open("a") as f:
                 f.write(json.dumps(point) + "\n")
             print(
-                f"trl_recipe: step {step} t {t:.1f}s heldout_em {em:.4f} (eval {now() - t0:.1f}s)", flush=True
+                f"trl_recipe: t {t:.1f}s step {step} held-out exact match {em:.3f} (eval {took:.1f}s)",
+                flush=True,
             )
 
         def on_train_begin(self, a, state, control, model=None, processing_class=None, **kw):
-            self.train_start = now()
-            self.evaluate(0, 0.0, model, processing_class)
+            self.t0 = now()
+            self.evaluate(0, model, processing_class)
 
         def on_step_end(self, a, state, control, model=None, processing_class=None, **kw):
-            t, step = self.train_s(), state.global_step
-            if t >= args.budget_s or step >= args.max_steps:
+            if self.elapsed() >= args.budget_s or state.global_step >= args.max_steps:
                 control.should_training_stop = True
-            if step % s["eval_every"] == 0 or control.should_training_stop:
-                self.evaluate(step, t, model, processing_class)
+            if control.should_training_stop or self.elapsed() >= self.next_at:
+                self.evaluate(state.global_step, model, processing_class)
 
         def on_train_end(self, a, state, control, model=None, processing_class=None, **kw):
             if self.last_eval_step != state.global_step:  # stopped some other way (the dataset ran out)
-                self.evaluate(state.global_step, self.train_s(), model, processing_class)
+                self.evaluate(state.global_step, model, processing_class)
 
         def on_log(self, a, state, control, logs=None, **kw):
             self.logs.setdefault(state.global_step, {}).update(logs or {})
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     setup_s = time.perf_counter() - t0
     trainer.train()
-    train_s = curve.points[-1]["t"]
+    last = curve.points[-1]
     summary = {
         "run": RUN_NAME,
         "sft": str(sft),
@@ -306,11 +310,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sft_em": curve.points[0]["heldout_em"],
         "final_em": curve.points[-1]["heldout_em"],
         "best_em": max(p["heldout_em"] for p in curve.points),
-        "train_s": train_s,
-        "eval_s": round(curve.eval_s, 3),
+        "run_s": last["t"],
+        "train_s": round(last["t"] - last["eval_s"], 3),
+        "eval_s": last["eval_s"],
         "setup_s": round(setup_s, 3),
         "wall_s": round(time.perf_counter() - t_start, 3),
         "budget_s": args.budget_s,
+        "eval_seconds": args.eval_seconds,
         "heldout_rows": len(heldout),
         "per_step": {
             step: {k: v for k, v in logs.items() if isinstance(v, int | float)}
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(
-        f"trl_recipe: {summary['steps']} steps, {train_s:.0f}s training + {summary['eval_s']:.0f}s eval + "
+        f"trl_recipe: {summary['steps']} steps, {summary['train_s']:.0f}s training + {summary['eval_s']:.0f}s eval + "
         f"{setup_s:.0f}s set-up; held-out EM {summary['sft_em']:.3f} -> {summary['final_em']:.3f}; wrote {out}"
     )
     return summary

@@ -82,18 +82,21 @@ def _work(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_cpu_smoke_run_writes_the_curve_and_stops_at_the_budget(tmp_path):
     work, out = _work(tmp_path), tmp_path / "out"
-    common = ["--cpu-smoke", "--work", str(work), "--out", str(out)]
-    summary = trl_recipe.main([*common, "--max-steps", "3", "--eval-every", "2"])
+    common = ["--cpu-smoke", "--work", str(work), "--out", str(out), "--max-steps", "3"]
+    summary = trl_recipe.main([*common, "--eval-seconds", "0"])  # an evaluation after every step
     curve = [json.loads(line) for line in (out / "trl_grpo" / "curve.jsonl").read_text().splitlines()]
-    assert [p["step"] for p in curve] == [0, 2, 3]  # step 0, the interval, the last step
-    assert curve[0]["t"] == 0.0 and curve[0]["t"] < curve[1]["t"] < curve[2]["t"]
-    assert all(0.0 <= p["heldout_em"] <= 1.0 for p in curve)
-    assert summary["steps"] == 3 and summary["train_s"] == curve[-1]["t"] and summary["eval_s"] > 0
+    assert [p["step"] for p in curve] == [0, 1, 2, 3]
+    assert curve[0]["t"] == 0.0 and all(0.0 <= p["heldout_em"] <= 1.0 for p in curve)
+    for i in range(3):  # the clock runs through each evaluation (as the recipe's relayrl runs count time)
+        evaluated = curve[i]["eval_s"] - (curve[i - 1]["eval_s"] if i else 0.0)
+        assert evaluated > 0 and curve[i + 1]["t"] - curve[i]["t"] >= evaluated
+    assert summary["steps"] == 3 and summary["eval_s"] == curve[-1]["eval_s"]
+    assert summary["train_s"] == pytest.approx(curve[-1]["t"] - curve[-1]["eval_s"], abs=1e-3)
     assert summary["trl_settings"]["num_generations"] == str(trl_recipe.SMOKE["group_size"])
     assert summary["trl_settings"]["learning_rate"] == str(recipe_task.RL_SETTINGS["learning_rate"])
     assert set(summary["per_step"]) == {1, 2, 3}
 
-    # a budget of 0 s of training: the first step ends past it, is evaluated, and the run stops there
-    summary = trl_recipe.main([*common, "--max-steps", "3", "--eval-every", "2", "--budget-s", "0"])
+    # a budget of 0 s: the first step ends past it, is evaluated, and the run stops there (no other evaluation)
+    summary = trl_recipe.main([*common, "--eval-seconds", "1e9", "--budget-s", "0"])
     curve = [json.loads(line) for line in (out / "trl_grpo" / "curve.jsonl").read_text().splitlines()]
     assert [p["step"] for p in curve] == [0, 1] and summary["steps"] == 1
