@@ -1,13 +1,13 @@
 """The recipe's GRPO through TRL: GRPOTrainer with vLLM colocated, from the recipe's SFT checkpoint.
 
-    torchrun --standalone --nproc_per_node 1 examples/recipes/trl_recipe.py           # one GPU, ~5 min of training
-    python examples/recipes/trl_recipe.py --cpu-smoke --work DIR --out DIR             # 2 tiny steps, no vLLM
+    torchrun --standalone --nproc_per_node 1 examples/recipes/trl_recipe.py     # one GPU, RL_SECONDS (270) of RL
+    python examples/recipes/trl_recipe.py --cpu-smoke --work DIR --out DIR       # tiny CPU steps, no vLLM
 
 Reads what the recipe wrote under $RECIPE_WORK (default /root/recipe): sft/final/ (HF model + tokenizer),
 data/train_prompts.jsonl and data/heldout.jsonl (JSON lines with "prompt", the exact string fed to the model, and
 "answer"). Writes $OUT/trl_grpo/curve.jsonl as it goes, one line per held-out evaluation:
-{"t": training seconds, "step": optimizer steps, "heldout_em": greedy exact match} (step 0 = the SFT model, t 0),
-and $OUT/trl_grpo/summary.json (settings with their sources, times, per-step reward, versions) at the end.
+{"t": seconds (Timing below), "step": optimizer steps, "heldout_em": greedy exact match, "eval_s": evaluation
+seconds so far} (step 0 = the SFT model, t 0), and $OUT/trl_grpo/summary.json (settings with their sources, times, per-step reward, versions) at the end.
 
 Held equal with relayrl's runs (examples/recipes/recipe_task.py): the prompts, the reward (`score`), the
 held-out metric (`exact_match`, greedy, MAX_NEW_TOKENS), and RL_SETTINGS' group size, learning rate (constant,
@@ -27,7 +27,7 @@ built (TRL's set-up, vLLM's start-up included, is `setup_s` in the summary, outs
 since then, evaluations included, and each line also carries `eval_s`, the evaluation seconds so far (so
 `t - eval_s` is training time alone, for either side). Evaluation at t 0, then at the first step ending
 --eval-seconds or more after the previous one; training stops at the first step that ends past --budget-s (that
-step is evaluated) or at --max-steps. Defaults: the recipe's full scale (rl_seconds 270, eval_seconds 30). The
+step is evaluated) or at --max-steps. Defaults: the recipe's full scale (RL_SECONDS 270, eval every 30 s). The
 evaluation is HF `generate` (greedy, batched, the training model itself under the trainer's bf16 autocast), not
 vLLM: vLLM's weights are refreshed only before TRL's next generation.
 """
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=float(os.environ.get("RECIPE_RL_SECONDS", 270)),
+        default=float(os.environ.get("RL_SECONDS", 270)),
         help="wall seconds of the run (evaluation included) after which training stops",
     )
     p.add_argument(
