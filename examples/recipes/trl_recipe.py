@@ -39,6 +39,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (out / "curve.jsonl").write_text("")  # a fresh curve
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])} for r in train])
     curve = make_curve_callback(args, s, heldout, out)
-    config = grpo_config(args, s, out / "trainer")
+    config = grpo_config(args, s, Path(tempfile.mkdtemp(prefix="trl_recipe-")))  # TRL saves nothing there
     t0 = time.perf_counter()
     trainer = GRPOTrainer(
         model=str(sft), reward_funcs=recipe_reward, args=config, train_dataset=dataset, callbacks=[curve]
