@@ -402,6 +402,10 @@ def child(side: str, workload: str, model: str, steps: int, out: str, generation
     summary = run_relayrl(w, model, steps) if side == "relayrl" else run_trl(w, model, steps, generation)
     summary["device"] = torch.cuda.get_device_name(0) if w.device == "cuda" else cpu_name()
     Path(out).write_text(json.dumps(summary))
+    if generation == "vllm":  # in-process vLLM (>= 0.21) can leave non-daemon threads that hang the exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def cpu_name() -> str:
