@@ -399,6 +399,10 @@ def child(side: str, workload: str, model: str, steps: int, out: str, generation
     w = WORKLOADS[workload]
     if w.device == "cpu":
         torch.set_num_threads(CPU_THREADS)
+    if generation == "vllm":
+        from trl_vllm import in_process_engine
+
+        in_process_engine()
     summary = run_relayrl(w, model, steps) if side == "relayrl" else run_trl(w, model, steps, generation)
     summary["device"] = torch.cuda.get_device_name(0) if w.device == "cuda" else cpu_name()
     Path(out).write_text(json.dumps(summary))

@@ -16,6 +16,7 @@ copies the trained weights into vLLM (`sync_weights`, inside `_generate_single_t
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 VLLM_COLOCATE: dict[str, tuple[object, str]] = {
@@ -48,6 +49,12 @@ VLLM_COLOCATE: dict[str, tuple[object, str]] = {
 def vllm_config_kwargs() -> dict[str, Any]:
     """The GRPOConfig keyword arguments of VLLM_COLOCATE."""
     return {k: v for k, (v, _) in VLLM_COLOCATE.items()}
+
+
+def in_process_engine() -> None:
+    """vLLM's engine in this process (not a separate engine-core process): TRL's colocated weight copy reaches
+    the model through `llm.llm_engine.model_executor.driver_worker` (vllm_generation.py), which needs that."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def vllm_problem() -> str:

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples" / "recipes"), str(ROOT / "bench" / "peers")]
 
 import recipe_task  # noqa: E402  (examples/recipes: the task contract every side uses)
-from trl_vllm import VLLM_COLOCATE, vllm_config_kwargs, vllm_problem  # noqa: E402
+from trl_vllm import VLLM_COLOCATE, in_process_engine, vllm_config_kwargs, vllm_problem  # noqa: E402
 
 RUN_NAME = "trl_grpo"
 MICRO_BATCH = 128
@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     if not args.cpu_smoke and (problem := vllm_problem()):
         sys.exit(f"trl_recipe: {problem} (or run --cpu-smoke for the model.generate path)")
+    if not args.cpu_smoke:
+        in_process_engine()
     import datasets
     import torch
     from trl import GRPOTrainer
