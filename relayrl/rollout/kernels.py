@@ -1,3 +1,5 @@
+# pyright: reportInvalidTypeForm=false
+# (a kernel's `tl.constexpr` parameter annotations are markers for Triton's compiler, not types)
 """Fused Triton kernels for the native engine's decode step, each beside the torch code it replaces.
 
 The decode step of a 7B model at batch 256 spent a quarter of its time in small elementwise kernels and a
@@ -28,14 +30,15 @@ and a CUDA device, or TRITON_INTERPRET=1, which the CPU tests set: Triton's inte
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import torch
 
 try:
-    import triton
-    import triton.language as tl
+    import triton  # pyright: ignore[reportMissingImports] (optional: the GPU image has it)
+    import triton.language as tl  # pyright: ignore[reportMissingImports]
 except ImportError:  # no triton: usable() is False and no kernel is ever launched
     triton = None
     tl: Any = None
@@ -229,11 +232,11 @@ def rope_kv_write_ref(
 
 # ----------------------------------------------------------------------------- attention over [0, pos]
 @_jit
-def _decode_attn_kernel(
+def _decode_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, ml_ptr, acc_ptr, scale, sqb, sqh, scb, sch, scp, sob, soh,
     head_dim, n_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    SPLITS: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -266,7 +269,7 @@ def _decode_attn_kernel(
         p_dt = v.dtype
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -275,13 +278,13 @@ def _decode_attn_kernel(
         p = p.to(p_dt)  # flash attention's rounding of the probabilities before the PV product
         if UPCAST:
             p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         m_i = m_new
     om = gm[:, None] & dm[None, :]
     if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * sob + heads[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty), mask=om)
-    else:  # partial (max, sum, acc) per split; _combine_kernel merges them
+    else:  # partial (max, sum, acc) per split; _attention_combine_kernel merges them
         part = (b * n_heads + heads) * SPLITS + sp
         tl.store(ml_ptr + part * 2, m_i, mask=gm)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=gm)
@@ -289,7 +292,7 @@ def _decode_attn_kernel(
 
 
 @_jit
-def _combine_kernel(
+def _attention_combine_kernel(
     ml_ptr, acc_ptr, o_ptr, sob, soh, head_dim, n_heads, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -305,9 +308,14 @@ def _combine_kernel(
     tl.store(o_ptr + b * sob + h * soh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def attention_splits(batch: int, kv_heads: int, kv_len: int, device: torch.device) -> int:
     """KV chunks per (slot, KV head): enough programs for two waves over the SMs, each chunk >= 128 keys."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _sm_count(device)
     splits = 1
     while splits < 16 and batch * kv_heads * splits < 2 * sms and kv_len >= 256 * splits:
         splits *= 2
@@ -335,14 +343,15 @@ def decode_attention(
     acc = torch.empty((bs * n_heads * splits * block_d if splits > 1 else 1,), dtype=torch.float32,
                       device=q.device)  # fmt: skip
     upcast = q.dtype == torch.float32 or q.device.type == "cpu"
-    _decode_attn_kernel[(bs, n_kv, splits)](
+    _decode_attention_kernel[(bs, n_kv, splits)](
         q, k_cache, v_cache, pos, out, ml, acc, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1), d, n_heads,
         GROUP=group, BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, BLOCK_N=64, SPLITS=splits, UPCAST=upcast,
+        PREC="ieee" if upcast else "tf32",  # fp32 operands: exact products (tf32 is ignored for bf16 / fp16)
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(bs, n_heads)](
+        _attention_combine_kernel[(bs, n_heads)](
             ml,
             acc,
             out,
