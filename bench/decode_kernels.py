@@ -73,7 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--no-frozen", action="store_true", help="skip piece 5 (fused projections)")
     add("--profile", action=argparse.BooleanOptionalAction, default=True)
     add("--profile-off", action="store_true", help="profile with the kernels off too (~10 s more at 7B)")
-    add("--budget-s", type=float, default=225.0, help="start no piece after this many seconds")
+    add("--budget-s", type=float, default=200.0, help="start no piece after this many seconds")
     add("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     return p.parse_args(argv)
 
