@@ -227,6 +227,9 @@ def timed(shape: str, model, wl: Workload, label: str, kernels: bool, args) -> d
     engine = runner.impl
     try:
         row, _ = time_rounds(runner, wl, cfg.vocab_size, args.rounds)
+        graphs = engine.graphs.graphs if engine.graphs is not None else {}
+        row["graphs_captured"] = sum(g is not None for g in graphs.values())
+        row["graphs_eager"] = sum(g is None for g in graphs.values())  # a failed capture runs eagerly
     finally:
         runner.close()
     mean_new = wl.tokens / wl.samples
