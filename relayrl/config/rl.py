@@ -111,6 +111,10 @@ class RolloutConfig:
     """Exact on-policy mode (native engine only): the engine and the trainer's log-prob forward run one
     batch-invariant forward (relayrl/rollout/exact.py), so the engine's sampled-token log-probs equal the
     trainer's bit for bit (mismatch exactly 0, first-step ratio exactly 1). Costs speed: see docs/rl.md."""
+    fused_kernels: bool = True
+    """Native engine: decode through fused Triton kernels (residual add + RMSNorm, SiLU x up, rotary + K/V
+    cache write, attention over each sample's own length; relayrl/rollout/kernels.py), used on a CUDA device
+    when triton imports; false: the plain torch ops (to compare, or if a kernel misbehaves)."""
     vllm_args: str = ""
     """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g. '{"enforce_eager": true}',
     '{"max_num_batched_tokens": 8192}'); the arguments relayrl derives from other settings are refused."""
