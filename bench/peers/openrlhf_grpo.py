@@ -195,7 +195,13 @@ def has_nvcc() -> bool:
 
 
 def run_openrlhf(
-    peer_model: Path, gpus: int, shape: str, steps: int, timeout_s: float, torch_adam: bool
+    peer_model: Path,
+    gpus: int,
+    shape: str,
+    steps: int,
+    timeout_s: float,
+    torch_adam: bool,
+    peer_path: str = "",
 ) -> dict[str, Any]:
     out = pc.out_dir()
     with tempfile.TemporaryDirectory(prefix="openrlhf_") as t:
@@ -209,6 +215,8 @@ def run_openrlhf(
         ]
         (out / f"openrlhf-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"RAY_TMPDIR": str(tmp / "ray")})
+        if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
+            env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         if torch_adam:  # DeepSpeed's torch AdamW instead of its JIT-built FusedAdam (see ds_torch_adam/)
             env["PYTHONPATH"] = os.pathsep.join(
                 [str(Path(__file__).resolve().parent / "ds_torch_adam"), env["PYTHONPATH"]]
@@ -226,6 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--warmup", type=int, default=-1, help="leading steps not timed (default 2 / 1 at 7b)"
     )
+    parser.add_argument("--peer-path", default="", help="a folder put first on the peer's PYTHONPATH only")
     parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (all sides)")
     parser.add_argument("--sides", default="relayrl,openrlhf", help="comma list: relayrl, openrlhf")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per side before it is killed")
@@ -262,7 +271,13 @@ def main() -> None:
                 res = pc.run_relayrl(args.shape, args.gpus, args.steps, model, budget.left(args.timeout))
             else:
                 res = run_openrlhf(
-                    peer_model, args.gpus, args.shape, args.steps, budget.left(args.timeout), torch_adam
+                    peer_model,
+                    args.gpus,
+                    args.shape,
+                    args.steps,
+                    budget.left(args.timeout),
+                    torch_adam,
+                    args.peer_path,
                 )
             row[side] = {**pc.summarise(res["steps"], args.warmup), **res}
             pc.write_result(name, row)  # partial results as each side ends

@@ -36,6 +36,7 @@ Writes $OUT/verl-<shape>-<gpus>gpu.json (+ the logs).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -157,7 +158,7 @@ def step_line(line: str) -> dict[str, float] | None:
 
 
 def run_verl(
-    peer_model: Path, gpus: int, shape: str, steps: int, timeout_s: float, rmpad: bool
+    peer_model: Path, gpus: int, shape: str, steps: int, timeout_s: float, rmpad: bool, peer_path: str = ""
 ) -> dict[str, Any]:
     out = pc.out_dir()
     with tempfile.TemporaryDirectory(prefix="verl_") as t:
@@ -171,6 +172,8 @@ def run_verl(
         ]
         (out / f"verl-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"HYDRA_FULL_ERROR": "1", "RAY_TMPDIR": str(tmp / "ray")})
+        if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
+            env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         return pc.run_logged(
             cmd, env, out / f"verl-{shape}-{gpus}gpu.log", timeout_s, step_line, cwd=tmp, stop_after=steps
         )
@@ -184,6 +187,7 @@ def main() -> None:
     parser.add_argument(
         "--warmup", type=int, default=-1, help="leading steps not timed (default 2 / 1 at 7b)"
     )
+    parser.add_argument("--peer-path", default="", help="a folder put first on the peer's PYTHONPATH only")
     parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (all sides)")
     parser.add_argument("--sides", default="relayrl,verl", help="comma list: relayrl, verl")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per side before it is killed")
@@ -221,6 +225,7 @@ def main() -> None:
                     args.steps,
                     budget.left(args.timeout),
                     args.remove_padding,
+                    args.peer_path,
                 )
             row[side] = {**pc.summarise(res["steps"], args.warmup), **res}
             pc.write_result(name, row)  # partial results as each side ends
