@@ -23,17 +23,17 @@ for set in verl openrlhf; do
     echo "setup_gpu: installed $set wheels into $target"
   fi
 done
+# openrlhf's wheel also installs a top-level `tests` package, which would shadow the repository's own tests/
+rm -rf "$target/tests"
 export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 
-check() {  # name, python code
-  local out
-  if out=$(timeout 240 "$py" -c "$2" 2>&1); then
-    echo "setup_gpu: ok   $1  $(echo "$out" | tail -1)"
-  else
-    echo "setup_gpu: FAIL $1 (exit $?):"; echo "$out" | grep -v "^WARNING" | tail -15 | sed 's/^/    /'; fail=1
-  fi
+checks=$(mktemp -d)
+check() {  # name, python code: run in the background (the checks run side by side), reported in order below
+  ( timeout 240 "$py" -c "$2" > "$checks/$1.out" 2>&1; echo $? > "$checks/$1.rc" ) &
+  names+=("$1")
 }
+names=()
 check torch "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs')"
 check transformers "import transformers; print(transformers.__version__)"
 check ray "import ray; print(ray.__version__)"
@@ -43,6 +43,16 @@ check verl "import verl, tensordict, hydra, transfer_queue; from verl.trainer im
 check verl_vllm_rollout "import verl.workers.rollout.vllm_rollout.vllm_async_server as m; print('verl vLLM server module ok')"
 check deepspeed "import deepspeed; print(deepspeed.__version__)"
 check openrlhf "import openrlhf, importlib.metadata as md; from openrlhf.trainer.ray import create_vllm_engines; from openrlhf.trainer.ray.launcher import RayActorGroup; from openrlhf.trainer.ray.ppo_actor import PolicyModelActor; print('openrlhf', md.version('openrlhf'))"
+wait
+for n in "${names[@]}"; do
+  rc=$(cat "$checks/$n.rc" 2>/dev/null || echo 1)
+  if [ "$rc" = 0 ]; then
+    echo "setup_gpu: ok   $n  $(tail -1 "$checks/$n.out")"
+  else
+    echo "setup_gpu: FAIL $n (exit $rc):"; grep -v "^WARNING" "$checks/$n.out" | tail -15 | sed 's/^/    /'; fail=1
+  fi
+done
+rm -rf "$checks"
 if command -v nvcc >/dev/null 2>&1 || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
   echo "setup_gpu: ok   nvcc (DeepSpeed can JIT-build FusedAdam for OpenRLHF)"
 else
