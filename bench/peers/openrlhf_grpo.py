@@ -264,7 +264,7 @@ def main() -> None:
     }
     pc.write_result(name, row)
     with tempfile.TemporaryDirectory(prefix="peers_model_") as t:
-        model, peer_model = pc.build_models(args.shape, Path(t))
+        model, peer_model = pc.build_models_in_child(args.shape, Path(t))
         for side in args.sides.split(","):
             pc.stop_ray()
             if side == "relayrl":

@@ -53,7 +53,7 @@ def out_dir() -> Path:
 
 
 def log(msg: str) -> None:
-    print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    print(f"[peers {time.strftime('%H:%M:%S', time.gmtime())}] {msg}", flush=True)
 
 
 # ============================================================================================== model + data
@@ -108,6 +108,21 @@ def build_models(shape: str, folder: Path) -> tuple[Path, Path]:
         f"built {shape} ({RL_SHAPES[shape]}, {dtype}) on {device} in {time.perf_counter() - t0:.1f}s: {model_dir}"
     )
     return model_dir, peer_dir
+
+
+def build_models_in_child(shape: str, folder: Path, timeout_s: float = 300) -> tuple[Path, Path]:
+    """build_models in a child process, so that this process holds no CUDA context (memory on GPU 0) while
+    the sides run."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; import peer_common as pc; "
+        "pc.build_models(sys.argv[2], Path(sys.argv[3]))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).resolve().parent), shape, str(folder)],
+        check=True,
+        timeout=timeout_s,
+    )
+    return folder / "model", folder / "model_peer"
 
 
 def prompt_rows(n: int) -> list[dict[str, str]]:
