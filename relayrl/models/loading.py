@@ -20,6 +20,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from relayrl.models.moe import install_moe
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.data.loading import hub_offline_reason
 
@@ -273,6 +274,7 @@ def load_pretrained(
         raise hub_error(err, source, what) from err
     if device is not None and kwargs.get("quantization_config") is None:
         model = model.to(device)
+    install_moe(model)  # sparse MoE blocks: fp32 routing, routing replay, aux loss (models/moe.py)
     return model
 
 

@@ -112,6 +112,11 @@ class Completion:
     """[G] ints: the engine's weight version (`engine.version`) that produced each token; a sample that ran
     across a `load_weights` (partial rollout) has the old version on its earlier tokens and the new one after.
     Empty when the engine does not track versions."""
+    routes: torch.Tensor | None = None
+    """Routing replay (mixture-of-experts models, native engine with `record_routes`): int16 tensor
+    [P + G, MoE layers, k], the experts each token of prompt + completion was routed to, in every MoE layer
+    (rollout/native_moe.py); the last token, never fed back, holds -1 (the trainer routes it itself). None
+    otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -239,6 +244,9 @@ class EngineSettings:
     """native: the exact on-policy mode (rollout/exact.py): batch-invariant forward, log-probs equal to the
     trainer's bit for bit (the trainer must run the 'exact' layout); other engines ignore it (the RL config
     refuses it for them)."""
+    record_routes: bool = False
+    """native: record a mixture-of-experts model's experts per token (Completion.routes) for routing replay
+    (rl: rollout.routing_replay); other engines ignore it."""
     placement: Placement = "alone"
     """Where the engine runs (decides vllm's GPU memory share, sleep mode and executor)."""
     tp: int = 0

@@ -55,6 +55,7 @@ Guarantees
 from __future__ import annotations
 
 import bisect
+import contextlib
 import random
 import time
 from collections import deque
@@ -112,14 +113,13 @@ class NativeEngine(ThreadedEngine):
 
     @classmethod
     def options(cls, settings: EngineSettings) -> dict[str, Any]:
-        """max_seq_len, max_slots (= settings.max_seqs) and prefix_cache, each when set."""
+        """max_seq_len, max_slots (= settings.max_seqs), prefix_cache, exact, record_routes, each when set."""
         opts = super().options(settings)
         if settings.max_seqs is not None:
             opts["max_slots"] = settings.max_seqs
         if settings.prefix_cache is not None:
             opts["prefix_cache"] = settings.prefix_cache
-        if settings.exact:
-            opts["exact"] = True
+        opts.update({k: True for k in ("exact", "record_routes") if getattr(settings, k)})
         return opts
 
     def __init__(
@@ -143,6 +143,7 @@ class NativeEngine(ThreadedEngine):
         min_prefix_tokens: int = 8,
         compact: bool = True,
         exact: bool = False,
+        record_routes: bool = False,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -158,7 +159,8 @@ class NativeEngine(ThreadedEngine):
         None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
         bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
         lowest slots when that shrinks the decode batch (slots of finished samples stop being computed);
-        `exact`: the batch-invariant forward of rollout/exact.py (log-probs equal to the trainer's)."""
+        `exact`: the batch-invariant forward of rollout/exact.py (log-probs equal to the trainer's);
+        `record_routes`: a mixture-of-experts model's experts per token in Completion.routes (routing replay)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -199,7 +201,7 @@ class NativeEngine(ThreadedEngine):
         """Batched decode steps run."""
         self.prefill_batches = 0
         """Prefill forward calls."""
-        self.compact = compact
+        self.compact, self.record_routes = compact, record_routes
         self.compactions = 0
         """Times live slots were moved down to shrink the decode batch (`_compact`)."""
         self._reacquire()
@@ -211,7 +213,7 @@ class NativeEngine(ThreadedEngine):
         if self.state is not None:
             return
         with torch.no_grad():
-            self.state = SlotState(self.runner, self.max_slots, self.max_stop_ids)
+            self.state = SlotState(self.runner, self.max_slots, self.max_stop_ids, self.record_routes)
             if self.cuda_graphs:
                 self.graphs = GraphCache(self._decode_step, self.state.snapshot_tensors(), self.model)
                 with torch.cuda.device(self.device):
@@ -279,10 +281,7 @@ class NativeEngine(ThreadedEngine):
             self._free_slots(run)
 
     def _step(self, new: list[Pending]) -> None:
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                self._round(new)
-        else:
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self._round(new)
 
     def _round(self, new: list[Pending]) -> None:
@@ -456,6 +455,7 @@ class NativeEngine(ThreadedEngine):
                 logprobs=lps[i][a:b],
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
                 versions=run.versions(b - a),
+                routes=st.take_routes(s, pos + 1),
             )
             # the slot holds K/V of prompt + completion except its last token (sampled, never fed back);
             # a sample that ran across a weight change holds mixed K/V: not kept

@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.rollout.native_fused import fuse_projections, gate_up_weight, qkv_weights
+from relayrl.rollout.native_moe import MOE_MODEL_TYPES, MoEForward, is_sparse_block, router_spec
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", *MOE_MODEL_TYPES)
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 """A module or a fused function standing in for one (`_norm_fn`, `_linear_fn`, `_mlp_fn`)."""
@@ -98,7 +99,7 @@ class _RMSNorm(Protocol):
     variance_epsilon: float
 
 
-_PLAIN_RMSNORMS = {f"{name}RMSNorm" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
+_PLAIN_RMSNORMS = {f"{name}RMSNorm" for name in ("Qwen2", "Qwen3", "Llama", "Mistral", "Qwen3Moe", "Mixtral")}
 
 
 def _norm_fn(module: torch.nn.Module) -> TensorFn:
@@ -132,7 +133,7 @@ def _linear_fn(module: torch.nn.Module) -> TensorFn:
     return lambda x: F.linear(x, linear.weight, linear.bias)
 
 
-_PLAIN_MLPS = {f"{name}MLP" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
+_PLAIN_MLPS = {f"{name}MLP" for name in ("Qwen2", "Qwen3", "Llama", "Mistral", "Qwen3Moe")}
 
 
 def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
@@ -212,7 +213,15 @@ class DecoderRunner:
         self.fused_layers = fuse_projections(model) if fuse else 0
         """Layers whose q/k/v and gate/up run as one GEMM each (native_fused.py: weights that do not train)."""
         self.qkv = [qkv_weights(layer.self_attn) for layer in self.layers]
-        self.mlps = [_mlp_fn(layer.mlp) for layer in self.layers]
+        self.mlps = [
+            MoEForward(layer.mlp, router_spec(cfg)) if is_sparse_block(layer.mlp) else _mlp_fn(layer.mlp)
+            for layer in self.layers
+        ]
+        self.moe_layers = [li for li, fn in enumerate(self.mlps) if isinstance(fn, MoEForward)]
+        """Layers with a sparse MoE block (native_moe.py): they run through `mlps` in every path."""
+        self.routes: torch.Tensor | None = None
+        """Routing replay's record, set by the engine: [slots, max_len + 1, len(moe_layers), k] int16, the
+        experts each position's token was routed to (native_state.SlotState)."""
         self.qk_norms: list[tuple[TensorFn, TensorFn] | None] = [
             (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
             if getattr(layer.self_attn, "q_norm", None) is not None
@@ -259,6 +268,17 @@ class DecoderRunner:
             q, k = q_norm(q), k_norm(k)
         return q, k, v
 
+    def _block(self, li: int, layer: _Layer) -> TensorFn:
+        """The MLP of layer li as prefill runs it: ours for a sparse block (same routing as decode), else the
+        module."""
+        fn = self.mlps[li]
+        return fn if isinstance(fn, MoEForward) else layer.mlp
+
+    def _taken_routes(self, b: int, t: int) -> torch.Tensor:
+        """The last forward's experts [b, t, MoE layers, k] int16 (each MoE layer's `last_idx`)."""
+        idx = [cast(MoEForward, self.mlps[li]).last_idx for li in self.moe_layers]
+        return torch.stack([i.view(b, t, -1) for i in idx if i is not None], dim=2).to(torch.int16)
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.final_norm(x))
 
@@ -286,7 +306,9 @@ class DecoderRunner:
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(norm2(x))
+            x = x + self._block(li, layer)(norm2(x))
+        if self.routes is not None:
+            self.routes[slot_idx, :t] = self._taken_routes(b, t)[row_idx]
         return self._logits(x[torch.arange(b, device=x.device), last])
 
     def extend(
@@ -342,7 +364,12 @@ class DecoderRunner:
                 q, ks, vs, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.group > 1
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(norm2(x))
+            x = x + self._block(li, layer)(norm2(x))
+        if self.routes is not None:
+            taken = self._taken_routes(b, t)
+            for row, (s, n) in enumerate(zip(start, lengths, strict=True)):
+                for slot in slots[row]:
+                    self.routes[slot, s : s + n] = taken[row, :n]
         return self._logits(x[torch.arange(b, device=dev), last])
 
     def decode(
@@ -375,6 +402,8 @@ class DecoderRunner:
             v_rows[li].index_copy_(0, dst, v.reshape(-1, d))
             x = x + self.projs[li][3](self._attend(q, k_att[li], v_att[li], mask).view(bs, -1))
             x = x + self.mlps[li](norm2(x))
+        if self.routes is not None:  # each slot's token at pos: its experts in every MoE layer
+            self.routes[rows, pos] = self._taken_routes(bs, 1)[:, 0]
         return self._logits(x)
 
     def _decode_mask(self, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -423,7 +452,7 @@ def check_supported(model: torch.nn.Module, max_len: int) -> None:
             raise NotImplementedError(f"native rollout engine: {mtype!r} model has no model.{attr}; {hint}")
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or []
-    sliding = "sliding_attention" in layer_types or (mtype == "mistral" and window is not None)
+    sliding = "sliding_attention" in layer_types or (mtype in ("mistral", "mixtral") and window is not None)
     if mtype == "qwen2" and not getattr(cfg, "use_sliding_window", False):
         sliding = False
     if sliding and window is not None and window < max_len:
