@@ -88,8 +88,9 @@ def moe_layer_indices(model: torch.nn.Module) -> list[int]:
 
 
 def router_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [N, E] of hidden states x [N, hidden]."""
-    return F.linear(x.float(), gate_weight.float())
+    """fp32 router logits [N, E] of hidden states x [N, hidden] (autocast off: it would compute them in bf16)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), gate_weight.float())
 
 
 def select_experts(
@@ -108,12 +109,19 @@ def select_experts(
     return weights, idx
 
 
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if _HAS_GROUPED_MM:
+        return F.grouped_mm(x, w, offs=offs)
+    return torch._grouped_mm(x, w, offs=offs)  # torch < 2.10  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def _grouped_ok(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    if not _HAS_GROUPED_MM:
+    if not (_HAS_GROUPED_MM or hasattr(torch, "_grouped_mm")):
         return False
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
-    return not (torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad))  # no CPU backward
+    grad = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad)
+    return _HAS_GROUPED_MM and not grad  # torch has no CPU grouped_mm backward
 
 
 def _act(h: torch.Tensor, act: Any) -> torch.Tensor:
@@ -121,37 +129,49 @@ def _act(h: torch.Tensor, act: Any) -> torch.Tensor:
     return act(gate) * up
 
 
-def _grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: Any) -> torch.Tensor:
+Weights = tuple[torch.Tensor, torch.Tensor, Any]
+"""(gate_up [E, 2 I, hidden], down [E, hidden, I], activation)."""
+
+
+def _grouped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w: Weights) -> torch.Tensor:
+    gate_up, down, act = w
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[order // k]  # [N k, hidden], grouped by expert
-    h = F.grouped_mm(xs, experts.gate_up_proj.transpose(1, 2), offs=offs)
-    y = F.grouped_mm(_act(h, experts.act_fn), experts.down_proj.transpose(1, 2), offs=offs)
+    h = _grouped_mm(xs, gate_up.transpose(1, 2), offs)
+    y = _grouped_mm(_act(h, act), down.transpose(1, 2), offs)
     y = y.float() * weights.reshape(-1)[order, None]
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=x.device)
-    return y[inv].view(n, k, -1).sum(dim=1).to(x.dtype)
+    return y[inv].view(n, k, -1).sum(dim=1)
 
 
-def _looped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: Any) -> torch.Tensor:
+def _looped(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w: Weights) -> torch.Tensor:
+    gate_up, down, act = w
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(idx).tolist():
         tok, slot = torch.where(idx == e)
-        h = _act(F.linear(x[tok], experts.gate_up_proj[e]), experts.act_fn)
-        y = F.linear(h, experts.down_proj[e]).float() * weights[tok, slot, None]
+        h = _act(F.linear(x[tok], gate_up[e]), act)
+        y = F.linear(h, down[e]).float() * weights[tok, slot, None]
         out = out.index_add(0, tok, y)
-    return out.to(x.dtype)
+    return out
 
 
 def experts_forward(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: Any) -> torch.Tensor:
-    """sum_k weights[:, k] * expert_{idx[:, k]}(x), expert(x) = down(act(gate(x)) * up(x)); x [N, hidden]."""
-    if _grouped_ok(x, experts.gate_up_proj):
-        return _grouped(x, idx, weights, experts)
-    return _looped(x, idx, weights, experts)
+    """sum_k weights[:, k] * expert_{idx[:, k]}(x), expert(x) = down(act(gate(x)) * up(x)); x [N, hidden],
+    returned in x's dtype (under CUDA autocast: the expert weights and x cast to the autocast dtype, as
+    autocast would cast a Linear's)."""
+    w: Weights = (experts.gate_up_proj, experts.down_proj, experts.act_fn)
+    dtype = x.dtype
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        w, x = (w[0].to(dtype), w[1].to(dtype), w[2]), x.to(dtype)
+    out = _grouped(x, idx, weights, w) if _grouped_ok(x, w[0]) else _looped(x, idx, weights, w)
+    return out.to(dtype)
 
 
 class MoEForward:

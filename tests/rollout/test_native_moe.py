@@ -37,9 +37,9 @@ def test_native_moe_logprobs_and_routes_equal_transformers(layout, tiny_tokenize
     HF generate; every recorded route equals HF's router top-k (n = 2 samples share a prefill; more requests
     than slots exercise continuous batching and slot compaction)."""
     model = lively_moe(layout)
-    engine = build_engine("native", model, tiny_tokenizer, max_seq_len=64, max_slots=4, record_routes=True)
-    reqs = [_req(p, temperature=1.0, max_new_tokens=12, seed=i, n=2) for i, p in enumerate(prompts)]
-    greedy = [_req(p, temperature=0, max_new_tokens=10) for p in prompts[:2]]
+    engine = build_engine("native", model, tiny_tokenizer, max_seq_len=64, max_slots=3, record_routes=True)
+    reqs = [_req(p, temperature=1.0, max_new_tokens=10, seed=i, n=2) for i, p in enumerate(prompts[:3])]
+    greedy = [_req(p, temperature=0, max_new_tokens=10) for p in prompts[3:]]
     results = generate_all(engine, reqs + greedy)
     engine.close()
     flips = 0
