@@ -20,9 +20,9 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from relayrl.models.moe import install_moe
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.data.loading import hub_offline_reason
+from relayrl.models.moe import install_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -116,7 +116,7 @@ def install_moe(model: torch.nn.Module) -> int:
     """Make every sparse MoE block of `model` (under a peft wrapper too) run `_block_forward`; returns the
     number of MoE layers (0 for a dense model). Idempotent."""
     base = getattr(model, "get_base_model", None)
-    hf = base() if callable(base) else model
+    hf: Any = base() if callable(base) else model
     layers = getattr(getattr(hf, "model", None), "layers", None) or []
     blocks = [layer.mlp for layer in layers if is_sparse_block(getattr(layer, "mlp", None))]
     if not blocks or getattr(hf, _INSTALLED, False):
@@ -131,7 +131,9 @@ def install_moe(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def moe_pass(lengths: Sequence[int], *, routes: Tensor | None = None, collect: bool = False) -> Iterator[_Pass]:
+def moe_pass(
+    lengths: Sequence[int], *, routes: Tensor | None = None, collect: bool = False
+) -> Iterator[_Pass]:
     """The routing context of one forward over sequences of `lengths` (module doc): `routes` [sum(lengths),
     MoE layers, k] to replay, `collect` router logits for `aux_loss()`."""
     if routes is not None and routes.shape[0] != sum(lengths):

@@ -33,7 +33,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from tokenizers import pre_tokenizers
@@ -114,7 +114,7 @@ def build_tiny_tokenizer() -> Qwen2Tokenizer:
 
 
 def _moe_config(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> Qwen3MoeConfig | MixtralConfig:
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden,
         num_hidden_layers=spec.layers,
@@ -143,8 +143,9 @@ def build_tiny_moe_model(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> PreT
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         config = _moe_config(tokenizer, spec)
-        cls = Qwen3MoeForCausalLM if spec.moe == "qwen3" else MixtralForCausalLM
-        model: PreTrainedModel = cls(config)
+        model: PreTrainedModel = (
+            Qwen3MoeForCausalLM(config) if isinstance(config, Qwen3MoeConfig) else MixtralForCausalLM(config)
+        )
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -219,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=spec.top_k, help="experts per token")
     args = parser.parse_args(argv)
     spec = TinyModelSpec(
-        hidden=args.hidden, layers=args.layers, seed=args.seed, moe=args.moe, experts=args.experts, top_k=args.top_k
+        hidden=args.hidden,
+        layers=args.layers,
+        seed=args.seed,
+        moe=args.moe,
+        experts=args.experts,
+        top_k=args.top_k,
     )
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
     hf_logging.set_verbosity_error()  # nor the load report's "score.weight MISSING": the head is new on purpose

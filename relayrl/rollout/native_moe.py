@@ -62,14 +62,18 @@ def router_spec(config: Any) -> RouterSpec:
     """The routing rule of a qwen3_moe or mixtral config."""
     mtype = getattr(config, "model_type", None)
     if mtype == "mixtral":
-        return RouterSpec(top_k=config.num_experts_per_tok, num_experts=config.num_local_experts, normalize=True)
+        return RouterSpec(
+            top_k=config.num_experts_per_tok, num_experts=config.num_local_experts, normalize=True
+        )
     if mtype == "qwen3_moe":
         return RouterSpec(
             top_k=config.num_experts_per_tok,
             num_experts=config.num_experts,
             normalize=bool(config.norm_topk_prob),
         )
-    raise NotImplementedError(f"mixture-of-experts routing: model type {mtype!r} is not one of {MOE_MODEL_TYPES}")
+    raise NotImplementedError(
+        f"mixture-of-experts routing: model type {mtype!r} is not one of {MOE_MODEL_TYPES}"
+    )
 
 
 def is_sparse_block(mlp: object) -> bool:
@@ -112,7 +116,7 @@ def select_experts(
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if _HAS_GROUPED_MM:
         return F.grouped_mm(x, w, offs=offs)
-    return torch._grouped_mm(x, w, offs=offs)  # torch < 2.10  # pyright: ignore[reportAttributeAccessIssue]
+    return torch._grouped_mm(x, w, offs=offs)  # torch < 2.10  # pyright: ignore[reportPrivateImportUsage]
 
 
 def _grouped_ok(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
@@ -179,8 +183,9 @@ class MoEForward:
     call's tokens."""
 
     def __init__(self, block: torch.nn.Module, spec: RouterSpec) -> None:
-        self.gate_weight: torch.Tensor = getattr(block, "gate").weight
-        self.experts = getattr(block, "experts")
+        sparse: Any = block  # a transformers sparse block (is_sparse_block)
+        self.gate_weight: torch.Tensor = sparse.gate.weight
+        self.experts = sparse.experts
         self.spec = spec
         self.last_idx: torch.Tensor | None = None
         self.forced: torch.Tensor | None = None

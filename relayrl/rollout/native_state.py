@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 class SlotState:
     """Preallocated per-slot device buffers (KV cache, sequences, sampling settings, progress)."""
 
-    def __init__(self, runner: DecoderRunner, slots: int, max_stop_ids: int, record_routes: bool = False) -> None:
+    def __init__(
+        self, runner: DecoderRunner, slots: int, max_stop_ids: int, record_routes: bool = False
+    ) -> None:
         dev, long = runner.device, torch.long
         self.max_len = runner.max_len
         self.k_cache = torch.zeros(runner.cache_shape(slots), dtype=runner.dtype, device=dev)

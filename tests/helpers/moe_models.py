@@ -3,6 +3,8 @@ outputs are diverse (the default init routes near-uniformly)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from relayrl.models.tiny import TinyModelSpec, build_tiny_moe_model, build_tiny_tokenizer
@@ -10,7 +12,7 @@ from relayrl.models.tiny import TinyModelSpec, build_tiny_moe_model, build_tiny_
 MOE_LAYOUTS = ("qwen3", "mixtral")
 
 
-def lively_moe(layout: str, seed: int = 0, experts: int = 8, top_k: int = 2) -> torch.nn.Module:
+def lively_moe(layout: str, seed: int = 0, experts: int = 8, top_k: int = 2) -> Any:
     """A 2-layer hidden-64 MoE model of `layout`, fp32, eval mode: matrices and expert weights re-drawn from
     N(0, 0.3^2), router weights from N(0, 1)."""
     spec = TinyModelSpec(hidden=64, layers=2, moe=layout, experts=experts, top_k=top_k, seed=seed)

@@ -48,7 +48,9 @@ def test_native_moe_logprobs_and_routes_equal_transformers(layout, tiny_tokenize
         for c in res.completions:
             logits, routes = _hf_routes(model, p + c.token_ids)
             t = req.params.temperature or 1.0
-            ref = torch.log_softmax(logits[len(p) - 1 : -1] / t, -1).gather(-1, torch.tensor(c.token_ids)[:, None])
+            ref = torch.log_softmax(logits[len(p) - 1 : -1] / t, -1).gather(
+                -1, torch.tensor(c.token_ids)[:, None]
+            )
             torch.testing.assert_close(torch.tensor(c.logprobs), ref[:, 0], atol=1e-4, rtol=0)
             assert c.routes is not None and c.routes.shape == (len(p) + len(c.token_ids), 2, 2)
             assert (c.routes[-1] == -1).all()  # the last token is never fed back
@@ -56,7 +58,11 @@ def test_native_moe_logprobs_and_routes_equal_transformers(layout, tiny_tokenize
     assert flips == 0
     for req, res in zip(greedy, results[len(reqs) :], strict=True):
         out = model.generate(
-            torch.tensor([req.prompt_ids]), do_sample=False, max_new_tokens=10, eos_token_id=EOS, pad_token_id=0
+            torch.tensor([req.prompt_ids]),
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=EOS,
+            pad_token_id=0,
         )
         assert res.completions[0].token_ids == out[0, len(req.prompt_ids) :].tolist()
 
