@@ -132,6 +132,7 @@ def build_engine_for(
         placement="separate" if tp else "colocated",
         tp=tp,
         exact=rollout.exact,
+        record_routes=rollout.routing_replay,
     )
     if not caps.own_weights:
         return build_engine(rollout.engine, model, tokenizer, settings, group=group)
