@@ -28,6 +28,7 @@ Writes $OUT/moe.json (or bench/results/moe.json).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -342,6 +343,7 @@ def main() -> None:
         phase("mismatch", lambda: mismatch(model, args, args.device, min(args.mm_prompts, 64)))
 
     on_the_model()
+    gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     if args.skip_vllm or args.device != "cuda":
