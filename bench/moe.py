@@ -15,7 +15,8 @@ Phases (each written to the JSON as soon as it is done, so a timeout keeps what 
              without and with routing replay. Reported: mean |engine - trainer| log-prob, the share of tokens
              and of sequences whose ratio exp(diff) (sequence: exp(sum diff)) is outside [0.5, 2], the share
              of (token, layer) routes the trainer picks differently from the engine, and the forward's time
-             each way. Before it the router and the LM head are re-drawn with std gain / sqrt(hidden)
+             each way; then again with the trainer's router perturbed (--router-noise 0.05 x its std: a
+             stale or quantised engine). Before it the router and the LM head are re-drawn with std gain / sqrt(hidden)
              (--router-gain 2, --head-gain 8): HF's 0.02 init leaves both near-uniform (no route or
              token is ever close to decided), unlike a trained model.
   native     tokens/s of the native engine: --prompts random prompts of --prompt-len tokens, --new-tokens
@@ -141,6 +142,16 @@ def redraw(model: torch.nn.Module, router_gain: float, head_gain: float) -> None
 
 
 @torch.no_grad()
+def perturb_router(model: torch.nn.Module, noise: float) -> None:
+    """Router weights += N(0, (noise * their std)^2), in place."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(2)
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            z = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+            p.add_((z * noise * p.float().std()).to(p.dtype))
+
+
+@torch.no_grad()
 def trainer_pass(model, seqs, routes, layout: str, micro: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(log-probs [N], experts taken [N, layers, k], seconds) of the trainer's forward, `micro` sequences a
     call, routes replayed when given."""
@@ -186,7 +197,12 @@ def mismatch(model, args, device: str, slots: int) -> dict[str, Any]:
     out: dict[str, Any] = dict(layout=layout, tokens=int(m.sum()), sequences=len(seqs),
                                router_gain=args.router_gain, head_gain=args.head_gain)  # fmt: skip
     trainer_pass(model, seqs[: args.micro], None, layout, args.micro)  # warm-up
-    for name, r in (("without_replay", None), ("with_replay", rt.to(device))):
+    runs = [("without_replay", None), ("with_replay", rt.to(device))]
+    if args.router_noise > 0:  # the trainer's router differs from the engine's (a stale or quantised engine)
+        runs += [("perturbed_without_replay", None), ("perturbed_with_replay", rt.to(device))]
+    for name, r in runs:
+        if name == "perturbed_without_replay":
+            perturb_router(model, args.router_noise)
         lp, taken, secs = trainer_pass(model, seqs, r, layout, args.micro)
         diff = (lp - eng_lp)[m]
         seq_diff = torch.zeros(len(seqs)).index_add_(0, sid[m], diff)
@@ -201,9 +217,14 @@ def mismatch(model, args, device: str, slots: int) -> dict[str, Any]:
         )
     a, b = out["without_replay"], out["with_replay"]
     out["forward_cost_ratio"] = b["trainer_forward_s"] / max(a["trainer_forward_s"], 1e-9)
-    out["seq_out_of_range_reduction"] = (
-        a["seq_ratio_out_of_range"] / b["seq_ratio_out_of_range"] if b["seq_ratio_out_of_range"] else None
-    )  # None: replay left no sequence out of range
+    for prefix in ("", "perturbed_"):
+        if prefix + "with_replay" in out:
+            a, b = out[prefix + "without_replay"], out[prefix + "with_replay"]
+            out[prefix + "seq_out_of_range_reduction"] = (  # None: replay left no sequence out of range
+                a["seq_ratio_out_of_range"] / b["seq_ratio_out_of_range"]
+                if b["seq_ratio_out_of_range"]
+                else None
+            )
     return out
 
 
@@ -297,6 +318,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=16, help="mismatch: sequences per trainer forward")
     p.add_argument("--router-gain", type=float, default=2.0)
     p.add_argument("--head-gain", type=float, default=8.0)
+    p.add_argument(
+        "--router-noise",
+        type=float,
+        default=0.05,
+        help="mismatch: also measure with the trainer's router perturbed by this relative noise (0: skip)",
+    )
     p.add_argument("--budget-s", type=float, default=230.0, help="stop starting phases after this")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-only", default="", help=argparse.SUPPRESS)
