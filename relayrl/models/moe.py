@@ -59,13 +59,16 @@ class _Pass:
     """long [N, k] experts each MoE layer chose for the real tokens (always recorded; tests, metrics)."""
     spec: RouterSpec | None = None
 
-    def real_rows(self, b: int, t: int, device: torch.device) -> Tensor:
-        """Index of each real token's row in the block's flattened [b * t] input."""
+    def real_rows(self, b: int, t: int, device: torch.device) -> Tensor | None:
+        """Index of each real token's row in the block's flattened [b * t] input; None for another layout
+        (a sequence-parallel rank's slice) when no routes are replayed (every row then counts)."""
         n = sum(self.lengths)
         if b == 1 and t == n:
             return torch.arange(n, device=device)
         if b == len(self.lengths) and t == max(self.lengths):
             return torch.cat([torch.arange(L, device=device) + i * t for i, L in enumerate(self.lengths)])
+        if self.routes is None:
+            return None
         raise ValueError(
             f"mixture-of-experts pass over {len(self.lengths)} sequences ({n} tokens) met a [{b}, {t}] block "
             "input: only the varlen (one packed row) and padded (one row per sequence) layouts are supported"
@@ -101,14 +104,14 @@ def _block_forward(self: Any, hidden: Tensor) -> Tensor:
     if state is not None:
         state.spec = spec
         real = state.real_rows(b, t, flat.device)
-        if state.routes is not None:
+        if state.routes is not None and real is not None:
             forced = torch.full((b * t, spec.top_k), -1, dtype=torch.long, device=flat.device)
             forced[real] = state.routes[:, self._relayrl_moe_index].to(flat.device, torch.long)
         if state.collect:
-            state.logits.append(logits[real])
+            state.logits.append(logits if real is None else logits[real])
     weights, idx = select_experts(logits, spec, forced)
-    if state is not None and real is not None:
-        state.taken.append(idx[real].detach())
+    if state is not None:
+        state.taken.append((idx if real is None else idx[real]).detach())
     return experts_forward(flat, idx, weights, self.experts).view(b, t, h)
 
 
