@@ -92,3 +92,12 @@ def test_grouped_experts_equal_the_expert_loop():
                 gate, up = (x[i] @ experts.gate_up_proj[e].T).chunk(2)
                 ref[i] += weights[i, j] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_engine_refuses_moe_models():
+    from transformers import MixtralConfig
+
+    from relayrl.rollout.native_tp import check_shardable
+
+    with pytest.raises(ValueError, match="mixtral is a mixture-of-experts model"):
+        check_shardable(MixtralConfig(), 2)
