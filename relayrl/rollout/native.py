@@ -225,7 +225,7 @@ class NativeEngine(ThreadedEngine):
     def _release(self) -> None:
         self.pool.drop_parked()
         self.graphs = None
-        self.state = None
+        self.state = self.runner.routes = None  # the runner holds the routes buffer too
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
