@@ -61,6 +61,10 @@ class Trajectory:
     """Scalar metrics from the agent / reward function, averaged into rollout/* metrics."""
     num_turns: int = 1
     """Turns taken."""
+    routes: Any = None
+    """Routing replay (rollout.routing_replay): int16 tensor [T', MoE layers, k], the experts the engine routed
+    each token to (Completion.routes of the last turn, whose prompt is the whole history; T' <= T: feedback
+    after it is routed by the trainer); None when not recorded."""
     failure_kind: str | None = None
     """When FAILED: a short kind ("exception", "nan", "wrong_length", "timeout", ...) for metrics."""
 

@@ -69,6 +69,8 @@ def append_action(traj: Trajectory, comp: Completion) -> None:
     traj.rollout_logprobs.extend(float(x) for x in comp.logprobs)
     versions = comp.versions if len(comp.versions) == len(comp.token_ids) else [-1] * len(comp.token_ids)
     traj.versions.extend(int(v) for v in versions)
+    if comp.routes is not None:  # the request's prompt was the whole history: these cover every token so far
+        traj.routes = comp.routes
 
 
 def append_feedback(traj: Trajectory, ids: list[int]) -> None:

@@ -27,6 +27,16 @@ class SFTConfig(OneModelConfig):
 
     mode: Literal["response", "multiturn", "pretrain"] = "response"
     """Which tokens carry loss: response (the answer only), multiturn (every assistant turn), pretrain (all)."""
+    aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the router load-balancing loss added to the token loss (as
+    OpenRLHF's --aux_loss_coef), logged as train/aux_loss. 0: off. Dense models ignore it."""
+
+    def __post_init__(self) -> None:
+        OneModelConfig.__post_init__(self)
+        if self.aux_loss_coef < 0:
+            raise invalid(
+                "aux_loss_coef", self.aux_loss_coef, "a float >= 0 (0 = no router load-balancing loss)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

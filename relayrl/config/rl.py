@@ -115,6 +115,11 @@ class RolloutConfig:
     """Native engine: decode through fused Triton kernels (residual add + RMSNorm, SiLU x up, rotary + K/V
     cache write, attention over each sample's own length; relayrl/rollout/kernels.py), used on a CUDA device
     when triton imports; false: the plain torch ops (to compare, or if a kernel misbehaves)."""
+    routing_replay: bool = False
+    """Mixture-of-experts policies (Qwen3-MoE, Mixtral; native engine only): the engine records the experts
+    every token was routed to in every MoE layer and the trainer's forwards (old log-probs and the update)
+    reuse them instead of routing again, so a rounding difference can no longer send a token to another
+    expert on one side only (relayrl/models/moe.py; when to use it and its cost: docs/rl.md)."""
     vllm_args: str = ""
     """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g. '{"enforce_eager": true}',
     '{"max_num_batched_tokens": 8192}'); the arguments relayrl derives from other settings are refused."""
@@ -155,6 +160,12 @@ class RolloutConfig:
     """What failed samples do: drop_group (default), drop_sample, zero_reward (counted), raise."""
 
     def __post_init__(self) -> None:
+        if self.routing_replay and self.engine != "native":
+            raise invalid(
+                "routing_replay",
+                self.routing_replay,
+                f"false with engine {self.engine!r} (it needs 'native')",
+            )
         if self.exact and self.engine != "native":
             raise invalid(
                 "exact", self.exact, f"false with engine {self.engine!r} (exact mode needs 'native')"
@@ -241,6 +252,10 @@ class AlgoConfig:
     """Horizon of the adaptive controller."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0: entropy is a metric only)."""
+    aux_loss_coef: float = 0.0
+    """Mixture-of-experts policies: weight of the router load-balancing loss added to the policy loss (as
+    OpenRLHF's --aux_loss_coef; transformers' load_balancing_loss_func over fp32 router logits), logged as
+    train/aux_loss. 0: off. Dense models ignore it."""
     off_policy: str = ""
     """Rollout-vs-trainer log-prob mismatch correction: none, tis, icepop, seq_mask_tis. Empty: tis with
     train.async_train (stale samples need it), else none."""
@@ -258,6 +273,12 @@ class AlgoConfig:
     """Token budget of one micro-batch (packed sequences); the loss is normalised over the mini-batch."""
     value_clip: float = 0.2
     """Value clipping range of the critic loss (gae)."""
+
+    def __post_init__(self) -> None:
+        if self.aux_loss_coef < 0:
+            raise invalid(
+                "aux_loss_coef", self.aux_loss_coef, "a float >= 0 (0 = no router load-balancing loss)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

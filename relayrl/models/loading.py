@@ -22,6 +22,7 @@ import torch
 
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.data.loading import hub_offline_reason
+from relayrl.models.moe import install_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -273,6 +274,7 @@ def load_pretrained(
         raise hub_error(err, source, what) from err
     if device is not None and kwargs.get("quantization_config") is None:
         model = model.to(device)
+    install_moe(model)  # sparse MoE blocks: fp32 routing, routing replay, aux loss (models/moe.py)
     return model
 
 

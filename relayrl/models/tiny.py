@@ -22,6 +22,7 @@ From a shell (to try relayrl's commands without downloading a model; docs/rl.md 
 
     python -m relayrl.models.tiny runs/tiny                    # causal LM + tokenizer
     python -m relayrl.models.tiny runs/tiny-rm --reward-model  # value-head reward model (rm:runs/tiny-rm)
+    python -m relayrl.models.tiny runs/tiny-moe --moe qwen3     # a Qwen3-MoE (or --moe mixtral) causal LM
 """
 
 from __future__ import annotations
@@ -32,11 +33,20 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from tokenizers import pre_tokenizers
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2Tokenizer,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.utils import logging as hf_logging
 
 from relayrl.config.components import ModelConfig
@@ -71,6 +81,13 @@ class TinyModelSpec:
     """Maximum sequence length (rotary positions)."""
     seed: int = 0
     """Seed for the random initial weights."""
+    moe: str = ""
+    """"" a dense Qwen2; "qwen3" a Qwen3-MoE (`Qwen3MoeForCausalLM`); "mixtral" a Mixtral: every layer a sparse
+    block of `experts` experts of width `intermediate` (0: 2 x hidden), `top_k` per token."""
+    experts: int = 8
+    """Experts per MoE layer."""
+    top_k: int = 2
+    """Experts per token."""
 
 
 def build_tiny_tokenizer() -> Qwen2Tokenizer:
@@ -96,8 +113,47 @@ def build_tiny_tokenizer() -> Qwen2Tokenizer:
     return tok
 
 
+def _moe_config(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> Qwen3MoeConfig | MixtralConfig:
+    common: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        num_experts_per_tok=spec.top_k,
+        tie_word_embeddings=True,
+        pad_token_id=cast(int, tokenizer.pad_token_id),
+        eos_token_id=cast(int, tokenizer.eos_token_id),
+        bos_token_id=None,
+        use_cache=True,
+    )
+    width = spec.intermediate or 2 * spec.hidden
+    if spec.moe == "qwen3":
+        return Qwen3MoeConfig(
+            **common, num_experts=spec.experts, moe_intermediate_size=width, norm_topk_prob=True
+        )
+    if spec.moe == "mixtral":
+        return MixtralConfig(**common, num_local_experts=spec.experts, intermediate_size=width)
+    raise ValueError(f"TinyModelSpec.moe must be '', 'qwen3' or 'mixtral', got {spec.moe!r}")
+
+
+def build_tiny_moe_model(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> PreTrainedModel:
+    """A randomly initialised few-layer Qwen3-MoE or Mixtral causal LM (`spec.moe`) sized for `tokenizer`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        config = _moe_config(tokenizer, spec)
+        model: PreTrainedModel = (
+            Qwen3MoeForCausalLM(config) if isinstance(config, Qwen3MoeConfig) else MixtralForCausalLM(config)
+        )
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
 def build_tiny_model(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec | None = None) -> Qwen2ForCausalLM:
-    """A randomly initialised few-layer Qwen2 causal LM sized for `tokenizer` (fp32, eval mode off)."""
+    """A randomly initialised few-layer Qwen2 causal LM sized for `tokenizer` (fp32, eval mode off); the dense
+    model whatever `spec.moe` says (build_tiny_moe_model builds that)."""
     spec = spec or TinyModelSpec()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -125,7 +181,7 @@ def save_tiny(path: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Build the tiny tokenizer and model and save both to `path` (HF format); returns the path."""
     path = Path(path)
     tok = build_tiny_tokenizer()
-    model = build_tiny_model(tok, spec)
+    model = build_tiny_moe_model(tok, spec) if spec and spec.moe else build_tiny_model(tok, spec)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -157,8 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=spec.hidden, help="hidden size")
     parser.add_argument("--layers", type=int, default=spec.layers, help="decoder layers")
     parser.add_argument("--seed", type=int, default=spec.seed, help="seed of the random weights")
+    parser.add_argument(
+        "--moe", choices=("qwen3", "mixtral"), default="", help="a mixture-of-experts model of this layout"
+    )
+    parser.add_argument("--experts", type=int, default=spec.experts, help="experts per MoE layer")
+    parser.add_argument("--top-k", type=int, default=spec.top_k, help="experts per token")
     args = parser.parse_args(argv)
-    spec = TinyModelSpec(hidden=args.hidden, layers=args.layers, seed=args.seed)
+    spec = TinyModelSpec(
+        hidden=args.hidden,
+        layers=args.layers,
+        seed=args.seed,
+        moe=args.moe,
+        experts=args.experts,
+        top_k=args.top_k,
+    )
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
     hf_logging.set_verbosity_error()  # nor the load report's "score.weight MISSING": the head is new on purpose
     save = save_tiny_reward_model if args.reward_model else save_tiny

@@ -112,6 +112,11 @@ class Completion:
     """[G] ints: the engine's weight version (`engine.version`) that produced each token; a sample that ran
     across a `load_weights` (partial rollout) has the old version on its earlier tokens and the new one after.
     Empty when the engine does not track versions."""
+    routes: torch.Tensor | None = None
+    """Routing replay (mixture-of-experts models, native engine with `record_routes`): int16 tensor
+    [P + G, MoE layers, k], the experts each token of prompt + completion was routed to, in every MoE layer
+    (rollout/native_moe.py); the last token, never fed back, holds -1 (the trainer routes it itself). None
+    otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -242,6 +247,9 @@ class EngineSettings:
     fused_kernels: bool = True
     """native: decode through the fused Triton kernels (rollout/kernels.py) on a CUDA device when triton imports;
     False: the plain torch ops. Other engines ignore it."""
+    record_routes: bool = False
+    """native: record a mixture-of-experts model's experts per token (Completion.routes) for routing replay
+    (rl: rollout.routing_replay); other engines ignore it."""
     placement: Placement = "alone"
     """Where the engine runs (decides vllm's GPU memory share, sleep mode and executor)."""
     tp: int = 0

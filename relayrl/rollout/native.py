@@ -113,14 +113,15 @@ class NativeEngine(ThreadedEngine):
 
     @classmethod
     def options(cls, settings: EngineSettings) -> dict[str, Any]:
-        """max_seq_len, max_slots (= settings.max_seqs), prefix_cache, exact and fused_kernels, each when set."""
+        """max_seq_len, max_slots (= settings.max_seqs), prefix_cache, exact, fused_kernels, record_routes, each
+        when set."""
         opts = super().options(settings)
-        if settings.max_seqs is not None:
-            opts["max_slots"] = settings.max_seqs
-        if settings.prefix_cache is not None:
-            opts["prefix_cache"] = settings.prefix_cache
+        for key, value in (("max_slots", settings.max_seqs), ("prefix_cache", settings.prefix_cache)):
+            if value is not None:
+                opts[key] = value
         if settings.exact or not settings.fused_kernels:  # only what differs from the defaults (None: auto)
             opts.update(exact=settings.exact, fused_kernels=None if settings.fused_kernels else False)
+        opts.update({"record_routes": True} if settings.record_routes else {})
         return opts
 
     def __init__(
@@ -145,6 +146,7 @@ class NativeEngine(ThreadedEngine):
         compact: bool = True,
         exact: bool = False,
         fused_kernels: bool | None = None,
+        record_routes: bool = False,
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -161,7 +163,8 @@ class NativeEngine(ThreadedEngine):
         bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
         lowest slots when that shrinks the decode batch (slots of finished samples stop being computed);
         `exact`: the batch-invariant forward of rollout/exact.py (log-probs equal to the trainer's);
-        `fused_kernels`: decode through rollout/kernels.py's Triton kernels (None: on CUDA when triton imports)."""
+        `fused_kernels`: decode through rollout/kernels.py's Triton kernels (None: on CUDA when triton imports);
+        `record_routes`: a mixture-of-experts model's experts per token in Completion.routes (routing replay)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -195,15 +198,10 @@ class NativeEngine(ThreadedEngine):
         """Prompt tokens whose K/V came from the prefix cache instead of a prefill."""
         self.state: SlotState | None = None
         self.graphs: GraphCache | None = None
-        self.prefill_count = 0
-        """Prompts prefilled (a request with n samples counts once)."""
-        self.prefill_tokens = 0
-        """Prompt tokens prefilled (unpadded)."""
-        self.decode_steps = 0
-        """Batched decode steps run."""
-        self.prefill_batches = 0
-        """Prefill forward calls."""
-        self.compact = compact
+        self.prefill_count = self.prefill_tokens = self.decode_steps = self.prefill_batches = 0
+        """Counters: prompts prefilled (a request with n samples counts once), prompt tokens prefilled
+        (unpadded), batched decode steps run, prefill forward calls."""
+        self.compact, self.record_routes = compact, record_routes
         self.compactions = 0
         """Times live slots were moved down to shrink the decode batch (`_compact`)."""
         self._reacquire()
@@ -215,7 +213,7 @@ class NativeEngine(ThreadedEngine):
         if self.state is not None:
             return
         with torch.no_grad():
-            self.state = SlotState(self.runner, self.max_slots, self.max_stop_ids)
+            self.state = SlotState(self.runner, self.max_slots, self.max_stop_ids, self.record_routes)
             if self.cuda_graphs:
                 self.graphs = GraphCache(self._decode_step, self.state.snapshot_tensors(), self.model)
                 with torch.cuda.device(self.device):
@@ -227,7 +225,7 @@ class NativeEngine(ThreadedEngine):
     def _release(self) -> None:
         self.pool.drop_parked()
         self.graphs = None
-        self.state = None
+        self.state = self.runner.routes = None  # the runner holds the routes buffer too
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -456,6 +454,7 @@ class NativeEngine(ThreadedEngine):
                 logprobs=lps[i][a:b],
                 finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
                 versions=run.versions(b - a),
+                routes=st.take_routes(s, pos + 1),
             )
             # the slot holds K/V of prompt + completion except its last token (sampled, never fed back);
             # a sample that ran across a weight change holds mixed K/V: not kept

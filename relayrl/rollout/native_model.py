@@ -32,19 +32,18 @@ and pointing at engine "hf".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
-from relayrl.rollout.kernels import decode_attention, rms_norm, rope_kv_write, silu_mul, silu_mul_ref, usable
-from relayrl.rollout.native_fused import fuse_projections, gate_up_weight, qkv_weights
+from relayrl.rollout.kernels import decode_attention, rms_norm, rope_kv_write, silu_mul, silu_mul_ref
+from relayrl.rollout.native_fused import fuse_projections, qkv_weights
+from relayrl.rollout.native_moe import MOE_MODEL_TYPES, MoEForward, is_sparse_block, router_spec
+from relayrl.rollout.native_ops import TensorFn, linear_fn, mlp_fn, norm_fn, norm_params, rope, want_kernels
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
-
-TensorFn = Callable[[torch.Tensor], torch.Tensor]
-"""A module or a fused function standing in for one (`_norm_fn`, `_linear_fn`, `_mlp_fn`)."""
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", *MOE_MODEL_TYPES)
 
 
 class _Attention(Protocol):
@@ -87,92 +86,6 @@ class _CausalLM(Protocol):
     lm_head: torch.nn.Module
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) written as roll(x) = cat(x2, x1)
-    times a sin table whose first half is negated (`DecoderRunner._rope_table`): the same products, one op
-    fewer."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-class _RMSNorm(Protocol):
-    weight: torch.Tensor
-    variance_epsilon: float
-
-
-_PLAIN_RMSNORMS = {f"{name}RMSNorm" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
-
-
-def _norm_fn(module: torch.nn.Module) -> TensorFn:
-    """A fused callable equal to HF's plain RMSNorm module (fp32 normalise, cast, times weight), reading the
-    module's live weight; other norm modules are called as they are. Fewer kernels per decode step."""
-    if type(module).__name__ not in _PLAIN_RMSNORMS or not hasattr(module, "variance_epsilon"):
-        return module
-    rms = cast(_RMSNorm, module)
-    weight, eps = rms.weight, float(rms.variance_epsilon)
-    shape = tuple(weight.shape)
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return weight * F.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
-
-    def norm_fp32(x: torch.Tensor) -> torch.Tensor:  # the same products, the weight inside: one call
-        return F.rms_norm(x, shape, weight, eps)
-
-    return norm_fp32 if weight.dtype == torch.float32 else norm
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
-def _linear_fn(module: torch.nn.Module) -> TensorFn:
-    """F.linear over a plain nn.Linear's live weight and bias (no module-call overhead per decode step);
-    other modules (LoRA-wrapped projections) and hooked ones are called as they are."""
-    if type(module) is not torch.nn.Linear or _hooked(module):
-        return module
-    linear = cast(torch.nn.Linear, module)
-    return lambda x: F.linear(x, linear.weight, linear.bias)
-
-
-_PLAIN_MLPS = {f"{name}MLP" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
-
-
-def _norm_params(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
-    """(weight, eps) of a plain HF RMSNorm (the fused kernel's inputs), else None."""
-    if type(module).__name__ not in _PLAIN_RMSNORMS or not hasattr(module, "variance_epsilon"):
-        return None
-    rms = cast(_RMSNorm, module)
-    return rms.weight, float(rms.variance_epsilon)
-
-
-def _mlp_fn(mlp: torch.nn.Module, glu: Callable[..., torch.Tensor] = silu_mul_ref) -> TensorFn:
-    """down(glu(gate(x), up(x))) over a plain HF gated MLP's live Linears, glu = silu(gate) * up (torch, the
-    product in place, or the fused kernel: kernels.silu_mul); other MLP modules are called as they are."""
-    projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    act = type(getattr(mlp, "act_fn", None)).__name__
-    if type(mlp).__name__ not in _PLAIN_MLPS or act not in ("SiLUActivation", "SiLU") or _hooked(mlp):
-        return mlp
-    if any(not isinstance(p, torch.nn.Module) for p in projs):
-        return mlp
-    down = _linear_fn(cast(torch.nn.Module, projs[2]))  # a module (tensor-parallel row split) is called
-    gate_up = gate_up_weight(mlp)
-    if gate_up is not None:  # one GEMM for gate and up (native_fused.py)
-        inter = gate_up.shape[0] // 2
-
-        def fused(x: torch.Tensor) -> torch.Tensor:
-            gu = F.linear(x, gate_up)
-            return down(glu(gu[..., :inter], gu[..., inter:]))
-
-        return fused
-    if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs[:2]):
-        return mlp
-    gate, up = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs[:2])
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return down(glu(gate(x), up(x)))
-
-    return forward
-
-
 class DecoderRunner:
     """Prefill and decode forwards over an HF causal LM's live modules (see module doc)."""
 
@@ -212,26 +125,34 @@ class DecoderRunner:
         self.kv_positions = torch.arange(max_len, device=self.device)
         self.kv_heads = torch.arange(self.n_kv, device=self.device)
         self.norms = [
-            (_norm_fn(layer.input_layernorm), _norm_fn(layer.post_attention_layernorm))
-            for layer in self.layers
+            (norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm)) for layer in self.layers
         ]
-        self.final_norm = _norm_fn(self.body.norm)
+        self.final_norm = norm_fn(self.body.norm)
         self.projs = [
-            tuple(_linear_fn(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            tuple(linear_fn(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
             for layer in self.layers
         ]
         self.fused_layers = fuse_projections(model) if fuse else 0
         """Layers whose q/k/v and gate/up run as one GEMM each (native_fused.py: weights that do not train)."""
         self.qkv = [qkv_weights(layer.self_attn) for layer in self.layers]
-        norm_params = [_norm_params(m) for layer in self.layers for m in (layer.input_layernorm,
-                       layer.post_attention_layernorm)] + [_norm_params(self.body.norm)]  # fmt: skip
-        self.kernels = _want_kernels(kernels, self.device, None not in norm_params)
+        params = [norm_params(m) for layer in self.layers for m in (layer.input_layernorm,
+                  layer.post_attention_layernorm)] + [norm_params(self.body.norm)]  # fmt: skip
+        self.kernels = want_kernels(kernels, self.device, None not in params)
         """Decode runs the fused kernels (kernels.py: residual + RMSNorm, SiLU x up, rotary + KV write,
         attention over each slot's own length)."""
-        self.norm_params = cast(list[tuple[torch.Tensor, float]], norm_params)
-        self.mlps = [_mlp_fn(layer.mlp, silu_mul if self.kernels else silu_mul_ref) for layer in self.layers]
+        self.norm_params = cast(list[tuple[torch.Tensor, float]], params)
+        glu = silu_mul if self.kernels else silu_mul_ref
+        self.mlps = [
+            MoEForward(layer.mlp, router_spec(cfg)) if is_sparse_block(layer.mlp) else mlp_fn(layer.mlp, glu)
+            for layer in self.layers
+        ]
+        self.moe_layers = [li for li, fn in enumerate(self.mlps) if isinstance(fn, MoEForward)]
+        """Layers with a sparse MoE block (native_moe.py): they run through `mlps` in every path."""
+        self.routes: torch.Tensor | None = None
+        """Routing replay's record, set by the engine: [slots, max_len + 1, len(moe_layers), k] int16, the
+        experts each position's token was routed to (native_state.SlotState)."""
         self.qk_norms: list[tuple[TensorFn, TensorFn] | None] = [
-            (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
+            (norm_fn(layer.self_attn.q_norm), norm_fn(layer.self_attn.k_norm))
             if getattr(layer.self_attn, "q_norm", None) is not None
             else None
             for layer in self.layers
@@ -242,7 +163,7 @@ class DecoderRunner:
 
     def _rope_table(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, head_dim] as HF computes them (fp32, then cast to the model dtype), sin's first
-        half negated (see _rope)."""
+        half negated (see rope)."""
         rot = self.body.rotary_emb
         inv_freq = rot.inv_freq.float().to(self.device)
         pos = torch.arange(max_len, device=self.device, dtype=torch.float32)
@@ -251,7 +172,7 @@ class DecoderRunner:
         scaling = float(getattr(rot, "attention_scaling", 1.0))
         cos, sin = (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
         half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # signed for _rope's roll
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # signed for rope's roll
 
     def cache_shape(self, slots: int) -> tuple[int, int, int, int, int]:
         """[layers, slots, kv_heads, max_len, head_dim]."""
@@ -276,6 +197,17 @@ class DecoderRunner:
             q, k = q_norm(q), k_norm(k)
         return q, k, v
 
+    def _block(self, li: int, layer: _Layer) -> TensorFn:
+        """The MLP of layer li as prefill runs it: ours for a sparse block (same routing as decode), else the
+        module."""
+        fn = self.mlps[li]
+        return fn if isinstance(fn, MoEForward) else layer.mlp
+
+    def _taken_routes(self, b: int, t: int) -> torch.Tensor:
+        """The last forward's experts [b, t, MoE layers, k] int16 (each MoE layer's `last_idx`)."""
+        idx = [cast(MoEForward, self.mlps[li]).last_idx for li in self.moe_layers]
+        return torch.stack([i.view(b, t, -1) for i in idx if i is not None], dim=2).to(torch.int16)
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.final_norm(x))
 
@@ -296,14 +228,16 @@ class DecoderRunner:
             attn, (norm1, norm2) = layer.self_attn, self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (b, t))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             k_cache[li, :, :, :t].index_copy_(0, slot_idx, k.index_select(0, row_idx))
             v_cache[li, :, :, :t].index_copy_(0, slot_idx, v.index_select(0, row_idx))
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(norm2(x))
+            x = x + self._block(li, layer)(norm2(x))
+        if self.routes is not None:
+            self.routes[slot_idx, :t] = self._taken_routes(b, t)[row_idx]
         return self._logits(x[torch.arange(b, device=x.device), last])
 
     def extend(
@@ -350,7 +284,7 @@ class DecoderRunner:
             attn, (norm1, norm2) = layer.self_attn, self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (b, t))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             k_rows[li].index_copy_(0, dst_t, k.reshape(-1, d).index_select(0, src_t))
             v_rows[li].index_copy_(0, dst_t, v.reshape(-1, d).index_select(0, src_t))
             ks = k_cache[li, slot_t, :, :kv_len]  # [B, Hkv, kv_len, D] (gathered after the write)
@@ -359,7 +293,12 @@ class DecoderRunner:
                 q, ks, vs, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.group > 1
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(norm2(x))
+            x = x + self._block(li, layer)(norm2(x))
+        if self.routes is not None:
+            taken = self._taken_routes(b, t)
+            for row, (s, n) in enumerate(zip(start, lengths, strict=True)):
+                for slot in slots[row]:
+                    self.routes[slot, s : s + n] = taken[row, :n]
         return self._logits(x[torch.arange(b, device=dev), last])
 
     def decode(
@@ -373,7 +312,10 @@ class DecoderRunner:
     ) -> torch.Tensor:
         """One token for slots [0, bs) (rows = arange(bs)); returns logits [bs, V]."""
         if self.kernels:
-            return self._decode_kernels(tok, pos, k_cache, v_cache, kv_len)
+            logits = self._decode_kernels(tok, pos, k_cache, v_cache, kv_len)
+            if self.routes is not None:  # each slot's token at pos: its experts in every MoE layer
+                self.routes[rows, pos] = self._taken_routes(tok.shape[0], 1)[:, 0]
+            return logits
         bs, hkv, d = tok.shape[0], self.n_kv, self.head_dim
         x = self.body.embed_tokens(tok)  # [bs, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [bs, 1, D]
@@ -388,12 +330,14 @@ class DecoderRunner:
         for li in range(n_layers):
             norm1, norm2 = self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (bs,))
-            qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # one rotary pass for q and k
+            qk = rope(torch.cat((q, k), dim=1), cos, sin)  # one rotary pass for q and k
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
             k_rows[li].index_copy_(0, dst, k.reshape(-1, d))
             v_rows[li].index_copy_(0, dst, v.reshape(-1, d))
             x = x + self.projs[li][3](self._attend(q, k_att[li], v_att[li], mask).view(bs, -1))
             x = x + self.mlps[li](norm2(x))
+        if self.routes is not None:  # each slot's token at pos: its experts in every MoE layer
+            self.routes[rows, pos] = self._taken_routes(bs, 1)[:, 0]
         return self._logits(x)
 
     def _decode_kernels(
@@ -441,21 +385,6 @@ class DecoderRunner:
         return torch.bmm(probs, v).view(bs, -1, d)
 
 
-def _want_kernels(kernels: bool | None, device: torch.device, plain_norms: bool) -> bool:
-    """Resolve DecoderRunner's `kernels` (None: on for CUDA when triton imports); True where they cannot run
-    raises, naming why."""
-    if kernels is False or (kernels is None and device.type != "cuda"):
-        return False
-    if not usable(device) or not plain_norms:
-        if kernels:
-            why = "a norm is not a plain HF RMSNorm" if usable(device) else "triton does not import here"
-            raise ValueError(
-                f"native engine: fused_kernels=True but {why} ({device}); pass fused_kernels=False"
-            )
-        return False
-    return True
-
-
 def check_supported(model: torch.nn.Module, max_len: int) -> None:
     """Raise NotImplementedError naming the model type when the native forward cannot run it."""
     cfg = getattr(model, "config", None)
@@ -472,7 +401,7 @@ def check_supported(model: torch.nn.Module, max_len: int) -> None:
             raise NotImplementedError(f"native rollout engine: {mtype!r} model has no model.{attr}; {hint}")
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or []
-    sliding = "sliding_attention" in layer_types or (mtype == "mistral" and window is not None)
+    sliding = "sliding_attention" in layer_types or (mtype in ("mistral", "mixtral") and window is not None)
     if mtype == "qwen2" and not getattr(cfg, "use_sliding_window", False):
         sliding = False
     if sliding and window is not None and window < max_len:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 
 from relayrl.rollout.base import SamplingParams
 from relayrl.rollout.native_model import DecoderRunner
+from relayrl.rollout.native_moe import MoEForward
 from relayrl.rollout.sampling import sample_tokens, uniform
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,9 @@ log = logging.getLogger(__name__)
 class SlotState:
     """Preallocated per-slot device buffers (KV cache, sequences, sampling settings, progress)."""
 
-    def __init__(self, runner: DecoderRunner, slots: int, max_stop_ids: int) -> None:
+    def __init__(
+        self, runner: DecoderRunner, slots: int, max_stop_ids: int, record_routes: bool = False
+    ) -> None:
         dev, long = runner.device, torch.long
         self.max_len = runner.max_len
         self.k_cache = torch.zeros(runner.cache_shape(slots), dtype=runner.dtype, device=dev)
@@ -45,6 +49,13 @@ class SlotState:
         self.top_k = torch.zeros(slots, dtype=long, device=dev)
         self.stop_ids = torch.full((slots, max_stop_ids), -1, dtype=long, device=dev)
         self.rows = torch.arange(slots, device=dev)
+        self.routes: torch.Tensor | None = None
+        """Routing replay: [slots, max_len + 1, MoE layers, k] int16 experts per position (`record_routes`)."""
+        if record_routes and runner.moe_layers:
+            top_k = cast(MoEForward, runner.mlps[runner.moe_layers[0]]).spec.top_k
+            shape = (slots, self.max_len + 1, len(runner.moe_layers), top_k)
+            self.routes = torch.full(shape, -1, dtype=torch.int16, device=dev)
+        runner.routes = self.routes
 
     def snapshot_tensors(self) -> list[torch.Tensor]:
         """The progress tensors a step mutates (besides K/V and token buffers)."""
@@ -75,7 +86,17 @@ class SlotState:
                     self.stopped, self.temp, self.top_p, self.top_k, self.stop_ids)  # fmt: skip
         for t in per_slot:
             t[d] = t[s]
+        if self.routes is not None:
+            self.routes[d, :length] = self.routes[s, :length]
         self.done[s] = True
+
+    def take_routes(self, slot: int, length: int) -> torch.Tensor | None:
+        """A finished slot's routes of positions [0, length) on the host, the last (never fed) set to -1."""
+        if self.routes is None:
+            return None
+        out = self.routes[slot, :length].to("cpu", copy=True)
+        out[-1] = -1
+        return out
 
     def advance(self, idx: torch.Tensor | slice, logits: torch.Tensor, mode: str) -> None:
         """Sample the token at pos + 1 for slots `idx` (ids, or a slice: views instead of gathers, as decode

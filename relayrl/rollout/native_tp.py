@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from relayrl.rollout.base import EngineCapabilities, GenerationRequest, GenerationResult
 from relayrl.rollout.driver import Pending
 from relayrl.rollout.native import NativeEngine
+from relayrl.rollout.native_moe import MOE_MODEL_TYPES
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Modules whose output rows (weight dim 0, bias) are split over the TP ranks."""
@@ -79,7 +80,13 @@ def tp_slice(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tenso
 
 
 def check_shardable(config: Any, size: int) -> None:
-    """A ValueError naming the model dimension that `size` ranks do not divide."""
+    """A ValueError naming the model dimension that `size` ranks do not divide (or a mixture-of-experts model,
+    whose experts this engine does not shard)."""
+    if size > 1 and getattr(config, "model_type", None) in MOE_MODEL_TYPES:
+        raise ValueError(
+            f"tensor-parallel native engine: {config.model_type} is a mixture-of-experts model and its experts "
+            "are not sharded yet; use dist.engine_tp 1 (one card holds every expert) or the vllm engine"
+        )
     heads = config.num_attention_heads
     dims = {
         "num_attention_heads": heads,

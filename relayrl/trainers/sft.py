@@ -25,6 +25,7 @@ Programmatic use (the demo): `result = run_sft(cfg)`; `result.model`, `result.me
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from relayrl.data.batches import SFTBatch, sft_batch
 from relayrl.data.build import build_sft_data
 from relayrl.data.packing import MicroBatching, make_collate
 from relayrl.models.forward import to_device, token_logprobs
+from relayrl.models.moe import moe_pass
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
@@ -44,15 +46,26 @@ SFTResult = RecipeResult
 
 
 # ---------------------------------------------------------------------------------------------- loss
-def next_token_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
+def next_token_loss(model: torch.nn.Module, batch: SFTBatch, aux_loss_coef: float = 0.0) -> LossOutput:
     """Summed token cross-entropy: loss_sum = sum over target tokens t of -log p(x_t | x_<t of the same
-    sample); count = number of target tokens."""
-    logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
+    sample); count = number of target tokens. A mixture-of-experts model with `aux_loss_coef` > 0 adds
+    aux_loss_coef * (router load-balancing loss of the micro-batch, relayrl/models/moe.py) * count, so the step
+    averages it over micro-batches by their token counts (metric aux_loss)."""
+    with moe_pass([len(s) for s in batch.input_ids], collect=aux_loss_coef > 0) as moe:
+        logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
     mask = torch.cat(batch.targets)
     mask[torch.tensor(_first_positions(batch.input_ids))] = False
     mask = to_device(mask, logp.device)
     loss_sum = -torch.where(mask, logp, 0.0).sum()
-    return LossOutput(loss_sum=loss_sum, count=mask.sum().float())
+    count = mask.sum().float()
+    aux = moe.aux_loss() if aux_loss_coef > 0 else None
+    if aux is None:
+        return LossOutput(loss_sum=loss_sum, count=count)
+    return LossOutput(
+        loss_sum=loss_sum + aux_loss_coef * aux * count,
+        count=count,
+        metrics={"aux_loss": aux.detach() * count},
+    )
 
 
 def _first_positions(seqs: Sequence[torch.Tensor]) -> list[int]:
@@ -99,7 +112,7 @@ def sft_recipe(cfg: SFTConfig) -> Recipe:
     return Recipe(
         name="sft",
         cfg=cfg,
-        loss_fn=next_token_loss,
+        loss_fn=functools.partial(next_token_loss, aux_loss_coef=cfg.aux_loss_coef),
         load_data=load,
         to_batch=sft_batch,
         describe=f"{cfg.mode} loss",

@@ -19,7 +19,7 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
@@ -43,6 +43,9 @@ class SequenceBatch:
     """[B, T] bool: True on tokens the policy generated (the loss positions)."""
     rollout_logprobs: Tensor
     """[B, T] float32: the engine's log-prob of each action token (0 elsewhere)."""
+    routes: Tensor | None = None
+    """[B, T, MoE layers, k] int16: the experts the engine routed each token to (routing replay), -1 where
+    not recorded (the trainer routes those itself); None when routes were not recorded."""
 
     @property
     def lengths(self) -> list[int]:
@@ -58,7 +61,20 @@ class SequenceBatch:
         """The sub-batch of `rows`, trimmed to its longest row."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         width = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
-        return SequenceBatch(**{f.name: getattr(self, f.name)[idx, :width] for f in fields(self)})
+        return SequenceBatch(
+            input_ids=self.input_ids[idx, :width],
+            attention_mask=self.attention_mask[idx, :width],
+            action_mask=self.action_mask[idx, :width],
+            rollout_logprobs=self.rollout_logprobs[idx, :width],
+            routes=None if self.routes is None else self.routes[idx, :width],
+        )
+
+    def flat_routes(self, rows: list[int]) -> Tensor | None:
+        """The routes of `rows`' real tokens, concatenated in row order: [sum of lengths, layers, k]."""
+        if self.routes is None:
+            return None
+        lengths = self.lengths
+        return torch.cat([self.routes[r, : lengths[r]] for r in rows])
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,7 +152,20 @@ def collate(trajs: list[Trajectory], pad_id: int) -> SequenceBatch:
         act[i, :n] = torch.tensor(t.action_mask, dtype=torch.bool)
         lp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
     act[:, 0] = False
-    return SequenceBatch(input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=lp)
+    return SequenceBatch(
+        input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=lp, routes=_routes(trajs, width)
+    )
+
+
+def _routes(trajs: list[Trajectory], width: int) -> Tensor | None:
+    """[B, width, layers, k] int16 routes (-1 where none), when every trajectory carries some."""
+    if not trajs or any(t.routes is None for t in trajs):
+        return None
+    first = trajs[0].routes
+    out = torch.full((len(trajs), width, *first.shape[1:]), -1, dtype=torch.int16)
+    for i, t in enumerate(trajs):
+        out[i, : t.routes.shape[0]] = t.routes
+    return out
 
 
 def split_rows(num_rows: int, parts: int) -> list[list[int]]:

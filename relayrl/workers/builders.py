@@ -133,6 +133,7 @@ def build_engine_for(
         tp=tp,
         exact=rollout.exact,
         fused_kernels=rollout.fused_kernels,
+        record_routes=rollout.routing_replay,
     )
     if not caps.own_weights:
         return build_engine(rollout.engine, model, tokenizer, settings, group=group)

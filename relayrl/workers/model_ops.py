@@ -28,6 +28,7 @@ from torch import Tensor
 from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import my_data_share, reports
 from relayrl.models import forward
+from relayrl.models.moe import moe_pass
 from relayrl.training.step import padded_passes
 from relayrl.workers.base import Rows, SequenceBatch
 
@@ -47,12 +48,18 @@ def row_logprobs(
     *,
     temperature: float = 1.0,
     entropy: bool = False,
+    aux_losses: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(log-probs, entropy or None), each [len(rows), T_rows] float32 on the model's device; column 0 is 0.
     Differentiable when grad is enabled. Entropy is that of the temperature-scaled next-token distribution
-    at the position that produced the token."""
+    at the position that produced the token. A mixture-of-experts model replays the batch's recorded routes
+    (routing replay, relayrl/models/moe.py) and, with `aux_losses`, appends its router load-balancing loss."""
     seqs, lengths, width = _rows(batch, rows)
-    lp, ent = forward.token_logprobs(model, seqs, layout, temperature=temperature or 1.0, entropy=entropy)
+    with moe_pass(lengths, routes=batch.flat_routes(rows), collect=aux_losses is not None) as moe:
+        lp, ent = forward.token_logprobs(model, seqs, layout, temperature=temperature or 1.0, entropy=entropy)
+    aux = moe.aux_loss()
+    if aux_losses is not None and aux is not None:
+        aux_losses.append(aux)
     lp = forward.to_padded(lp, lengths, width)
     return lp, (forward.to_padded(ent, lengths, width) if ent is not None else None)
 

@@ -283,9 +283,12 @@ class PolicyWorker:
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int], kl_coef: float) -> LossOutput:
         micro = mb.select(rows)
         dev = self.device
+        coef = self.spec.algo.aux_loss_coef
+        aux: list[Tensor] | None = [] if coef > 0 else None  # a MoE policy's router load-balancing loss
         lp, ent = row_logprobs(
-            model, mb.tokens, rows, self.layout, temperature=self.spec.rollout.temperature, entropy=True
-        )
+            model, mb.tokens, rows, self.layout, temperature=self.spec.rollout.temperature, entropy=True,
+            aux_losses=aux,
+        )  # fmt: skip
 
         def on(x: Tensor | None) -> Tensor | None:
             return None if x is None else to_device(x, dev)
@@ -300,9 +303,11 @@ class PolicyWorker:
             ref_logprobs=on(micro.ref_logprobs),
         )
         o = self.objective(terms, kl_coef=kl_coef)
-        return LossOutput(
-            loss_sum=o.loss_sum, count=o.count, metrics=o.metrics, metric_counts=o.metric_counts
-        )
+        loss_sum, metrics = o.loss_sum, dict(o.metrics)
+        if aux:  # weighted by the loss's own count: the step's average over micro-batches
+            loss_sum = loss_sum + coef * aux[0] * o.count
+            metrics["aux_loss"] = aux[0].detach() * o.count
+        return LossOutput(loss_sum=loss_sum, count=o.count, metrics=metrics, metric_counts=o.metric_counts)
 
     def _ema_update(self) -> None:
         if self.ema is not None:

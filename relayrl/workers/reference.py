@@ -9,7 +9,7 @@ inference dtype (bf16 on a GPU unless model.dtype is fp32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -75,7 +75,7 @@ class ReferenceWorker:
             batch,
             lambda sub: masked_logprobs(
                 self.model,
-                sub,
+                replace(sub, routes=None),  # routes a MoE reference itself: recorded routes are the policy's
                 self.spec.micro_batch_tokens,
                 self.spec.temperature,
                 self.layout,

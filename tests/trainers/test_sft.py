@@ -208,7 +208,17 @@ def test_config_yaml_is_fully_resolved(tmp_path, tiny_model_path, train_file):
         cli_main(["sft", *_argv(tiny_model_path, train_file, tmp_path / "r", "--train.max_steps", "1")]) == 0
     )
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
-    assert set(saved) == {"model", "data", "optim", "train", "ckpt", "logger", "mode", "dist"}
+    assert set(saved) == {
+        "model",
+        "data",
+        "optim",
+        "train",
+        "ckpt",
+        "logger",
+        "mode",
+        "aux_loss_coef",
+        "dist",
+    }
     assert saved["optim"]["lr"] == 3e-3 and saved["optim"]["scheduler"] == "cosine"
 
 
