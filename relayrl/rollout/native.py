@@ -73,9 +73,8 @@ from relayrl.rollout.base import (
     SamplingParams,
 )
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
-from relayrl.rollout.exact import ExactRunner
+from relayrl.rollout.fp8 import runner_class
 from relayrl.rollout.hf import default_eos_ids
-from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_state import GraphCache, SlotState, kv_buckets, sampling_mode
 from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
 from relayrl.rollout.sampling import mix_seed
@@ -143,6 +142,7 @@ class NativeEngine(ThreadedEngine):
         min_prefix_tokens: int = 8,
         compact: bool = True,
         exact: bool = False,
+        quantization: str = "none",
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -158,7 +158,7 @@ class NativeEngine(ThreadedEngine):
         None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
         bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
         lowest slots when that shrinks the decode batch (slots of finished samples stop being computed);
-        `exact`: the batch-invariant forward of rollout/exact.py (log-probs equal to the trainer's)."""
+        `exact`: exact.py's batch-invariant forward (log-probs = the trainer's); `quantization` "fp8": fp8.py."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -169,7 +169,7 @@ class NativeEngine(ThreadedEngine):
         self.sync_every = max(1, sync_every)
         self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
         self.max_stop_ids = max(max_stop_ids, len(self.eos_ids))
-        self.runner = (ExactRunner if exact else DecoderRunner)(model, self.max_seq_len, decode_attention)
+        self.runner = runner_class(exact, quantization)(model, self.max_seq_len, decode_attention)
         self.device = self.runner.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -222,8 +222,7 @@ class NativeEngine(ThreadedEngine):
 
     def _release(self) -> None:
         self.pool.drop_parked()
-        self.graphs = None
-        self.state = None
+        self.graphs = self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -231,6 +230,7 @@ class NativeEngine(ThreadedEngine):
         self.pool.drop_parked()  # their K/V came from the old weights
         if named_tensors is not None:
             load_named_tensors(self.model, named_tensors)
+        self.runner.refresh_weights()  # fp8: re-quantise (rollout/fp8.py); else nothing
         if self.graphs is not None:
             self.graphs.drop_if_moved(self.model)
 
