@@ -113,15 +113,16 @@ Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 def token_quantizer(compile: bool, device: torch.device) -> tuple[Quantizer, bool]:
     """The per-token activation quantiser for the GPU path: `quantize_rows` compiled (one fused kernel instead
-    of ~6, which matters at 4 x layers calls per decode step), or eager when compiling fails or is off. Returns
-    (function, compiled)."""
+    of ~6, which matters at 4 x layers calls per decode step), or eager when compiling is off or fails. A
+    compiled call that fails later (a recompilation for a new shape that cannot compile, e.g. inside a CUDA
+    graph capture) runs that call and every later one eagerly: the same values. Returns (function, compiled)."""
     if not compile:
         return quantize_rows, False
     if "fn" not in _compiled:
         try:
             fn = torch.compile(quantize_rows, dynamic=True, fullgraph=True)
             fn(torch.ones(16, 32, device=device, dtype=torch.bfloat16))  # now, before any CUDA graph capture
-            _compiled["fn"] = fn
+            _compiled["fn"] = _fall_back_once(fn)
         except Exception:  # no Triton / compiler in this build: the eager ops give the same values
             log.warning(
                 "torch.compile of the fp8 activation quantiser failed; running it eagerly", exc_info=True
@@ -129,6 +130,22 @@ def token_quantizer(compile: bool, device: torch.device) -> tuple[Quantizer, boo
             _compiled["fn"] = quantize_rows
     fn = _compiled["fn"]
     return fn, fn is not quantize_rows
+
+
+def _fall_back_once(fn: Quantizer) -> Quantizer:
+    """`fn`, switching to the eager `quantize_rows` for good after its first failure (logged once)."""
+    failed: list[bool] = []
+
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not failed:
+            try:
+                return fn(x)
+            except Exception:
+                log.warning("compiled fp8 activation quantiser failed; eager from now on", exc_info=True)
+                failed.append(True)
+        return quantize_rows(x)
+
+    return quantize
 
 
 class FP8Linear:
