@@ -56,8 +56,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def summarize(result, seconds: float) -> dict:
     hist = result.history
-    rewards = [h.get("rollout/reward_mean", float("nan")) for h in hist]
-    curve = [(h.get("step"), h["eval/pass@1"]) for h in hist if "eval/pass@1" in h]
+    rewards = [h["rollout/reward_mean"] for h in hist if "rollout/reward_mean" in h]
+    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    curve = [(r["step"], r["eval/pass@1"]) for r in map(json.loads, lines) if "eval/pass@1" in r]
     before, after = result.first_eval.get("eval/pass@1"), result.eval.get("eval/pass@1")
     row = dict(
         exit_code=result.exit_code,
