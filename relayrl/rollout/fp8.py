@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.rollout.exact import ExactRunner
-from relayrl.rollout.native_model import DecoderRunner
+from relayrl.rollout.native_model import DecoderRunner, TensorFn
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class FP8Linear:
             out = F.linear(dequantize(xq, xs, x.dtype), self.dequant, self.bias)
         else:
             xq, xs = self.quantizer(rows)
-            out = torch._scaled_mm(
+            out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
                 xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :], out_dtype=x.dtype
             )
             if self.bias is not None:
@@ -298,11 +298,13 @@ class FP8Runner(DecoderRunner):
             return None
         return FP8Linear(linears, emulate=self.emulate, quantizer=quantizer)
 
-    def _mlp_fn(self, li: int):
+    def _mlp_fn(self, li: int) -> TensorFn:
         gate_up, down = self.fp8_gate_up[li], self.fp8_down[li]
         if gate_up is None:
             return self.mlps[li]
-        down_fn = down if down is not None else self.layers[li].mlp.down_proj  # type: ignore[attr-defined]
+        down_fn: TensorFn = (
+            down if down is not None else cast(torch.nn.Module, getattr(self.layers[li].mlp, "down_proj"))  # noqa: B009
+        )
         inter = sum(gate_up.rows) // 2
 
         def mlp(x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from relayrl.rollout.fp8 import (
     dequantize,
     quantize_rows,
 )
+from relayrl.rollout.native import NativeEngine
 
 
 def _rows_with_spread(gen: torch.Generator) -> torch.Tensor:
@@ -74,11 +75,13 @@ def test_fp8_linear_stacks_projections_and_quantises_tokens():
     assert 1e-3 < rel < 0.08  # two e4m3 roundings (<= 2^-4 each, ~2^-6 typical): a few percent, never 0
 
 
-def _engine(model, tok, quantization, slots=16):
-    return build_engine(
+def _engine(model, tok, quantization, slots=16) -> NativeEngine:
+    engine = build_engine(
         "native", model, tok, max_slots=slots, max_seq_len=96, eos_token_id=[], driver="loop",
         quantization=quantization,
     )  # fmt: skip
+    assert isinstance(engine, NativeEngine)
+    return engine
 
 
 def _requests(prompts, temperature=1.0, n=2, new=16):
@@ -130,7 +133,9 @@ def test_refresh_requantises_after_a_weight_update(lively_model, tiny_tokenizer,
         assert torch.equal(qkv.scale, sw[:, 0]) and qkv.qweight.data_ptr() == ptr  # in place
         for lin in runner.fp8_linears():  # every projection holds the new weights
             new = torch.cat([m.weight for m in lin.linears]).detach()
-            assert torch.equal(lin.dequant, dequantize(*quantize_rows(new), torch.float32))
+            assert lin.dequant is not None and torch.equal(
+                lin.dequant, dequantize(*quantize_rows(new), torch.float32)
+            )
         second = generate_all(engine, _requests(prompts))
         assert [c.logprobs for r in first for c in r.completions] != [
             c.logprobs for r in second for c in r.completions

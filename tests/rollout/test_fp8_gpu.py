@@ -18,6 +18,7 @@ from relayrl.config.presets import tiny_cpu_config
 from relayrl.models import forward
 from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
 from relayrl.rollout.fp8 import FP8Linear, FP8Runner, fp8_supported, quantize_rows
+from relayrl.rollout.native import NativeEngine
 from relayrl.trainers.rl.loop import RLTrainer
 from relayrl.workers.policy import PolicyWorker
 
@@ -60,6 +61,7 @@ def test_engine_on_a_bf16_model_stays_close_to_the_trainer_and_refreshes(tiny_mo
     prompts = [tiny_tokenizer(t)["input_ids"] for t in ["12+34=", "hello world", "a", "The quick brown fox"]]
     engine = build_engine("native", model, tiny_tokenizer, max_slots=16, max_seq_len=96, eos_token_id=[],
                           quantization="fp8")  # fmt: skip
+    assert isinstance(engine, NativeEngine)
     try:
         runner = engine.runner
         assert isinstance(runner, FP8Runner) and not runner.emulate and not runner.skipped
