@@ -33,7 +33,8 @@ shared-weights case included, where the optimizer step changed the bf16 weights 
 Paths:
     GPU (compute capability >= 8.9: H100, H200, L40S, RTX 4090, ...): torch._scaled_mm(x_q, W_q.t(), s_x [M, 1],
         s_w [1, N], out_dtype=bfloat16); the per-token activation quantiser is one torch.compile'd kernel when
-        compiling works, else eager torch ops (`FP8Runner.compiled` says which).
+        compiling works, else eager torch ops (`FP8Runner.compiled` says which); the down projection's input
+        is quantised together with silu(gate) * up (`silu_mul_quantize`, one kernel).
     CPU, or `emulate=True`: the same quantisation (fp8 tensors, the same scales), then dequantised and run as a
         plain F.linear in the model dtype: quantise-dequantise emulation, so CPU tests cover the rounding, the
         scales, the refresh and the config; the only difference from the GPU path is the GEMM's accumulation.
@@ -104,36 +105,44 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale).to(dtype)
 
 
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""x [M, K] -> (x_q [M, K'] fp8, scale [M, 1] fp32): `quantize_rows`, `silu_mul_quantize` or a compiled form."""
+
+
+def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate/up rows gu [M, 2I] -> quantize_rows(silu(gate) * up): the down projection's input, quantised (one
+    fused kernel once compiled, instead of silu, mul and the quantiser apart)."""
+    inter = gu.shape[-1] // 2
+    return quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
+
+
 _compiled: dict[str, Quantizer] = {}
 
 
-Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""x [M, K] -> (x_q [M, K] fp8, scale [M, 1] fp32): `quantize_rows` or its compiled form."""
-
-
-def token_quantizer(compile: bool, device: torch.device) -> tuple[Quantizer, bool]:
-    """The per-token activation quantiser for the GPU path: `quantize_rows` compiled (one fused kernel instead
-    of ~6, which matters at 4 x layers calls per decode step), or eager when compiling is off or fails. A
-    compiled call that fails later (a recompilation for a new shape that cannot compile, e.g. inside a CUDA
-    graph capture) runs that call and every later one eagerly: the same values. Returns (function, compiled)."""
+def compiled(fn: Quantizer, compile: bool, device: torch.device) -> tuple[Quantizer, bool]:
+    """`fn` (`quantize_rows` or `silu_mul_quantize`) compiled for the GPU path: one fused kernel instead of ~6,
+    which matters at a few calls per layer per decode step; or eager when compiling is off or fails. A compiled
+    call that fails later (a recompilation for a new shape that cannot compile, e.g. inside a CUDA graph
+    capture) runs that call and every later one eagerly: the same values. Returns (function, compiled)."""
     if not compile:
-        return quantize_rows, False
-    if "fn" not in _compiled:
+        return fn, False
+    name = fn.__name__
+    if name not in _compiled:
         try:
-            fn = torch.compile(quantize_rows, dynamic=True, fullgraph=True)
-            fn(torch.ones(16, 32, device=device, dtype=torch.bfloat16))  # now, before any CUDA graph capture
-            _compiled["fn"] = _fall_back_once(fn)
+            compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
+            compiled_fn(
+                torch.ones(16, 32, device=device, dtype=torch.bfloat16)
+            )  # now, before any graph capture
+            _compiled[name] = _fall_back_once(compiled_fn, fn)
         except Exception:  # no Triton / compiler in this build: the eager ops give the same values
-            log.warning(
-                "torch.compile of the fp8 activation quantiser failed; running it eagerly", exc_info=True
-            )
-            _compiled["fn"] = quantize_rows
-    fn = _compiled["fn"]
-    return fn, fn is not quantize_rows
+            log.warning("torch.compile of the fp8 %s failed; running it eagerly", name, exc_info=True)
+            _compiled[name] = fn
+    out = _compiled[name]
+    return out, out is not fn
 
 
-def _fall_back_once(fn: Quantizer) -> Quantizer:
-    """`fn`, switching to the eager `quantize_rows` for good after its first failure (logged once)."""
+def _fall_back_once(fn: Quantizer, eager: Quantizer) -> Quantizer:
+    """`fn`, switching to `eager` for good after its first failure (logged once)."""
     failed: list[bool] = []
 
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +150,9 @@ def _fall_back_once(fn: Quantizer) -> Quantizer:
             try:
                 return fn(x)
             except Exception:
-                log.warning("compiled fp8 activation quantiser failed; eager from now on", exc_info=True)
+                log.warning("compiled fp8 %s failed; eager from now on", eager.__name__, exc_info=True)
                 failed.append(True)
-        return quantize_rows(x)
+        return eager(x)
 
     return quantize
 
@@ -203,13 +212,15 @@ class FP8Linear:
             xq, xs = quantize_rows(rows)
             out = F.linear(dequantize(xq, xs, x.dtype), self.dequant, self.bias)
         else:
-            xq, xs = self.quantizer(rows)
-            out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
-                xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :], out_dtype=x.dtype
-            )
-            if self.bias is not None:
-                out = out + self.bias
+            out = self.matmul(*self.quantizer(rows), x.dtype)
         return out.view(*shape, -1)
+
+    def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm."""
+        out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
+            xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :], out_dtype=dtype
+        )
+        return out if self.bias is None else out + self.bias
 
 
 def runner_class(exact: bool, quantization: str) -> type[DecoderRunner]:
@@ -252,7 +263,8 @@ class FP8Runner(DecoderRunner):
         super().__init__(model, max_len, decode_attention)
         real = check_device(self.device)
         self.emulate = (not real) if emulate is None else emulate
-        quantizer, self.compiled = token_quantizer(compile and not self.emulate, self.device)
+        quantizer, self.compiled = compiled(quantize_rows, compile and not self.emulate, self.device)
+        self.silu_quantize, _ = compiled(silu_mul_quantize, compile and not self.emulate, self.device)
         self.skipped: list[str] = []
         """Projections left in the model dtype (not plain Linears, or sizes that fp8 GEMMs refuse)."""
         self.fp8_qkv: list[FP8Linear | None] = []
@@ -306,6 +318,14 @@ class FP8Runner(DecoderRunner):
             down if down is not None else cast(torch.nn.Module, getattr(self.layers[li].mlp, "down_proj"))  # noqa: B009
         )
         inter = sum(gate_up.rows) // 2
+        if down is not None and not self.emulate:  # silu(gate) * up and down's quantiser: one kernel
+
+            def fused(x: torch.Tensor) -> torch.Tensor:
+                gu = gate_up(x)
+                out = down.matmul(*self.silu_quantize(gu.reshape(-1, 2 * inter)), gu.dtype)
+                return out.view(*gu.shape[:-1], -1)
+
+            return fused
 
         def mlp(x: torch.Tensor) -> torch.Tensor:
             gu = gate_up(x)
