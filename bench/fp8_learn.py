@@ -107,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         data["sft"] = dict(steps=sft_steps, dev_accuracy=dev_acc, seconds=round(time.perf_counter() - t0, 1))
         write()
         data["engines"] = {}
+        last = 0.0  # seconds the previous engine's run took: the next one is expected to take as long
         for q in args.engines.split(","):
+            if time.perf_counter() - t0 + last > args.budget_s:
+                data["engines"][q] = {
+                    "skipped": f"not enough of --budget-s {args.budget_s} left",
+                    "exit_code": 0,
+                }
+                write()
+                continue
             print(f"[fp8_learn {time.perf_counter() - t0:.0f}s] RL with rollout.quantization {q}", flush=True)
             rl = rl_config(cfg, sft_model, demo_data, work / f"rl_{q}", args.rl_steps)
             rl = replace(
@@ -118,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             t1 = time.perf_counter()
             data["engines"][q] = summarize(RLTrainer(rl).fit(), time.perf_counter() - t1)
+            last = time.perf_counter() - t1
             write()
             print(json.dumps({q: data["engines"][q]}), flush=True)
     except TimeoutError as e:

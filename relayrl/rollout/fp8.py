@@ -241,7 +241,9 @@ def runner_class(exact: bool, quantization: str) -> type[DecoderRunner]:
 
 
 def _plain(module: object) -> bool:
-    return type(module) is torch.nn.Linear and not cast(torch.nn.Module, module)._forward_hooks
+    """A plain nn.Linear without hooks (a hooked or wrapped projection is called as it is)."""
+    m = cast(torch.nn.Module, module)
+    return type(module) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 class FP8Runner(DecoderRunner):
