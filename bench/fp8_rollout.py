@@ -61,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--rounds", type=int, default=2, help="timed rounds (after one warm-up round)")
     add("--mismatch-samples", type=int, default=256, help="samples compared with the trainer's forward")
     add("--layers", type=int, default=0, help="override the shape's layer count (smoke runs)")
+    add("--fused-kernels", choices=("auto", "off"), default="auto",
+        help="the native engine's fused decode kernels (rollout.fused_kernels) for both engines")  # fmt: skip
     add("--budget-s", type=float, default=225.0, help="stop with partial results after this many seconds")
     add(
         "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"), help="folder or .json path"
@@ -100,11 +102,14 @@ def refresh_ms(engine, device: str, repeats: int = 3) -> float:
 
 def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
     """Build, time, refresh and compare one engine; returns its row."""
-    opts = {"quantization": "fp8"} if name == "fp8" else {}
+    opts: dict = {"quantization": "fp8"} if name == "fp8" else {}
+    if args.fused_kernels == "off":
+        opts["fused_kernels"] = False
     runner = native_runner(model, [wl], tp=1, opts=opts)
     try:
         engine = runner.impl
         row: dict = {"startup_s": round(runner.startup_s, 2)}
+        row["fused_kernels"] = bool(getattr(engine.runner, "kernels", False))
         if isinstance(engine.runner, FP8Runner):
             r = engine.runner
             row.update(

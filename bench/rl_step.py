@@ -71,11 +71,23 @@ SHAPES = {
         16384,
     ),
 }
-# the same body with the char tokenizer's ~100-token vocabulary: random weights then end samples at EOS
-SHAPES["qwen0.5b-char"] = (
-    {k: v for k, v in SHAPES["qwen0.5b"][0].items() if k != "vocab_size"},
+SHAPES["qwen7b"] = (  # Qwen2.5-7B's shape (untied embeddings are tied here, as in every shape of this file)
+    dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
     *SHAPES["qwen0.5b"][1:],
 )
+# the same bodies with the char tokenizer's ~100-token vocabulary: random weights then end samples at EOS
+for _name in ("qwen0.5b", "qwen7b"):
+    SHAPES[f"{_name}-char"] = (
+        {k: v for k, v in SHAPES[_name][0].items() if k != "vocab_size"},
+        *SHAPES[_name][1:],
+    )
 
 
 def build_model(shape: str, folder: Path) -> Path:
@@ -121,6 +133,8 @@ def run(
     policy_nodes: int = 1,
     ray_address: str = "",
     exact: bool = False,
+    offload: bool = False,
+    model_dir: str = "",
 ) -> dict:
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
@@ -128,7 +142,7 @@ def run(
     _, dtype, prompts, n, new_tokens, micro_tokens = SHAPES[shape]
     micro_tokens = micro_tokens_override or micro_tokens
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(shape, Path(tmp) / "model")
+        model = Path(model_dir) if model_dir else build_model(shape, Path(tmp) / "model")  # or a built one
         cfg = tiny_cpu_config(str(model), str(Path(tmp) / "run"), steps=steps, reward=str(REWARD))
         cfg = replace(
             cfg,
@@ -156,6 +170,7 @@ def run(
                 policy_num_gpus_per_node=policy_gpus,
                 policy_num_nodes=policy_nodes,
                 ray_address=ray_address,
+                offload=offload,
             ),
         )
         t0 = time.perf_counter()
@@ -213,6 +228,13 @@ def run(
         "step_tokens_per_s": round(gen_tokens / mean["step"], 1),
         "samples_per_s": round(samples / mean["step"], 2),
         "peak_mem_gib": round(max(h.get("perf/peak_mem_gib", 0.0) for h in hist), 2),
+        "per_step": [  # every step, warm-up included: step seconds and generated tokens
+            {
+                "step": round(h["timing/step"], 4),
+                "gen_tokens": h["rollout/response_len"] * h["rollout/samples"],
+            }
+            for h in result.history
+        ],
         **extra,
         "wall_s": round(wall, 1),
         "torch_threads": torch.get_num_threads(),
@@ -253,6 +275,7 @@ def main() -> None:
     parser.add_argument("--policy-nodes", type=int, default=1, help="ray: dist.policy_num_nodes")
     parser.add_argument("--ray-address", default="", help="ray: join this cluster (dist.ray_address)")
     parser.add_argument("--exact", action="store_true", help="rollout.exact (results key suffix /exact)")
+    parser.add_argument("--offload", action="store_true", help="dist.offload (FSDP2 CPU offload, ray mode)")
     args = parser.parse_args()
     row = run(
         args.device,
@@ -272,6 +295,7 @@ def main() -> None:
         policy_nodes=args.policy_nodes,
         ray_address=args.ray_address,
         exact=args.exact,
+        offload=args.offload,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "

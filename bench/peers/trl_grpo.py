@@ -3,6 +3,7 @@
     .venv/bin/python bench/peers/trl_grpo.py                          # cpu-tiny (2 torch threads)
     python bench/peers/trl_grpo.py --workload gpu-equal               # Qwen2.5-0.5B shape, 256 tokens each
     python bench/peers/trl_grpo.py --workload gpu-var                 # same, samples end at EOS (<= 256)
+    python bench/peers/trl_grpo.py --workload gpu-equal --generation vllm   # TRL generates with vLLM colocated
 
 Both sides train one random-weight model folder (built once, saved with save_pretrained like
 bench/rl_step.py) on the add2 prompts ("a+b=", raw text, no chat template on either side), with the same
@@ -19,11 +20,18 @@ on a GPU, gradient checkpointing off. With one generation per optimizer step TRL
 forward (the detached current log-probs stand in); relayrl's `experience` part is its old log-probs (a
 separate forward up to commit b504c0b) and advantages.
 
+`--generation vllm` (a GPU): TRL as its GRPO guide recommends on one GPU, vLLM colocated in the trainer's
+process (bench/peers/trl_vllm.py lists every vLLM setting and its source; the rest of the step as above). TRL
+then copies the weights into vLLM before each generation (timed as generation) and, with truncated
+importance sampling on (its default), runs the old-log-prob forward (timed as experience). The TRL side runs
+under torchrun (one process), as TRL's colocated examples do; ignore-EOS becomes vLLM's `min_tokens`.
+
 Each side runs in its own subprocess, one after the other (relayrl first), so neither's threads or CUDA
 memory affect the other. Step time: relayrl's `timing/step` from its history; TRL's from a TrainerCallback,
 on_step_begin to on_step_end (generation, scoring, every micro-batch, clip and optimizer step; not logging).
 The first step of each is a warm-up and not timed. Ratio = TRL step time / relayrl step time (relayrl's
-speed relative to TRL's). Writes bench/results/peers_trl_grpo.json (one entry per workload, updated in place).
+speed relative to TRL's). Writes bench/results/peers_trl_grpo.json (one entry per workload, `<workload>-vllm`
+for `--generation vllm`, updated in place).
 
 Needs TRL (`pip install -e '.[bench]'`; never a runtime dependency of relayrl).
 """
@@ -67,6 +75,10 @@ TRL_RECORDED = (
     "bf16",
     "gradient_checkpointing",
     "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+    "vllm_enable_sleep_mode",
+    "vllm_importance_sampling_correction",
     "optim",
 )
 """GRPOConfig fields written to the results (the rest are in the module doc and `trl_config`)."""
@@ -238,14 +250,18 @@ def run_relayrl(w: Workload, model: str, steps: int) -> dict[str, Any]:
 
 
 # ================================================================================================ TRL side
-def trl_config(w: Workload, output_dir: str, steps: int) -> Any:
+def trl_config(w: Workload, output_dir: str, steps: int, generation: str = "generate") -> Any:
     """GRPOConfig for one optimizer step per generation batch of prompts x samples (see module doc)."""
     from trl import GRPOConfig
+    from trl_vllm import vllm_config_kwargs
 
     n = w.prompts * w.samples
     if n % w.trl_micro_batch:
         raise ValueError(f"trl_micro_batch {w.trl_micro_batch} must divide the step's {n} samples")
-    gen_kwargs = {"min_new_tokens": w.new_tokens} if w.ignore_eos else None  # EOS masked until the last token
+    gen_kwargs = None
+    if w.ignore_eos:  # EOS masked until the last token (model.generate's / vLLM SamplingParams' name for it)
+        gen_kwargs = {"min_tokens" if generation == "vllm" else "min_new_tokens": w.new_tokens}
+    engine: dict[str, Any] = vllm_config_kwargs() if generation == "vllm" else {"use_vllm": False}
     return GRPOConfig(
         output_dir=output_dir,
         max_steps=steps,
@@ -257,7 +273,7 @@ def trl_config(w: Workload, output_dir: str, steps: int) -> Any:
         top_p=1.0,
         top_k=0,
         generation_kwargs=gen_kwargs,
-        use_vllm=False,
+        **engine,
         beta=0.0,
         num_iterations=1,
         epsilon=0.2,
@@ -281,7 +297,7 @@ def trl_config(w: Workload, output_dir: str, steps: int) -> Any:
     )
 
 
-def run_trl(w: Workload, model: str, steps: int) -> dict[str, Any]:
+def run_trl(w: Workload, model: str, steps: int, generation: str = "generate") -> dict[str, Any]:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -289,7 +305,7 @@ def run_trl(w: Workload, model: str, steps: int) -> dict[str, Any]:
     from relayrl.tasks import get_task
 
     class StepClock(TrainerCallback):
-        """Per optimizer step: wall time, generation (model.generate) and generate+score time, TRL's logs."""
+        """Per optimizer step: wall time, generation (model.generate or vLLM) and generate+score time, logs."""
 
         def __init__(self) -> None:
             self.parts = {"generation": 0.0, "gen_and_score": 0.0}
@@ -329,7 +345,7 @@ def run_trl(w: Workload, model: str, steps: int) -> dict[str, Any]:
         cfg = relayrl_config(w, model, tmp, steps)
         rows = get_task(cfg.task.name).make_rows("train", cfg.task.train_rows, cfg.data.seed)
         dataset = datasets.Dataset.from_list([{"prompt": r["input"]} for r in rows])  # relayrl's raw prompt
-        args = trl_config(w, str(Path(tmp) / "trl"), steps)
+        args = trl_config(w, str(Path(tmp) / "trl"), steps, generation)
         trainer = TimedGRPOTrainer(
             model=model, reward_funcs=digit_reward(), args=args, train_dataset=dataset, callbacks=[clock]
         )
@@ -352,6 +368,10 @@ def run_trl(w: Workload, model: str, steps: int) -> dict[str, Any]:
 
     summary = summarise(per_step)
     summary["config"] = {k: str(getattr(args, k)) for k in TRL_RECORDED}
+    if generation == "vllm":
+        from trl_vllm import VLLM_COLOCATE
+
+        summary["vllm_settings"] = {k: {"value": v, "why": why} for k, (v, why) in VLLM_COLOCATE.items()}
     summary["precision"] = "bf16 autocast, fp32 weights" if args.bf16 else "fp32"
     summary["torch_threads"] = torch.get_num_threads()
     return summary
@@ -372,16 +392,24 @@ def digit_reward() -> Any:
 
 
 # ================================================================================================ driver
-def child(side: str, workload: str, model: str, steps: int, out: str) -> None:
+def child(side: str, workload: str, model: str, steps: int, out: str, generation: str) -> None:
     """One side in this process; its summary to `out` as JSON."""
     import torch
 
     w = WORKLOADS[workload]
     if w.device == "cpu":
         torch.set_num_threads(CPU_THREADS)
-    summary = (run_relayrl if side == "relayrl" else run_trl)(w, model, steps)
+    if generation == "vllm":
+        from trl_vllm import in_process_engine
+
+        in_process_engine()
+    summary = run_relayrl(w, model, steps) if side == "relayrl" else run_trl(w, model, steps, generation)
     summary["device"] = torch.cuda.get_device_name(0) if w.device == "cuda" else cpu_name()
     Path(out).write_text(json.dumps(summary))
+    if generation == "vllm":  # in-process vLLM (>= 0.21) can leave non-daemon threads that hang the exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def cpu_name() -> str:
@@ -394,12 +422,16 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def run_side(side: str, workload: str, model: Path, steps: int, tmp: Path) -> dict[str, Any]:
+def run_side(side: str, workload: str, model: Path, steps: int, tmp: Path, generation: str) -> dict[str, Any]:
     out = tmp / f"{side}.json"
     env = dict(os.environ)
     if WORKLOADS[workload].device == "cpu":
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(CPU_THREADS)
-    cmd = [sys.executable, __file__, "--side", side, "--workload", workload, "--steps", str(steps)]
+    launcher = [sys.executable]
+    if side == "trl" and generation == "vllm":  # one torchrun process, as TRL's colocated examples run
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    cmd = [*launcher, __file__, "--side", side, "--workload", workload, "--steps", str(steps)]
+    cmd += ["--generation", generation]
     print(f"--- {side}: {' '.join(cmd)} --model {model}", flush=True)
     t0 = time.perf_counter()
     subprocess.run([*cmd, "--model", str(model), "--out", str(out)], env=env, check=True)
@@ -416,7 +448,7 @@ def versions() -> dict[str, str]:
     if head.returncode == 0:
         dirty = subprocess.run([*git, "status", "--porcelain", "relayrl"], capture_output=True, text=True)
         out["relayrl"] = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    for name in ("torch", "transformers", "trl", "accelerate", "datasets"):
+    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "vllm"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -424,10 +456,11 @@ def versions() -> dict[str, str]:
     return out
 
 
-def print_table(name: str, row: dict[str, Any]) -> None:
+def print_table(name: str, row: dict[str, Any], generation: str) -> None:
     w, r, t = WORKLOADS[name], row["relayrl"], row["trl"]
+    engine = "vLLM colocated" if generation == "vllm" else "model.generate"
     print(
-        f"\nTRL GRPOTrainer vs relayrl rl, {name}: {w.shape} ({w.dtype}) on {row['device']}, "
+        f"\nTRL GRPOTrainer ({engine}) vs relayrl rl, {name}: {w.shape} ({w.dtype}) on {row['device']}, "
         f"{w.prompts} prompts x {w.samples} samples, {'exactly' if w.ignore_eos else '<='} {w.new_tokens} new "
         f"tokens, mean of {r['steps_timed']} steps after 1 warm-up"
     )
@@ -442,8 +475,8 @@ def print_table(name: str, row: dict[str, Any]) -> None:
             f"{name:<11}{side:<9}{cells}{s['step_median']:>15.3f}{s['gen_tokens_per_step']:>14,.0f}  {ratio:.2f}x"
         )
     print(
-        "generation: relayrl rollout + reward | TRL model.generate; experience: relayrl old log-probs + "
-        "advantages | TRL decode + reward + advantages; update: the rest of the step"
+        f"generation: relayrl rollout + reward | TRL {engine}; experience: relayrl old log-probs + "
+        "advantages | TRL decode + reward + advantages (+ old log-probs with vLLM); update: the rest of the step"
     )
     print(
         f"ratio = TRL step / relayrl step = {row['ratio']:.2f} on the means, {row['ratio_median']:.2f} on the "
@@ -455,17 +488,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="cpu-tiny", choices=sorted(WORKLOADS))
     parser.add_argument("--steps", type=int, default=4, help="timed steps per side (after 1 warm-up step)")
+    parser.add_argument(
+        "--generation",
+        default="generate",
+        choices=["generate", "vllm"],
+        help="TRL's generation: model.generate, or vLLM colocated (a GPU; settings in bench/peers/trl_vllm.py)",
+    )
     parser.add_argument("--side", choices=["relayrl", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:  # a child: --steps is the total here
-        child(args.side, args.workload, args.model, args.steps, args.out)
+        child(args.side, args.workload, args.model, args.steps, args.out, args.generation)
         return
     v = versions()
     if v["trl"] == "not installed":
         sys.exit("trl_grpo: TRL is not installed; pip install -e '.[bench]' (see pyproject's bench extra)")
     w = WORKLOADS[args.workload]
+    if args.generation == "vllm":
+        from trl_vllm import vllm_problem
+
+        if w.device != "cuda":
+            sys.exit(f"trl_grpo: --generation vllm needs a GPU workload (gpu-*), not {args.workload}")
+        if problem := vllm_problem():
+            sys.exit(f"trl_grpo: --generation vllm: {problem}")
+    key = args.workload + ("-vllm" if args.generation == "vllm" else "")
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     if w.device == "cpu" and load > 0.5:
         # Measured here: with another process busy on the second core, a 2-thread `model.generate` of this
@@ -473,9 +523,14 @@ def main() -> None:
         print(f"trl_grpo: warning: load average {load:.1f} before the run; CPU step times will be noisy")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(w.shape, Path(tmp) / "model")
-        sides = {s: run_side(s, args.workload, model, args.steps + 1, Path(tmp)) for s in ("relayrl", "trl")}
+        sides = {}
+        for side in ("relayrl", "trl"):
+            sides[side] = run_side(side, args.workload, model, args.steps + 1, Path(tmp), args.generation)
+            if out_dir:  # each side as soon as it is done: a failing TRL run still leaves relayrl's numbers
+                (out_dir / f"peers_trl_grpo_{key}_{side}.json").write_text(json.dumps(sides[side], indent=2))
     row = {
         "workload": asdict(w),
+        "trl_generation": args.generation,
         "device": sides["relayrl"].pop("device"),
         "trl_device": sides["trl"].pop("device"),
         "ratio": round(sides["trl"]["seconds"]["step"] / sides["relayrl"]["seconds"]["step"], 3),
@@ -487,12 +542,15 @@ def main() -> None:
         "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)],  # before, after
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    print_table(args.workload, row)
+    print_table(args.workload, row, args.generation)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    results[args.workload] = row
+    results[key] = row
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")
+    if out_dir:
+        (out_dir / f"peers_trl_grpo_{key}.json").write_text(json.dumps(row, indent=2) + "\n")
+        print(f"wrote {out_dir / f'peers_trl_grpo_{key}.json'}")
 
 
 if __name__ == "__main__":

@@ -253,6 +253,7 @@ def sample_groups(
         max_seqs=slots if fixed else None,
         gpu_util=r.vllm_gpu_util,
         any_version=r.vllm_any_version,
+        fused_kernels=r.fused_kernels,
     )
     engine = build_engine(r.engine, model, tokenizer, settings)
     executor = SingleTurnExecutor(engine, tokenizer, max_total_len=r.max_len, log=log)

@@ -118,6 +118,10 @@ class RolloutConfig:
     on a CPU) and turns the TIS correction on by default (algo.off_policy), since the engine then samples
     from a slightly different policy than the trainer's; the mismatch/* and train/logprob_diff metrics show
     by how much. Not with exact, LoRA or dist.engine_tp > 1."""
+    fused_kernels: bool = True
+    """Native engine: decode through fused Triton kernels (residual add + RMSNorm, SiLU x up, rotary + K/V
+    cache write, attention over each sample's own length; relayrl/rollout/kernels.py), used on a CUDA device
+    when triton imports; false: the plain torch ops (to compare, or if a kernel misbehaves)."""
     vllm_args: str = ""
     """vllm engine: more vllm.EngineArgs as a JSON object, over relayrl's own (e.g. '{"enforce_eager": true}',
     '{"max_num_batched_tokens": 8192}'); the arguments relayrl derives from other settings are refused."""

@@ -239,6 +239,9 @@ class EngineSettings:
     """native: the exact on-policy mode (rollout/exact.py): batch-invariant forward, log-probs equal to the
     trainer's bit for bit (the trainer must run the 'exact' layout); other engines ignore it (the RL config
     refuses it for them)."""
+    fused_kernels: bool = True
+    """native: decode through the fused Triton kernels (rollout/kernels.py) on a CUDA device when triton imports;
+    False: the plain torch ops. Other engines ignore it."""
     placement: Placement = "alone"
     """Where the engine runs (decides vllm's GPU memory share, sleep mode and executor)."""
     tp: int = 0

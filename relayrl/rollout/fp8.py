@@ -223,10 +223,18 @@ class FP8Linear:
         return out if self.bias is None else out + self.bias
 
 
-def runner_class(exact: bool, quantization: str) -> type[DecoderRunner]:
-    """The native engine's forward: ExactRunner (rollout.exact), FP8Runner (quantization "fp8") or
-    DecoderRunner; a ValueError for an unknown quantization or exact mode with fp8 (exact mode's point is
-    log-probs equal to the trainer's bf16 forward, which fp8 weights cannot give)."""
+def build_runner(
+    model: torch.nn.Module,
+    max_len: int,
+    decode_attention: str,
+    exact: bool = False,
+    quantization: str = "none",
+    kernels: bool | None = False,
+) -> DecoderRunner:
+    """The native engine's forward: ExactRunner (rollout.exact), FP8Runner (quantization "fp8") or DecoderRunner
+    (`kernels`: its fused decode kernels, rollout/kernels.py); a ValueError for an unknown quantization or exact
+    mode with fp8 (exact mode's point is log-probs equal to the trainer's bf16 forward, which fp8 weights cannot
+    give)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"native engine: quantization={quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
@@ -236,8 +244,10 @@ def runner_class(exact: bool, quantization: str) -> type[DecoderRunner]:
             raise ValueError(
                 "native engine: exact=True with quantization='fp8' (exact mode needs the trainer's own weights)"
             )
-        return FP8Runner
-    return ExactRunner if exact else DecoderRunner
+        return FP8Runner(model, max_len, decode_attention, kernels=kernels)
+    if exact:
+        return ExactRunner(model, max_len)
+    return DecoderRunner(model, max_len, decode_attention, kernels=kernels)
 
 
 def _plain(module: object) -> bool:
@@ -259,10 +269,12 @@ class FP8Runner(DecoderRunner):
         *,
         emulate: bool | None = None,
         compile: bool = True,
+        kernels: bool | None = False,
     ) -> None:
         """`emulate`: quantise-dequantise instead of fp8 GEMMs (None: on a CPU; a CUDA device below 8.9
-        raises FP8Unsupported); `compile`: torch.compile the activation quantiser (GPU path)."""
-        super().__init__(model, max_len, decode_attention)
+        raises FP8Unsupported); `compile`: torch.compile the activation quantisers (GPU path); `kernels`:
+        DecoderRunner's fused decode kernels around the projections (rollout/kernels.py)."""
+        super().__init__(model, max_len, decode_attention, kernels=kernels)
         real = check_device(self.device)
         self.emulate = (not real) if emulate is None else emulate
         quantizer, self.compiled = compiled(quantize_rows, compile and not self.emulate, self.device)

@@ -55,6 +55,7 @@ Guarantees
 from __future__ import annotations
 
 import bisect
+import contextlib
 import random
 import time
 from collections import deque
@@ -73,7 +74,7 @@ from relayrl.rollout.base import (
     SamplingParams,
 )
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
-from relayrl.rollout.fp8 import runner_class
+from relayrl.rollout.fp8 import build_runner
 from relayrl.rollout.hf import default_eos_ids
 from relayrl.rollout.native_state import GraphCache, SlotState, kv_buckets, sampling_mode
 from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
@@ -111,14 +112,14 @@ class NativeEngine(ThreadedEngine):
 
     @classmethod
     def options(cls, settings: EngineSettings) -> dict[str, Any]:
-        """max_seq_len, max_slots (= settings.max_seqs) and prefix_cache, each when set."""
+        """max_seq_len, max_slots (= settings.max_seqs), prefix_cache, exact and fused_kernels, each when set."""
         opts = super().options(settings)
         if settings.max_seqs is not None:
             opts["max_slots"] = settings.max_seqs
         if settings.prefix_cache is not None:
             opts["prefix_cache"] = settings.prefix_cache
-        if settings.exact:
-            opts["exact"] = True
+        if settings.exact or not settings.fused_kernels:  # only what differs from the defaults (None: auto)
+            opts.update(exact=settings.exact, fused_kernels=None if settings.fused_kernels else False)
         return opts
 
     def __init__(
@@ -142,6 +143,7 @@ class NativeEngine(ThreadedEngine):
         min_prefix_tokens: int = 8,
         compact: bool = True,
         exact: bool = False,
+        fused_kernels: bool | None = None,
         quantization: str = "none",
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
@@ -158,7 +160,8 @@ class NativeEngine(ThreadedEngine):
         None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
         bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
         lowest slots when that shrinks the decode batch (slots of finished samples stop being computed);
-        `exact`: exact.py's batch-invariant forward (log-probs = the trainer's); `quantization` "fp8": fp8.py."""
+        `exact`: exact.py's batch-invariant forward (log-probs = the trainer's); `quantization` "fp8": fp8.py;
+        `fused_kernels`: decode through rollout/kernels.py's Triton kernels (None: on CUDA when triton imports)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
         cfg = model.config
@@ -169,7 +172,8 @@ class NativeEngine(ThreadedEngine):
         self.sync_every = max(1, sync_every)
         self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
         self.max_stop_ids = max(max_stop_ids, len(self.eos_ids))
-        self.runner = runner_class(exact, quantization)(model, self.max_seq_len, decode_attention)
+        self.runner = build_runner(
+            model, self.max_seq_len, decode_attention, exact, quantization, fused_kernels)  # fmt: skip
         self.device = self.runner.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -279,10 +283,7 @@ class NativeEngine(ThreadedEngine):
             self._free_slots(run)
 
     def _step(self, new: list[Pending]) -> None:
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                self._round(new)
-        else:
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self._round(new)
 
     def _round(self, new: list[Pending]) -> None:
@@ -427,10 +428,9 @@ class NativeEngine(ThreadedEngine):
     def _decode_step(self, bs: int, kv_len: int, mode: str) -> None:
         st = self.state
         assert st is not None, "the engine holds no slot state (asleep or closed)"
-        logits = self.runner.decode(
-            st.cur_tok[:bs], st.pos[:bs], st.k_cache, st.v_cache, kv_len, st.rows[:bs]
-        )
-        st.advance(slice(0, bs), logits, mode)
+        b = slice(0, bs)
+        logits = self.runner.decode(st.cur_tok[b], st.pos[b], st.k_cache, st.v_cache, kv_len, st.rows[b])
+        st.advance(b, logits, mode)
 
     # ---- retire ---------------------------------------------------------------------------------------
     def _retire(self) -> None:

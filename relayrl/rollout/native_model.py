@@ -38,6 +38,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from relayrl.rollout.kernels import decode_attention, rms_norm, rope_kv_write, silu_mul, silu_mul_ref, usable
 from relayrl.rollout.native_fused import fuse_projections, gate_up_weight, qkv_weights
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -135,9 +136,17 @@ def _linear_fn(module: torch.nn.Module) -> TensorFn:
 _PLAIN_MLPS = {f"{name}MLP" for name in ("Qwen2", "Qwen3", "Llama", "Mistral")}
 
 
-def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
-    """down(silu(gate(x)) * up(x)) over a plain HF gated MLP's live Linears, the product in place; other MLP
-    modules are called as they are."""
+def _norm_params(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of a plain HF RMSNorm (the fused kernel's inputs), else None."""
+    if type(module).__name__ not in _PLAIN_RMSNORMS or not hasattr(module, "variance_epsilon"):
+        return None
+    rms = cast(_RMSNorm, module)
+    return rms.weight, float(rms.variance_epsilon)
+
+
+def _mlp_fn(mlp: torch.nn.Module, glu: Callable[..., torch.Tensor] = silu_mul_ref) -> TensorFn:
+    """down(glu(gate(x), up(x))) over a plain HF gated MLP's live Linears, glu = silu(gate) * up (torch, the
+    product in place, or the fused kernel: kernels.silu_mul); other MLP modules are called as they are."""
     projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     act = type(getattr(mlp, "act_fn", None)).__name__
     if type(mlp).__name__ not in _PLAIN_MLPS or act not in ("SiLUActivation", "SiLU") or _hooked(mlp):
@@ -151,9 +160,7 @@ def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
 
         def fused(x: torch.Tensor) -> torch.Tensor:
             gu = F.linear(x, gate_up)
-            h = F.silu(gu[..., :inter])
-            h *= gu[..., inter:]
-            return down(h)
+            return down(glu(gu[..., :inter], gu[..., inter:]))
 
         return fused
     if any(type(p) is not torch.nn.Linear or _hooked(p) for p in projs[:2]):
@@ -161,9 +168,7 @@ def _mlp_fn(mlp: torch.nn.Module) -> TensorFn:
     gate, up = (_linear_fn(cast(torch.nn.Linear, p)) for p in projs[:2])
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(gate(x))
-        h *= up(x)
-        return down(h)
+        return down(glu(gate(x), up(x)))
 
     return forward
 
@@ -172,11 +177,17 @@ class DecoderRunner:
     """Prefill and decode forwards over an HF causal LM's live modules (see module doc)."""
 
     def __init__(
-        self, model: torch.nn.Module, max_len: int, decode_attention: str = "auto", fuse: bool = True
+        self,
+        model: torch.nn.Module,
+        max_len: int,
+        decode_attention: str = "auto",
+        fuse: bool = True,
+        kernels: bool | None = False,
     ) -> None:
         """`decode_attention`: "sdpa" (fused kernel), "math" (matmul + softmax; faster on CPU for short
         query groups) or "auto" (sdpa on CUDA, math elsewhere); `fuse`: lay out q/k/v and gate/up of weights
-        that do not train as one buffer each and run one GEMM per group (native_fused.py)."""
+        that do not train as one buffer each and run one GEMM per group (native_fused.py); `kernels`: decode
+        through the fused Triton kernels (kernels.py; None: on a CUDA device when triton imports)."""
         base = getattr(model, "get_base_model", None)
         if base is not None:  # peft: run the base model, whose projections carry the adapters
             model = base()
@@ -212,7 +223,13 @@ class DecoderRunner:
         self.fused_layers = fuse_projections(model) if fuse else 0
         """Layers whose q/k/v and gate/up run as one GEMM each (native_fused.py: weights that do not train)."""
         self.qkv = [qkv_weights(layer.self_attn) for layer in self.layers]
-        self.mlps = [_mlp_fn(layer.mlp) for layer in self.layers]
+        norm_params = [_norm_params(m) for layer in self.layers for m in (layer.input_layernorm,
+                       layer.post_attention_layernorm)] + [_norm_params(self.body.norm)]  # fmt: skip
+        self.kernels = _want_kernels(kernels, self.device, None not in norm_params)
+        """Decode runs the fused kernels (kernels.py: residual + RMSNorm, SiLU x up, rotary + KV write,
+        attention over each slot's own length)."""
+        self.norm_params = cast(list[tuple[torch.Tensor, float]], norm_params)
+        self.mlps = [_mlp_fn(layer.mlp, silu_mul if self.kernels else silu_mul_ref) for layer in self.layers]
         self.qk_norms: list[tuple[TensorFn, TensorFn] | None] = [
             (_norm_fn(layer.self_attn.q_norm), _norm_fn(layer.self_attn.k_norm))
             if getattr(layer.self_attn, "q_norm", None) is not None
@@ -371,6 +388,8 @@ class DecoderRunner:
         rows: torch.Tensor,
     ) -> torch.Tensor:
         """One token for slots [0, bs) (rows = arange(bs)); returns logits [bs, V]."""
+        if self.kernels:
+            return self._decode_kernels(tok, pos, k_cache, v_cache, kv_len)
         bs, hkv, d = tok.shape[0], self.n_kv, self.head_dim
         x = self.body.embed_tokens(tok)  # [bs, hidden]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [bs, 1, D]
@@ -392,6 +411,21 @@ class DecoderRunner:
             x = x + self.projs[li][3](self._attend(q, k_att[li], v_att[li], mask).view(bs, -1))
             x = x + self.mlps[li](norm2(x))
         return self._logits(x)
+
+    def _decode_kernels(
+        self, tok: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """`decode` through the fused kernels (kernels.py): the residual add rides in the next RMSNorm, rotary
+        in the K/V write, attention reads each slot's positions [0, pos] only."""
+        bs, norms = tok.shape[0], self.norm_params
+        h, x = rms_norm(self.body.embed_tokens(tok), *norms[0])
+        for li in range(len(self.layers)):
+            q, k, v = self._qkv(li, h, (bs,))
+            q = rope_kv_write(q, k, v, self.cos, self.sin, pos, k_cache[li], v_cache[li])
+            o = decode_attention(q, k_cache[li], v_cache[li], pos, self.scale, kv_len)
+            h, x = rms_norm(self.projs[li][3](o.view(bs, -1)), *norms[2 * li + 1], residual=x)
+            h, x = rms_norm(self.mlps[li](h), *norms[2 * li + 2], residual=x)
+        return self.model.lm_head(h)
 
     def _decode_mask(self, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Additive mask hiding cache positions > pos: [bs, 1, 1, T] in the model dtype for sdpa, [bs * Hkv,
@@ -421,6 +455,21 @@ class DecoderRunner:
             scores = torch.bmm(q3, k.transpose(1, 2)).float() * self.scale + mask
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
         return torch.bmm(probs, v).view(bs, -1, d)
+
+
+def _want_kernels(kernels: bool | None, device: torch.device, plain_norms: bool) -> bool:
+    """Resolve DecoderRunner's `kernels` (None: on for CUDA when triton imports); True where they cannot run
+    raises, naming why."""
+    if kernels is False or (kernels is None and device.type != "cuda"):
+        return False
+    if not usable(device) or not plain_norms:
+        if kernels:
+            why = "a norm is not a plain HF RMSNorm" if usable(device) else "triton does not import here"
+            raise ValueError(
+                f"native engine: fused_kernels=True but {why} ({device}); pass fused_kernels=False"
+            )
+        return False
+    return True
 
 
 def check_supported(model: torch.nn.Module, max_len: int) -> None:

@@ -132,6 +132,7 @@ def build_engine_for(
         placement="separate" if tp else "colocated",
         tp=tp,
         exact=rollout.exact,
+        fused_kernels=rollout.fused_kernels,
     )
     if not caps.own_weights:  # fp8: a native engine keyword (the RL config refuses it for other engines)
         fp8 = {"quantization": "fp8"} if rollout.quantization == "fp8" else {}

@@ -132,5 +132,6 @@ def policy_rank_main(rank: int, world: int, store: str, model_path: str, out: st
     torch.manual_seed(0)
     try:
         policy_run(model_path, Path(out), DECAY)
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()

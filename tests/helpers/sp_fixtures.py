@@ -81,6 +81,8 @@ def sp_run(rank: int, world: int, sp: int, store: str | None) -> dict[str, Any]:
         mine = [batches[i] for i in my_data_share([b.num_tokens for b in batches])]
         out = step.step(mine, next_token_loss)
         weights = {k: v.detach().clone() for k, v in full_tensors(model)}
+        if store is not None:
+            dist.barrier()  # no rank tears gloo down while a peer is still in a collective
         return {
             "layout": layout,
             "loss": out.loss,

@@ -65,6 +65,7 @@ def engine_worker(rank: int, world: int, store_path: str, out: str) -> None:
             engine.follow()
         torch.save({"outputs": got, "steps": engine.decode_steps, "kv": engine.runner.n_kv}, f"{out}.{rank}")
         engine.close()
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
 
@@ -110,5 +111,6 @@ def refresh_worker(rank: int, world: int, store_path: str, out: str) -> None:
             f"{out}.{rank}",
         )
         engine.close()
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()

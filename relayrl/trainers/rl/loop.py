@@ -267,7 +267,14 @@ class RLTrainer:
     def fit(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> RLResult:
         """Run to train.max_steps (resuming per ckpt.resume); SIGINT / SIGTERM finish the step, write a
         checkpoint and stop. `on_step(step, metrics)` is called after each logged step (hooks, tests)."""
-        resumed = self.resume()
+        try:
+            resumed = self.resume()
+        except BaseException:
+            # a refused checkpoint must not leave the roles (Ray actors, engine processes) or the run-folder
+            # lock behind: the loop's own `finally` below has not been entered yet
+            self.roles.close()
+            release_run_dir(self.run_dir)
+            raise
         self._start_step = self.step
         done_before = resumed and self.step >= self.cfg.train.max_steps
         logger = self._build_logger()

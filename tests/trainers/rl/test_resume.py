@@ -22,6 +22,7 @@ from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer
 from relayrl.training.checkpoint import write_manifest
 from relayrl.training.logging import read_jsonl
+from relayrl.training.run_lock import LOCK_FILE
 
 DATA = Path(__file__).parents[1] / "data"
 STEPS = 4
@@ -95,11 +96,18 @@ def _a_tampered_position_is_refused(model: Path, run: Path, ckpt: Path) -> None:
     assert state["prompts_drawn"] == 2 * 8  # 2 steps x prompts_per_step 8 of tiny_cpu_config
     state_file.write_text(json.dumps({**state, "prompts_drawn": 15}))
     write_manifest(ckpt)  # consistent checksums: only the position check can catch it
+    trainer = RLTrainer(_cfg(model, run))
+    closed: list[bool] = []
+    close_roles = trainer.roles.close
+    trainer.roles.close = lambda: (closed.append(True), close_roles())[1]  # pyright: ignore[reportAttributeAccessIssue]
     with pytest.raises(
         ValueError,
         match=r"recorded 15 batch\(es\) drawn but its data position .* is 16 batches in: resuming would skip 1",
     ):
-        RLTrainer(_cfg(model, run)).fit()
+        trainer.fit()
+    # the refused run released its roles and its run folder (before, both stayed held until the process ended)
+    assert closed == [True]
+    assert not (run / LOCK_FILE).read_text().strip()
     state_file.write_text(original)
     write_manifest(ckpt)
 
