@@ -8,7 +8,8 @@ Setup (bench/rollout.py's shapes, model builder, workload, timing and mismatch c
 one random-weight bf16 model of the shape (seed 0), frozen (an engine's own copy: the bf16 engine runs its
 fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then fp8 (the other one closed first):
   - build the native engine over the model (max_slots = prompts, max_seq_len = prompt + new tokens, CUDA
-    graphs; fp8: the projections quantised on the device, the per-token activation quantiser compiled);
+    graphs, the fused decode kernels where triton imports, --fused-kernels off for the plain ops; fp8: the
+    projections quantised on the device, the per-token activation quantisers compiled);
   - workload: --prompts random prompts of --prompt-len tokens -> exactly --new-tokens new tokens each,
     temperature 1, log-probs; one warm-up round, --rounds timed rounds (fresh prompts each), one prefill-only
     round: tokens/s median and decode ms per step (bench/rollout.py's definitions);
