@@ -4,7 +4,7 @@
 `POLICY_LOSSES`, `AGGREGATIONS`, `KL_MODES`, `KL_ESTIMATORS` (relayrl.algorithms.registry, whose entries say
 what each needs: the critic column below is `needs_critic(advantage)`). Imports no torch.
 
-    resolve_names(AlgoNames(...), async_train=) -> AlgoNames     every unset choice filled in
+    resolve_names(AlgoNames(...), async_train=, fp8_rollout=) -> AlgoNames     every unset choice filled in
     algo_choices() -> {algo field: valid names}                  what the validation pass checks names against
 
 `relayrl rl --algo.preset NAME` applies one (`resolve_names`, called once by relayrl.trainers.rl.validate):
@@ -120,11 +120,12 @@ class AlgoNames:
     """Upper clip range of the policy loss (None: the loss's default)."""
 
 
-def resolve_names(n: AlgoNames, *, async_train: bool = False) -> AlgoNames:
+def resolve_names(n: AlgoNames, *, async_train: bool = False, fp8_rollout: bool = False) -> AlgoNames:
     """A copy of `n` with every name filled in: the field's own value when set, else the preset's
     (`n.preset`, which must be "" or a key of ALGORITHM_PRESETS), else the built-in default (BUILTIN_ALGO; KL
     estimator: the preset's when its KL mode is the one used, else k1 for kl_mode=reward and k3 otherwise;
-    off-policy correction: tis when `async_train` (stale samples need it), else none). Clip ranges stay None
+    off-policy correction: tis when `async_train` (stale samples need it) or `fp8_rollout` (the engine samples
+    with fp8 weights), else none). Clip ranges stay None
     when neither the user nor the preset sets them: each policy loss then uses its own default. Idempotent."""
     p = ALGORITHM_PRESETS[n.preset] if n.preset else None
     names = {k: getattr(n, k) or (str(getattr(p, k)) if p else v) for k, v in BUILTIN_ALGO.items()}
@@ -137,7 +138,7 @@ def resolve_names(n: AlgoNames, *, async_train: bool = False) -> AlgoNames:
     return replace(
         n,
         **names,
-        off_policy=n.off_policy or ("tis" if async_train else "none"),
+        off_policy=n.off_policy or ("tis" if async_train or fp8_rollout else "none"),
         kl_estimator=estimator,
         clip_eps_low=n.clip_eps_low if n.clip_eps_low is not None else (p.eps_low if p else None),
         clip_eps_high=n.clip_eps_high if n.clip_eps_high is not None else (p.eps_high if p else None),

@@ -111,6 +111,13 @@ class RolloutConfig:
     """Exact on-policy mode (native engine only): the engine and the trainer's log-prob forward run one
     batch-invariant forward (relayrl/rollout/exact.py), so the engine's sampled-token log-probs equal the
     trainer's bit for bit (mismatch exactly 0, first-step ratio exactly 1). Costs speed: see docs/rl.md."""
+    quantization: Literal["none", "fp8"] = "none"
+    """Native engine weights: none (the policy's dtype, bf16 on a GPU) or fp8 (e4m3 projections, per-channel
+    scales, re-quantised on the device after every update; embedding, LM head and norms stay bf16; training
+    stays bf16: relayrl/rollout/fp8.py). fp8 needs a GPU with compute capability >= 8.9 (H100 / H200; emulated
+    on a CPU) and turns the TIS correction on by default (algo.off_policy), since the engine then samples
+    from a slightly different policy than the trainer's; the mismatch/* and train/logprob_diff metrics show
+    by how much. Not with exact, LoRA or dist.engine_tp > 1."""
     fused_kernels: bool = True
     """Native engine: decode through fused Triton kernels (residual add + RMSNorm, SiLU x up, rotary + K/V
     cache write, attention over each sample's own length; relayrl/rollout/kernels.py), used on a CUDA device
@@ -170,6 +177,13 @@ class RolloutConfig:
             raise invalid(
                 "exact", self.exact, f"false with engine {self.engine!r} (exact mode needs 'native')"
             )
+        if self.quantization == "fp8" and (self.engine != "native" or self.exact):
+            why = (
+                "exact mode compares with the trainer's own weights"
+                if self.exact
+                else f"engine {self.engine!r}"
+            )
+            raise invalid("quantization", self.quantization, f"none with {why} (fp8 needs native, exact off)")
         if not 0.0 <= self.vllm_gpu_util < 1.0:
             raise invalid(
                 "vllm_gpu_util", self.vllm_gpu_util, "a fraction of the GPU's memory in (0, 1), or 0"
@@ -258,7 +272,8 @@ class AlgoConfig:
     train/aux_loss. 0: off. Dense models ignore it."""
     off_policy: str = ""
     """Rollout-vs-trainer log-prob mismatch correction: none, tis, icepop, seq_mask_tis. Empty: tis with
-    train.async_train (stale samples need it), else none."""
+    train.async_train (stale samples need it) or rollout.quantization fp8 (the engine's fp8 weights), else
+    none."""
     off_policy_low: float | None = None
     """Lower bound of the IS weight. None: the method's own default (tis 0 = no lower bound, icepop 0.5,
     seq_mask_tis 0.5)."""

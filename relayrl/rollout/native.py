@@ -74,9 +74,8 @@ from relayrl.rollout.base import (
     SamplingParams,
 )
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
-from relayrl.rollout.exact import ExactRunner
+from relayrl.rollout.fp8 import build_runner
 from relayrl.rollout.hf import default_eos_ids
-from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_state import GraphCache, SlotState, kv_buckets, sampling_mode
 from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
 from relayrl.rollout.sampling import mix_seed
@@ -147,6 +146,7 @@ class NativeEngine(ThreadedEngine):
         exact: bool = False,
         fused_kernels: bool | None = None,
         record_routes: bool = False,
+        quantization: str = "none",
     ) -> None:
         """`max_slots`: concurrent sequences (KV cache rows); `max_seq_len`: total length limit and cache
         length (default min(max_position_embeddings, 4096)); `max_prefill_tokens`: padded tokens per
@@ -162,7 +162,7 @@ class NativeEngine(ThreadedEngine):
         None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
         bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
         lowest slots when that shrinks the decode batch (slots of finished samples stop being computed);
-        `exact`: the batch-invariant forward of rollout/exact.py (log-probs equal to the trainer's);
+        `exact`: exact.py's batch-invariant forward (log-probs = the trainer's); `quantization` "fp8": fp8.py;
         `fused_kernels`: decode through rollout/kernels.py's Triton kernels (None: on CUDA when triton imports);
         `record_routes`: a mixture-of-experts model's experts per token in Completion.routes (routing replay)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
@@ -175,8 +175,8 @@ class NativeEngine(ThreadedEngine):
         self.sync_every = max(1, sync_every)
         self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
         self.max_stop_ids = max(max_stop_ids, len(self.eos_ids))
-        self.runner = ExactRunner(model, self.max_seq_len) if exact else DecoderRunner(
-            model, self.max_seq_len, decode_attention, kernels=fused_kernels)  # fmt: skip
+        self.runner = build_runner(
+            model, self.max_seq_len, decode_attention, exact, quantization, fused_kernels)  # fmt: skip
         self.device = self.runner.device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -233,6 +233,7 @@ class NativeEngine(ThreadedEngine):
         self.pool.drop_parked()  # their K/V came from the old weights
         if named_tensors is not None:
             load_named_tensors(self.model, named_tensors)
+        self.runner.refresh_weights()  # fp8: re-quantise (rollout/fp8.py); else nothing
         if self.graphs is not None:
             self.graphs.drop_if_moved(self.model)
 

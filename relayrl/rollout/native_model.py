@@ -181,13 +181,7 @@ class DecoderRunner:
     def _qkv(self, li: int, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms); one GEMM
         when the layer's q/k/v are fused (native_fused.py)."""
-        fused = self.qkv[li]
-        if fused is not None:
-            weight, bias, sizes = fused
-            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
-        else:
-            q_proj, k_proj, v_proj, _ = self.projs[li]
-            q, k, v = q_proj(h), k_proj(h), v_proj(h)
+        q, k, v = self._project_qkv(li, h)
         q = q.view(*shape, self.n_heads, self.head_dim)
         k = k.view(*shape, self.n_kv, self.head_dim)
         v = v.view(*shape, self.n_kv, self.head_dim)
@@ -197,11 +191,29 @@ class DecoderRunner:
             q, k = q_norm(q), k_norm(k)
         return q, k, v
 
-    def _block(self, li: int, layer: _Layer) -> TensorFn:
-        """The MLP of layer li as prefill runs it: ours for a sparse block (same routing as decode), else the
-        module."""
+    def _project_qkv(self, li: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer li's q, k, v projections of h [..., hidden] (one GEMM when fused)."""
+        fused = self.qkv[li]
+        if fused is not None:
+            weight, bias, sizes = fused
+            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
+            return q, k, v
+        q_proj, k_proj, v_proj, _ = self.projs[li]
+        return q_proj(h), k_proj(h), v_proj(h)
+
+    def _o_proj(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer li's o_proj in prefill / extend (the module; decode calls projs[li][3], the same math)."""
+        return self.layers[li].self_attn.o_proj(x)
+
+    def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer li's MLP in prefill / extend: ours for a sparse block (the same routing as decode), else the
+        module (decode calls mlps[li], the same math)."""
         fn = self.mlps[li]
-        return fn if isinstance(fn, MoEForward) else layer.mlp
+        return fn(x) if isinstance(fn, MoEForward) else self.layers[li].mlp(x)
+
+    def refresh_weights(self) -> None:
+        """The weights changed (NativeEngine.load_weights): recompute what is derived from them. Nothing here
+        (the modules are read live); rollout/fp8.py's FP8Runner re-quantises."""
 
     def _taken_routes(self, b: int, t: int) -> torch.Tensor:
         """The last forward's experts [b, t, MoE layers, k] int16 (each MoE layer's `last_idx`)."""
@@ -224,8 +236,8 @@ class DecoderRunner:
         b, t = ids.shape
         x = self.body.embed_tokens(ids)
         cos, sin = self.cos[None, None, :t], self.sin[None, None, :t]
-        for li, layer in enumerate(self.layers):
-            attn, (norm1, norm2) = layer.self_attn, self.norms[li]
+        for li in range(len(self.layers)):
+            norm1, norm2 = self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (b, t))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             q, k = rope(q, cos, sin), rope(k, cos, sin)
@@ -234,8 +246,8 @@ class DecoderRunner:
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
             )
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = x + self._block(li, layer)(norm2(x))
+            x = x + self._o_proj(li, o.transpose(1, 2).reshape(b, t, -1))
+            x = x + self._mlp(li, norm2(x))
         if self.routes is not None:
             self.routes[slot_idx, :t] = self._taken_routes(b, t)[row_idx]
         return self._logits(x[torch.arange(b, device=x.device), last])
@@ -280,8 +292,8 @@ class DecoderRunner:
         k_rows, v_rows = k_cache.view(n_layers, -1, d), v_cache.view(n_layers, -1, d)
         visible = self.kv_positions[None, None, :kv_len] <= pos[:, :, None]  # [B, T, kv_len]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-        for li, layer in enumerate(self.layers):
-            attn, (norm1, norm2) = layer.self_attn, self.norms[li]
+        for li in range(len(self.layers)):
+            norm1, norm2 = self.norms[li]
             q, k, v = self._qkv(li, norm1(x), (b, t))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             q, k = rope(q, cos, sin), rope(k, cos, sin)
@@ -292,8 +304,8 @@ class DecoderRunner:
             o = F.scaled_dot_product_attention(
                 q, ks, vs, attn_mask=mask[:, None], scale=self.scale, enable_gqa=self.group > 1
             )
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            x = x + self._block(li, layer)(norm2(x))
+            x = x + self._o_proj(li, o.transpose(1, 2).reshape(b, t, -1))
+            x = x + self._mlp(li, norm2(x))
         if self.routes is not None:
             taken = self._taken_routes(b, t)
             for row, (s, n) in enumerate(zip(start, lengths, strict=True)):

@@ -135,8 +135,9 @@ def build_engine_for(
         fused_kernels=rollout.fused_kernels,
         record_routes=rollout.routing_replay,
     )
-    if not caps.own_weights:
-        return build_engine(rollout.engine, model, tokenizer, settings, group=group)
+    if not caps.own_weights:  # fp8: a native engine keyword (the RL config refuses it for other engines)
+        fp8 = {"quantization": "fp8"} if rollout.quantization == "fp8" else {}
+        return build_engine(rollout.engine, model, tokenizer, settings, group=group, **fp8)
     if source is None or not source.name_or_path:
         raise ValueError(
             f"rollout.engine {rollout.engine} loads the policy from its folder: build_engine_for needs source= "

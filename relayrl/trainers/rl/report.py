@@ -195,10 +195,11 @@ def plot_curves(metrics_path: Path, png: Path, title: str = "relayrl rl") -> Pat
 def banner_text(cfg: RLConfig, info: dict, run_dir: Path, on_policy: bool) -> str:
     """The start-up line: algorithm, model, precision, layout, engine, ranks, steps, run folder."""
     a = cfg.algo
+    fp8 = " in fp8" if cfg.rollout.quantization == "fp8" else ""
     return (
         f"relayrl rl: {a.preset or 'custom'} (advantage {a.advantage}, loss {a.policy_loss}, kl {a.kl_mode}) on "
         f"{cfg.model.name_or_path} ({info['params'] / 1e6:.1f}M params, {info['precision']}, "
-        f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights), "
+        f"{info['layout']} attention, engine {cfg.rollout.engine} on {info['engine_weights']} weights{fp8}), "
         f"{info.get('ranks', 1)} policy rank(s), {cfg.train.max_steps} steps of {cfg.rollout.prompts_per_step} "
         f"x {cfg.rollout.n_samples} samples, old-log-prob pass "
         f"{'skipped (exactly on-policy)' if on_policy else 'on'}; run folder {run_dir}"

@@ -4,7 +4,8 @@
         1. names: algo.preset, then (after resolving) every algo.* registry name, rollout.engine /
            failure_policy / agent, against the registries (relayrl.algorithms, torch-free); checked once, here
         2. resolve: a copy whose unset algo names are filled from the preset and the built-in defaults
-           (relayrl.algorithms.presets.resolve_names; algo.off_policy: tis under train.async_train, else none)
+           (relayrl.algorithms.presets.resolve_names; algo.off_policy: tis under train.async_train or
+           rollout.quantization fp8, else none)
         3. values: what a component's own `__post_init__` cannot see (fields of several sections together)
         4. warnings: one ConfigWarning per group of fields that are set but have no effect
 
@@ -54,17 +55,19 @@ def validate_rl(cfg: RLConfig) -> ResolvedRL:
     bounds) is read from its registry entry (relayrl.algorithms.registry)."""
     if cfg.algo.preset:  # before resolving: the preset's names fill the others
         _choice("algo.preset", cfg.algo.preset, algo_choices()["preset"])
-    resolved = replace(cfg, algo=resolve_algo(cfg.algo, async_train=cfg.train.async_train))
+    fp8 = cfg.rollout.quantization == "fp8"
+    resolved = replace(cfg, algo=resolve_algo(cfg.algo, async_train=cfg.train.async_train, fp8_rollout=fp8))
     _check_names(resolved)
     _check_values(resolved)
     _warn_ineffective(resolved, cfg.algo)
     return ResolvedRL(resolved)
 
 
-def resolve_algo(a: AlgoConfig, *, async_train: bool = False) -> AlgoConfig:
+def resolve_algo(a: AlgoConfig, *, async_train: bool = False, fp8_rollout: bool = False) -> AlgoConfig:
     """A copy of `a` with every preset-controlled name filled in (`resolve_names`; `a.preset` must be "" or a
     known preset). Idempotent."""
-    names = resolve_names(AlgoNames(**{k: getattr(a, k) for k in _NAMES}), async_train=async_train)
+    names = AlgoNames(**{k: getattr(a, k) for k in _NAMES})
+    names = resolve_names(names, async_train=async_train, fp8_rollout=fp8_rollout)
     return replace(a, **{k: getattr(names, k) for k in _NAMES})
 
 
@@ -121,6 +124,23 @@ def _check_engines(cfg: RLConfig) -> None:
             field="dist.engine_tp",
         )
     _check_exact(cfg)
+    _check_fp8(cfg)
+
+
+def _check_fp8(cfg: RLConfig) -> None:
+    """rollout.quantization fp8: plain projections on one engine per policy rank (relayrl/rollout/fp8.py)."""
+    blocker = (
+        "LoRA (the adapters' projections are not plain Linears; merge the adapter first)"
+        if cfg.model.lora.rank > 0
+        else f"dist.engine_tp={cfg.dist.engine_tp} (tensor-parallel shards are not quantised yet)"
+        if cfg.dist.engine_tp > 1
+        else ""
+    )
+    if cfg.rollout.quantization == "fp8" and blocker:
+        raise ConfigError(
+            f"rollout.quantization fp8 does not take {blocker}; use --rollout.quantization none",
+            field="rollout.quantization",
+        )
 
 
 def _check_exact(cfg: RLConfig) -> None:

@@ -1,0 +1,212 @@
+"""FP8 rollout (rollout.quantization fp8) against bf16 on one GPU: decode tokens/s, the refresh cost, and the
+log-prob mismatch each engine adds against the trainer's bf16 forward, on the same model and prompts.
+
+    python bench/fp8_rollout.py                                  # Qwen2.5-7B shape, random bf16 weights, one GPU
+    python bench/fp8_rollout.py --shape tiny --device cpu --prompts 8 --new-tokens 16 --rounds 1   # CPU smoke run
+
+Setup (bench/rollout.py's shapes, model builder, workload, timing and mismatch code, bench/rollout_engines.py):
+one random-weight bf16 model of the shape (seed 0), frozen (an engine's own copy: the bf16 engine runs its
+fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then fp8 (the other one closed first):
+  - build the native engine over the model (max_slots = prompts, max_seq_len = prompt + new tokens, CUDA
+    graphs, the fused decode kernels where triton imports, --fused-kernels off for the plain ops; fp8: the
+    projections quantised on the device, the per-token activation quantisers compiled);
+  - workload: --prompts random prompts of --prompt-len tokens -> exactly --new-tokens new tokens each,
+    temperature 1, log-probs; one warm-up round, --rounds timed rounds (fresh prompts each), one prefill-only
+    round: tokens/s median and decode ms per step (bench/rollout.py's definitions);
+  - refresh: engine.load_weights(None) timed (median of 3, synchronised): what every RL step pays on top of
+    the trainer's own weight update (fp8: re-quantising every projection; bf16: nothing);
+  - mismatch over the last timed round's samples: the engine's sampled-token log-probs against the trainer's
+    bf16 forward (relayrl.models.forward.token_logprobs, the layout the trainer uses on this device) over the
+    same tokens: mean / p99 / max |diff| and the share of sequences whose ratio is outside [0.5, 2].
+Random weights make near-uniform next-token distributions, so the mismatch here is that of a random model;
+the GPU learning check (bench/fp8_learn.py) measures it on a trained one.
+
+Robustness: every finished piece is written to the JSON at once; --budget-s (default 225 s) stops the run with
+the partial results written (exit 3) before the coordinator's 4-minute limit. Exit 2 when the device cannot run
+fp8 (compute capability < 8.9). Writes $OUT/fp8_rollout.json (OUT unset: bench/results/fp8_rollout.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from rollout_engines import Workload, build_model, mismatch, native_runner, shape_config, time_rounds  # noqa: E402
+
+from relayrl.rollout.fp8 import FP8Runner, FP8Unsupported, check_device  # noqa: E402
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    add = ap.add_argument
+    add("--shape", default="7b", help="tiny | 0.5b | 7b | 32b (bench/rollout_engines.py SHAPES)")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8")
+    add("--prompts", type=int, default=256)
+    add("--prompt-len", type=int, default=128)
+    add("--new-tokens", type=int, default=256)
+    add("--rounds", type=int, default=2, help="timed rounds (after one warm-up round)")
+    add("--mismatch-samples", type=int, default=256, help="samples compared with the trainer's forward")
+    add("--layers", type=int, default=0, help="override the shape's layer count (smoke runs)")
+    add("--fused-kernels", choices=("auto", "off"), default="auto",
+        help="the native engine's fused decode kernels (rollout.fused_kernels) for both engines")  # fmt: skip
+    add("--budget-s", type=float, default=225.0, help="stop with partial results after this many seconds")
+    add(
+        "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"), help="folder or .json path"
+    )
+    return ap.parse_args(argv)
+
+
+class Report:
+    """The JSON written after every piece (so a killed run leaves what it finished)."""
+
+    def __init__(self, out: str) -> None:
+        path = Path(out)
+        self.path = path if path.suffix == ".json" else path / "fp8_rollout.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data: dict = {}
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def refresh_ms(engine, device: str, repeats: int = 3) -> float:
+    """Median ms of engine.load_weights(None) (the end of every weight transport: fp8 re-quantises)."""
+    times = []
+    for v in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.load_weights(None, version=v + 1)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
+    """Build, time, refresh and compare one engine; returns its row."""
+    opts: dict = {"quantization": "fp8"} if name == "fp8" else {}
+    if args.fused_kernels == "off":
+        opts["fused_kernels"] = False
+    runner = native_runner(model, [wl], tp=1, opts=opts)
+    try:
+        engine = runner.impl
+        row: dict = {"startup_s": round(runner.startup_s, 2)}
+        row["fused_kernels"] = bool(getattr(engine.runner, "kernels", False))
+        if isinstance(engine.runner, FP8Runner):
+            r = engine.runner
+            row.update(
+                fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quantizer_compiled=r.compiled
+            )
+        timing, samples = time_rounds(runner, wl, vocab, args.rounds)
+        row.update(timing)
+        row["refresh_ms"] = round(refresh_ms(engine, args.device), 3)
+        row["mismatch"] = mismatch(model, samples, 1.0, args.mismatch_samples)
+        if args.device.startswith("cuda"):
+            row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        return row
+    finally:
+        runner.close()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    t0 = time.perf_counter()
+    rep = Report(args.out)
+    rep.data = dict(
+        bench="fp8_rollout",
+        argv=sys.argv[1:] if argv is None else argv,
+        shape=args.shape,
+        layers=args.layers or None,
+        workload=dict(prompts=args.prompts, prompt_len=args.prompt_len, new_tokens=args.new_tokens),
+        torch=torch.__version__,
+        host=platform.node(),
+        device=torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or "cpu",
+        engines={},
+    )
+
+    def out_of_time(signum, frame):
+        raise TimeoutError(f"--budget-s {args.budget_s} reached")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(max(1, int(args.budget_s)))
+    try:
+        try:
+            rep.data["real_fp8"] = check_device(torch.device(args.device))
+        except FP8Unsupported as e:
+            rep.data["error"] = str(e)
+            rep.write()
+            print(e, file=sys.stderr)
+            return 2
+        if args.device.startswith("cuda"):
+            rep.data["capability"] = list(torch.cuda.get_device_capability())
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model = build_model(args.shape, args.device, dtype, args.layers)
+        model.requires_grad_(False)
+        vocab = shape_config(args.shape, args.layers).vocab_size
+        wl = Workload("w1", args.prompts, args.prompt_len, 1, args.new_tokens, True, 1)
+        rep.data["model_build_s"] = round(time.perf_counter() - t0, 1)
+        rep.write()
+        for name in args.engines.split(","):
+            print(f"[fp8_rollout {time.perf_counter() - t0:.0f}s] {name} engine", flush=True)
+            try:
+                rep.data["engines"][name] = run_engine(name, model, wl, vocab, args)
+            except TimeoutError:
+                raise
+            except Exception as e:  # one engine's failure is a row, the other still runs
+                rep.data["engines"][name] = {
+                    "error": f"{type(e).__name__}: {e}",
+                    "trace": traceback.format_exc(),
+                }
+            rep.write()
+            print(json.dumps({name: _brief(rep.data["engines"][name])}), flush=True)
+        bf16, fp8 = rep.data["engines"].get("bf16", {}), rep.data["engines"].get("fp8", {})
+        if "tok_s_median" in bf16 and "tok_s_median" in fp8:
+            rep.data["speedup_tok_s"] = round(fp8["tok_s_median"] / bf16["tok_s_median"], 3)
+            rep.data["speedup_decode_step"] = round(bf16["decode_ms_per_step"] / fp8["decode_ms_per_step"], 3)
+    except TimeoutError as e:
+        rep.data["stopped"] = str(e)
+        rep.write()
+        print(f"stopped: {e}; partial results in {rep.path}", file=sys.stderr)
+        return 3
+    finally:
+        signal.alarm(0)
+    rep.data["seconds"] = round(time.perf_counter() - t0, 1)
+    rep.write()
+    print(json.dumps({k: rep.data.get(k) for k in ("speedup_tok_s", "speedup_decode_step", "seconds")}))
+    print(f"wrote {rep.path}")
+    return 0 if all("error" not in r for r in rep.data["engines"].values()) else 1
+
+
+def _brief(row: dict) -> dict:
+    keys = ("tok_s_median", "decode_ms_per_step", "refresh_ms", "startup_s", "error")
+    out = {k: row[k] for k in keys if k in row}
+    if "mismatch" in row:
+        out.update({f"mismatch_{k}": v for k, v in row["mismatch"].items()})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

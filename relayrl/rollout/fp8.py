@@ -1,0 +1,377 @@
+"""FP8 rollout (`rollout.quantization fp8`): the native engine's projection weights in float8 e4m3, re-quantised on
+the device at every weight refresh; the training side stays bf16 (its weights, its forward, its log-probs).
+
+What is quantised. Every decoder layer's q/k/v, o, gate/up and down projections (plain `nn.Linear` only): the
+engine keeps ONE fp8 copy per group (q/k/v as one [(H + 2 Hkv) D, hidden] matrix, gate/up as one [2 I, hidden]
+matrix, o and down alone), so a layer is four fp8 GEMMs whatever the bf16 layout (fused or not,
+native_fused.py). The embedding, the LM head, every RMSNorm, the rotary tables, the biases, the attention and
+the sampler stay in the model dtype (bf16 on a GPU): the embedding is a gather (nothing to gain), the LM head's
+logits feed the log-probs directly (its rounding would show in every token's log-prob, and it is one GEMM of
+~30), norms are elementwise. A projection that is not a plain Linear (LoRA-wrapped, hooked, a tensor-parallel
+row split) is left alone and called as it is (`FP8Runner.skipped` names them); on a GPU so is one whose sizes
+are not multiples of 16 (torch._scaled_mm's constraint).
+
+Scales. Weights: one fp32 scale per output channel (row), s_w[n] = max_k |W[n, k]| / 448, W_q = round_e4m3(W /
+s_w). Activations: one scale per token (row of x), computed on the fly, s_x[m] = max_k |x[m, k]| / 448. The
+product is y = (x_q @ W_q^T) * s_x[m] * s_w[n] (+ bias), accumulated in fp32 and written in bf16. Why
+per-channel and not 128 x 128 blocks: it is what torch._scaled_mm runs natively on H100/H200 as one GEMM
+("row-wise" scaling: scale_a [M, 1], scale_b [1, N], bf16 output) with no extra kernel; row-wise is the
+recipe vLLM's dynamic FP8 and FBGEMM use for LLM serving (outliers live in activations, which per-token scales
+absorb; weights are well conditioned per row); refreshing it is one row-max and one cast per matrix. 128 x 128
+blocks (DeepSeek-V3's training recipe) bound a weight outlier's damage to its block, which matters more when
+the weights are trained in fp8; for a bf16-trained policy the row-wise error is already at e4m3's rounding.
+
+Rounding bound (tested): e4m3 keeps 3 mantissa bits, so an element in the normal range (|w / s| >= 2^-6)
+round-trips with relative error <= 2^-4, and one below it (subnormal) with absolute error <= s * 2^-10.
+
+Refresh. `FP8Runner.refresh_weights()` re-quantises every group from the bf16 weights as they are now (read
+through the modules, so a re-laid-out or reloaded parameter is followed) INTO the fp8 buffers allocated at
+start-up (`copy_`: same storage, so the engine's CUDA graphs stay valid). NativeEngine calls it at every
+`load_weights` (rollout/native.py `_load`), which every weight transport ends with (distributed/weights/): the
+shared-weights case included, where the optimizer step changed the bf16 weights in place.
+
+Paths:
+    GPU (compute capability >= 8.9: H100, H200, L40S, RTX 4090, ...): torch._scaled_mm(x_q, W_q.t(), s_x [M, 1],
+        s_w [1, N], out_dtype=bfloat16); the per-token activation quantiser is one torch.compile'd kernel when
+        compiling works, else eager torch ops (`FP8Runner.compiled` says which); the down projection's input
+        is quantised together with silu(gate) * up (`silu_mul_quantize`, one kernel).
+    CPU, or `emulate=True`: the same quantisation (fp8 tensors, the same scales), then dequantised and run as a
+        plain F.linear in the model dtype: quantise-dequantise emulation, so CPU tests cover the rounding, the
+        scales, the refresh and the config; the only difference from the GPU path is the GEMM's accumulation.
+    A CUDA device below 8.9 raises `FP8Unsupported` (no fp8 tensor cores; torch._scaled_mm refuses).
+
+Memory: the fp8 copy is one byte per projection weight beside the bf16 weights the engine already reads (the
+trainer's compute weights, or its own copy); it is not freed while the engine sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from relayrl.rollout.exact import ExactRunner
+from relayrl.rollout.native_model import DecoderRunner, TensorFn
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""Largest finite e4m3fn value."""
+MIN_CAPABILITY = (8, 9)
+"""Compute capability with fp8 tensor cores (Ada, Hopper and later)."""
+QUANTIZATIONS = ("none", "fp8")
+"""rollout.quantization's values."""
+
+
+class FP8Unsupported(RuntimeError):
+    """rollout.quantization fp8 asked for on a device that cannot run fp8 GEMMs."""
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """True on a CUDA device with compute capability >= 8.9 (fp8 tensor cores)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def check_device(device: torch.device) -> bool:
+    """Whether `device` runs the real fp8 GEMMs (True) or the CPU emulation (False); raises FP8Unsupported on a
+    CUDA device below compute capability 8.9, naming the card and the way out."""
+    if device.type != "cuda":
+        return False
+    if not fp8_supported(device):
+        name, cap = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        raise FP8Unsupported(
+            f"rollout.quantization fp8 needs a GPU with fp8 tensor cores (compute capability >= 8.9: H100, H200, "
+            f"L40S, RTX 4090); {device} is a {name} with capability {cap[0]}.{cap[1]}. Use --rollout.quantization "
+            "none (bf16 rollout) on this card"
+        )
+    return True
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (x_q [..., K] float8_e4m3fn, scale [..., 1] fp32) with x ~ x_q * scale, one scale per row:
+    max |row| / 448 (an all-zero row gets scale 1 and zeros)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale in fp32, cast to `dtype`."""
+    return (q.float() * scale).to(dtype)
+
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""x [M, K] -> (x_q [M, K'] fp8, scale [M, 1] fp32): `quantize_rows`, `silu_mul_quantize` or a compiled form."""
+
+
+def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate/up rows gu [M, 2I] -> quantize_rows(silu(gate) * up): the down projection's input, quantised (one
+    fused kernel once compiled, instead of silu, mul and the quantiser apart)."""
+    inter = gu.shape[-1] // 2
+    return quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
+
+
+_compiled: dict[str, Quantizer] = {}
+
+
+def compiled(fn: Quantizer, compile: bool, device: torch.device) -> tuple[Quantizer, bool]:
+    """`fn` (`quantize_rows` or `silu_mul_quantize`) compiled for the GPU path: one fused kernel instead of ~6,
+    which matters at a few calls per layer per decode step; or eager when compiling is off or fails. A compiled
+    call that fails later (a recompilation for a new shape that cannot compile, e.g. inside a CUDA graph
+    capture) runs that call and every later one eagerly: the same values. Returns (function, compiled)."""
+    if not compile:
+        return fn, False
+    name = fn.__name__
+    if name not in _compiled:
+        try:
+            compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
+            compiled_fn(
+                torch.ones(16, 32, device=device, dtype=torch.bfloat16)
+            )  # now, before any graph capture
+            _compiled[name] = _fall_back_once(compiled_fn, fn)
+        except Exception:  # no Triton / compiler in this build: the eager ops give the same values
+            log.warning("torch.compile of the fp8 %s failed; running it eagerly", name, exc_info=True)
+            _compiled[name] = fn
+    out = _compiled[name]
+    return out, out is not fn
+
+
+def _fall_back_once(fn: Quantizer, eager: Quantizer) -> Quantizer:
+    """`fn`, switching to `eager` for good after its first failure (logged once)."""
+    failed: list[bool] = []
+
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not failed:
+            try:
+                return fn(x)
+            except Exception:
+                log.warning("compiled fp8 %s failed; eager from now on", eager.__name__, exc_info=True)
+                failed.append(True)
+        return eager(x)
+
+    return quantize
+
+
+class FP8Linear:
+    """One fp8 projection over the row blocks of one or more live bf16 Linears (their weights stacked in
+    order: q/k/v, gate/up). Holds W_q [N, K] fp8 and s_w [N] fp32 (and, emulated, W_q * s_w in the model
+    dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says."""
+
+    def __init__(
+        self,
+        linears: Sequence[torch.nn.Linear],
+        *,
+        emulate: bool,
+        quantizer: Quantizer = quantize_rows,
+    ) -> None:
+        self.linears = list(linears)
+        self.emulate = emulate
+        self.quantizer = quantizer
+        w0 = self.linears[0].weight
+        self.dtype, self.device = w0.dtype, w0.device
+        self.rows = [m.weight.shape[0] for m in self.linears]
+        n, k = sum(self.rows), w0.shape[1]
+        self.qweight = torch.empty((n, k), dtype=FP8, device=self.device)
+        """W_q [N, K] float8_e4m3fn."""
+        self.scale = torch.empty(n, dtype=torch.float32, device=self.device)
+        """s_w [N]: one scale per output channel."""
+        self.dequant = torch.empty((n, k), dtype=self.dtype, device=self.device) if emulate else None
+        """Emulation only: W_q * s_w in the model dtype, the weight the emulated F.linear runs."""
+        has_bias = [m.bias is not None for m in self.linears]
+        self.bias: torch.Tensor | None = (
+            torch.empty(n, dtype=self.dtype, device=self.device) if all(has_bias) else None
+        )
+        """The stacked biases (model dtype, not quantised), when every linear has one."""
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("FP8Linear: the stacked linears must all have a bias or none")
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-quantise from the linears' current weights into the same buffers."""
+        row = 0
+        for m, n in zip(self.linears, self.rows, strict=True):
+            q, s = quantize_rows(m.weight.detach())
+            self.qweight[row : row + n].copy_(q)
+            self.scale[row : row + n].copy_(s.view(-1))
+            if self.bias is not None and m.bias is not None:
+                self.bias[row : row + n].copy_(m.bias.detach())
+            row += n
+        if self.dequant is not None:
+            self.dequant.copy_(dequantize(self.qweight, self.scale[:, None], self.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        if self.dequant is not None:  # emulation: the same quantised operands, a plain GEMM
+            xq, xs = quantize_rows(rows)
+            out = F.linear(dequantize(xq, xs, x.dtype), self.dequant, self.bias)
+        else:
+            out = self.matmul(*self.quantizer(rows), x.dtype)
+        return out.view(*shape, -1)
+
+    def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm."""
+        out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
+            xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :], out_dtype=dtype
+        )
+        return out if self.bias is None else out + self.bias
+
+
+def build_runner(
+    model: torch.nn.Module,
+    max_len: int,
+    decode_attention: str,
+    exact: bool = False,
+    quantization: str = "none",
+    kernels: bool | None = False,
+) -> DecoderRunner:
+    """The native engine's forward: ExactRunner (rollout.exact), FP8Runner (quantization "fp8") or DecoderRunner
+    (`kernels`: its fused decode kernels, rollout/kernels.py); a ValueError for an unknown quantization or exact
+    mode with fp8 (exact mode's point is log-probs equal to the trainer's bf16 forward, which fp8 weights cannot
+    give)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"native engine: quantization={quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+        )
+    if quantization == "fp8":
+        if exact:
+            raise ValueError(
+                "native engine: exact=True with quantization='fp8' (exact mode needs the trainer's own weights)"
+            )
+        return FP8Runner(model, max_len, decode_attention, kernels=kernels)
+    if exact:
+        return ExactRunner(model, max_len)
+    return DecoderRunner(model, max_len, decode_attention, kernels=kernels)
+
+
+def _plain(module: object) -> bool:
+    """A plain nn.Linear without hooks (a hooked or wrapped projection is called as it is)."""
+    m = cast(torch.nn.Module, module)
+    return type(module) is torch.nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
+
+
+class FP8Runner(DecoderRunner):
+    """DecoderRunner with fp8 projections (module doc): the same prefill / extend / decode (so NativeEngine and
+    its CUDA graphs run it unchanged), each layer's q/k/v, o, gate/up and down through `FP8Linear`s;
+    `refresh_weights` re-quantises them all."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_len: int,
+        decode_attention: str = "auto",
+        *,
+        emulate: bool | None = None,
+        compile: bool = True,
+        kernels: bool | None = False,
+    ) -> None:
+        """`emulate`: quantise-dequantise instead of fp8 GEMMs (None: on a CPU; a CUDA device below 8.9
+        raises FP8Unsupported); `compile`: torch.compile the activation quantisers (GPU path); `kernels`:
+        DecoderRunner's fused decode kernels around the projections (rollout/kernels.py)."""
+        super().__init__(model, max_len, decode_attention, kernels=kernels)
+        real = check_device(self.device)
+        self.emulate = (not real) if emulate is None else emulate
+        quantizer, self.compiled = compiled(quantize_rows, compile and not self.emulate, self.device)
+        self.silu_quantize, _ = compiled(silu_mul_quantize, compile and not self.emulate, self.device)
+        self.skipped: list[str] = []
+        """Projections left in the model dtype (not plain Linears, or sizes that fp8 GEMMs refuse)."""
+        self.fp8_qkv: list[FP8Linear | None] = []
+        self.fp8_o: list[FP8Linear | None] = []
+        self.fp8_gate_up: list[FP8Linear | None] = []
+        self.fp8_down: list[FP8Linear | None] = []
+        for li, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = (
+                (self.fp8_qkv, "q/k/v", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                (self.fp8_o, "o_proj", [attn.o_proj]),
+                (
+                    self.fp8_gate_up,
+                    "gate/up",
+                    [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)],
+                ),
+                (self.fp8_down, "down_proj", [getattr(mlp, "down_proj", None)]),
+            )
+            for out, name, mods in groups:
+                out.append(self._make(f"layer {li} {name}", mods, quantizer))
+        gated = type(getattr(self.layers[0].mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
+        if not gated:  # another MLP: leave it whole (its projections are not called one by one here)
+            self.skipped += [f"layer {li} mlp" for li, g in enumerate(self.fp8_gate_up) if g is not None]
+            self.fp8_gate_up = [None] * len(self.layers)
+            self.fp8_down = [None] * len(self.layers)
+        self.mlps = [self._mlp_fn(li) for li in range(len(self.layers))]
+        self.projs = [
+            (*p[:3], o if o is not None else p[3]) for p, o in zip(self.projs, self.fp8_o, strict=True)
+        ]
+        self.quantized = sum(
+            g is not None for g in (*self.fp8_qkv, *self.fp8_o, *self.fp8_gate_up, *self.fp8_down)
+        )
+        """fp8 GEMMs per forward (4 per layer when every projection is a plain Linear)."""
+
+    def _make(self, name: str, mods: list, quantizer: Quantizer) -> FP8Linear | None:
+        if not all(_plain(m) for m in mods):
+            self.skipped.append(name)
+            return None
+        linears = cast(list[torch.nn.Linear], mods)
+        sizes = [linears[0].weight.shape[1], *(m.weight.shape[0] for m in linears)]
+        if not self.emulate and any(s % 16 for s in sizes):
+            self.skipped.append(f"{name} (sizes {sizes} not multiples of 16)")
+            return None
+        return FP8Linear(linears, emulate=self.emulate, quantizer=quantizer)
+
+    def _mlp_fn(self, li: int) -> TensorFn:
+        gate_up, down = self.fp8_gate_up[li], self.fp8_down[li]
+        if gate_up is None:
+            return self.mlps[li]
+        down_fn: TensorFn = (
+            down if down is not None else cast(torch.nn.Module, getattr(self.layers[li].mlp, "down_proj"))  # noqa: B009
+        )
+        inter = sum(gate_up.rows) // 2
+        if down is not None and not self.emulate:  # silu(gate) * up and down's quantiser: one kernel
+
+            def fused(x: torch.Tensor) -> torch.Tensor:
+                gu = gate_up(x)
+                out = down.matmul(*self.silu_quantize(gu.reshape(-1, 2 * inter)), gu.dtype)
+                return out.view(*gu.shape[:-1], -1)
+
+            return fused
+
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            gu = gate_up(x)
+            h = F.silu(gu[..., :inter])
+            h *= gu[..., inter:]
+            return down_fn(h)
+
+        return mlp
+
+    def _project_qkv(self, li: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.fp8_qkv[li]
+        if qkv is None:
+            return super()._project_qkv(li, h)
+        q_rows, k_rows, v_rows = qkv.rows
+        q, k, v = qkv(h).split((q_rows, k_rows, v_rows), dim=-1)
+        return q, k, v
+
+    def _o_proj(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        return self.projs[li][3](x)
+
+    def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        return self.mlps[li](x)
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Re-quantise every fp8 projection from the current bf16 weights (in place)."""
+        for group in (self.fp8_qkv, self.fp8_o, self.fp8_gate_up, self.fp8_down):
+            for lin in group:
+                if lin is not None:
+                    lin.refresh()
+
+    def fp8_linears(self) -> list[FP8Linear]:
+        """Every fp8 projection, layer by layer."""
+        groups = (self.fp8_qkv, self.fp8_o, self.fp8_gate_up, self.fp8_down)
+        return [lin for layer in zip(*groups, strict=True) for lin in layer if lin is not None]
