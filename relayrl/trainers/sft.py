@@ -36,6 +36,7 @@ from relayrl.data.batches import SFTBatch, sft_batch
 from relayrl.data.build import build_sft_data
 from relayrl.data.packing import MicroBatching, make_collate
 from relayrl.models.forward import to_device, token_logprobs
+from relayrl.models.vlm import images_for
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
@@ -47,7 +48,8 @@ SFTResult = RecipeResult
 def next_token_loss(model: torch.nn.Module, batch: SFTBatch) -> LossOutput:
     """Summed token cross-entropy: loss_sum = sum over target tokens t of -log p(x_t | x_<t of the same
     sample); count = number of target tokens."""
-    logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
+    with images_for(batch.images):  # a vision-language model's images (relayrl.models.vlm); none for text
+        logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
     mask = torch.cat(batch.targets)
     mask[torch.tensor(_first_positions(batch.input_ids))] = False
     mask = to_device(mask, logp.device)

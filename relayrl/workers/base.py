@@ -27,6 +27,7 @@ from torch import Tensor
 
 from relayrl.agents.base import Trajectory
 from relayrl.distributed.group import my_data_share
+from relayrl.rollout.media import ImageInputs
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -43,6 +44,8 @@ class SequenceBatch:
     """[B, T] bool: True on tokens the policy generated (the loss positions)."""
     rollout_logprobs: Tensor
     """[B, T] float32: the engine's log-prob of each action token (0 elsewhere)."""
+    images: list[ImageInputs | None] | None = None
+    """[B] each row's images (vision-language models, in token order), None when no row has any."""
 
     @property
     def lengths(self) -> list[int]:
@@ -58,7 +61,9 @@ class SequenceBatch:
         """The sub-batch of `rows`, trimmed to its longest row."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         width = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
-        return SequenceBatch(**{f.name: getattr(self, f.name)[idx, :width] for f in fields(self)})
+        cut = {f.name: getattr(self, f.name)[idx, :width] for f in fields(self) if f.name != "images"}
+        images = None if self.images is None else [self.images[int(r)] for r in idx]
+        return SequenceBatch(**cut, images=images)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,7 +141,10 @@ def collate(trajs: list[Trajectory], pad_id: int) -> SequenceBatch:
         act[i, :n] = torch.tensor(t.action_mask, dtype=torch.bool)
         lp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
     act[:, 0] = False
-    return SequenceBatch(input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=lp)
+    images = [t.images for t in trajs] if any(t.images is not None for t in trajs) else None
+    return SequenceBatch(
+        input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=lp, images=images
+    )
 
 
 def split_rows(num_rows: int, parts: int) -> list[list[int]]:

@@ -1,0 +1,116 @@
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL shaped; docs/vlm.md): detection, the frozen vision tower,
+and images reaching relayrl's one forward.
+
+    is_vlm(model) / is_vlm_folder(path)        a `vision_config` in the model's config
+    prepare_vlm(model, train_vision=False)     freeze the vision tower (default); install the image hook
+    with images_for([imgs_0, None, imgs_2]):    the forward of these three sequences (models.forward) sees
+        token_logprobs(model, seqs, "padded")   their images: the hook adds pixel_values / image_grid_thw
+
+How images reach the forward without a second forward path: relayrl.models.forward calls the decoder trunk
+(`hf.model`, a Qwen2VLModel) with token ids only. `prepare_vlm` registers a forward pre-hook on that trunk
+that, inside `images_for(...)`, adds the images of the sequences being run (their pixel_values concatenated
+in sequence order, their patch grids, and the token-type ids that mark image tokens), so the trunk embeds the
+images at their pad tokens and computes its own 3-D rope positions. Outside the block (HF generate, which
+passes the images itself) the hook does nothing. The rope positions of image tokens are not the token
+index, so a VLM runs the padded layout (models.forward._architecture_blocker): the varlen layout's packed
+1-D positions would be wrong.
+
+The tiny Qwen2-VL of the tests (no download) is relayrl.models.tiny_vlm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from relayrl.rollout.media import ImageInputs, image_forward_inputs
+
+VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "vision_model.")
+"""Parameter-name prefixes of a vision tower (Qwen2-VL `visual`, LLaVA-style `vision_tower`), after peft's
+prefixes are stripped."""
+
+_IMAGES: contextvars.ContextVar[ImageInputs | None] = contextvars.ContextVar("relayrl_images", default=None)
+
+
+def _hf(model: Any) -> Any:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def is_vlm(model: Any) -> bool:
+    """True for a vision-language model (its config has a vision_config)."""
+    return getattr(getattr(_hf(model), "config", None), "vision_config", None) is not None
+
+
+def is_vlm_folder(path: str | Path) -> bool:
+    """True when the model folder's config.json has a vision_config (False for Hub ids and other folders)."""
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and "vision_config" in json.loads(cfg.read_text())
+
+
+def vision_parameter_names(model: Any) -> list[str]:
+    """Names (as `model.named_parameters()` gives them) of the vision tower's parameters."""
+    out = []
+    for name, _ in model.named_parameters():
+        bare = name.removeprefix("base_model.model.")
+        if bare.startswith(VISION_PREFIXES) or ".visual." in f".{bare}":
+            out.append(name)
+    return out
+
+
+def prepare_vlm(model: Any, *, train_vision: bool = False) -> Any:
+    """Freeze the vision tower unless `train_vision` (its parameters stop requiring grad: the optimizer skips
+    them and the engine sync, which refreshes trained parameters only, never sends them) and install the
+    image hook on the trunk. Returns `model`. A text model is returned unchanged."""
+    if not is_vlm(model):
+        return model
+    if not train_vision:
+        names = set(vision_parameter_names(model))
+        for name, p in model.named_parameters():
+            if name in names:
+                p.requires_grad_(False)
+    install_image_hook(model)
+    return model
+
+
+def install_image_hook(model: Any) -> None:
+    """Register (once) the forward pre-hook that adds `images_for`'s images to the trunk's inputs."""
+    hf = _hf(model)
+    trunk = getattr(hf, hf.base_model_prefix)
+    if getattr(trunk, "_relayrl_image_hook", False):
+        return
+
+    def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        images = _IMAGES.get()
+        if images is None or kwargs.get("pixel_values") is not None:
+            return None
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise ValueError(
+                "a VLM forward with images needs input_ids (the image-pad tokens mark the images)"
+            )
+        if kwargs.get("position_ids") is not None:
+            raise ValueError(
+                "vision-language models run the padded layout (3-D rope positions); the varlen layout's packed "
+                "positions cannot carry them"
+            )
+        kwargs.update(image_forward_inputs(hf, ids, images))
+        return args, kwargs
+
+    trunk.register_forward_pre_hook(hook, with_kwargs=True)
+    trunk._relayrl_image_hook = True
+
+
+@contextlib.contextmanager
+def images_for(images: Sequence[ImageInputs | None] | None) -> Iterator[None]:
+    """Inside the block, the forward of a VLM whose sequences are listed in this order sees their images
+    (None entries: text-only sequences). Nothing happens when no entry has images."""
+    token = _IMAGES.set(ImageInputs.join(images) if images else None)
+    try:
+        yield
+    finally:
+        _IMAGES.reset(token)
