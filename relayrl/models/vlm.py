@@ -1,7 +1,7 @@
 """Vision-language models (Qwen2-VL / Qwen2.5-VL shaped; docs/vlm.md): detection, the frozen vision tower,
 and images reaching relayrl's one forward.
 
-    is_vlm(model) / is_vlm_folder(path)        a `vision_config` in the model's config
+    is_vlm(model) / is_vlm_folder(path)        a `vision_config` in the model's config (the folder's: rollout.media)
     prepare_vlm(model, train_vision=False)     freeze the vision tower (default); install the image hook
     with images_for([imgs_0, None, imgs_2]):    the forward of these three sequences (models.forward) sees
         token_logprobs(model, seqs, "padded")   their images: the hook adds pixel_values / image_grid_thw
@@ -22,16 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-from relayrl.rollout.media import ImageInputs, image_forward_inputs
+from relayrl.rollout.media import ImageInputs, image_forward_inputs, is_vlm_folder
 
 VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "vision_model.")
 """Parameter-name prefixes of a vision tower (Qwen2-VL `visual`, LLaVA-style `vision_tower`), after peft's
 prefixes are stripped."""
+
+__all__ = [
+    "images_for",
+    "install_image_hook",
+    "is_vlm",
+    "is_vlm_folder",
+    "prepare_vlm",
+    "vision_parameter_names",
+]
 
 _IMAGES: contextvars.ContextVar[ImageInputs | None] = contextvars.ContextVar("relayrl_images", default=None)
 
@@ -44,12 +51,6 @@ def _hf(model: Any) -> Any:
 def is_vlm(model: Any) -> bool:
     """True for a vision-language model (its config has a vision_config)."""
     return getattr(getattr(_hf(model), "config", None), "vision_config", None) is not None
-
-
-def is_vlm_folder(path: str | Path) -> bool:
-    """True when the model folder's config.json has a vision_config (False for Hub ids and other folders)."""
-    cfg = Path(path) / "config.json"
-    return cfg.is_file() and "vision_config" in json.loads(cfg.read_text())
 
 
 def vision_parameter_names(model: Any) -> list[str]:
@@ -83,12 +84,19 @@ def install_image_hook(model: Any) -> None:
     trunk = getattr(hf, hf.base_model_prefix)
     if getattr(trunk, "_relayrl_image_hook", False):
         return
+    token_id = int(hf.config.image_token_id)
 
     def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-        images = _IMAGES.get()
-        if images is None or kwargs.get("pixel_values") is not None:
+        images, ids = _IMAGES.get(), kwargs.get("input_ids")
+        if kwargs.get("pixel_values") is not None:
+            return None  # generate passes its images itself
+        if images is None:  # a training forward (use_cache False) must not treat pads as text
+            if ids is not None and kwargs.get("use_cache") is False and bool((ids == token_id).any()):
+                raise ValueError(
+                    "a VLM forward over image-pad tokens without their images: run it inside "
+                    "relayrl.models.vlm.images_for(images of each sequence)"
+                )
             return None
-        ids = kwargs.get("input_ids")
         if ids is None:
             raise ValueError(
                 "a VLM forward with images needs input_ids (the image-pad tokens mark the images)"

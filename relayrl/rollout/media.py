@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,19 @@ class ImageInputs:
     def concat(self, other: ImageInputs | None) -> ImageInputs:
         """These images followed by `other`'s (a later turn's)."""
         return self if other is None else ImageInputs.join([self, other]) or self
+
+    def collapse(self, ids: Sequence[int], token_id: int) -> list[int]:
+        """`ids` with each image's run of pad tokens cut back to one (what an engine that expands images itself,
+        vLLM, takes); the inverse of relayrl.data.images.Vision.expand."""
+        counts, out, k, skip = self.num_tokens(), [], 0, 0
+        for tok in ids:
+            if skip:
+                skip -= 1
+                continue
+            if tok == token_id and k < len(counts):
+                skip, k = counts[k] - 1, k + 1
+            out.append(tok)
+        return out
 
     @staticmethod
     def join(items: Sequence[ImageInputs | None]) -> ImageInputs | None:
@@ -98,3 +113,9 @@ def vision_token_ids(model: Any) -> list[int]:
     if getattr(cfg, "vision_config", None) is None:
         return []
     return sorted({int(v) for k in VISION_TOKEN_KEYS if (v := getattr(cfg, k, None)) is not None})
+
+
+def is_vlm_folder(path: str | Path) -> bool:
+    """True when the model folder's config.json has a vision_config (False for Hub ids and other folders)."""
+    cfg = Path(path) / "config.json"
+    return cfg.is_file() and "vision_config" in json.loads(cfg.read_text())

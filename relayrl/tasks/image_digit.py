@@ -1,7 +1,7 @@
 """`image_digit`: read the digit drawn into a small image (the built-in vision-language task, docs/vlm.md).
 
 Each row's image is a 24 x 24 RGB picture of one digit 0-9 in a 3 x 5 pixel font scaled 3 times (9 x 15
-pixels), drawn at an offset (dx, dy) on a dark background in one of four ink colours, with light noise; the
+pixels), drawn near the centre (its corner moved up to JITTER = 2 pixels each way) on a dark background in one of four ink colours, with light noise; the
 prompt is `<image>digit?`, the answer the digit. Images are generated procedurally (numpy -> PNG by PIL) and
 travel inside the row as `data:image/png;base64,...` URIs, so the rows are plain JSONL like every task's.
 Reward 1.0 for an exact match of the stripped response, else 0.0. Train and test pictures are disjoint: each
@@ -36,7 +36,10 @@ FONT = {  # 3 x 5 bitmaps, one string of 5 rows of 3 pixels per digit
     "9": "111101111001111",
 }
 COLOURS = [(255, 255, 255), (255, 220, 80), (120, 220, 255), (255, 140, 140)]
+JITTER = 2
+"""The digit's top-left corner moves by up to this many pixels from the centred spot, each way."""
 PROMPT = "<image>digit?"
+X0, Y0 = (SIDE - 3 * SCALE) // 2, (SIDE - 5 * SCALE) // 2  # the centred corner
 
 
 def draw_digit(digit: str, dx: int, dy: int, colour: int, seed: int = 0) -> np.ndarray:
@@ -64,13 +67,15 @@ class ImageDigit:
     """Which digit is drawn in the picture."""
 
     name: str = "image_digit"
+    digits: str = "0123456789"
+    """The digits drawn (the CPU learning tests use "01")."""
 
     def _items(self, split: str) -> list[tuple[str, int, int, int]]:
         items = [
             (d, dx, dy, c)
-            for d in FONT
-            for dx in range(SIDE - 3 * SCALE + 1)
-            for dy in range(SIDE - 5 * SCALE + 1)
+            for d in self.digits
+            for dx in range(X0 - JITTER, X0 + JITTER + 1)
+            for dy in range(Y0 - JITTER, Y0 + JITTER + 1)
             for c in range(len(COLOURS))
         ]
         return [it for it in items if is_held_out(f"{self.name}:{it}") == (split == "test")]
