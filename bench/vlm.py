@@ -5,7 +5,7 @@ before / after accuracy (docs/vlm.md, docs/benchmarks.md).
     python bench/vlm.py --skip-big               # only the tiny-task accuracy part (also runs on a CPU, slowly)
 
 Part 1, accuracy (the tiny Qwen2-VL of relayrl.models.tiny_vlm, `image_digit`: read the digit drawn in a
-24 x 24 picture; 1024 train / 100 held-out pictures): greedy exact match of the random model, after `relayrl
+24 x 24 picture; 768 train / 100 held-out pictures): greedy exact match of the random model, after `relayrl
 sft` (vision tower frozen, the default), then after GRPO from that SFT model (`relayrl rl --task.name
 image_digit`, hf engine; eval/pass@1 of the held-out prompts before and after).
 Part 2, throughput (random weights built here, never downloaded): Qwen2-VL-2B-Instruct's shape
@@ -43,7 +43,7 @@ from relayrl.config.recipes import SFTConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig, TaskConfig
 from relayrl.data.build import build_prompt_data
 from relayrl.models.loading import load_tokenizer
-from relayrl.models.tiny_vlm import QWEN2_VL_2B, save_tiny_vlm
+from relayrl.models.tiny_vlm import QWEN2_VL_2B, VLMShape, save_tiny_vlm
 from relayrl.rollout.base import SamplingParams
 from relayrl.rollout.hf import HFEngine
 from relayrl.tasks import get_task
@@ -76,7 +76,11 @@ def greedy_accuracy(model: Any, tokenizer: Any, data: Path) -> float:
     model.eval()
     try:
         trajs = asyncio.run(
-            execute_all(SingleTurnExecutor(engine, tokenizer), prompts, SamplingParams(temperature=0.0, max_new_tokens=2))
+            execute_all(
+                SingleTurnExecutor(engine, tokenizer),
+                prompts,
+                SamplingParams(temperature=0.0, max_new_tokens=2),
+            )
         )
     finally:
         engine.close()
@@ -102,15 +106,15 @@ def mean_after_first(history: list[dict], key: str) -> float | None:
 def accuracy_part(tmp: Path, sft_steps: int, rl_steps: int) -> None:
     task = get_task("image_digit")
     model = save_tiny_vlm(tmp / "tiny")
-    train = write_rows(tmp / "train.jsonl", task.make_rows("train", 1024, 0))
+    train = write_rows(tmp / "train.jsonl", task.make_rows("train", 768, 0))
     test = write_rows(tmp / "test.jsonl", task.make_rows("test", 100, 1))
     tok = load_tokenizer(str(model))
     res: dict[str, Any] = RESULT.setdefault("tiny_task", {"model": "tiny Qwen2-VL (relayrl.models.tiny_vlm)"})
     t0 = time.perf_counter()
-    sft = run_sft(parse_cli(SFTConfig, sft_args(model, train, tmp / "sft", sft_steps, 32, 32, 5e-3)))
+    sft = run_sft(parse_cli(SFTConfig, sft_args(model, train, tmp / "sft", sft_steps, 32, 32, 3e-3)))
     res["acc_random"] = greedy_accuracy(sft.model.__class__.from_pretrained(model).to(device()), tok, test)
     res["acc_after_sft"] = greedy_accuracy(sft.model, tok, test)
-    res["sft"] = {"steps": sft_steps, "batch": 32, "lr": 5e-3, "seconds": time.perf_counter() - t0}
+    res["sft"] = {"steps": sft_steps, "batch": 32, "lr": 3e-3, "seconds": time.perf_counter() - t0}
     dump()
     assert sft.checkpoint is not None
     t0 = time.perf_counter()
@@ -151,20 +155,22 @@ def peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def throughput_part(tmp: Path, layers: int, sft_steps: int, rl_steps: int) -> None:
-    shape = replace(QWEN2_VL_2B, layers=layers)
+def throughput_part(tmp: Path, layers: int, sft_steps: int, rl_steps: int, smoke: bool) -> None:
+    shape = (
+        VLMShape(min_pixels=56 * 56, max_pixels=224 * 224) if smoke else replace(QWEN2_VL_2B, layers=layers)
+    )
     t0 = time.perf_counter()
-    model = save_tiny_vlm(tmp / "big", shape, dtype=torch.bfloat16)
+    model = save_tiny_vlm(tmp / "big", shape, dtype=torch.bfloat16, device=device())
     res: dict[str, Any] = RESULT.setdefault("throughput", {})
     res["shape"] = {
-        "name": "Qwen2-VL-2B-Instruct shape" + ("" if layers == 28 else f", text layers {layers}"),
+        "name": "smoke (tiny)" if smoke else "Qwen2-VL-2B-Instruct shape" + ("" if layers == 28 else f", {layers} layers"),
         "text": f"hidden {shape.hidden}, layers {shape.layers}, heads {shape.heads}/{shape.kv_heads}, "
         f"mlp {shape.intermediate}, vocab {shape.vocab}",
         "vision": f"dim {shape.vision_dim}, blocks {shape.vision_depth}, patch {shape.patch}, merge 2",
         "image": "224 x 224 (64 image tokens)", "vision_tower": "frozen", "build_s": time.perf_counter() - t0,
     }  # fmt: skip
     dump()
-    data = write_rows(tmp / "big.jsonl", big_rows(256, 224))
+    data = write_rows(tmp / "big.jsonl", big_rows(64, 24) if smoke else big_rows(256, 224))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -193,7 +199,12 @@ def throughput_part(tmp: Path, layers: int, sft_steps: int, rl_steps: int) -> No
         task=TaskConfig(name=""),
         reward=replace(cfg.reward, source="task:image_digit"),
         rollout=RolloutConfig(
-            engine="hf", prompts_per_step=prompts, n_samples=n, max_new_tokens=32, max_len=256, temperature=1.0
+            engine="hf",
+            prompts_per_step=prompts,
+            n_samples=n,
+            max_new_tokens=32,
+            max_len=256,
+            temperature=1.0,
         ),
     )
     rl = run_rl(cfg)
@@ -212,12 +223,19 @@ def throughput_part(tmp: Path, layers: int, sft_steps: int, rl_steps: int) -> No
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--skip-big", action="store_true", help="only the tiny-task accuracy part")
     parser.add_argument("--skip-tiny", action="store_true", help="only the throughput part")
-    parser.add_argument("--layers", type=int, default=28, help="text layers of the 2B shape (28 = the real one)")
-    parser.add_argument("--sft-steps", type=int, default=150, help="tiny-task SFT steps")
-    parser.add_argument("--rl-steps", type=int, default=20, help="tiny-task GRPO steps")
+    parser.add_argument(
+        "--layers", type=int, default=28, help="text layers of the 2B shape (28 = the real one)"
+    )
+    parser.add_argument("--sft-steps", type=int, default=400, help="tiny-task SFT steps")
+    parser.add_argument("--rl-steps", type=int, default=30, help="tiny-task GRPO steps")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a CPU check of the code paths: tiny shapes, 2 steps"
+    )
     args = parser.parse_args()
     RESULT.update(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -231,9 +249,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         parts = []
         if not args.skip_tiny:
-            parts.append(("tiny_task", lambda: accuracy_part(Path(tmp), args.sft_steps, args.rl_steps)))
+            steps = (2, 2) if args.smoke else (args.sft_steps, args.rl_steps)
+            parts.append(("tiny_task", lambda: accuracy_part(Path(tmp), *steps)))
         if not args.skip_big:
-            parts.append(("throughput", lambda: throughput_part(Path(tmp), args.layers, 4, 4)))
+            steps = (2, 2) if args.smoke else (4, 4)
+            parts.append(("throughput", lambda: throughput_part(Path(tmp), args.layers, *steps, args.smoke)))
         for name, fn in parts:
             t0 = time.perf_counter()
             try:

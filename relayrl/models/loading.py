@@ -163,7 +163,7 @@ def load_tokenizer(
         tok.pad_token = tok.eos_token
     if padding_side is not None:
         tok.padding_side = padding_side
-    return tok
+    return vlm.keep_image_processor(tok, folder) if folder.is_dir() else tok
 
 
 def quantization_config(cfg: ModelConfig) -> Any:

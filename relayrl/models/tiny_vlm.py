@@ -87,11 +87,12 @@ QWEN2_VL_2B = VLMShape(
 
 
 def save_tiny_vlm(
-    path: str | Path, shape: VLMShape | None = None, *, dtype: torch.dtype | None = None
+    path: str | Path, shape: VLMShape | None = None, *, dtype: torch.dtype | None = None, device: str = "cpu"
 ) -> Path:
     """A random Qwen2-VL of `shape` (default: the tiny test model: one vision block, patch 4, merge 2) with
-    the tiny tokenizer and a Qwen2-VL image processor saved to `path` (loadable by from_pretrained /
-    AutoImageProcessor); `dtype` the saved weights' dtype (default fp32). Returns the path."""
+        the tiny tokenizer and a Qwen2-VL image processor saved to `path` (loadable by from_pretrained /
+        AutoImageProcessor); `dtype` the saved weights' dtype (default fp32); `device` where the random weights are
+    drawn (a GPU builds the 2B shape in seconds). Returns the path."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     shape = shape or VLMShape()
@@ -132,11 +133,11 @@ def save_tiny_vlm(
         tie_word_embeddings=True,
         **special,
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if device != "cpu" else []), torch.device(device):
         torch.manual_seed(shape.seed)
         model = Qwen2VLForConditionalGeneration(config)
     if dtype is not None:
-        model = model.to(dtype)
+        model = cast(Any, model).to(dtype)
     for key, value in special.items():
         setattr(model.generation_config, key, value)
     model.save_pretrained(path)

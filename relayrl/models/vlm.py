@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import shutil
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from relayrl.rollout.media import ImageInputs, image_forward_inputs, is_vlm_folder
@@ -31,11 +33,15 @@ VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_to
 """Parameter-name prefixes of a vision tower (Qwen2-VL `visual`, LLaVA-style `vision_tower`), after peft's
 prefixes are stripped."""
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""A VLM folder's image-processor files, copied beside the tokenizer wherever it is saved."""
+
 __all__ = [
     "images_for",
     "install_image_hook",
     "is_vlm",
     "is_vlm_folder",
+    "keep_image_processor",
     "prepare_vlm",
     "vision_parameter_names",
 ]
@@ -122,3 +128,24 @@ def images_for(images: Sequence[ImageInputs | None] | None) -> Iterator[None]:
         yield
     finally:
         _IMAGES.reset(token)
+
+
+def keep_image_processor(tokenizer: Any, folder: str | Path) -> Any:
+    """`tokenizer` (loaded from a VLM's `folder`) whose `save_pretrained` also copies the folder's image-processor
+    files: every checkpoint and exported model folder (they all save the tokenizer beside the weights) stays
+    a complete VLM folder that relayrl.data.images and vLLM can load. A folder without them: unchanged."""
+    files = [Path(folder) / f for f in PROCESSOR_FILES if (Path(folder) / f).is_file()]
+    if not files:
+        return tokenizer
+    original = tokenizer.save_pretrained
+
+    def save_pretrained(save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
+        out = original(save_directory, *args, **kwargs)
+        for f in files:
+            target = Path(save_directory) / f.name
+            if target.resolve() != f.resolve():
+                shutil.copyfile(f, target)
+        return out
+
+    tokenizer.save_pretrained = save_pretrained
+    return tokenizer
