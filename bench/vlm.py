@@ -3,6 +3,7 @@ before / after accuracy (docs/vlm.md, docs/benchmarks.md).
 
     OUT=/tmp/out python bench/vlm.py            # one GPU, about 3 minutes; writes $OUT/vlm.json as it goes
     python bench/vlm.py --skip-big               # only the tiny-task accuracy part (also runs on a CPU, slowly)
+    python bench/vlm.py --skip-big --skip-tiny --vllm   # only the vllm engine check (needs vllm; GPU)
 
 Part 1, accuracy (the tiny Qwen2-VL of relayrl.models.tiny_vlm, `image_digit`: read the digit drawn in a
 24 x 24 picture; 768 train / 100 held-out pictures): greedy exact match of the random model, after `relayrl
@@ -222,6 +223,38 @@ def throughput_part(tmp: Path, layers: int, sft_steps: int, rl_steps: int, smoke
     dump()
 
 
+# ------------------------------------------------------------------------------------------ part 3 (optional)
+def vllm_part(tmp: Path) -> None:
+    """The vllm engine on the tiny VLM: two prompts with different pictures, greedy; the answers must equal the hf
+    engine's (same weights, fp32 vs vLLM's dtype: recorded, not asserted)."""
+    from relayrl.rollout.build import build_engine
+
+    model = save_tiny_vlm(tmp / "tiny_vllm")
+    data = write_rows(tmp / "vllm.jsonl", get_task("image_digit").make_rows("test", 8, 3))
+    tok = load_tokenizer(str(model))
+    prompts, _, _ = build_prompt_data(DataConfig(datasets=[str(data)]), tok, log=lambda _: None)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    engine = build_engine(
+        "vllm", str(model), tok, gpu_memory_utilization=0.3, enforce_eager=True, dtype="float32"
+    )
+    executor = SingleTurnExecutor(engine, tok)
+    try:
+        trajs = asyncio.run(execute_all(executor, prompts, params))
+    finally:
+        engine.close()
+    hf_model = __import__("transformers").AutoModelForImageTextToText.from_pretrained(model).to(device())
+    hf = HFEngine(hf_model, tok, driver="loop")
+    try:
+        ref = asyncio.run(execute_all(SingleTurnExecutor(hf, tok), prompts, params))
+    finally:
+        hf.close()
+    got = [t.token_ids[t.prompt_len :] for t in trajs]
+    want = [t.token_ids[t.prompt_len :] for t in ref]
+    RESULT["vllm"] = {"prompts": len(prompts), "equal_to_hf": sum(a == b for a, b in zip(got, want, strict=True)),
+                      "vllm": got, "hf": want}  # fmt: skip
+    dump()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -254,6 +287,8 @@ def main() -> int:
         if not args.skip_big:
             steps = (2, 2) if args.smoke else (4, 4)
             parts.append(("throughput", lambda: throughput_part(Path(tmp), args.layers, *steps, args.smoke)))
+        if args.vllm:
+            parts.append(("vllm", lambda: vllm_part(Path(tmp))))
         for name, fn in parts:
             t0 = time.perf_counter()
             try:
@@ -264,7 +299,7 @@ def main() -> int:
             RESULT.setdefault(name, {})["part_seconds"] = time.perf_counter() - t0
             dump()
     print(json.dumps({k: v for k, v in RESULT.items()}, indent=2, default=str)[:6000])
-    return 0 if not any("error" in RESULT.get(p, {}) for p in ("tiny_task", "throughput")) else 1
+    return 0 if not any("error" in RESULT.get(p, {}) for p in ("tiny_task", "throughput", "vllm")) else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ DIGITS = "01"
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
-    """The random tiny VLM's held-out accuracy, then SFT_STEPS of SFT on 150 pictures and the accuracy after."""
+    """The random tiny VLM's held-out accuracy, then 60 steps of SFT on 150 pictures (a checkpoint at step 30, where
+    the answer format is learned but not yet the reading: accuracy at chance) and the accuracy after."""
     tmp = tmp_path_factory.mktemp("vlm_learn")
     model_path = save_tiny_vlm(tmp / "model")
     train = write_rows(tmp / "train.jsonl", "train", 150, digits=DIGITS)
@@ -34,8 +35,8 @@ def sft_run(tmp_path_factory):
     before = greedy_accuracy(random_model, tok, test)
     args = [
         "--model.name_or_path", str(model_path), "--data.datasets", str(train), "--train.output_dir",
-        str(tmp / "sft"), "--train.max_steps", "30", "--train.batch_size", "16", "--train.micro_batch_size",
-        "16", "--train.device", "cpu", "--ckpt.save_every", "0", "--logger.progress_bar", "false",
+        str(tmp / "sft"), "--train.max_steps", "60", "--train.batch_size", "16", "--train.micro_batch_size",
+        "16", "--train.device", "cpu", "--ckpt.save_every", "30", "--logger.progress_bar", "false",
         "--optim.lr", "3e-3", "--optim.scheduler", "constant", "--optim.warmup_steps", "0",
     ]  # fmt: skip
     result = run_sft(parse_cli(SFTConfig, args))
@@ -46,20 +47,22 @@ def test_sft_learns_to_read_the_digit(sft_run):
     _, _, _, before, result, after = sft_run
     print(f"image_digit ({DIGITS}) greedy accuracy: random {before:.3f} -> after SFT {after:.3f}")
     assert before <= 0.1  # the random model does not even answer with a digit
-    assert after >= 0.6  # 2 classes: chance is 0.5 once the format is learned; measured 0.8 (2 cores)
+    assert after >= 0.8  # 2 classes: chance is 0.5 once the format is learned; measured 0.975
     assert (result.checkpoint / "model" / "preprocessor_config.json").is_file()  # a complete VLM folder
 
 
 def test_grpo_improves_on_the_sft_model(sft_run):
-    tmp, test, _, _, result, after_sft = sft_run
-    cfg = tiny_cpu_config(str(result.checkpoint / "model"), str(tmp / "rl"), steps=8)
+    """GRPO from the step-30 SFT checkpoint (the format learned, the reading not): eval pass@1 rises."""
+    tmp, test, _, _, result, _ = sft_run
+    start = result.run_dir / "checkpoints" / "step_30" / "model"
+    cfg = tiny_cpu_config(str(start), str(tmp / "rl"), steps=10)
     cfg = replace(
         cfg,
-        optim=replace(cfg.optim, lr=1e-3),
+        optim=replace(cfg.optim, lr=3e-3),
         data=replace(cfg.data, eval_dataset=str(test)),
         task=TaskConfig(name=""),
         rollout=RolloutConfig(engine="hf", prompts_per_step=8, n_samples=8, max_new_tokens=2, max_len=64),
-        eval=EvalConfig(every=8),
+        eval=EvalConfig(every=10),
     )
     cfg = replace(
         cfg, data=replace(cfg.data, datasets=[str(write_rows(tmp / "rl.jsonl", "train", 150, 2, DIGITS))])
@@ -68,5 +71,4 @@ def test_grpo_improves_on_the_sft_model(sft_run):
     rl = run_rl(cfg)
     before, after = rl.first_eval["eval/pass@1"], rl.eval["eval/pass@1"]
     print(f"image_digit ({DIGITS}) eval pass@1: after SFT {before:.3f} -> after GRPO {after:.3f}")
-    assert before == pytest.approx(after_sft)  # the same greedy measure as the SFT test
     assert rl.exit_code == 0 and after > before
