@@ -32,7 +32,8 @@ Token ids in and out: the engine is built with `skip_tokenizer_init=True`; vLLM 
 Vision-language models (a folder whose config has a vision_config; docs/vlm.md): the tokenizer is loaded
 (vLLM's image processing needs the HF processor), a request's images go as `multi_modal_data={"image": [PIL
 images]}` and its prompt ids with each image's pad run cut back to one pad (vLLM expands it itself, to the
-same count: the same image processor decides it). Checked on a GPU only (bench/vlm.py does not carry vLLM).
+same count: the same image processor decides it); the image / video placeholder ids get logit bias -100 (never
+sampled, as in the hf engine). Checked on a GPU only (`bench/vlm.py --vllm`).
 `generation_config="vllm"`: the model folder's generation_config.json changes no sampling default.
 Stops: the EOS ids (`eos_token_id=`, else the tokenizer's, else the folder's generation/model config) plus
 `SamplingParams.stop_token_ids` go to vLLM as explicit `stop_token_ids` with `ignore_eos=True`, so exactly
@@ -203,6 +204,7 @@ class VLLMEngine(ThreadedEngine):
         super().__init__(name="vllm")
         t0 = time.perf_counter()
         self.image_token = -1  # a VLM's image-pad id (set by _start)
+        self.no_vision: dict[int, float] = {}  # a VLM's placeholder ids -> logit bias -100 (set by _start)
         if not isinstance(model, str | Path):
             raise TypeError(
                 f"VLLMEngine takes a model folder or hub id (str or Path), not a {type(model).__name__}: vLLM "
@@ -247,7 +249,10 @@ class VLLMEngine(ThreadedEngine):
         if is_vlm_folder(model):  # vLLM's image processing needs the HF processor (and so the tokenizer)
             args["skip_tokenizer_init"] = False
             args.setdefault("limit_mm_per_prompt", {"image": VLM_IMAGES_PER_PROMPT})
-            self.image_token = int(json.loads((Path(model) / "config.json").read_text())["image_token_id"])
+            folder_cfg = json.loads((Path(model) / "config.json").read_text())
+            self.image_token = int(folder_cfg["image_token_id"])
+            keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+            self.no_vision = {int(folder_cfg[k]): -100.0 for k in keys if folder_cfg.get(k) is not None}
         if max_seq_len is not None:
             args["max_model_len"] = int(max_seq_len)
         config = vllm.EngineArgs(**args).create_engine_config(UsageContext.LLM_CLASS)
@@ -292,6 +297,7 @@ class VLLMEngine(ThreadedEngine):
             logprobs=0 if p.logprobs else None,
             detokenize=False,
             output_kind=self._delta,
+            **({"logit_bias": self.no_vision} if self.no_vision else {}),  # a VLM never samples a placeholder
         )
 
     def _add(self, pending: Pending) -> None:
