@@ -16,6 +16,7 @@ from typing import Any
 
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import SamplingParams
+from relayrl.rollout.media import ImageInputs
 
 
 class TrajectoryStatus(str, Enum):  # noqa: UP042  (kept: the lead's record, str mixin semantics)
@@ -65,6 +66,9 @@ class Trajectory:
     """Routing replay (rollout.routing_replay): int16 tensor [T', MoE layers, k], the experts the engine routed
     each token to (Completion.routes of the last turn, whose prompt is the whole history; T' <= T: feedback
     after it is routed by the trainer); None when not recorded."""
+    images: ImageInputs | None = None
+    """Vision-language models: the images whose pad tokens are in `token_ids` (the prompt's, then those an
+    environment returned as `environment_images`), in token order; None for text."""
     failure_kind: str | None = None
     """When FAILED: a short kind ("exception", "nan", "wrong_length", "timeout", ...) for metrics."""
 
@@ -87,7 +91,9 @@ class AgentInstanceBase(ABC):
     `step(states)` gets `{"observation_text", "action_text", "label", "sampling_params"}` and returns a dict
     with "rewards" (float or 1-element tensor), "scores" (optional), "environment_feedback" (text appended
     after the action and masked out of the loss), "done" (bool), optional "sampling_params" for the next
-    turn and optional "extra_logs" (name -> scalar).
+    turn and optional "extra_logs" (name -> scalar). A vision-language model's environment may also return
+    "environment_images" (a list of PIL images, file paths or data URIs; the feedback text marks each with
+    `<image>`, else they go first): they join the next turn (relayrl.agents.env_images).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027

@@ -25,8 +25,10 @@ from dataclasses import fields, replace
 from typing import Any
 
 from relayrl.agents.base import AgentExecutorBase, AgentInstanceBase, Trajectory
+from relayrl.agents.env_images import EnvironmentImageError, feedback_ids
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
 from relayrl.agents.user_code import UserCodeExit, await_user, exit_error, run_in_thread
+from relayrl.data.loading import DataError
 from relayrl.data.records import PromptSample
 from relayrl.rollout.base import Completion, FinishReason, GenerationRequest, SamplingParams
 
@@ -55,6 +57,7 @@ def prompt_only(sample: PromptSample) -> Trajectory:
         action_mask=[False] * n,
         rollout_logprobs=[0.0] * n,
         versions=[-1] * n,
+        images=sample.images,
     )
 
 
@@ -120,6 +123,7 @@ class SingleTurnExecutor(AgentExecutorBase):
             prompt_ids=list(sample.prompt_ids),
             params=replace(params, max_new_tokens=max_new),
             request_id=f"sample-{sample.index}-{uuid.uuid4().hex[:8]}",  # unique: vLLM rejects a duplicate id
+            images=sample.images,
         )
         result = await self.engine.generate(request)
         stops = stop_ids_of(self.tokenizer, params)
@@ -299,6 +303,21 @@ class MultiTurnExecutor(AgentExecutorBase):
         )
         return traj
 
+    def _feedback_ids(self, traj: Trajectory, feedback: str, images: Any, turn: int) -> list[int]:
+        """The feedback's token ids; with `environment_images` (a VLM), their expanded pad tokens too, which
+        must fit the length limit whole (a cut image is a failed episode, not a silent truncation)."""
+        before = traj.images
+        try:
+            ids = feedback_ids(self.tokenizer, feedback, images, traj, f"step() turn {turn}")
+        except (EnvironmentImageError, DataError) as e:
+            raise _UserError("bad_output", str(e)) from None
+        room = None if self.max_total_len is None else self.max_total_len - len(traj.token_ids)
+        if traj.images is not before and room is not None and len(ids) > room:
+            raise _UserError(
+                "too_long", f"step() turn {turn}: environment images need {len(ids)} tokens, {room} left"
+            )
+        return ids
+
     async def _turns(self, traj: Trajectory, agent: Any, params: SamplingParams, episode: int) -> None:
         sample, limit = traj.sample, self.max_total_len
         sp, observation, total, score, done, turn = params, traj.sample.prompt, 0.0, None, False, 0
@@ -311,6 +330,7 @@ class MultiTurnExecutor(AgentExecutorBase):
                 prompt_ids=list(traj.token_ids),
                 params=replace(sp, n=1, max_new_tokens=room, seed=seed),
                 request_id=f"sample-{sample.index}-ep{episode}-turn{turn}-{uuid.uuid4().hex[:8]}",
+                images=traj.images,
             )
             comp = (await self.engine.generate(request)).completions[0]
             if not comp.token_ids and comp.finish_reason == FinishReason.LENGTH:
@@ -341,8 +361,9 @@ class MultiTurnExecutor(AgentExecutorBase):
                     f"step() turn {turn} environment_feedback is {type(feedback).__name__}, expected str",
                 )
             observation = observation + action_text + feedback
-            if feedback:
-                ids = list(self.tokenizer(feedback, add_special_tokens=False)["input_ids"])
+            images = out.get("environment_images")
+            if feedback or images:
+                ids = self._feedback_ids(traj, feedback, images, turn)
                 if limit is not None:
                     ids = ids[: max(0, limit - len(traj.token_ids))]
                 append_feedback(traj, ids)

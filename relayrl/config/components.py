@@ -68,6 +68,9 @@ class ModelConfig:
     """LoRA adapters."""
     load_in_4bit: bool = False
     """QLoRA: load the base weights in 4-bit (needs bitsandbytes, a GPU and lora.rank > 0)."""
+    freeze_vision_tower: bool = True
+    """Vision-language models (docs/vlm.md): keep the vision tower's weights fixed (not trained, never synced to
+    the engine); false trains it with the rest. Ignored for text models."""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -103,6 +106,9 @@ class DataConfig:
     """Key of the ground truth for verifiable rewards (RL); rows without it get label None."""
     messages_key: str = "messages"
     """Key of a chat list [{role, content}, ...]; rows that have it are rendered with the chat template."""
+    image_key: str = "images"
+    """Key of a row's images (vision-language models, docs/vlm.md): a file path, data URI or URL, or a list;
+    text marks each with `<image>`. Used only when the model folder has an image processor."""
     chosen_key: str = "chosen"
     """Key of the preferred response (reward model / DPO)."""
     rejected_key: str = "rejected"

@@ -103,7 +103,8 @@ class RolloutConfig:
 
     engine: str = "native"
     """Rollout engine: native (built in, reads the policy's weights in place), hf (transformers.generate) or
-    vllm (optional package, in-process, weights streamed from the trainer after every step)."""
+    vllm (optional package, in-process, weights streamed from the trainer after every step). Vision-language
+    models: hf or vllm (docs/vlm.md)."""
     engine_device: str = ""
     """Device of the engine and its weight copy (e.g. cuda:1: generation on a second GPU while the policy trains
     on the first; with train.async_train they overlap). Empty: the policy's device."""
@@ -301,7 +302,8 @@ class TaskConfig:
     """A built-in task (relayrl/tasks) as the prompt source, reward and eval (instead of `data`)."""
 
     name: str = ""
-    """Task name (add2, add3, guess, ...); empty = prompts from `data` and rewards from `reward.source`."""
+    """Task name (add2, add3, guess, image_digit: read the digit in a picture, for vision-language models);
+    empty = prompts from `data` and rewards from `reward.source`."""
     train_rows: int = 2000
     """Training prompts generated from the task."""
     eval_rows: int = 200

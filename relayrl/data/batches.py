@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from relayrl.rollout.media import ImageInputs
+
 
 @dataclass(kw_only=True, slots=True)
 class SFTBatch:
@@ -28,6 +30,8 @@ class SFTBatch:
     """Attention layout of the forward (relayrl.data.packing.LAYOUTS)."""
     num_tokens: int = 0
     """Real tokens in the micro-batch."""
+    images: list[ImageInputs | None] | None = None
+    """Per sample, its images (vision-language models), None when no sample has any."""
 
 
 def sft_batch(samples: Sequence[Any], layout: str) -> SFTBatch:
@@ -37,4 +41,7 @@ def sft_batch(samples: Sequence[Any], layout: str) -> SFTBatch:
         targets=[torch.as_tensor(list(s.loss_mask), dtype=torch.bool) for s in samples],
         layout=layout,
         num_tokens=sum(len(s.input_ids) for s in samples),
+        images=[getattr(s, "images", None) for s in samples]
+        if any(getattr(s, "images", None) is not None for s in samples)
+        else None,
     )

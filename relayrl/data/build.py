@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from relayrl.config.components import DataConfig
+from relayrl.data.images import load_vision, prepare_row
 from relayrl.data.loading import DataError, MalformedRowError, load_source
 from relayrl.data.records import LoadStats, PromptSample, RawRow, TokenizedSample
 from relayrl.data.templates import SFTMode, build_prompt, encode, tokenize_sft
@@ -169,9 +170,16 @@ def build_sft_data(
 ) -> tuple[list[TokenizedSample], list[TokenizedSample], list[LoadStats]]:
     """Tokenized SFT / pretrain samples (train, eval) and per-source stats (printed through `log`)."""
     train_rows, eval_rows, stats = select_rows(cfg)
+    vision = load_vision(tokenizer)
 
     def fn(row: RawRow, ds: str) -> tuple[TokenizedSample, int]:
+        row, images = prepare_row(
+            row, vision, cfg.image_key, input_key=cfg.input_key, messages_key=cfg.messages_key
+        )
         s = tokenize_sft(row, tokenizer, cfg, mode, ds)
+        if vision is not None:
+            ids, mask = vision.expand(s.input_ids, s.loss_mask, images, row.where)
+            s.input_ids, s.loss_mask, s.images = ids, mask or [], images
         return s, len(s.input_ids)
 
     train = convert_rows(train_rows, "train", stats, cfg, fn, log)
@@ -190,11 +198,17 @@ def build_prompt_data(
         st.no_label = 0
     by_source = {(st.source, st.split): st for st in stats}
     origin: dict[int, tuple[str, str]] = {}
+    vision = load_vision(tokenizer)
 
     def for_split(split: str) -> Callable[[RawRow, str], tuple[PromptSample, int]]:
         def fn(row: RawRow, ds: str) -> tuple[PromptSample, int]:
+            row, images = prepare_row(
+                row, vision, cfg.image_key, input_key=cfg.input_key, messages_key=cfg.messages_key
+            )
             prompt = build_prompt(row, tokenizer, cfg)
             ids = encode(tokenizer, prompt.text)
+            if vision is not None:
+                ids = vision.expand(ids, None, images, row.where)[0]
             label = row.data.get(cfg.label_key)
             sample = PromptSample(
                 index=0,
@@ -203,6 +217,7 @@ def build_prompt_data(
                 label=label,
                 datasource=ds,
                 messages=prompt.messages,
+                images=images,
             )
             origin[id(sample)] = (row.source, split)
             return sample, len(ids)

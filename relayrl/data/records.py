@@ -10,10 +10,9 @@ RL prompts are `relayrl.agents.base.PromptSample` (built by `relayrl.data.build.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    pass
+from relayrl.rollout.media import ImageInputs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +49,8 @@ class TokenizedSample:
     """[T] True where the token is a training target (response tokens incl. their end token)."""
     source: str = "default"
     """Data source name (the configured source, or the row's datasource_key value)."""
+    images: ImageInputs | None = None
+    """The sample's images (vision-language models; relayrl.data.images), None for text."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -111,3 +112,5 @@ class PromptSample:
     """Name of the dataset it came from (metrics are split by it)."""
     messages: list[dict[str, str]] | None = None
     """The chat messages the prompt was built from, when it was a chat."""
+    images: ImageInputs | None = None
+    """The prompt's images (vision-language models), their pad tokens already in `prompt_ids`; None for text."""

@@ -231,7 +231,7 @@ def _architecture_blocker(hf: Any) -> str | None:
         return "sliding-window attention"
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
-    return None
+    return "vision-language model (3-D rope positions)" if getattr(cfg, "vision_config", None) else None
 
 
 def choose_layout(model: Any, device: torch.device | str) -> str:

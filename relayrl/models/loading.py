@@ -22,6 +22,7 @@ import torch
 
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.data.loading import hub_offline_reason
+from relayrl.models import vlm
 from relayrl.models.moe import install_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -163,7 +164,7 @@ def load_tokenizer(
         tok.pad_token = tok.eos_token
     if padding_side is not None:
         tok.padding_side = padding_side
-    return tok
+    return vlm.keep_image_processor(tok, folder) if folder.is_dir() else tok
 
 
 def quantization_config(cfg: ModelConfig) -> Any:
@@ -284,11 +285,11 @@ def load_causal_lm(cfg: ModelConfig, *, device: torch.device | str | None = None
     `lora=False` skips adapters (e.g. for a frozen reference model). The model is moved to `device` unless
     it was quantized (bitsandbytes places it itself).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = load_pretrained(
-        AutoModelForCausalLM, cfg.name_or_path, device=device, **model_kwargs(cfg, device)
-    )
+    auto = AutoModelForImageTextToText if vlm.is_vlm_folder(cfg.name_or_path) else AutoModelForCausalLM
+    model = load_pretrained(auto, cfg.name_or_path, device=device, **model_kwargs(cfg, device))
+    vlm.prepare_vlm(model, train_vision=not cfg.freeze_vision_tower)
     if not lora:
         return model
     return finish_model(model, cfg, task_type="CAUSAL_LM")

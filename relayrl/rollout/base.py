@@ -37,6 +37,8 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
+from relayrl.rollout.media import ImageInputs
+
 
 class FinishReason(StrEnum):
     """Why a completion ended."""
@@ -96,6 +98,9 @@ class GenerationRequest:
     """Sampling parameters."""
     request_id: str = ""
     """Caller's id, echoed back in the result."""
+    images: ImageInputs | None = None
+    """The prompt's images (vision-language models), their pad tokens already in `prompt_ids`; None for text.
+    Engines without image support refuse a request that has them."""
 
 
 @dataclass(kw_only=True, slots=True)

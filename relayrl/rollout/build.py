@@ -19,6 +19,7 @@ import importlib
 from typing import Any, cast
 
 from relayrl.rollout.base import EngineCapabilities, EngineClass, EngineSettings, RolloutEngine
+from relayrl.rollout.media import vision_token_ids
 
 ENGINES: dict[str, str] = {
     "native": "relayrl.rollout.native:NativeEngine",
@@ -54,6 +55,11 @@ def build_engine(
     keywords, e.g. native: max_slots, cuda_graphs; they win over the mapped ones). `group=` a TP process group:
     the engine's tensor-parallel variant (TP_ENGINES) over `model`, this rank's shard."""
     cls = engine_class(name)
+    if name == "native" and vision_token_ids(model):
+        raise ValueError(
+            "rollout.engine native does not run vision-language models (no image encoder, no 3-D rope "
+            "positions; docs/vlm.md says what it would take): use --rollout.engine hf (CPU or GPU) or vllm (GPU)"
+        )
     if opts.get("group") is not None:
         if name not in TP_ENGINES:
             raise ValueError(f"rollout engine {name!r} has no process-group tensor parallelism; use native")

@@ -9,6 +9,12 @@ Per row the generated tokens are cut at the first stop token (kept, STOP) or at 
 limit min(max_new_tokens, max_seq_len - P) (LENGTH), so rows with different limits share one call.
 Log-probs: log_softmax(raw_logits / T) of the sampled token from `output_logits` (T = 1 when greedy),
 i.e. before top-p / top-k truncation, the protocol's semantics.
+
+Vision-language models (docs/vlm.md): a request's `images` go to `generate` as pixel_values / image_grid_thw
+(rows of one call concatenated in row order, a prompt's images repeated for each of its n rows). Image and
+video placeholder tokens are suppressed (never sampled: one would claim an image that does not exist); the
+recorded log-probs are then those of the distribution without them (a deviation like top-k truncation, tiny
+for a trained model: TIS / ICEPOP correct it).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from relayrl.rollout.base import Completion, FinishReason, SamplingParams
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
+from relayrl.rollout.media import ImageInputs, image_forward_inputs, vision_token_ids
 
 
 def default_eos_ids(
@@ -61,6 +68,7 @@ class HFEngine(ThreadedEngine):
         self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.vision_ids = vision_token_ids(model)
         self._waiting: list[Pending] = []
         self.generate_calls = 0
         """Number of `model.generate` calls made (for tests / logs)."""
@@ -122,14 +130,20 @@ class HFEngine(ThreadedEngine):
             rows = [
                 (i, p.request.prompt_ids, limit) for i, p, limit in live for _ in range(p.request.params.n)
             ]
-            for (i, _, _), comp in zip(rows, self._generate_rows(rows, params), strict=True):
+            images = ImageInputs.join(
+                [p.request.images for _, p, _ in live for _ in range(p.request.params.n)]
+            )
+            for (i, _, _), comp in zip(rows, self._generate_rows(rows, params, images), strict=True):
                 comp.versions = [self.version] * len(comp.token_ids)  # one round: one version
                 done.setdefault(i, []).append(comp)
         for i, p in enumerate(group):
             p.finish(done[i])
 
     def _generate_rows(
-        self, rows: list[tuple[int, list[int], int]], params: SamplingParams
+        self,
+        rows: list[tuple[int, list[int], int]],
+        params: SamplingParams,
+        images: ImageInputs | None = None,
     ) -> list[Completion]:
         device = next(self.model.parameters()).device
         width = max(len(ids) for _, ids, _ in rows)
@@ -156,6 +170,9 @@ class HFEngine(ThreadedEngine):
                 do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0)
             )
         inputs = dict(input_ids=input_ids.to(device), attention_mask=mask.to(device))
+        inputs.update(image_forward_inputs(self.model, inputs["input_ids"], images))  # a VLM's rows' images
+        if self.vision_ids:  # a VLM never samples an image placeholder (see module doc)
+            kwargs["suppress_tokens"] = self.vision_ids
         generate = cast(Any, self.model).generate  # a transformers model (GenerationMixin)
         if params.seed is None:
             out = generate(**inputs, **kwargs)

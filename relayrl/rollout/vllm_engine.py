@@ -29,6 +29,11 @@ child's CompletionOutput]` (index i), and `RequestOutput.finished` turns True on
 (vllm/v1/engine/output_processor.py, `RequestState.make_request_output`).
 
 Token ids in and out: the engine is built with `skip_tokenizer_init=True`; vLLM never tokenizes.
+Vision-language models (a folder whose config has a vision_config; docs/vlm.md): the tokenizer is loaded
+(vLLM's image processing needs the HF processor), a request's images go as `multi_modal_data={"image": [PIL
+images]}` and its prompt ids with each image's pad run cut back to one pad (vLLM expands it itself, to the
+same count: the same image processor decides it); the image / video placeholder ids get logit bias -100 (never
+sampled, as in the hf engine). Checked on a GPU only (`bench/vlm.py --vllm`).
 `generation_config="vllm"`: the model folder's generation_config.json changes no sampling default.
 Stops: the EOS ids (`eos_token_id=`, else the tokenizer's, else the folder's generation/model config) plus
 `SamplingParams.stop_token_ids` go to vLLM as explicit `stop_token_ids` with `ignore_eos=True`, so exactly
@@ -96,6 +101,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import time
 import uuid
@@ -114,6 +120,7 @@ from relayrl.rollout.base import (
     GenerationRequest,
 )
 from relayrl.rollout.driver import Pending, ThreadedEngine
+from relayrl.rollout.media import is_vlm_folder
 from relayrl.rollout.vllm_setup import (
     ENGINE_DEFAULTS,
     engine_options,
@@ -127,6 +134,9 @@ log = logging.getLogger(__name__)
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 LOAD_CHUNK_BYTES = 256 * 2**20
+VLM_IMAGES_PER_PROMPT = 8
+"""vLLM's limit_mm_per_prompt for images of a VLM (a prompt's images plus every environment turn's); more
+through rollout.vllm_args '{"limit_mm_per_prompt": {"image": N}}'."""
 """`load_weights` hands vLLM's loader this many bytes of tensors at a time (bounds what a lazy iterator,
 e.g. an FSDP all-gather per tensor, holds at once)."""
 
@@ -193,6 +203,8 @@ class VLLMEngine(ThreadedEngine):
         ENGINE_DEFAULTS."""
         super().__init__(name="vllm")
         t0 = time.perf_counter()
+        self.image_token = -1  # a VLM's image-pad id (set by _start)
+        self.no_vision: dict[int, float] = {}  # a VLM's placeholder ids -> logit bias -100 (set by _start)
         if not isinstance(model, str | Path):
             raise TypeError(
                 f"VLLMEngine takes a model folder or hub id (str or Path), not a {type(model).__name__}: vLLM "
@@ -234,6 +246,13 @@ class VLLMEngine(ThreadedEngine):
         from vllm.v1.executor import Executor  # pyright: ignore[reportMissingImports]
 
         args = {**ENGINE_DEFAULTS, "model": model, **engine_args}
+        if is_vlm_folder(model):  # vLLM's image processing needs the HF processor (and so the tokenizer)
+            args["skip_tokenizer_init"] = False
+            args.setdefault("limit_mm_per_prompt", {"image": VLM_IMAGES_PER_PROMPT})
+            folder_cfg = json.loads((Path(model) / "config.json").read_text())
+            self.image_token = int(folder_cfg["image_token_id"])
+            keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+            self.no_vision = {int(folder_cfg[k]): -100.0 for k in keys if folder_cfg.get(k) is not None}
         if max_seq_len is not None:
             args["max_model_len"] = int(max_seq_len)
         config = vllm.EngineArgs(**args).create_engine_config(UsageContext.LLM_CLASS)
@@ -278,6 +297,7 @@ class VLLMEngine(ThreadedEngine):
             logprobs=0 if p.logprobs else None,
             detokenize=False,
             output_kind=self._delta,
+            **({"logit_bias": self.no_vision} if self.no_vision else {}),  # a VLM never samples a placeholder
         )
 
     def _add(self, pending: Pending) -> None:
@@ -289,6 +309,11 @@ class VLLMEngine(ThreadedEngine):
         rid = uuid.uuid4().hex
         try:
             prompt = self._tokens_prompt(prompt_token_ids=list(request.prompt_ids))
+            if request.images is not None:  # a VLM: vLLM processes the images and expands their pads itself
+                prompt["prompt_token_ids"] = request.images.collapse(
+                    prompt["prompt_token_ids"], self.image_token
+                )
+                prompt["multi_modal_data"] = {"image": list(request.images.images)}
             self.llm.add_request(rid, prompt, self._sampling_params(request))
         except Exception as exc:  # a request vLLM refuses fails alone, with vLLM's message
             pending.fail(exc)

@@ -2,6 +2,7 @@
 
 base.py        the Task protocol, is_held_out (hash split of train / test)
 arith.py       add2, add3          guess.py   guess (multi-turn)      preference.py  feedback rows
+image_digit.py image_digit (vision-language: read the digit in a picture)
 registry.py    TASKS (name -> factory, a plain dict), get_task
 """
 

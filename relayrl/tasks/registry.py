@@ -12,11 +12,13 @@ from collections.abc import Callable
 from relayrl.tasks.arith import Addition
 from relayrl.tasks.base import Task
 from relayrl.tasks.guess import GuessNumber
+from relayrl.tasks.image_digit import ImageDigit
 
 TASKS: dict[str, Callable[[], Task]] = {
     "add2": lambda: Addition(digits=2, name="add2"),
     "add3": lambda: Addition(digits=3, name="add3"),
     "guess": lambda: GuessNumber(),
+    "image_digit": lambda: ImageDigit(),
 }
 """Task name -> a factory of a fresh task object."""
 

@@ -38,6 +38,7 @@ from relayrl.data.build import build_sft_data
 from relayrl.data.packing import MicroBatching, make_collate
 from relayrl.models.forward import to_device, token_logprobs
 from relayrl.models.moe import moe_pass
+from relayrl.models.vlm import images_for
 from relayrl.trainers.recipe import Recipe, RecipeResult, recipe_main, run_recipe
 from relayrl.training.step import LossOutput
 
@@ -51,7 +52,10 @@ def next_token_loss(model: torch.nn.Module, batch: SFTBatch, aux_loss_coef: floa
     sample); count = number of target tokens. A mixture-of-experts model with `aux_loss_coef` > 0 adds
     aux_loss_coef * (router load-balancing loss of the micro-batch, relayrl/models/moe.py) * count, so the step
     averages it over micro-batches by their token counts (metric aux_loss)."""
-    with moe_pass([len(s) for s in batch.input_ids], collect=aux_loss_coef > 0) as moe:
+    with (
+        images_for(batch.images),
+        moe_pass([len(s) for s in batch.input_ids], collect=aux_loss_coef > 0) as moe,
+    ):
         logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
     mask = torch.cat(batch.targets)
     mask[torch.tensor(_first_positions(batch.input_ids))] = False

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from relayrl.agents.base import Trajectory
 from relayrl.distributed.group import my_data_share
+from relayrl.rollout.media import ImageInputs
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -46,6 +47,8 @@ class SequenceBatch:
     routes: Tensor | None = None
     """[B, T, MoE layers, k] int16: the experts the engine routed each token to (routing replay), -1 where
     not recorded (the trainer routes those itself); None when routes were not recorded."""
+    images: list[ImageInputs | None] | None = None
+    """[B] each row's images (vision-language models, in token order), None when no row has any."""
 
     @property
     def lengths(self) -> list[int]:
@@ -61,12 +64,14 @@ class SequenceBatch:
         """The sub-batch of `rows`, trimmed to its longest row."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         width = int(self.attention_mask[idx].sum(1).max()) if len(idx) else 0
+        images = None if self.images is None else [self.images[int(r)] for r in idx]
         return SequenceBatch(
             input_ids=self.input_ids[idx, :width],
             attention_mask=self.attention_mask[idx, :width],
             action_mask=self.action_mask[idx, :width],
             rollout_logprobs=self.rollout_logprobs[idx, :width],
             routes=None if self.routes is None else self.routes[idx, :width],
+            images=images,
         )
 
     def flat_routes(self, rows: list[int]) -> Tensor | None:
@@ -152,8 +157,14 @@ def collate(trajs: list[Trajectory], pad_id: int) -> SequenceBatch:
         act[i, :n] = torch.tensor(t.action_mask, dtype=torch.bool)
         lp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
     act[:, 0] = False
+    images = [t.images for t in trajs] if any(t.images is not None for t in trajs) else None
     return SequenceBatch(
-        input_ids=ids, attention_mask=attn, action_mask=act, rollout_logprobs=lp, routes=_routes(trajs, width)
+        input_ids=ids,
+        attention_mask=attn,
+        action_mask=act,
+        rollout_logprobs=lp,
+        routes=_routes(trajs, width),
+        images=images,
     )
 
 

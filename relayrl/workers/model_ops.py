@@ -29,6 +29,8 @@ from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import my_data_share, reports
 from relayrl.models import forward
 from relayrl.models.moe import moe_pass
+from relayrl.models.vlm import images_for
+from relayrl.rollout.media import ImageInputs
 from relayrl.training.step import padded_passes
 from relayrl.workers.base import Rows, SequenceBatch
 
@@ -38,6 +40,11 @@ def _rows(batch: SequenceBatch, rows: list[int]) -> tuple[list[Tensor], list[int
     seqs = [batch.input_ids[r, : lengths[r]] for r in rows]
     sub = [lengths[r] for r in rows]
     return seqs, sub, max(sub)
+
+
+def _images(batch: SequenceBatch, rows: list[int]) -> list[ImageInputs | None] | None:
+    """The images of `rows` (vision-language models; relayrl.models.vlm.images_for), None for text."""
+    return None if batch.images is None else [batch.images[r] for r in rows]
 
 
 def row_logprobs(
@@ -55,7 +62,10 @@ def row_logprobs(
     at the position that produced the token. A mixture-of-experts model replays the batch's recorded routes
     (routing replay, relayrl/models/moe.py) and, with `aux_losses`, appends its router load-balancing loss."""
     seqs, lengths, width = _rows(batch, rows)
-    with moe_pass(lengths, routes=batch.flat_routes(rows), collect=aux_losses is not None) as moe:
+    with (
+        images_for(_images(batch, rows)),
+        moe_pass(lengths, routes=batch.flat_routes(rows), collect=aux_losses is not None) as moe,
+    ):
         lp, ent = forward.token_logprobs(model, seqs, layout, temperature=temperature or 1.0, entropy=entropy)
     aux = moe.aux_loss()
     if aux_losses is not None and aux is not None:
@@ -67,9 +77,8 @@ def row_logprobs(
 def critic_values(critic: torch.nn.Module, batch: SequenceBatch, rows: list[int], layout: str) -> Tensor:
     """Values [len(rows), T_rows] float32: `values[:, t] = V(x_<t)` (the value head at position t-1)."""
     seqs, lengths, width = _rows(batch, rows)
-    v = forward.token_values(
-        critic, seqs, layout
-    )  # [N]: the value of each token's state (its prefix included)
+    with images_for(_images(batch, rows)):  # [N]: the value of each token's state (its prefix included)
+        v = forward.token_values(critic, seqs, layout)
     shifted = torch.zeros_like(v)
     starts = forward.to_device(torch.tensor([0, *lengths]).cumsum(0)[:-1], v.device)
     shifted[1:] = v[:-1]

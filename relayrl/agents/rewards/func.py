@@ -4,7 +4,9 @@
     prompts  [B] str   prompt text
     labels   [B]       the samples' labels
     kwargs             passed only if the function accepts them (by name or **kwargs):
-                       responses [B] str (response text only), datasources [B] str
+                       responses [B] str (response text only), datasources [B] str,
+                       images [B] list of PIL images (a vision-language sample's prompt and environment
+                       images, in order; [] for text), image_paths [B] list of str (where each came from)
 
 It returns {"rewards": [B], "scores": [B], "extra_logs": {...}} or a plain [B] list / tensor. It is called on
 batches of `batch_size` trajectories, on a daemon thread (never on the event loop), each call bounded by
@@ -33,7 +35,7 @@ from relayrl.agents.rewards.base import (
 )
 from relayrl.agents.user_code import UserCodeExit, guard_exit, load_module_from_file, run_in_thread
 
-EXTRA_KWARGS = ("responses", "datasources")
+EXTRA_KWARGS = ("responses", "datasources", "images", "image_paths")
 
 
 def load_reward_func(path: str | Path, name: str = "reward_func") -> Callable[..., Any]:
@@ -83,6 +85,10 @@ class RewardFuncSource:
             kwargs["responses"] = [t.response_text for t in chunk]
         if "datasources" in self._kwargs:
             kwargs["datasources"] = [t.sample.datasource for t in chunk]
+        if "images" in self._kwargs:
+            kwargs["images"] = [list(t.images.images) if t.images is not None else [] for t in chunk]
+        if "image_paths" in self._kwargs:
+            kwargs["image_paths"] = [list(t.images.sources) if t.images is not None else [] for t in chunk]
         queries = queries_of(chunk, self.tokenizer)
         prompts = [t.sample.prompt for t in chunk]
         labels = [t.sample.label for t in chunk]

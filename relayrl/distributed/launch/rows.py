@@ -49,6 +49,10 @@ def _schema(record: Any, names: list[str]) -> list[tuple[str, np.dtype, tuple[in
     out: list[tuple[str, np.dtype, tuple[int, ...]] | None] = []
     for n in names:
         x = getattr(record, n)
+        if x is not None and not isinstance(x, torch.Tensor):  # e.g. a VLM batch's images (docs/vlm.md)
+            raise TypeError(
+                f"{type(record).__name__}.{n} cannot cross Ray's row store; run VLMs in local mode"
+            )
         out.append(None if x is None else (n, x[:1].numpy().dtype, tuple(x.shape[1:])))
     return out
 

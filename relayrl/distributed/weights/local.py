@@ -30,8 +30,9 @@ The cases, decided once at construction:
   source (gather) as full tensors, one parameter all-gathered at a time (`fsdp.full_tensors`, a collective:
   every rank iterates the whole sequence). Not supported (ValueError at construction): a LoRA model that is
   also sharded, a 4-bit (QLoRA) base, and adapter variants such as DoRA.
-Only parameters that train (requires_grad) are refreshed: frozen ones (a LoRA run's base weights) were
-copied at construction and never change.
+Only parameters that train (requires_grad) are refreshed, or streamed (non-LoRA): frozen ones (a LoRA run's
+base weights, a VLM's frozen vision tower) were copied (or loaded by the engine) at construction and never
+change.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class LocalWeights:
             return full_tensors(self.source, self.dtype)
         if self._lora:
             return _merged_lora(self.source, self.dtype)
-        return ((n, p.detach().to(self.dtype)) for n, p in self.source.named_parameters())
+        params = self.source.named_parameters()  # trained ones only (a frozen vision tower never changes)
+        return ((n, p.detach().to(self.dtype)) for n, p in params if n in self.trained)
 
     def load_into(
         self, engine: RolloutEngine, version: int | None, before_load: Callable[[], None] | None = None
