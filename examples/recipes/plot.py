@@ -18,6 +18,8 @@ from typing import Any
 
 CONTROL = "sft_control"
 """The more-SFT control's run folder."""
+GAIN_TARGET = 0.25
+"""The recipe's target: RL lifts held-out exact match by at least this over the SFT model."""
 
 
 def read_curves(out: Path) -> dict[str, list[dict[str, float]]]:
@@ -58,6 +60,8 @@ def summarize(curves: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]
         if control is not None and run != CONTROL:
             row["control_em_same_time"] = at_time(control, pts[-1]["t"])
             row["margin_over_control"] = round(row["final_em"] - row["control_em_same_time"], 4)
+            row["beats_control"] = row["margin_over_control"] > 0
+            row["gain_target_met"] = row["gain"] >= GAIN_TARGET
         table.append(row)
     return table
 

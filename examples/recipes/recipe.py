@@ -145,7 +145,7 @@ SCALES: dict[str, Scale] = {
         rl_seconds=270.0,
         eval_seconds=30.0,
         sft_lr=3e-4,
-        sft_batch=64,
+        sft_batch=128,
         rl=dict(task.RL_SETTINGS),
         critic_lr=1e-4,
     ),
@@ -155,7 +155,11 @@ SCALES: dict[str, Scale] = {
 def scale_of(args: argparse.Namespace) -> Scale:
     """The named scale with the time budgets the command line / environment override."""
     s = SCALES[args.scale]
-    over = {k: float(v) for k, v in (("sft_seconds", args.sft_seconds), ("rl_seconds", args.rl_seconds)) if v}
+    over: dict[str, Any] = {
+        k: float(v) for k, v in (("sft_seconds", args.sft_seconds), ("rl_seconds", args.rl_seconds)) if v
+    }
+    if args.sft_rows:
+        over["sft_rows"] = args.sft_rows
     return dataclasses.replace(s, **over) if over else s
 
 
@@ -370,7 +374,7 @@ def rl_config(scale: Scale, work: Path, algo: str, seed: int, device: str) -> RL
             max_len=160,
         ),
         algo=AlgoConfig(preset=algo, kl_coef=0.0),
-        critic=CriticConfig(lr=scale.critic_lr),
+        critic=CriticConfig(lr=scale.critic_lr) if algo == "ppo" else CriticConfig(),  # PPO's: GAE
     )
 
 
@@ -428,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "runs/recipe"), help="curves, tables, logs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--sft-rows", type=int, default=0, help="override the scale's number of demonstrations")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
     p.add_argument("--sft-seconds", type=float, default=0.0, help="override the scale's SFT wall time")
     p.add_argument(
         "--rl-seconds", type=float, default=0.0, help="override the scale's RL / control wall time"
@@ -436,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     scale, work, out = scale_of(args), Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
+    if args.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(args.threads)  # one thread per process: 2-core machines thrash with more
     if args.phase in ("prepare", "all"):
         prepare(scale, work, args.seed)
     if args.phase in ("sft", "all"):

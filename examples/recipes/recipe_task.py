@@ -36,7 +36,7 @@ end token; the character-level tokenizer makes one token per character)."""
 
 RL_SETTINGS: dict[str, Any] = {
     "group_size": 8,
-    "learning_rate": 2e-5,
+    "learning_rate": 3e-5,
     "prompts_per_step": 64,
     "temperature": 1.0,
     "max_new_tokens": MAX_NEW_TOKENS,

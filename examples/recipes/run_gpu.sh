@@ -10,7 +10,7 @@
 #   then    $OUT/curves.png, $OUT/results.{md,json} and $OUT/logs.tar.gz (logs, curves, metrics); no weights
 #
 # Environment: OUT (default runs/recipe), RECIPE_WORK (default /root/recipe: model, data, SFT checkpoint),
-# SFT_SECONDS (130), RL_SECONDS (270), SCALE (full), PYTHON (python), REUSE_SFT=1 (skip the build and SFT
+# SFT_SECONDS (130), RL_SECONDS (270), SFT_ROWS (0: the scale's 2000 demonstrations), SCALE (full), PYTHON (python3), REUSE_SFT=1 (skip the build and SFT
 # when $RECIPE_WORK/sft/final exists: RL runs only, no control), DEADLINE_S (510: every job is killed by then,
 # so the table and picture are always written; whatever the runs logged by then is kept).
 set -uo pipefail
@@ -21,14 +21,15 @@ SCALE=${SCALE:-full}
 SFT_SECONDS=${SFT_SECONDS:-130}
 RL_SECONDS=${RL_SECONDS:-270}
 DEADLINE_S=${DEADLINE_S:-510}
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 DEVICE=${RECIPE_DEVICE:-cuda}  # cpu: a smoke test of this script (with SCALE=tiny)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$OUT/logs" "$RECIPE_WORK"
 T0=$(date +%s)
 left() { local s=$((DEADLINE_S - ($(date +%s) - T0))); echo $((s > 1 ? s : 1)); }
-ARGS=(--scale "$SCALE" --work "$RECIPE_WORK" --out "$OUT" --sft-seconds "$SFT_SECONDS" --rl-seconds "$RL_SECONDS")
+ARGS=(--scale "$SCALE" --work "$RECIPE_WORK" --out "$OUT" --sft-seconds "$SFT_SECONDS" --rl-seconds "$RL_SECONDS"
+  --sft-rows "${SFT_ROWS:-0}")
 RECIPE=("$PY" examples/recipes/recipe.py)
 
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
