@@ -326,7 +326,9 @@ def run_sft_and_control(scale: Scale, work: Path, out: Path, seed: int, device: 
             output_key="completion",
             seed=seed,
         ),
-        optim=OptimConfig(lr=scale.sft_lr, warmup_steps=50, scheduler="constant", weight_decay=0.0),
+        optim=OptimConfig(  # warmup_ratio 0: the step total is a placeholder (the wall time ends the run)
+            lr=scale.sft_lr, warmup_steps=50, warmup_ratio=0.0, scheduler="constant", weight_decay=0.0
+        ),
         train=TrainConfig(
             seed=seed,
             batch_size=scale.sft_batch,
@@ -361,7 +363,9 @@ def rl_config(scale: Scale, work: Path, algo: str, seed: int, device: str) -> RL
             label_key="answer",
             seed=seed,
         ),
-        optim=OptimConfig(lr=s["learning_rate"], warmup_steps=0, scheduler="constant", weight_decay=0.0),
+        optim=OptimConfig(
+            lr=s["learning_rate"], warmup_steps=0, warmup_ratio=0.0, scheduler="constant", weight_decay=0.0
+        ),
         train=RLTrainConfig(seed=seed, max_steps=10**6, device=device, output_dir=str(work / "rl" / algo)),  # type: ignore[arg-type]
         ckpt=CkptConfig(save_every=0, keep_last=1, resume="none", overwrite=True),
         logger=LoggerConfig(progress_bar=False),
