@@ -6,21 +6,22 @@
 #   GPU 0   build the ~100M model + data, SFT for SFT_SECONDS -> $RECIPE_WORK/sft/final, then the same run
 #           goes on as the more-SFT control for RL_SECONDS
 #   GPU 1-3 GRPO, PPO, REINFORCE++ (relayrl presets), each starting as soon as $RECIPE_WORK/sft/final exists
-#           and running RL_SECONDS of wall time, held-out exact match every EVAL interval
+#           and running RL_SECONDS of wall time, held-out exact match every 30 s
 #   then    $OUT/curves.png, $OUT/results.{md,json} and $OUT/logs.tar.gz (logs, curves, metrics); no weights
 #
 # Environment: OUT (default runs/recipe), RECIPE_WORK (default /root/recipe: model, data, SFT checkpoint),
-# SFT_SECONDS (130), RL_SECONDS (270), SFT_ROWS (0: the scale's 2000 demonstrations), SCALE (full), PYTHON (python3), REUSE_SFT=1 (skip the build and SFT
-# when $RECIPE_WORK/sft/final exists: RL runs only, no control), DEADLINE_S (510: every job is killed by then,
-# so the table and picture are always written; whatever the runs logged by then is kept).
+# SFT_SECONDS (125), RL_SECONDS (260), SFT_ROWS (0: the scale's 2000 demonstrations), SCALE (full),
+# PYTHON (python3), REUSE_SFT=1 (skip the build and SFT when $RECIPE_WORK/sft/final exists: RL runs only, no
+# control), DEADLINE_S (500: every job is killed by then, so the table and picture are always written from
+# whatever the runs logged), RECIPE_DEVICE (cuda; cpu with SCALE=tiny and a stub nvidia-smi: a smoke test).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/recipe}
 RECIPE_WORK=${RECIPE_WORK:-/root/recipe}
 SCALE=${SCALE:-full}
-SFT_SECONDS=${SFT_SECONDS:-130}
-RL_SECONDS=${RL_SECONDS:-270}
-DEADLINE_S=${DEADLINE_S:-510}
+SFT_SECONDS=${SFT_SECONDS:-125}
+RL_SECONDS=${RL_SECONDS:-260}
+DEADLINE_S=${DEADLINE_S:-500}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 DEVICE=${RECIPE_DEVICE:-cuda}  # cpu: a smoke test of this script (with SCALE=tiny)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -64,7 +65,7 @@ for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 echo "recipe: runs done after $(( $(date +%s) - T0 ))s (last non-zero exit: $status)"
 for f in "$OUT"/logs/*.log; do echo "== $f (tail)"; tail -n 5 "$f"; done
 
-timeout -k 5 60 "$PY" examples/recipes/plot.py "$OUT" || echo "recipe: plot failed" >&2
+timeout -k 5 25 "$PY" examples/recipes/plot.py "$OUT" || echo "recipe: plot failed" >&2
 # what comes back stays small: the picture, the tables, one tarball of logs, curves and metrics
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude=logs.tar.gz --exclude=curves.png --exclude=results.json \
   --exclude=results.md . && rm -rf "$OUT/logs" "$OUT"/grpo "$OUT"/ppo "$OUT"/reinforce++ "$OUT"/sft_control
