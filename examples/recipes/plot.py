@@ -5,8 +5,8 @@
 A run is any folder under OUT with a curve.jsonl (relayrl's grpo / ppo / reinforce++, the more-SFT control
 `sft_control`, TRL's `trl_grpo`, ...). Lines: {"t": seconds since the run's start, "step": k, "heldout_em": x}.
 The table gives, per run: the SFT model's accuracy (its t=0 point), the last and the best accuracy, the gain,
-the wall time, and for an RL run the more-SFT control's accuracy at the same wall time (its last point at or
-before that time) and the margin over it.
+the wall time, and for an RL run the more-SFT control's accuracy at the same wall time (its point nearest
+in time) and the margin over it.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def read_curves(out: Path) -> dict[str, list[dict[str, float]]]:
 
 
 def at_time(points: list[dict[str, float]], t: float) -> float:
-    """The accuracy a run had reached by time t: its last point at or before t (its first when none)."""
-    before = [p for p in points if p["t"] <= t + 1e-9]
-    return (before[-1] if before else points[0])["heldout_em"]
+    """The accuracy a run had at time t: its point nearest in time (runs of the same budget end within a
+    step of each other, so a run's last point meets the other's last point)."""
+    return min(points, key=lambda p: abs(p["t"] - t))["heldout_em"]
 
 
 def summarize(curves: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:

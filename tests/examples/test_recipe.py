@@ -74,12 +74,13 @@ def test_table_compares_each_run_with_the_control_at_the_same_time():
         "grpo": [{"t": 0.0, "step": 0, "heldout_em": 0.3}, {"t": 60.0, "step": 40, "heldout_em": 0.7}],
     }
     rows = {r["run"]: r for r in plot.summarize(curves)}
-    # the control's last point at or before t = 60 is the one at 30 s
-    assert rows["grpo"]["control_em_same_time"] == 0.35
-    assert rows["grpo"]["margin_over_control"] == pytest.approx(0.35, abs=1e-12)
+    # the control's point nearest to t = 60 is the one at 61 s (not the one at 30 s)
+    assert rows["grpo"]["control_em_same_time"] == 0.5
+    assert rows["grpo"]["margin_over_control"] == pytest.approx(0.2, abs=1e-12)
+    assert rows["grpo"]["beats_control"] and rows["grpo"]["gain_target_met"]
     assert rows["grpo"]["gain"] == pytest.approx(0.4, abs=1e-12)
     assert "control_em_same_time" not in rows["sft_control"]
-    assert "| grpo | 0.300 | 0.700 | 0.700 | +0.400 | 0.350 | +0.350 | 60 | 40 |" in plot.markdown(
+    assert "| grpo | 0.300 | 0.700 | 0.700 | +0.400 | 0.500 | +0.200 | 60 | 40 |" in plot.markdown(
         plot.summarize(curves)
     )
 
