@@ -114,7 +114,10 @@ def write_results(out: Path, meta: dict[str, Any] | None = None) -> list[dict[st
     )
     (out / "results.md").write_text(markdown(table))
     try:
-        plot(curves, out / "curves.png")
+        if curves:
+            plot(curves, out / "curves.png")
+        else:
+            print(f"recipe plot: no curve.jsonl under {out}; no picture", file=sys.stderr)
     except ImportError as e:
         print(f"recipe plot: no picture ({e}); the table is in {out / 'results.md'}", file=sys.stderr)
     print(markdown(table), flush=True)

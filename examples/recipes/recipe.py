@@ -417,8 +417,13 @@ def run_rl(scale: Scale, work: Path, out: Path, algo: str, seed: int, device: st
 
 
 def wait_for(path: Path, timeout: float) -> None:
+    """Until the folder `path` exists; an error after `timeout` s or once `<path's parent>.failed` exists (what
+    run_gpu.sh leaves when the build or SFT failed)."""
     t0 = time.perf_counter()
+    failed = path.parent.with_name(path.parent.name + ".failed")
     while not path.is_dir():
+        if failed.exists():
+            raise RuntimeError(f"recipe: the SFT phase failed ({failed} exists; see its log); no RL run")
         if time.perf_counter() - t0 > timeout:
             raise TimeoutError(
                 f"recipe: {path} did not appear within {timeout:.0f}s (did the SFT phase fail?)"
@@ -443,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rl-seconds", type=float, default=0.0, help="override the scale's RL / control wall time"
     )
     args = p.parse_args(argv)
+    if args.sft_rows < 0 or args.sft_seconds < 0 or args.rl_seconds < 0:
+        p.error("--sft-rows, --sft-seconds and --rl-seconds take values >= 0 (0: the scale's own)")
     scale, work, out = scale_of(args), Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)

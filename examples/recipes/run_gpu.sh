@@ -47,9 +47,12 @@ pids=()
 if [ "${REUSE_SFT:-0}" = 1 ] && [ -d "$RECIPE_WORK/sft/final" ]; then
   echo "recipe: reusing $RECIPE_WORK/sft/final (no build, no SFT, no control)"
 else
-  rm -rf "$RECIPE_WORK/sft"
+  rm -rf "$RECIPE_WORK/sft" "$RECIPE_WORK/sft.failed"
+  # a failed build / SFT leaves sft.failed: the RL runs waiting for the checkpoint then stop at once
   ( CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" "${RECIPE[@]}" prepare "${ARGS[@]}" && \
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" "${RECIPE[@]}" sft --device "$DEVICE" "${ARGS[@]}" ) > "$OUT/logs/sft.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$(left)" "${RECIPE[@]}" sft --device "$DEVICE" "${ARGS[@]}" \
+    || { rc=$?; [ -d "$RECIPE_WORK/sft/final" ] || touch "$RECIPE_WORK/sft.failed"; exit $rc; } ) \
+    > "$OUT/logs/sft.log" 2>&1 &
   pids+=($!)
 fi
 gpu=1
