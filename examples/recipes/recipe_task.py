@@ -36,7 +36,7 @@ end token; the character-level tokenizer makes one token per character)."""
 
 RL_SETTINGS: dict[str, Any] = {
     "group_size": 8,
-    "learning_rate": 2e-5,
+    "learning_rate": 3e-5,
     "prompts_per_step": 64,
     "temperature": 1.0,
     "max_new_tokens": MAX_NEW_TOKENS,
@@ -59,16 +59,19 @@ def solve(a: int, b: int) -> str:
     return ";".join(steps) + f";ans {a + b}"
 
 
-def _operand(rng: random.Random) -> int:
-    digits = rng.randint(MIN_DIGITS, MAX_DIGITS)
-    return rng.randint(10 ** (digits - 1), 10**digits - 1)
+def _operand(rng: random.Random, digits: tuple[int, int]) -> int:
+    n = rng.randint(*digits)
+    return rng.randint(10 ** (n - 1), 10**n - 1)
 
 
-def make_rows(n: int, seed: int, exclude: set[str] | None = None) -> list[dict[str, str]]:
-    """`n` distinct problems (none of whose prompts is in `exclude`): prompt, answer, worked completion."""
+def make_rows(
+    n: int, seed: int, exclude: set[str] | None = None, digits: tuple[int, int] = (MIN_DIGITS, MAX_DIGITS)
+) -> list[dict[str, str]]:
+    """`n` distinct problems (none of whose prompts is in `exclude`): prompt, answer, worked completion.
+    `digits`: the operand lengths (the recipe's are MIN_DIGITS..MAX_DIGITS; a CPU check uses shorter ones)."""
     rng, seen, rows = random.Random(seed), set(exclude or ()), []
     while len(rows) < n:
-        a, b = _operand(rng), _operand(rng)
+        a, b = _operand(rng, digits), _operand(rng, digits)
         prompt = f"{a}+{b}="
         if prompt in seen:
             continue
