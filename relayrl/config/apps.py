@@ -81,8 +81,11 @@ class DemoConfig:
     """Rows (disjoint from SFT, RL and eval rows) for the SFT stopping rule."""
     sft_lr: float = 2e-3
     """SFT peak learning rate."""
-    rl_steps: int = 600
-    """RL steps (32 prompts x 8 samples each)."""
+    rl_steps: int = 450
+    """RL steps (rl_prompts prompts x 8 samples each)."""
+    rl_prompts: int = 32
+    """Prompts per RL step, each sampled 8 times (a group). 16 or 8 cost less per step but gained less per
+    second of CPU time on seed 0 (docs/rl.md "The demo")."""
     rl_lr: float = 2e-4
     """RL learning rate (constant)."""
     rl_rows: int = 3000
@@ -90,6 +93,10 @@ class DemoConfig:
     rl_filter: bool = True
     """Dynamic filtering of zero-variance groups in RL (a toy-sized demo whose groups are all alike turns it
     off, else every step is filtered and the run reports that it made no update)."""
+    rl_kl_monitor: bool = False
+    """Measure and plot the KL to the SFT model (kl_mode monitor: a reference model and its forward every
+    step, ~18% of a step's CPU time, not used in the loss); false: no reference model, no KL curve, the same
+    training."""
     eval_rows: int = 500
     """Held-out prompts for the accuracy measurements."""
     control: bool = False
@@ -103,7 +110,17 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("sft_steps", "sft_chunk", "rl_steps", "sft_rows", "dev_rows", "eval_rows", "threads"):
+        ints = (
+            "sft_steps",
+            "sft_chunk",
+            "rl_steps",
+            "rl_prompts",
+            "sft_rows",
+            "dev_rows",
+            "eval_rows",
+            "threads",
+        )
+        for name in ints:
             if getattr(self, name) < 1:
                 raise invalid(name, getattr(self, name), "an int >= 1")
 
