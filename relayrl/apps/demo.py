@@ -3,12 +3,14 @@
     1. build a tiny Qwen2 + char tokenizer (relayrl/models/tiny.py; hidden 128, 4 layers, ~1M parameters)
     2. SFT it on a few hundred rows of the task (`relayrl sft`'s code path: run_sft)
     3. RL with the task's verifiable reward (`relayrl rl`'s code path: RLTrainer, GRPO = group_norm
-       advantages + PPO clip, KL to the SFT model monitored only, DAPO dynamic sampling so every trained group carries
-       signal), evaluating held-out greedy exact-match accuracy before the first update (= the SFT model's
-       accuracy) and every rl_steps / 8 steps
+       advantages + PPO clip, DAPO dynamic sampling so every trained group carries signal; the KL to the SFT
+       model is measured and plotted only with --rl_kl_monitor true, never in the loss), evaluating held-out
+       greedy exact-match accuracy before the first update (= the SFT model's accuracy) and every rl_steps / 8
+       steps
     4. optional control (`--control true`): the same SFT continued for as long as RL took, evaluated the same
        way, to show the gain comes from the reward and not from more training time
-    5. write runs/demo/summary.json, curves.png (reward, KL, length, eval accuracy) and final/ (HF model)
+    5. write runs/demo/summary.json (accuracies, steps, wall and CPU seconds per phase), curves.png (reward, KL
+       when monitored, length, eval accuracy) and final/ (HF model)
 
 Sizing follows ../shared/notes/demo-task-measurements.md. With 500 SFT rows one seed in three memorised the
 rows without generalising (dev accuracy 0.05-0.13 after 800 steps; RL then has almost no correct samples);
@@ -179,7 +181,8 @@ def sft_until_target(
 
 
 def rl_config(cfg: DemoConfig, model: Path, data: dict[str, Path], out: Path, steps: int) -> RLConfig:
-    """GRPO on the task: group_norm advantages, PPO clip 0.2, token-mean, KL to the SFT model logged only."""
+    """GRPO on the task: group_norm advantages, PPO clip 0.2, token-mean; with rl_kl_monitor the KL to the SFT
+    model is logged (not in the loss), else there is no reference model."""
     return RLConfig(
         model=ModelConfig(name_or_path=str(model)),
         data=DataConfig(
