@@ -81,7 +81,7 @@ class DemoConfig:
     """Rows (disjoint from SFT, RL and eval rows) for the SFT stopping rule."""
     sft_lr: float = 2e-3
     """SFT peak learning rate."""
-    rl_steps: int = 450
+    rl_steps: int = 600
     """RL steps (rl_prompts prompts x 8 samples each)."""
     rl_prompts: int = 32
     """Prompts per RL step, each sampled 8 times (a group). 16 or 8 cost less per step but gained less per
