@@ -1,6 +1,6 @@
 """`relayrl demo` (what `make demo` runs): SFT then RL on a built-in task, on CPU, no downloads, < 10 minutes.
 
-    1. build a tiny Qwen2 + char tokenizer (relayrl/models/tiny.py; hidden 128, 4 layers, ~1M parameters)
+    1. build a tiny Qwen2 + char tokenizer (relayrl/models/tiny.py; hidden 64, 2 layers, ~0.13M parameters)
     2. SFT it on a few hundred rows of the task (`relayrl sft`'s code path: run_sft)
     3. RL with the task's verifiable reward (`relayrl rl`'s code path: RLTrainer, GRPO = group_norm
        advantages + PPO clip, DAPO dynamic sampling so every trained group carries signal; the KL to the SFT
