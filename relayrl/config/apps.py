@@ -76,8 +76,8 @@ class DemoConfig:
     sft_target: float = 0.3
     """SFT stops at the first chunk whose dev accuracy reaches this: RL then starts from a model that is
     right often enough to learn from and wrong often enough to have room (seeds differ a lot at a fixed
-    step count: 0.59 vs 0.79 after 600 steps for seeds 0 and 1). 0.3 with rl_lr 2e-4 since the demo runs
-    on one thread: seed 0 gains +0.42 (0.4 with 2e-4: +0.37; docs/rl.md "The demo")."""
+    step count: 0.59 vs 0.79 after 600 steps for seeds 0 and 1). 0.3 with rl_lr 2e-4: seeds 0 / 1 / 2 of the
+    default model gain +0.400 / +0.392 / +0.404 (0.2 left too few correct samples: docs/rl.md "The demo")."""
     dev_rows: int = 200
     """Rows (disjoint from SFT, RL and eval rows) for the SFT stopping rule."""
     sft_lr: float = 2e-3
