@@ -62,9 +62,10 @@ class DemoConfig:
     """Seed of the model init, data and training."""
     task: str = "add2"
     """Built-in task (relayrl/tasks)."""
-    hidden: int = 128
-    """Tiny model hidden size."""
-    layers: int = 4
+    hidden: int = 64
+    """Tiny model hidden size (64 with 2 layers: ~0.13M parameters, an RL step ~4x cheaper than hidden 128 with
+    4 layers, ~1M, which needed ~380 s of CPU time for the same gain: docs/rl.md "The demo")."""
+    layers: int = 2
     """Tiny model layers."""
     sft_rows: int = 1000
     """SFT training rows (few on purpose: leaves room for RL; 500 left one seed in three unable to generalise)."""
@@ -75,14 +76,17 @@ class DemoConfig:
     sft_target: float = 0.3
     """SFT stops at the first chunk whose dev accuracy reaches this: RL then starts from a model that is
     right often enough to learn from and wrong often enough to have room (seeds differ a lot at a fixed
-    step count: 0.59 vs 0.79 after 600 steps for seeds 0 and 1). 0.3 with rl_lr 2e-4 since the demo runs
-    on one thread: seed 0 gains +0.42 (0.4 with 2e-4: +0.37; docs/rl.md "The demo")."""
+    step count: 0.59 vs 0.79 after 600 steps for seeds 0 and 1). 0.3 with rl_lr 2e-4: seeds 0 / 1 / 2 of the
+    default model gain +0.400 / +0.392 / +0.404 (0.2 left too few correct samples: docs/rl.md "The demo")."""
     dev_rows: int = 200
     """Rows (disjoint from SFT, RL and eval rows) for the SFT stopping rule."""
     sft_lr: float = 2e-3
     """SFT peak learning rate."""
     rl_steps: int = 600
-    """RL steps (32 prompts x 8 samples each)."""
+    """RL steps (rl_prompts prompts x 8 samples each)."""
+    rl_prompts: int = 32
+    """Prompts per RL step, each sampled 8 times (a group). 16 or 8 cost less per step but gained less per
+    second of CPU time on seed 0 (docs/rl.md "The demo")."""
     rl_lr: float = 2e-4
     """RL learning rate (constant)."""
     rl_rows: int = 3000
@@ -90,6 +94,10 @@ class DemoConfig:
     rl_filter: bool = True
     """Dynamic filtering of zero-variance groups in RL (a toy-sized demo whose groups are all alike turns it
     off, else every step is filtered and the run reports that it made no update)."""
+    rl_kl_monitor: bool = False
+    """Measure and plot the KL to the SFT model (kl_mode monitor: a reference model and its forward every
+    step, ~18% of a step's CPU time, not used in the loss); false: no reference model, no KL curve, the same
+    training."""
     eval_rows: int = 500
     """Held-out prompts for the accuracy measurements."""
     control: bool = False
@@ -103,7 +111,17 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("sft_steps", "sft_chunk", "rl_steps", "sft_rows", "dev_rows", "eval_rows", "threads"):
+        ints = (
+            "sft_steps",
+            "sft_chunk",
+            "rl_steps",
+            "rl_prompts",
+            "sft_rows",
+            "dev_rows",
+            "eval_rows",
+            "threads",
+        )
+        for name in ints:
             if getattr(self, name) < 1:
                 raise invalid(name, getattr(self, name), "an int >= 1")
 

@@ -47,11 +47,16 @@ def test_demo_writes_summary_plot_and_model(tmp_path, capsys, monkeypatch):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("accuracy_sft", "accuracy_rl", "rl_steps", "seconds"):
+    for key in ("accuracy_sft", "accuracy_rl", "rl_steps", "seconds", "cpu_seconds"):
         assert key in summary, key
+    # process CPU time (what docs/rl.md quotes on a shared machine): each phase's share of the whole
+    assert summary["cpu_seconds_sft"] > 0 and summary["cpu_seconds_rl"] > 0
+    assert summary["cpu_seconds_sft"] + summary["cpu_seconds_rl"] <= summary["cpu_seconds"]
+    assert summary["threads"] == 1
     assert summary["rl_steps"] == 2 and summary["eval_prompts"] == 16
     assert 0.0 <= summary["accuracy_sft"] <= 1.0 and 0.0 <= summary["accuracy_rl"] <= 1.0
     assert f"after SFT {summary['accuracy_sft']:.3f} -> after RL {summary['accuracy_rl']:.3f}" in printed
+    assert f"({summary['cpu_seconds']:.0f}s of CPU time after start-up, 1 thread(s))" in printed
     metrics = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["step"] == 0 and metrics[0]["eval/pass@1"] == summary["accuracy_sft"]
     assert metrics[-1]["eval/pass@1"] == summary["accuracy_rl"]
@@ -83,7 +88,18 @@ def test_demo_stops_with_the_exit_code_of_an_interrupted_sft_phase(tmp_path, mon
 
     monkeypatch.setattr(demo, "run_sft_phase", stopped_phase)
     out = tmp_path / "demo"
-    argv = ["--output_dir", str(out), "--hidden", "32", "--layers", "1", "--sft_rows", "64", "--sft_steps", "8"]
+    argv = [
+        "--output_dir",
+        str(out),
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--sft_rows",
+        "64",
+        "--sft_steps",
+        "8",
+    ]
     argv += ["--sft_chunk", "4"]
     assert main(argv) == 143
     assert calls == [4]
@@ -115,3 +131,22 @@ def test_demo_runs_on_the_configured_cpu_threads(tmp_path, monkeypatch):
     assert calls == [1, 2]
     with pytest.raises(ConfigError, match="threads"):
         DemoConfig(threads=0)
+
+
+def test_demo_rl_settings_reach_the_rl_run(tmp_path):
+    """rl_prompts sets the prompts per step; rl_kl_monitor false (the default) builds no reference model (kl_mode
+    none), true measures the KL to the SFT model without training on it (monitor); 0 prompts is refused."""
+    from relayrl.apps.demo import rl_config
+    from relayrl.config.apps import DemoConfig
+    from relayrl.config.base import ConfigError
+
+    data = {name: tmp_path / f"{name}.jsonl" for name in ("rl", "eval")}
+    default = rl_config(DemoConfig(), tmp_path / "model", data, tmp_path / "rl", 10)
+    assert default.rollout.prompts_per_step == 32 and default.algo.kl_mode == "none"
+    other = rl_config(
+        DemoConfig(rl_prompts=8, rl_kl_monitor=True), tmp_path / "model", data, tmp_path / "rl", 10
+    )
+    assert other.rollout.prompts_per_step == 8 and other.algo.kl_mode == "monitor"
+    assert other.algo.kl_coef == 0.0  # monitored, not in the loss
+    with pytest.raises(ConfigError, match="rl_prompts"):
+        DemoConfig(rl_prompts=0)
