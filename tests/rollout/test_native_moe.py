@@ -76,7 +76,7 @@ def test_routes_off_by_default(tiny_tokenizer, prompts):
 
 def test_grouped_experts_equal_the_expert_loop():
     """The grouped-GEMM path (sorted pairs, one grouped_mm per projection) equals a plain loop over tokens
-    and their k experts (fp32, atol 1e-5)."""
+    and their k experts (fp32, atol 1e-5 + rtol 1e-5)."""
     model = lively_moe("mixtral")
     experts = model.model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +91,9 @@ def test_grouped_experts_equal_the_expert_loop():
                 e = int(idx[i, j])
                 gate, up = (x[i] @ experts.gate_up_proj[e].T).chunk(2)
                 ref[i] += weights[i, j] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    # fp32, another summation order (grouped GEMMs vs one dot product a row): a few ulps of outputs near 3 (the
+    # full suite's thread count changed the order; 1.3e-5 = 4.5e-6 relative was seen)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_tensor_parallel_engine_refuses_moe_models():
