@@ -14,7 +14,7 @@ from relayrl.config.command_line import parse_cli
 from relayrl.config.components import ModelConfig
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.config.recipes import SFTConfig
-from relayrl.config.rl import EvalConfig, RolloutConfig, TaskConfig
+from relayrl.config.rl import AlgoConfig, CriticConfig, EvalConfig, RolloutConfig, TaskConfig
 from relayrl.models.loading import load_model_and_tokenizer
 from relayrl.models.tiny_vlm import save_tiny_vlm
 from relayrl.trainers.rl.loop import run_rl
@@ -121,3 +121,24 @@ def test_grpo_raises_held_out_accuracy_from_a_partial_sft_start(tmp_path):
     assert rl.exit_code == 0 and len(rl.history) == 20
     assert before <= 0.3  # the partial start (measured 0.13-0.20)
     assert after >= before + 0.1
+
+
+def test_ppo_with_a_vlm_critic_runs_on_images(sft_run):
+    """PPO (gae advantages, a critic) on the image task: the critic is the VLM with relayrl's value head
+    (relayrl.models.vlm_value) and sees the pictures; 3 steps from the SFT model train policy and critic."""
+    tmp, _, _, _, result, _ = sft_run
+    cfg = tiny_cpu_config(str(result.checkpoint / "model"), str(tmp / "ppo"), steps=3)
+    cfg = replace(
+        cfg,
+        data=replace(cfg.data, datasets=[str(write_rows(tmp / "ppo.jsonl", "train", 64, 3, DIGITS))]),
+        task=TaskConfig(name=""),
+        reward=replace(cfg.reward, source="task:image_digit"),
+        rollout=RolloutConfig(engine="hf", prompts_per_step=8, n_samples=4, max_new_tokens=2, max_len=64),
+        algo=AlgoConfig(preset="ppo"),
+        critic=CriticConfig(lr=1e-3),
+    )
+    rl = run_rl(cfg)
+    assert rl.exit_code == 0 and len(rl.history) == 3, rl.message
+    assert all(h["critic/loss"] > 0 and h["critic/grad_norm"] > 0 for h in rl.history)  # the critic trained
+    assert any(h["train/grad_norm"] > 0 for h in rl.history)  # so did the policy
+    assert rl.history[-1]["adv/value_mean"] != 0  # the trained critic's values reached the advantages
