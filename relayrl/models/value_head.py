@@ -6,7 +6,8 @@ its config. So a saved critic / RM folder loads anywhere with
 
     AutoModelForSequenceClassification.from_pretrained(folder)     # logits [B, 1] = sequence_scores(...)
 
-and vLLM / OpenRLHF-style tools read it unchanged.
+and vLLM / OpenRLHF-style tools read it unchanged. The exception: a vision-language model has no such class, so
+its critic is the VLM with the same `score` head attached (relayrl.models.vlm_value; docs/vlm.md).
 
     rm = build_value_model(ModelConfig(name_or_path=sft_path), init="normal")   # new head on a causal LM
     v  = head_values(critic, hidden)                         # [...]    THE value head on hidden states [..., H]
@@ -36,6 +37,8 @@ import torch
 
 from relayrl.config.components import ModelConfig
 from relayrl.models.loading import finish_model, hub_error, model_kwargs, resolve_source
+from relayrl.models.vlm import is_vlm_folder
+from relayrl.models.vlm_value import build_vlm_value_model
 
 
 def _is_value_folder(source: str) -> bool:
@@ -58,13 +61,16 @@ def build_value_model(
     init: how a NEW head is initialised: "zeros" (critic: starts at V=0) or "normal" (reward model,
     std 1/sqrt(H+1)); ignored when loading a saved value-head folder. pad_token_id defaults to the one in
     the model config (needed by HF's own pooling; set it from the tokenizer when the config lacks it).
-    LoRA (cfg.lora.rank > 0) uses peft task SEQ_CLS, which also trains the `score` head.
+    LoRA (cfg.lora.rank > 0) uses peft task SEQ_CLS, which also trains the `score` head. A vision-language
+    model folder gives the VLM with a `score` head attached (relayrl.models.vlm_value).
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if init not in ("zeros", "normal"):
         raise ValueError(f"value head init must be 'zeros' or 'normal', got {init!r}")
     source = resolve_source(cfg.name_or_path)
+    if is_vlm_folder(source):  # no ForSequenceClassification class: the VLM + a `score` head
+        return build_vlm_value_model(cfg, source, init=init, pad_token_id=pad_token_id, device=device)
     existing = _is_value_folder(source)
     kwargs = model_kwargs(cfg, device)
     try:
