@@ -113,21 +113,25 @@ def build_tiny_tokenizer() -> Qwen2Tokenizer:
     return tok
 
 
-def _moe_config(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> Qwen3MoeConfig | MixtralConfig:
-    common: dict[str, Any] = dict(
+def _common_config(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> dict[str, Any]:
+    """The config fields the dense and the MoE tiny models share (sizes, tied embeddings, special ids)."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
-        num_experts_per_tok=spec.top_k,
         tie_word_embeddings=True,
         pad_token_id=cast(int, tokenizer.pad_token_id),
         eos_token_id=cast(int, tokenizer.eos_token_id),
         bos_token_id=None,
         use_cache=True,
     )
+
+
+def _moe_config(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec) -> Qwen3MoeConfig | MixtralConfig:
+    common = {**_common_config(tokenizer, spec), "num_experts_per_tok": spec.top_k}
     width = spec.intermediate or 2 * spec.hidden
     if spec.moe == "qwen3":
         return Qwen3MoeConfig(
@@ -156,18 +160,7 @@ def build_tiny_model(tokenizer: Qwen2Tokenizer, spec: TinyModelSpec | None = Non
     model whatever `spec.moe` says (build_tiny_moe_model builds that)."""
     spec = spec or TinyModelSpec()
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate or 4 * spec.hidden,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=cast(int, tokenizer.pad_token_id),
-        eos_token_id=cast(int, tokenizer.eos_token_id),
-        bos_token_id=None,
-        use_cache=True,
+        **_common_config(tokenizer, spec), intermediate_size=spec.intermediate or 4 * spec.hidden
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
