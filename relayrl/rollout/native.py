@@ -76,7 +76,7 @@ from relayrl.rollout.base import (
 from relayrl.rollout.driver import Pending, ThreadedEngine, default_driver, load_named_tensors
 from relayrl.rollout.fp8 import build_runner
 from relayrl.rollout.hf import default_eos_ids
-from relayrl.rollout.native_state import GraphCache, SlotState, kv_buckets, sampling_mode
+from relayrl.rollout.native_state import GraphCache, SlotState, capture_sizes, kv_buckets, sampling_mode
 from relayrl.rollout.prefix_cache import Suffix, default_prefix_cache, suffix_prefill
 from relayrl.rollout.sampling import mix_seed
 from relayrl.rollout.slots import SlotPool
@@ -167,11 +167,9 @@ class NativeEngine(ThreadedEngine):
         `record_routes`: a mixture-of-experts model's experts per token in Completion.routes (routing replay)."""
         super().__init__(name="native", driver=driver or default_driver(next(model.parameters()).device))
         t0 = time.perf_counter()
-        cfg = model.config
-        self.model = model
+        self.model, cfg = model, model.config
         self.max_seq_len = int(max_seq_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096))
-        self.max_slots = max_slots
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_slots, self.max_prefill_tokens = max_slots, max_prefill_tokens
         self.sync_every = max(1, sync_every)
         self.eos_ids = default_eos_ids(model, tokenizer, eos_token_id)
         self.max_stop_ids = max(max_stop_ids, len(self.eos_ids))
@@ -181,8 +179,7 @@ class NativeEngine(ThreadedEngine):
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("NativeEngine(cuda_graphs=True) needs the model on a CUDA device")
-        sizes = graph_batch_sizes or tuple(2**i for i in range(max_slots.bit_length()) if 2**i < max_slots)
-        self.graph_batch_sizes = tuple(sorted({min(s, max_slots) for s in sizes} | {max_slots}))
+        self.graph_batch_sizes = capture_sizes(max_slots, graph_batch_sizes)
         self.kv_buckets = kv_buckets(
             kv_bucket or (256 if self.cuda_graphs else 16), self.max_seq_len, self.cuda_graphs
         )
@@ -190,9 +187,8 @@ class NativeEngine(ThreadedEngine):
         self._waiting: deque[Pending] = deque()
         self._running: set[_Running] = set()
         self._slot_owner: dict[int, _Running] = {}
-        if prefix_cache is None:
-            prefix_cache = default_prefix_cache(self.device)
-        self.pool = SlotPool(max_slots, prefix_cache=prefix_cache, min_prefix_tokens=min_prefix_tokens)
+        cache = default_prefix_cache(self.device) if prefix_cache is None else prefix_cache
+        self.pool = SlotPool(max_slots, prefix_cache=cache, min_prefix_tokens=min_prefix_tokens)
         """Free slots and the prefix cache (slots.py)."""
         self.cached_tokens = 0
         """Prompt tokens whose K/V came from the prefix cache instead of a prefill."""

@@ -204,6 +204,13 @@ def kv_buckets(step: int, max_len: int, doubling: bool) -> tuple[int, ...]:
     return (*buckets, max_len)
 
 
+def capture_sizes(max_slots: int, requested: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Decode batch sizes to capture: `requested` (default the powers of two below max_slots), capped at and
+    always including max_slots, sorted."""
+    sizes = requested or tuple(2**i for i in range(max_slots.bit_length()) if 2**i < max_slots)
+    return tuple(sorted({min(s, max_slots) for s in sizes} | {max_slots}))
+
+
 def sampling_mode(params: Iterable[SamplingParams]) -> str:
     """Sampling mode covering every request in `params` (see sampling.py)."""
     params = list(params)
