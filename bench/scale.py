@@ -1,24 +1,37 @@
-"""Data-parallel scaling: RL step time and SFT tokens/s on 1 vs N GPUs (fixed global batch), peak memory per
-GPU, engine refresh time; and the memory run of a 7B-shaped GRPO policy sharded over the GPUs.
+"""Data-parallel scaling: RL step time and SFT tokens/s on 1 vs N GPUs (strong: fixed global batch; weak:
+fixed batch per GPU), peak memory per GPU, engine refresh time; and the 7B runs with a reference / a critic.
 
-    python bench/scale.py rl  --shape qwen0.5b-char --gpus 1,2         # RL step, 1 GPU (local) vs 2 (ray)
-    python bench/scale.py sft --shape qwen0.5b --gpus 1,2              # SFT tokens/s
-    python bench/scale.py rl  --shape qwen7b --gpus 2 --offload --steps 3 --prompts 16 --samples 4
+    python bench/scale.py rl  --shape qwen0.5b-char --gpus 1,2,4            # RL step, 1 GPU (local) vs N (ray)
+    python bench/scale.py rl  --shape qwen0.5b-char --gpus 1,2,4 --weak     # 64 x 8 samples PER GPU
+    python bench/scale.py sft --shape qwen0.5b --gpus 1,2,4 --weak          # 64 samples per GPU
+    python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo grpo_ref --prompts 16 --samples 4 \
+        --new-tokens 128 --budget 4096 --steps 3                            # GRPO + reference, 7B, 4 GPUs
+    python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo ppo_critic ...   # PPO: critic + reference
     python bench/scale.py rl  --shape qwen1.5b-char --gpus 1,4 --steps 3 --ema 0.99  # EMA (sharded on 4)
+    python bench/scale.py sft --shape tiny --gpus 1,2 --device cpu --steps 3 --batch 8  # CPU smoke (gloo)
 
 Every run goes through the product's own entry points (`run_rl`, `run_sft`): 1 GPU is `dist.mode=local`
 (what a one-GPU user runs: bf16 compute over fp32 masters), N GPUs is `dist.mode=ray` with N FSDP2 ranks
-(policy only for RL: GRPO, no reference, engines colocated with the ranks). Random weights of the named shape
-(relayrl's char tokenizer; the qwen* shapes keep the real 152k vocabulary, the *-char ones use the tokenizer's
-~100 tokens so that random samples end at EOS and lengths vary). The first step is a warm-up and not timed.
+(engines colocated with the policy ranks). RL variants (--algo): grpo (policy only, no reference: the
+scaling tables), grpo_ref (the grpo preset: k3 KL loss against a reference sharded over the policy's GPUs),
+ppo_critic (the ppo preset: a critic trained with GAE and a reference, every role on the policy's GPUs).
+Random weights of the named shape (relayrl's char tokenizer; the qwen* shapes keep the real 152k
+vocabulary, the *-char ones use the tokenizer's ~100 tokens so that random samples end at EOS and lengths
+vary). The first step is a warm-up and not timed.
 
-RL: seconds per step (mean of the timed steps) and its parts, generated tokens/s, `perf/peak_mem_gib` (rank
-0's peak allocated CUDA memory over a step), `timing/engine_refresh` (after each optimizer step: the
-all-gather of the shards into every rank's engine replica on N GPUs; the cast-copy on 1 GPU).
-SFT: real tokens per second of the whole step (every rank) from the run's metrics, median of timed steps.
-Speed-up = time(1 GPU) / time(N GPUs) at the same global batch.
+RL: seconds per step (mean of the timed steps) and its parts (every timing/* metric), generated tokens/s,
+`perf/peak_mem_gib` (policy rank 0's peak allocated CUDA memory over a step), `timing/engine_refresh` (after
+each optimizer step: the all-gather of the shards into every rank's engine replica on N GPUs; the cast-copy
+on 1 GPU). SFT: real tokens per second of the whole step (every rank) from the run's metrics, median of
+timed steps. Strong: speed-up = time(first) / time(N), efficiency = speed-up x first GPUs / N. Weak:
+efficiency = (throughput / GPUs) / (the first row's throughput / GPUs). Every row also has `gpu_used_gib`:
+each GPU's peak memory used by all its processes together (policy, reference and critic actors), sampled
+from nvidia-smi every 0.5 s.
 
-Prints a table and writes bench/results/scale.json (entries keyed by kind/shape/gpus, updated in place).
+The model is built and every case runs in a child process of its own group, killed after --case-timeout
+seconds; cases that would start after --time-budget seconds are skipped. After every case the table is
+written to <out>/scale_<tag>.json and the keyed results (kind/shape/gpus/batch/variant) to <out>/scale.json,
+<out> = --out, else $OUT, else bench/results, so a failure or timeout keeps what ran.
 """
 
 from __future__ import annotations
@@ -102,8 +115,8 @@ def _dist(cfg_dist, gpus: int, offload: bool, device: str, algo: str = "grpo"):
         num_cpus=max(2, 4 * gpus) if device == "cuda" else 2,
         gpus="yes" if device == "cuda" else "no",
         policy_num_gpus_per_node=gpus,
-        ref_num_gpus_per_node=gpus,
-        critic_num_gpus_per_node=gpus,
+        ref_num_gpus_per_node=gpus if algo != "grpo" else 1,  # the roles it has, each over the policy's GPUs
+        critic_num_gpus_per_node=gpus if algo == "ppo_critic" else 1,
         colocate_policy_ref=algo == "grpo_ref",
         colocate_all=algo == "ppo_critic",
         offload=offload,
@@ -315,15 +328,17 @@ def _isolated(argv: list[str], row_file: Path, timeout_s: float) -> dict:
 
 
 def _summarise(rows: list[dict], kind: str, weak: bool) -> None:
-    """Speed-up and efficiency against the first completed row (the fewest GPUs)."""
+    """Speed-up and efficiency against the first completed row (the fewest GPUs) of the same RL variant."""
     done = [r for r in rows if "error" not in r and "skipped" not in r]
-    if not done:
-        return
-    base = done[0]
-    for r in done:
-        if weak:  # throughput per GPU against the base's
-            r["efficiency"] = round((r["throughput"] / r["gpus"]) / (base["throughput"] / base["gpus"]), 3)
-        else:
+    for algo in sorted({r.get("algo", "") for r in done}):
+        same = [r for r in done if r.get("algo", "") == algo]
+        base = same[0]
+        for r in same:
+            if weak:  # throughput per GPU against the base's
+                r["efficiency"] = round(
+                    (r["throughput"] / r["gpus"]) / (base["throughput"] / base["gpus"]), 3
+                )
+                continue
             t, t0 = (
                 (r["seconds"]["step"], base["seconds"]["step"])
                 if kind == "rl"
@@ -335,14 +350,14 @@ def _summarise(rows: list[dict], kind: str, weak: bool) -> None:
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     mode = "weak scaling (batch per GPU fixed)" if args.weak else "fixed global batch"
-    print(f"\n{args.kind} {args.shape} {getattr(args, 'algo', '')}, {mode}; efficiency vs the first row")
+    print(f"\n{args.kind} {args.shape}, {mode}; efficiency vs the first row of each variant")
     for r in rows:
         if "error" in r or "skipped" in r:
-            print(f"{r.get('gpus', '?'):>4} {r.get('error') or r.get('skipped')}")
+            print(f"{r.get('gpus', '?'):>4} {r.get('algo', '')} {r.get('error') or r.get('skipped')}")
         elif args.kind == "rl":
             s = r["seconds"]
             print(
-                f"{r['gpus']:>4} batch {r['global_batch']:>5} step {s['step']:.3f} gen {s['generation']:.3f} "
+                f"{r['gpus']:>4} {r['algo']} batch {r['global_batch']:>5} step {s['step']:.3f} gen {s['generation']:.3f} "
                 f"update {s['update']:.3f} refresh {s['engine_refresh']:.4f} tok/s {r['throughput']:.0f} "
                 f"peak {r['peak_mem_gib']:.1f} GiB (GPU total {max(r['gpu_used_gib'].values(), default=0):.1f}) "
                 f"eff {r.get('efficiency', 0):.2f}"
@@ -379,7 +394,7 @@ def main() -> None:
     p.add_argument("--shape", default="qwen0.5b-char", choices=sorted(SHAPES))
     p.add_argument("--gpus", default="1,2", help="comma-separated GPU counts to compare")
     p.add_argument("--weak", action="store_true", help="weak scaling: --prompts / --batch are per GPU")
-    p.add_argument("--algo", default="grpo", choices=ALGOS, help="RL: grpo, grpo_ref, ppo_critic (see ALGOS)")
+    p.add_argument("--algo", default="grpo", help="RL: grpo, grpo_ref, ppo_critic, or several (comma)")
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload (dist.offload)")
     p.add_argument("--ema", type=float, default=0.0, help="RL: EMA decay of the policy (sharded on N GPUs)")
@@ -401,12 +416,15 @@ def main() -> None:
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/scale.py needs CUDA GPUs (or --device cpu for a smoke run)")
+    algos = args.algo.split(",")
+    if any(a not in ALGOS for a in algos) or (args.kind == "sft" and algos != ["grpo"]):
+        raise SystemExit(f"--algo: RL variants from {ALGOS} (comma-separated), got {args.algo!r}")
     if args.case_row:
         return _child(args)
     t_start = time.monotonic()
     out_dir = Path(args.out or os.environ.get("OUT") or RESULTS.parent)
-    algo = f"_{args.algo}" if args.kind == "rl" else ""
-    tag = args.tag or f"{args.kind}_{args.shape}{algo}{'_weak' if args.weak else ''}"
+    variant = f"_{'_'.join(algos)}" if args.kind == "rl" else ""
+    tag = args.tag or f"{args.kind}_{args.shape}{variant}{'_weak' if args.weak else ''}"
     rows: list[dict] = []
     # the model is built in a child, as every case runs in one: this process never holds a GPU
     with tempfile.TemporaryDirectory() as tmp:
@@ -415,15 +433,19 @@ def main() -> None:
                           args.case_timeout)  # fmt: skip
         if "error" in built:
             raise SystemExit(f"bench/scale.py: building the {args.shape} model failed: {built['error']}")
-        for g in [int(x) for x in args.gpus.split(",")]:
+        for algo, g in [(a, int(x)) for a in algos for x in args.gpus.split(",")]:
             left = args.time_budget - (time.monotonic() - t_start)
             if left < 60:
-                rows.append({"gpus": g, "skipped": f"time budget {args.time_budget:.0f} s spent"})
+                rows.append(
+                    {"gpus": g, "algo": algo, "skipped": f"time budget {args.time_budget:.0f} s spent"}
+                )
                 continue
             with GpuMemory() as mem:
-                argv = [*sys.argv[1:], "--gpus", str(g), "--case-model", str(model)]
-                row = _isolated(argv, Path(tmp) / f"row{g}.json", min(args.case_timeout, left))
+                argv = [*sys.argv[1:], "--gpus", str(g), "--algo", algo, "--case-model", str(model)]
+                row = _isolated(argv, Path(tmp) / f"row_{algo}_{g}.json", min(args.case_timeout, left))
             row.update(gpus=g, gpu_used_gib=mem.peak)
+            if args.kind == "rl":
+                row.setdefault("algo", algo)
             rows.append(row)
             print(json.dumps(row), flush=True)
             _summarise(rows, args.kind, args.weak)

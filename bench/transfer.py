@@ -3,6 +3,7 @@ data's own size, for RL (the experience passes and updates) and for SFT (each op
 
     PYTHONPATH=. python bench/transfer.py --ranks 2 --new-tokens 64 [--out results/transfer.json]      # RL
     PYTHONPATH=. python bench/transfer.py --kind sft --ranks 2 [--out results/transfer_sft.json]       # SFT
+    PYTHONPATH=. python bench/transfer.py --kind sft-cost --ranks 4     # seconds at GPU sizes, no training
 
 Counts every object the driver's Ray worker serialises (`ray.put` and inlined call arguments, through Ray's
 SerializationContext). RL: while `make_experience` and `update` run; the rollout (prompts out, trajectories
@@ -11,7 +12,9 @@ relayrl.distributed.launch.rows: the whole of every call's argument). SFT: while
 runs (`RemoteStep.step`), once with the micro-batches in the object store one per object
 (launch.rows.StoredItems, the default) and once with the list passed whole (the code before it, `--sft-list`
 or both with `--kind sft-both`); it reports the bytes each rank deserialises (its share's objects, or the
-whole list) and checks the two paths' per-step losses are bit-identical. Builds a tiny model locally; RL 2-4
+whole list) and checks the two paths' per-step losses are bit-identical. sft-cost: the seconds of serialising
+one weak-scaling SFT step's micro-batches (256 samples of 64-1000 tokens) and of a rank reading them, both
+ways, through Ray's object store in one process. Builds a tiny model locally; RL 2-4
 minutes, SFT ~1 minute per path on the shared 2-core CPU machine.
 """
 
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import random
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
@@ -218,18 +223,72 @@ def run_sft_paths(ranks: int, paths: list[bool]) -> dict[str, Any]:
     return out
 
 
+def sft_cost(samples: int = 256, ranks: int = 4, budget: int = 16384, repeats: int = 5) -> dict[str, Any]:
+    """Seconds to serialise one SFT step's micro-batches on the driver and to deserialise them on a rank, at
+    GPU sizes (bench/scale.py's weak-scaling SFT step at `ranks` GPUs: `samples` samples of 64-1000 tokens in
+    `budget`-token packs), through Ray's object store in this process: the list put whole (before) vs one
+    packed object per micro-batch with each rank taking its share (launch.rows.StoredItems)."""
+    import ray
+
+    from relayrl.data.batches import SFTBatch
+    from relayrl.distributed.group import shares
+    from relayrl.distributed.launch.rows import StoredItems
+
+    rng = random.Random(0)
+    lengths = [rng.randint(64, 1000) for _ in range(samples)]
+    groups: list[list[int]] = [[]]
+    for n in lengths:  # greedy packs of <= budget tokens, as packing.MicroBatching does for packed rows
+        if groups[-1] and sum(groups[-1]) + n > budget:
+            groups.append([])
+        groups[-1].append(n)
+    mbs = [
+        SFTBatch(
+            input_ids=[torch.randint(0, 100, (n,)) for n in g],
+            targets=[torch.ones(n, dtype=torch.bool) for n in g],
+            num_tokens=sum(g),
+        )
+        for g in groups
+    ]
+    mine = list(shares([m.num_tokens for m in mbs], ranks)[0])
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        t: dict[str, list[float]] = {k: [] for k in ("put_list", "get_list", "put_items", "take_share")}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ref = ray.put(mbs)
+            t1 = time.perf_counter()
+            ray.get(ref)
+            t2 = time.perf_counter()
+            items = StoredItems(mbs)
+            t3 = time.perf_counter()
+            pickle.loads(pickle.dumps(items)).take(mine)  # a rank's copy: its refs fetched on first use
+            t4 = time.perf_counter()
+            for k, v in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                t[k].append(v)
+    finally:
+        if started:
+            ray.shutdown()
+    out: dict[str, Any] = {k: round(min(v), 4) for k, v in t.items()}
+    out.update(
+        samples=samples, tokens=sum(lengths), micro_batches=len(mbs), ranks=ranks, rank0_items=len(mine)
+    )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kind", default="rl", choices=["rl", "sft", "sft-both"])
+    p.add_argument("--kind", default="rl", choices=["rl", "sft", "sft-both", "sft-cost"])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--sft-list", action="store_true", help="sft: pass the list whole (the code before)")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    if a.kind.startswith("sft"):
-        row: dict[str, Any] = run_sft_paths(
-            a.ranks, [True, False] if a.kind == "sft-both" else [not a.sft_list]
-        )
+    if a.kind == "sft-cost":
+        row: dict[str, Any] = sft_cost(ranks=a.ranks)
+    elif a.kind.startswith("sft"):
+        row = run_sft_paths(a.ranks, [True, False] if a.kind == "sft-both" else [not a.sft_list])
     else:
         with tempfile.TemporaryDirectory() as tmp:
             model = save_tiny(Path(tmp) / "model")
