@@ -6,7 +6,7 @@ fixed batch per GPU), peak memory per GPU, engine refresh time; and the 7B runs 
     python bench/scale.py sft --shape qwen0.5b --gpus 1,2,4 --weak          # 64 samples per GPU
     python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo grpo_ref --prompts 16 --samples 4 \
         --new-tokens 128 --budget 4096 --steps 3                            # GRPO + reference, 7B, 4 GPUs
-    python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo ppo_critic ...   # PPO: critic + reference
+    python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo ppo_critic --grad-ckpt ...  # PPO: critic + ref
     python bench/scale.py rl  --shape qwen1.5b-char --gpus 1,4 --steps 3 --ema 0.99  # EMA (sharded on 4)
     python bench/scale.py sft --shape tiny --gpus 1,2 --device cpu --steps 3 --batch 8  # CPU smoke (gloo)
 
@@ -142,7 +142,11 @@ def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> 
     cfg = tiny_cpu_config(str(model), str(out), steps=args.steps, reward=str(REWARD))
     cfg = replace(
         cfg,
-        model=replace(cfg.model, dtype="bf16" if args.device == "cuda" else "fp32"),
+        model=replace(
+            cfg.model,
+            dtype="bf16" if args.device == "cuda" else "fp32",
+            gradient_checkpointing=getattr(args, "grad_ckpt", False),  # policy and critic
+        ),
         train=replace(cfg.train, device=args.device),
         optim=replace(cfg.optim, lr=1e-6),
         task=replace(cfg.task, train_rows=max(2000, prompts * args.steps)),
@@ -301,6 +305,7 @@ def _child(args: argparse.Namespace) -> None:
             row.update(
                 kind=args.kind, shape=args.shape, gpus=g, offload=args.offload, card=_card(args.device)
             )
+            row.update(grad_ckpt=args.grad_ckpt, weak=args.weak)
     except BaseException as e:  # the parent reports it with the case; the traceback is in this log
         row_file.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"[:2000]}))
         raise
@@ -383,6 +388,7 @@ def _write(rows: list[dict], args: argparse.Namespace, out_dir: Path, tag: str) 
             continue
         key = f"{r['kind']}/{r['shape']}/{r['gpus']}gpu/batch{r['global_batch']}{'/offload' if r['offload'] else ''}"
         key += f"/ema{args.ema}" if args.ema else ""
+        key += "/grad_ckpt" if r.get("grad_ckpt") else ""
         key += f"/{r['algo']}" if r.get("algo", "grpo") != "grpo" else ""
         results[key] = {**r, **stamp}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
@@ -397,6 +403,7 @@ def main() -> None:
     p.add_argument("--algo", default="grpo", help="RL: grpo, grpo_ref, ppo_critic, or several (comma)")
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload (dist.offload)")
+    p.add_argument("--grad-ckpt", action="store_true", help="RL: gradient checkpointing (policy and critic)")
     p.add_argument("--ema", type=float, default=0.0, help="RL: EMA decay of the policy (sharded on N GPUs)")
     p.add_argument("--prompts", type=int, default=64, help="RL prompts per step (per GPU with --weak)")
     p.add_argument("--samples", type=int, default=8, help="RL samples per prompt")
