@@ -320,12 +320,14 @@ def _isolated(argv: list[str], row_file: Path, timeout_s: float) -> dict:
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the case's own group: its Ray cluster and actors too
-        proc.wait()
         return {
             "error": f"timed out after {timeout_s:.0f} s (killed)",
             "wall_s": round(time.perf_counter() - t0, 1),
         }
+    finally:  # a timeout, or this process stopped (SIGTERM from an outer `timeout`, Ctrl-C): no orphan case
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the case's own group: its Ray cluster and actors too
+            proc.wait()
     row = json.loads(row_file.read_text()) if row_file.is_file() else {}
     if code != 0 and "error" not in row:
         row["error"] = f"exit code {code}"
@@ -428,6 +430,7 @@ def main() -> None:
         raise SystemExit(f"--algo: RL variants from {ALGOS} (comma-separated), got {args.algo!r}")
     if args.case_row:
         return _child(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: _isolated kills the running case
     t_start = time.monotonic()
     out_dir = Path(args.out or os.environ.get("OUT") or RESULTS.parent)
     variant = f"_{'_'.join(algos)}" if args.kind == "rl" else ""
