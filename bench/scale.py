@@ -301,7 +301,7 @@ def _child(args: argparse.Namespace) -> None:
         else:
             g = int(args.gpus)
             case = run_rl_case if args.kind == "rl" else run_sft_case
-            row = case(args, Path(args.case_model), g, Path(args.case_model).parent / f"run{g}")
+            row = case(args, Path(args.case_model), g, Path(args.case_model).parent / f"run_{args.algo}_{g}")
             row.update(
                 kind=args.kind, shape=args.shape, gpus=g, offload=args.offload, card=_card(args.device)
             )
