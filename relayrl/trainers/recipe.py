@@ -33,6 +33,7 @@ from relayrl.data.packing import chunk_by_count, make_collate
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.launch.local import LocalRole
+from relayrl.distributed.launch.rows import StoredItems
 from relayrl.models.loading import load_tokenizer
 from relayrl.training.checkpoint import CheckpointManager, LoadedCheckpoint
 from relayrl.training.loop import FitResult, LoopSettings, ModelParts, Trainer
@@ -50,6 +51,7 @@ from relayrl.training.setup import (
 )
 from relayrl.training.signals import SignalFlag
 from relayrl.training.step import LossFn, StepOutput
+from relayrl.workers.base import Items
 from relayrl.workers.proxies import WorkerFolder
 from relayrl.workers.trained import ModelSpec, ModelWorker
 
@@ -132,17 +134,25 @@ def _eval_batches(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callab
 
 # ---------------------------------------------------------------------------------------------- driver side
 class RemoteStep:
-    """The loop's step runner for a ModelWorker role: step / evaluate run on the role's ranks."""
+    """The loop's step runner for a ModelWorker role: step / evaluate run on the role's ranks. With `stored`
+    (ray mode) each call's micro-batches go into Ray's object store one per object, serialised once, and
+    each rank fetches only its share (relayrl.distributed.launch.rows.StoredItems); else the list itself."""
 
-    def __init__(self, handle: RoleHandle[ModelWorker]) -> None:
+    def __init__(self, handle: RoleHandle[ModelWorker], stored: bool = False) -> None:
         self.handle = handle
+        self.stored = stored
         self.nonfinite_total = 0
 
+    def _items(self, micro_batches: list[Any]) -> list[Any] | Items[Any]:
+        return StoredItems(micro_batches) if self.stored else micro_batches
+
     def step(self, micro_batches: list[Any]) -> StepOutput:
-        out, self.nonfinite_total = self.handle.call(ModelWorker.step, micro_batches)
+        out, self.nonfinite_total = self.handle.call(ModelWorker.step, self._items(micro_batches))
         return out
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> dict[str, float]:
+        if self.stored:
+            return self.handle.call(ModelWorker.evaluate, self._items([mb for b in batches for mb in b]))
         return self.handle.call(ModelWorker.evaluate, [list(b) for b in batches])
 
     def full_precision(self) -> contextlib.AbstractContextManager[Any]:
@@ -225,12 +235,14 @@ class _Fitted:
     already_complete: bool
 
 
-def _fit(recipe: Recipe, handle: RoleHandle[ModelWorker], data: _Data, run_dir: Path) -> _Fitted:
+def _fit(
+    recipe: Recipe, handle: RoleHandle[ModelWorker], data: _Data, run_dir: Path, stored: bool
+) -> _Fitted:
     """The shared loop (relayrl.training.loop.Trainer) over the role: resume per ckpt.resume, then fit until
-    the step total or a signal."""
+    the step total or a signal. `stored`: micro-batches travel through Ray's object store (RemoteStep)."""
     cfg, label = recipe.cfg, f"relayrl {recipe.name}"
     trainer = Trainer(
-        train_step=RemoteStep(handle),
+        train_step=RemoteStep(handle, stored=stored),
         state=RoleModelState(handle),
         sampler=ResumableSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed),
         collate=_collate(recipe, data.train, data.layout),
@@ -317,7 +329,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
         handle, data.layout = _model_role(recipe, launcher, cfg.dist, data.total, run_dir)
         if recipe.before_fit is not None:
             recipe.before_fit(handle, data.train, data.evals, data.layout)
-        done = _fit(recipe, handle, data, run_dir)
+        done = _fit(recipe, handle, data, run_dir, stored=launcher.mode == "ray")
         final = None
         if done.fit.stopped_by is None:
             final = Path(handle.call(ModelWorker.export, str(run_dir / "final")))

@@ -15,12 +15,17 @@ What a worker method reads is a `Rows[...]` source: the record itself (local mod
 stored one row per object (relayrl.distributed.launch.rows.StoredRows), from which each rank fetches only the
 rows it reads. Workers pick their rows from `lengths` alone (`my_update_parts`; model_ops.my_rows), then `select`
 them.
+
+The one-model recipes' micro-batches come as an `Items[...]` source the same way: the list itself (local
+mode), or its records in Ray's object store one per object (relayrl.distributed.launch.rows.StoredItems);
+`as_items(x)` gives either as Items, and a rank `take`s only the records of its share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,6 +35,7 @@ from relayrl.distributed.group import my_data_share
 from relayrl.rollout.media import ImageInputs
 
 T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,6 +214,47 @@ class Rows(Protocol[T_co]):
     def select(self, rows: list[int]) -> T_co:
         """The record of `rows` (global indices), trimmed to its longest row, as the record's own `select`."""
         ...
+
+
+class Items(Protocol[T]):
+    """A list of records (one step's micro-batches) that a rank reads only part of: a plain list (ListItems),
+    or its records in Ray's object store (relayrl.distributed.launch.rows.StoredItems)."""
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each record's weight in the ranks' shares: its num_tokens (1 when it has none)."""
+        ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """Each record's num_tokens (0 when it has none)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def take(self, indices: Sequence[int]) -> list[T]:
+        """The records at `indices`, in that order."""
+        ...
+
+
+class ListItems:
+    """A plain list of records as Items (local mode, and the callers that pass the list itself)."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = items
+        self.sizes: list[int] = [getattr(m, "num_tokens", 1) for m in items]
+        self.tokens: list[int] = [int(getattr(m, "num_tokens", 0)) for m in items]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def take(self, indices: Sequence[int]) -> list[Any]:
+        return [self.items[i] for i in indices]
+
+
+def as_items(source: Sequence[Any] | Items[Any]) -> Items[Any]:
+    """`source` as Items: a list (or tuple) is wrapped in ListItems, stored items are returned as they are."""
+    return ListItems(source) if isinstance(source, Sequence) else source
 
 
 class Selectable(Protocol):

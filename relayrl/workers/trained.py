@@ -68,6 +68,7 @@ from relayrl.training.checkpoint import WEIGHTS_FILE, check_finite_weights, load
 from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
 from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossFn, StepOutput, TrainStep, autocast, move_to
+from relayrl.workers.base import Items, as_items
 from relayrl.workers.builders import build_frozen
 
 STATE_FILE = "worker_state.pt"
@@ -306,12 +307,14 @@ class PrepareFn(Protocol):
     def __call__(self, models: Models, micro_batches: list[Any], num_real: int) -> None: ...
 
 
-def _share(micro_batches: Sequence[Any]) -> tuple[list[Any], int]:
+def _share(micro_batches: Sequence[Any] | Items[Any]) -> tuple[list[Any], int]:
     """(this rank's micro-batches, how many are real): a contiguous share balanced by tokens (per
     data-parallel group: an SP group's ranks share one); a rank left without one runs the first micro-batch
-    as a padding pass."""
-    mine = [micro_batches[i] for i in my_data_share([getattr(m, "num_tokens", 1) for m in micro_batches])]
-    return (mine, len(mine)) if mine or not micro_batches else ([micro_batches[0]], 0)
+    as a padding pass. On Ray the micro-batches are in the object store (launch.rows.StoredItems): only this
+    rank's are fetched."""
+    items = as_items(micro_batches)
+    mine = items.take(my_data_share(items.sizes))
+    return (mine, len(mine)) if mine or not len(items) else (items.take([0]), 0)
 
 
 def _equal_passes(mine: list[Any]) -> list[Any]:
@@ -416,17 +419,16 @@ class ModelWorker:
             "params": sum(p.numel() for p in self.model.parameters()),
         }
 
-    def step(self, micro_batches: list[Any]) -> tuple[StepOutput, int]:
+    def step(self, micro_batches: list[Any] | Items[Any]) -> tuple[StepOutput, int]:
         mine, real = _share(micro_batches)
         self._prepare(mine, real)
         out = self.train.step(mine, num_real=real)
-        out.tokens = sum(
-            int(getattr(m, "num_tokens", 0)) for m in micro_batches
-        )  # the step's, not this rank's
+        out.tokens = sum(as_items(micro_batches).tokens)  # the step's, not this rank's
         return out, self.train.nonfinite_total
 
-    def evaluate(self, batches: list[list[Any]]) -> dict[str, float]:
-        mine, real = _share([mb for step in batches for mb in step])
+    def evaluate(self, batches: list[list[Any]] | Items[Any]) -> dict[str, float]:
+        """Over every rank's share of the eval micro-batches (per step lists, or already flat as Items)."""
+        mine, real = _share([mb for step in batches for mb in step] if isinstance(batches, list) else batches)
         self._prepare(mine, real)
         return self.train.evaluate([mine], num_real=real)
 
