@@ -41,6 +41,7 @@ if "--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cu
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import tempfile
@@ -61,6 +62,7 @@ from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.config.rl import AlgoConfig, RLConfig, RLTrainConfig, RolloutConfig
 from relayrl.data.records import PromptSample
+from relayrl.models.loading import finish_model
 from relayrl.models.tiny import build_tiny_tokenizer
 from relayrl.trainers.rl.experience import step_advantages, trajectory_rewards
 from relayrl.trainers.rl.validate import validate_rl
@@ -154,7 +156,7 @@ def build_cfg(args: argparse.Namespace, tp: int, folder: Path, device: torch.dev
     rows_per_rank = -(-args.prompts * args.samples // dist.get_world_size())
     max_len = args.prompt_len + args.new_tokens
     cfg = RLConfig(
-        model=ModelConfig(name_or_path=str(folder), gradient_checkpointing=device.type == "cuda"),
+        model=ModelConfig(name_or_path=str(folder), gradient_checkpointing=True),
         optim=OptimConfig(lr=1e-6, scheduler="constant", warmup_steps=0),
         train=RLTrainConfig(max_steps=args.steps, seed=0, device=device.type),
         rollout=RolloutConfig(
@@ -192,8 +194,11 @@ def install_meta_build(args: argparse.Namespace, tokenizer: Any, device: torch.d
     from transformers import Qwen2ForCausalLM
 
     def build_trainable(model: ModelConfig, _device: torch.device) -> tuple[torch.nn.Module, Any]:
+        """workers/builders.build_trainable without the weights: fp32, sdpa, gradient checkpointing as the
+        config says (models/loading.finish_model)."""
         with torch.device("meta"):
-            return Qwen2ForCausalLM(qwen2_config(args, tokenizer)), tokenizer
+            meta = Qwen2ForCausalLM(qwen2_config(args, tokenizer))
+        return finish_model(meta, model, task_type="CAUSAL_LM"), tokenizer
 
     shard = SHARD_IF_GROUPED
 
@@ -316,6 +321,7 @@ def run_tp(args: argparse.Namespace, tp: int, device: torch.device, report: dict
         row["status"] = "ok"
         worker.close()
         del worker
+    gc.collect()  # the worker's FSDP modules and optimizer hold reference cycles
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
