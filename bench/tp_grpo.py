@@ -36,8 +36,10 @@ from __future__ import annotations
 import os
 import sys
 
-if "--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cuda":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", os.environ.get("LOCAL_RANK", "0"))  # one GPU per rank
+if "--device" not in sys.argv or sys.argv[sys.argv.index("--device") + 1] == "cuda":  # one GPU per rank
+    _local = int(os.environ.get("LOCAL_RANK", "0"))
+    _visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    os.environ["CUDA_VISIBLE_DEVICES"] = _visible[_local] if _visible else str(_local)
 
 import argparse
 import datetime
