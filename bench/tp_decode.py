@@ -306,7 +306,10 @@ def watchdog(seconds: float, result: dict, world_rank: int) -> None:
 
     def fire() -> None:
         result["timed_out_after_s"] = seconds
-        write(result, world_rank)
+        try:  # the main thread may be changing the result right now
+            write(result, world_rank)
+        except RuntimeError:
+            write(json.loads(json.dumps(result, default=str)), world_rank)
         os._exit(124)
 
     timer = threading.Timer(seconds, fire)

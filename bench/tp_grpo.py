@@ -386,7 +386,10 @@ def watchdog(seconds: float, report: dict) -> None:
 
     def fire() -> None:
         report["timed_out_after_s"] = seconds
-        write(report)
+        try:  # the main thread may be changing the report right now
+            write(report)
+        except RuntimeError:
+            write(json.loads(json.dumps(report, default=str)))
         print(f"tp_grpo: time limit {seconds:.0f} s reached; partial results written", flush=True)
         os._exit(124)
 
