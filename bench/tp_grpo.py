@@ -218,6 +218,8 @@ def install_meta_build(args: argparse.Namespace, tokenizer: Any, device: torch.d
 def init_shards(model: Any, device: torch.device) -> None:
     """N(0, 0.02) on this rank's shard of every matrix, 1 for norm weights, 0 for biases; the rotary table
     rebuilt on the compute device (to_empty left it uninitialised)."""
+    if device.type == "cuda" and device.index is None:  # the worker's "cuda": this rank's (only) GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())  # on the GPU when there is one
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p.data
