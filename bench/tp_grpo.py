@@ -344,9 +344,13 @@ def one_step(args: argparse.Namespace, cfg: Any, worker: PolicyWorker, step: int
     metrics = worker.update(exp, 0.0)
     sync_all(device)
     t3 = time.perf_counter()
+    # the warm-up step checks that the update moved the trained weights away from the engine's (the
+    # optimizer steps the parameters FSDP computes with); the sync below must bring the canary back to 0
+    stale = max(per_rank(worker.weights.max_abs_diff())) if step == 1 else None
+    check_s = time.perf_counter() - t3  # left out of the step's times
     refresh = worker.sync(version=step)["timing/engine_refresh"]
     sync_all(device)
-    t4 = time.perf_counter()
+    t4 = time.perf_counter() - check_s
     tokens = sum(sum(t.action_mask) for t in trajs)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     reserved = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else 0.0
@@ -362,6 +366,7 @@ def one_step(args: argparse.Namespace, cfg: Any, worker: PolicyWorker, step: int
         "gen_tokens": tokens,
         "gen_tokens_per_s": tokens / (t1 - t0),
         "reward": reward,
+        "stale_before_sync": stale,
         "loss": metrics.get("train/loss"),
         "grad_norm": metrics.get("train/grad_norm"),
         "peak_gib": per_rank(peak),

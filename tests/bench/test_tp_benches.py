@@ -40,6 +40,7 @@ def test_tp_grpo_cpu_smoke_steps_and_canary(tmp_path):
     ]
     for r in rows:
         assert r["status"] == "ok" and r["canary"] == 0.0, r
+        assert r["steps"][0]["stale_before_sync"] > 0  # the update moved the weights the engine then got
         assert [s["samples"] for s in r["steps"]] == [16, 16]  # every rank's trajectories, merged
         assert all(0 < s["gen_tokens"] <= 16 * 6 for s in r["steps"])  # 6 new tokens at most (or EOS)
 
