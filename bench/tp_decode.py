@@ -26,7 +26,8 @@ gain (--no-unfused skips it).
 
 --profile TP (default 2; 0: off): after the rows, the TP-TP engine's decode step at batch --batch, half way
 through the samples (kv bucket covering prompt + new_tokens / 2), under torch.profiler: GPU kernel time per
-step split into all-reduce (NCCL), GEMM, attention and the rest, for the step run eagerly (every kernel
+step split into all-reduce (NCCL), GEMM, attention, the fused norm / rotary / SiLU kernels and the rest
+(sampling, embedding, copies), for the step run eagerly (every kernel
 visible) and as the CUDA graph the engine replays; plus each one's wall time per step. Written as
 "profile" in the JSON.
 
@@ -184,12 +185,15 @@ GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "
 
 
 def kernel_category(name: str) -> str:
-    """all_reduce / gemm / attention / other, from a GPU kernel's name."""
+    """all_reduce / gemm / attention / norm_rope_silu (kernels.py's fused elementwise kernels) / other
+    (sampling, embedding, copies), from a GPU kernel's name."""
     n = name.lower()
     if "nccl" in n or "all_reduce" in n or "allreduce" in n:
         return "all_reduce"
     if "attention" in n or "attn" in n or "flash" in n:
         return "attention"
+    if n.startswith(("_rms_norm", "_silu_mul", "_rope_kv")):
+        return "norm_rope_silu"
     if any(g in n for g in GEMM_NAMES):
         return "gemm"
     return "other"

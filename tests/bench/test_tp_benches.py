@@ -79,4 +79,6 @@ def test_kernel_categories():
     assert kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
     assert kernel_category("_decode_attention_kernel") == "attention"
-    assert kernel_category("_rms_norm_residual_kernel") == "other"
+    assert kernel_category("_rms_norm_kernel") == "norm_rope_silu"
+    assert kernel_category("_rope_kv_kernel") == "norm_rope_silu"
+    assert kernel_category("void at::native::vectorized_elementwise_kernel<4, exp>") == "other"
