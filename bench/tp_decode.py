@@ -27,9 +27,8 @@ gain (--no-unfused skips it).
 --profile TP (default 2; 0: off): after the rows, the TP-TP engine's decode step at batch --batch, half way
 through the samples (kv bucket covering prompt + new_tokens / 2), under torch.profiler: GPU kernel time per
 step split into all-reduce (NCCL), GEMM, attention, the fused norm / rotary / SiLU kernels and the rest
-(sampling, embedding, copies), for the step run eagerly (every kernel
-visible) and as the CUDA graph the engine replays; plus each one's wall time per step. Written as
-"profile" in the JSON.
+(sampling, embedding, copies), for the step run eagerly (every kernel visible) and as the CUDA graph the
+engine replays; plus each one's wall time per step. Written as "profile" in the JSON.
 
 Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) after every row and prints a table.
 """
