@@ -30,6 +30,10 @@ step split into all-reduce (NCCL), GEMM, attention, the fused norm / rotary / Si
 (sampling, embedding, copies), for the step run eagerly (every kernel visible) and as the CUDA graph the
 engine replays; plus each one's wall time per step. Written as "profile" in the JSON.
 
+--allreduce (GPUs, last): the decode step's all-reduce alone ([batch, hidden] bf16, 2 a layer), per call,
+eagerly and inside a CUDA graph: NCCL (what the engine runs) vs torch's symmetric-memory one-shot / two-shot
+all-reduce, for each TP size > 1 ("allreduce" in the JSON; an unavailable one is recorded as an error).
+
 Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) after every row and prints a table.
 """
 
@@ -281,6 +285,74 @@ def profile_tp(args, tp: int, device: torch.device, dtype: torch.dtype, steps: i
     return out if rank == 0 else None
 
 
+def _per_call_us(fn, device: torch.device, group, calls: int, iters: int) -> dict:
+    """Microseconds per call of `fn`: `calls` calls back to back, eagerly and replayed as one CUDA graph."""
+    out: dict = {}
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters * calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    out["eager_us"] = 1000 * start.elapsed_time(end) / (iters * calls)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        dist.barrier(group)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        out["graph_us"] = 1000 * start.elapsed_time(end) / (iters * calls)
+    except Exception as err:  # recorded: a capture that fails is itself the result
+        out["graph_error"] = repr(err)[:300]
+    dist.barrier(group)
+    return out
+
+
+def allreduce_bench(args, tp: int, device: torch.device, dtype: torch.dtype, iters: int = 10) -> dict | None:
+    """The decode step's all-reduce alone ([batch, hidden], 2 a layer): NCCL (what RowParallelLinear runs)
+    vs torch's symmetric-memory one-shot / two-shot all-reduce over NVLink, per call, eager and in a CUDA
+    graph: what a cheaper all-reduce would save per decode step (x 2 x layers)."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(tp)))
+    out = None
+    if rank < tp:
+        cfg = SHAPES[args.shape]
+        shape, calls = (args.batch, cfg["hidden_size"]), 2 * cfg["num_hidden_layers"]
+        res: dict = {"tp": tp, "shape": list(shape), "calls_per_step": calls}
+        x = torch.full(shape, 1e-3, device=device, dtype=dtype)
+        res["nccl"] = _per_call_us(lambda: dist.all_reduce(x, group=group), device, group, calls, iters)
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            name = group.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(name)
+            buf = symm_mem.empty(shape, dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, name)
+            buf.fill_(1e-3)
+            ops = torch.ops.symm_mem
+            res["symm_one_shot"] = _per_call_us(
+                lambda: ops.one_shot_all_reduce(buf, "sum", name), device, group, calls, iters
+            )
+            res["symm_two_shot"] = _per_call_us(
+                lambda: ops.two_shot_all_reduce_(buf, "sum", name), device, group, calls, iters
+            )
+        except Exception as err:  # recorded: symmetric memory may be unavailable here
+            res["symm_error"] = repr(err)[:300]
+        out = res
+    dist.barrier()
+    return out if rank == 0 else None
+
+
 def print_table(rows: list) -> None:
     base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
     head = f"{'tp':>3} {'fused':>5} {'kernels':>7} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8}"
@@ -334,6 +406,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
     ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
     ap.add_argument("--profile", type=int, default=2, help="TP size whose decode step is profiled (0: none)")
+    ap.add_argument(
+        "--allreduce", action="store_true", help="time the all-reduce alone: NCCL vs symm. memory"
+    )
     ap.add_argument("--time-limit", type=float, default=230.0, help="seconds before partial results + exit")
     args = ap.parse_args()
     world_rank = int(os.environ.get("RANK", "0"))
@@ -367,6 +442,11 @@ def main() -> None:
         write(result, world_rank)
         if world_rank == 0:
             print(json.dumps(result["profile"], indent=1))
+    if args.allreduce and device.type == "cuda":
+        result["allreduce"] = [allreduce_bench(args, tp, device, dtype) for tp in sizes if tp > 1]
+        write(result, world_rank)
+        if world_rank == 0:
+            print(json.dumps(result["allreduce"], indent=1))
     dist.destroy_process_group()
 
 
