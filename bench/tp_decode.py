@@ -20,8 +20,21 @@ One full warm-up round, then --rounds timed rounds (median reported). Per TP siz
     shard_s          building the shard's weights on the GPU (not a checkpoint load: random init)
     graphs / eager   CUDA graphs captured / keys whose capture failed (run eagerly)
     peak_gib         peak GPU memory of rank 0
+    kernels          decode ran rollout/kernels.py's fused Triton kernels (on by default on CUDA)
 A last row runs TP 1 with unfused projections (q/k/v and gate/up as separate GEMMs): the fused projections'
-gain (--no-unfused skips it). Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) and prints a table.
+gain (--no-unfused skips it).
+
+--profile TP (default 2; 0: off): after the rows, the TP-TP engine's decode step at batch --batch, half way
+through the samples (kv bucket covering prompt + new_tokens / 2), under torch.profiler: GPU kernel time per
+step split into all-reduce (NCCL), GEMM, attention, the fused norm / rotary / SiLU kernels and the rest
+(sampling, embedding, copies), for the step run eagerly (every kernel visible) and as the CUDA graph the
+engine replays; plus each one's wall time per step. Written as "profile" in the JSON.
+
+--allreduce (GPUs, last): the decode step's all-reduce alone ([batch, hidden] bf16, 2 a layer), per call,
+eagerly and inside a CUDA graph: NCCL (what the engine runs) vs torch's symmetric-memory one-shot / two-shot
+all-reduce, for each TP size > 1 ("allreduce" in the JSON; an unavailable one is recorded as an error).
+
+Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) after every row and prints a table.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,6 +173,7 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool 
             "graphs": sum(g is not None for g in graphs.values()),
             "eager": sum(g is None for g in graphs.values()),
             "fused_layers": engine.runner.fused_layers,
+            "kernels": bool(engine.runner.kernels),
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         }
         engine.close()
@@ -167,6 +182,214 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool 
             torch.cuda.empty_cache()
     dist.barrier()
     return out if rank == 0 else None
+
+
+GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "sm90_", "sm100_", "sm80_")
+
+
+def kernel_category(name: str) -> str:
+    """all_reduce / gemm / attention / norm_rope_silu (kernels.py's fused elementwise kernels) / other
+    (sampling, embedding, copies), from a GPU kernel's name."""
+    n = name.lower()
+    if "nccl" in n or "all_reduce" in n or "allreduce" in n:
+        return "all_reduce"
+    if "attention" in n or "attn" in n or "flash" in n:
+        return "attention"
+    if n.startswith(("_rms_norm", "_silu_mul", "_rope_kv")):
+        return "norm_rope_silu"
+    if any(g in n for g in GEMM_NAMES):
+        return "gemm"
+    return "other"
+
+
+def kernel_breakdown(prof, steps: int) -> dict:
+    """GPU kernel milliseconds per step by category, and the 12 costliest kernels (ms per step)."""
+    from torch.autograd import DeviceType
+
+    cats: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        ms = e.time_range.elapsed_us() / 1000 / steps
+        cats[kernel_category(e.name)] = cats.get(kernel_category(e.name), 0.0) + ms
+        names[e.name] = names.get(e.name, 0.0) + ms
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "ms_per_step": cats,
+        "kernel_ms_per_step": sum(cats.values()),
+        "top": [{"name": k[:120], "ms": v} for k, v in top],
+    }
+
+
+def profile_tp(args, tp: int, device: torch.device, dtype: torch.dtype, steps: int = 10) -> dict | None:
+    """The TP-`tp` engine's decode step at batch args.batch under torch.profiler (module doc); rank 0's view. (On a CPU: the same path, no kernel times; for the smoke test.)"""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(tp)))
+    out = None
+    if rank < tp:
+        shard = build_shard(args.shape, tp, rank, group, device, dtype)
+        opts = dict(max_slots=args.batch, max_seq_len=args.prompt_len + args.new_tokens,
+                    max_prefill_tokens=args.prefill_tokens, eos_token_id=[], seed=0)  # fmt: skip
+        engine = TPNativeEngine(shard, group=group, **opts) if tp > 1 else NativeEngine(shard, **opts)
+        timed_round(engine, requests(args, args.new_tokens) if rank == 0 else None, device)  # warm-up
+        st, bs = engine.state, args.batch
+        assert st is not None
+        # every slot at `pos` (a graph replay advances it: reset before each batch of `steps` steps)
+        pos = min(args.prompt_len + args.new_tokens // 2, engine.max_seq_len - steps - 1)
+        kv_len = next(k for k in engine.kv_buckets if k >= pos + steps + 1)
+        keys = [k for k, g in (engine.graphs.graphs if engine.graphs else {}).items()
+                if g is not None and k[0] == bs and k[1] == kv_len]  # fmt: skip
+
+        def eager() -> None:
+            engine.runner.decode(st.cur_tok[:bs], st.pos[:bs], st.k_cache, st.v_cache, kv_len, st.rows[:bs])
+
+        def replay() -> None:
+            assert engine.graphs is not None
+            engine.graphs.run(keys[0])
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        result: dict = {"tp": tp, "batch": bs, "kv_len": kv_len, "kernels": bool(engine.runner.kernels)}
+        for label, fn in (("eager", eager), ("graph", replay if keys else None)):
+            if fn is None:
+                result[label] = "no captured graph for this (batch, kv_len)"
+                continue
+            with torch.no_grad():
+                st.pos[:bs].fill_(pos)
+                for _ in range(3):
+                    fn()
+                st.pos[:bs].fill_(pos)
+                sync()
+                dist.barrier(group)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                sync()
+                wall = (time.perf_counter() - t0) * 1000 / steps
+                st.pos[:bs].fill_(pos)
+                dist.barrier(group)
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                with torch.profiler.profile(activities=acts) as prof:
+                    for _ in range(steps):
+                        fn()
+                    sync()
+            result[label] = {"wall_ms_per_step": wall, **kernel_breakdown(prof, steps)}
+        out = result
+        engine.close()
+        del engine, shard
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    return out if rank == 0 else None
+
+
+def _per_call_us(fn, device: torch.device, group, calls: int, iters: int) -> dict:
+    """Microseconds per call of `fn`: `calls` calls back to back, eagerly and replayed as one CUDA graph."""
+    out: dict = {}
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters * calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    out["eager_us"] = 1000 * start.elapsed_time(end) / (iters * calls)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        dist.barrier(group)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        out["graph_us"] = 1000 * start.elapsed_time(end) / (iters * calls)
+    except Exception as err:  # recorded: a capture that fails is itself the result
+        out["graph_error"] = repr(err)[:300]
+    dist.barrier(group)
+    return out
+
+
+def allreduce_bench(args, tp: int, device: torch.device, dtype: torch.dtype, iters: int = 10) -> dict | None:
+    """The decode step's all-reduce alone ([batch, hidden], 2 a layer): NCCL (what RowParallelLinear runs)
+    vs torch's symmetric-memory one-shot / two-shot all-reduce over NVLink, per call, eager and in a CUDA
+    graph: what a cheaper all-reduce would save per decode step (x 2 x layers)."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(tp)))
+    out = None
+    if rank < tp:
+        cfg = SHAPES[args.shape]
+        shape, calls = (args.batch, cfg["hidden_size"]), 2 * cfg["num_hidden_layers"]
+        res: dict = {"tp": tp, "shape": list(shape), "calls_per_step": calls}
+        x = torch.full(shape, 1e-3, device=device, dtype=dtype)
+        res["nccl"] = _per_call_us(lambda: dist.all_reduce(x, group=group), device, group, calls, iters)
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            name = group.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(name)
+            buf = symm_mem.empty(shape, dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, name)
+            buf.fill_(1e-3)
+            ops = torch.ops.symm_mem
+            res["symm_one_shot"] = _per_call_us(
+                lambda: ops.one_shot_all_reduce(buf, "sum", name), device, group, calls, iters
+            )
+            res["symm_two_shot"] = _per_call_us(
+                lambda: ops.two_shot_all_reduce_(buf, "sum", name), device, group, calls, iters
+            )
+        except Exception as err:  # recorded: symmetric memory may be unavailable here
+            res["symm_error"] = repr(err)[:300]
+        out = res
+    dist.barrier()
+    return out if rank == 0 else None
+
+
+def print_table(rows: list) -> None:
+    base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
+    head = f"{'tp':>3} {'fused':>5} {'kernels':>7} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8}"
+    print(f"{head} {'graphs':>6} {'peak GiB':>8}")
+    for r in rows:
+        assert r is not None
+        speed = r["tok_s"] / base["tok_s"] if base else float("nan")
+        print(
+            f"{r['tp']:>3} {r['fused']!s:>5} {r['kernels']!s:>7} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
+            f"{speed:>6.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} {r['peak_gib']:>8.1f}"
+        )
+
+
+def write(result: dict, world_rank: int) -> None:
+    """Rank 0: the JSON so far (a run cut short keeps its rows)."""
+    if world_rank != 0:
+        return
+    folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tp_decode.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {folder / 'tp_decode.json'}", flush=True)
+
+
+def watchdog(seconds: float, result: dict, world_rank: int) -> None:
+    """Past `seconds`, write what was measured and end the process (exit 124)."""
+
+    def fire() -> None:
+        result["timed_out_after_s"] = seconds
+        try:  # the main thread may be changing the result right now
+            write(result, world_rank)
+        except RuntimeError:
+            write(json.loads(json.dumps(result, default=str)), world_rank)
+        os._exit(124)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
 
 
 def main() -> None:
@@ -182,6 +405,11 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
     ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
+    ap.add_argument("--profile", type=int, default=2, help="TP size whose decode step is profiled (0: none)")
+    ap.add_argument(
+        "--allreduce", action="store_true", help="time the all-reduce alone: NCCL vs symm. memory"
+    )
+    ap.add_argument("--time-limit", type=float, default=230.0, help="seconds before partial results + exit")
     args = ap.parse_args()
     world_rank = int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
@@ -195,33 +423,30 @@ def main() -> None:
         dist.init_process_group("gloo")
     world = dist.get_world_size()
     sizes = args.tp or [t for t in (1, 2, 4, 8) if t <= world]
-    rows = [run_tp(args, tp, device, dtype) for tp in sizes]
-    if 1 in sizes and not args.no_unfused:  # the fused projections' gain, at TP = 1
-        rows.append(run_tp(args, 1, device, dtype, fused=False))
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": vars(args),
+        "rows": [],
+    }
+    watchdog(args.time_limit, result, world_rank)
+    plan = [(tp, True) for tp in sizes] + ([(1, False)] if 1 in sizes and not args.no_unfused else [])
+    for tp, fused in plan:  # the unfused TP 1 row: the fused projections' gain
+        result["rows"].append(run_tp(args, tp, device, dtype, fused=fused))
+        write(result, world_rank)
     if world_rank == 0:
-        base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
-        result = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "args": vars(args),
-            "rows": rows,
-        }
-        head = (
-            f"{'tp':>3} {'fused':>5} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8} {'graphs':>6}"
-        )
-        print(f"{head} {'peak GiB':>8}")
-        for r in rows:
-            assert r is not None
-            speed = r["tok_s"] / base["tok_s"] if base else float("nan")
-            print(
-                f"{r['tp']:>3} {r['fused']!s:>5} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} {speed:>6.2f} {r['startup_s']:>8.2f} "
-                f"{r['graphs']:>6} {r['peak_gib']:>8.1f}"
-            )
-        folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "tp_decode.json").write_text(json.dumps(result, indent=2))
-        print(f"wrote {folder / 'tp_decode.json'}")
+        print_table(result["rows"])
+    if args.profile and args.profile <= world:
+        result["profile"] = profile_tp(args, args.profile, device, dtype)
+        write(result, world_rank)
+        if world_rank == 0:
+            print(json.dumps(result["profile"], indent=1))
+    if args.allreduce and device.type == "cuda":
+        result["allreduce"] = [allreduce_bench(args, tp, device, dtype) for tp in sizes if tp > 1]
+        write(result, world_rank)
+        if world_rank == 0:
+            print(json.dumps(result["allreduce"], indent=1))
     dist.destroy_process_group()
 
 

@@ -126,8 +126,9 @@ def shard_model(
 ) -> torch.nn.Module:
     """Rank `rank`'s shard of an HF Llama-layout causal LM (module doc): its own parameters (requires_grad
     False) in `dtype` on `device`, copied slice by slice (never a full copy). Parameters of a model on the
-    meta device become uninitialised tensors of the slice's shape (the caller fills them, e.g. a benchmark's
-    random weights, or a weight refresh)."""
+    meta device become zero tensors of the slice's shape (the caller fills them: a benchmark's random
+    weights, or the first weight refresh from a policy initialised after sharding; zeros, not uninitialised
+    memory, so an engine that captures or runs before that refresh never meets NaN)."""
     cfg: Any = model.config
     check_shardable(cfg, size)
     memo: dict[int, object] = {}
@@ -135,7 +136,7 @@ def shard_model(
         local = tp_slice(name, p.detach(), rank, size)
         kind = dtype or p.dtype
         if p.is_meta:
-            t = torch.empty(local.shape, dtype=kind, device=device)
+            t = torch.zeros(local.shape, dtype=kind, device=device)
         else:
             t = local.to(device=device or p.device, dtype=kind).contiguous().clone()
         memo[id(p)] = torch.nn.Parameter(t, requires_grad=False)
@@ -159,12 +160,18 @@ def shard_model(
                 )
             lin.__class__ = RowParallelLinear  # same parameters and fields; forward adds the all-reduce
             lin.group = group
-    rot = shard.model.rotary_emb
-    if any(b.is_meta for b in rot.buffers()):  # a meta model: rebuild the rotary tables for real
-        with torch.device(device or "cpu"):
-            shard.model.rotary_emb = type(rot)(config=scfg)
+    real_rotary(shard, device)
     shard.eval()
     return shard
+
+
+def real_rotary(model: Any, device: torch.device | str | None) -> None:
+    """Rebuild the rotary tables of an HF Llama-layout model copied from one on the meta device (its
+    buffers hold no data) on `device`; nothing when they are real."""
+    rot = model.model.rotary_emb
+    if any(b.is_meta for b in rot.buffers()):
+        with torch.device(device or "cpu"):
+            model.model.rotary_emb = type(rot)(config=model.config)
 
 
 def _relay(real: Pending, future: concurrent.futures.Future) -> None:

@@ -76,3 +76,22 @@ def test_tp2_shards_refreshed_from_fsdp_hold_the_trained_weights_and_sample_what
     trained = tp_workers.tiny_model()
     trained.load_state_dict(ranks[0]["full"], strict=False)
     assert_same(ranks[0]["outputs"], reference(copy.deepcopy(trained)))
+
+
+def test_a_meta_model_shards_into_zero_slices_with_real_rotary_tables():
+    """A policy on the meta device (initialised after FSDP2 shards it, bench/tp_grpo.py): its TP shard is
+    zeros of the slice shapes (never uninitialised memory an engine could capture NaN from) with real rotary
+    tables equal to a real model's; the first refresh fills it."""
+    from relayrl.rollout.native_tp import shard_model
+
+    real = tp_workers.tiny_model()
+    with torch.device("meta"):
+        meta = type(real)(real.config)
+    shard = shard_model(meta, rank=1, size=2, group=None, dtype=torch.float32, device="cpu")
+    want = dict(shard_model(real, rank=1, size=2, group=None).named_parameters())
+    for name, p in shard.named_parameters():
+        assert p.device.type == "cpu" and p.shape == want[name].shape and not p.any(), name
+    assert shard.model.layers[0].self_attn.q_proj.weight.shape[0] == 64 // 2  # 4 of the 8 query heads
+    torch.testing.assert_close(
+        shard.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq, atol=0, rtol=0
+    )

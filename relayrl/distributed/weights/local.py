@@ -47,6 +47,7 @@ import torch
 from relayrl.distributed.fsdp import full_tensors, unit_tensors
 from relayrl.models.forward import hf_model
 from relayrl.rollout.base import RolloutEngine, paused
+from relayrl.rollout.native_tp import real_rotary
 
 
 class LocalWeights:
@@ -83,15 +84,21 @@ class LocalWeights:
             self.model = source
             return
         # the structure is deep-copied, each parameter is made directly in `dtype` on `device` (memo): no
-        # second full-precision copy of the model ever exists
+        # second full-precision copy of the model ever exists. A source on the meta device (a policy
+        # initialised after FSDP sharded it) gives zeros until the first `refresh`.
         memo: dict[int, object] = {
             id(p): torch.nn.Parameter(
-                p.detach().to(device=device or p.device, dtype=dtype, copy=True), requires_grad=False
+                torch.zeros(p.shape, dtype=dtype, device=device)
+                if p.is_meta
+                else p.detach().to(device=device or p.device, dtype=dtype, copy=True),
+                requires_grad=False,
             )
             for p in params
         }
         self.model = copy.deepcopy(source, memo)
         self.model.eval()
+        if any(p.is_meta for p in params):
+            real_rotary(self.model, device)
         if device is not None:
             self.model.to(device)  # buffers (rotary tables) too
 

@@ -235,3 +235,25 @@ def test_gathered_stream_gives_full_tensors_of_a_sharded_model(tiny_tokenizer, t
             assert torch.equal(t, want[name].to(torch.bfloat16)), name
     finally:
         dist.destroy_process_group()
+
+
+def test_a_meta_source_gives_zeros_then_the_weights_initialised_after_sharding():
+    """A policy built on the meta device and materialised later (FSDP2 meta init, bench/tp_grpo.py): the
+    engine copy starts as zeros with real rotary tables (the same as a real model's), and the first refresh
+    brings the initialised weights (canary 0) and an engine over it samples what one over the source does."""
+    real = build_tiny_model(build_tiny_tokenizer(), TinyModelSpec(seed=0))
+    with torch.device("meta"):
+        source = type(real)(real.config)
+    ew = LocalWeights(source, dtype=torch.float32, own_copy=True, device=torch.device("cpu"))
+    assert all(p.device.type == "cpu" and not p.any() for p in ew.model.parameters())
+    want = dict(real.named_buffers())
+    for name, b in ew.model.named_buffers():
+        assert torch.equal(b, want[name]), name
+    source.to_empty(device="cpu")
+    source.load_state_dict(real.state_dict())
+    source.model.rotary_emb = copy.deepcopy(real.model.rotary_emb)
+    ew.refresh()
+    assert ew.max_abs_diff() == 0.0
+    ids = torch.tensor([[5, 9, 13, 17]])
+    with torch.no_grad():
+        assert torch.equal(ew.model(input_ids=ids).logits, real(input_ids=ids).logits)
