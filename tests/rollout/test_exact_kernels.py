@@ -1,0 +1,82 @@
+"""Exact mode's batch-invariant Triton kernels (relayrl/rollout/exact_kernels.py), in Triton's interpreter on a
+CPU (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU; skipped without triton).
+
+Two properties each: the kernel computes the function (against torch in float32: 1e-5 absolute for values of
+order 1-10, the summation order being the only difference) and it is batch-invariant BIT FOR BIT (torch.equal):
+a row's product alone, in a batch of 3 or of 17 rows; a token's attention output in a prefill of its whole
+sequence, in a one-query decode step over a longer padded cache, and beside other queries. Then the whole
+exact path through the kernels: the engine's sampled-token log-probs equal the trainer's bit for bit (fp32),
+and the kernels' autograd Functions give torch's gradients (rtol 1e-4 of the largest entry).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relayrl.rollout import exact
+from relayrl.rollout import exact_kernels as EK
+from relayrl.rollout.kernels import usable
+
+pytestmark = pytest.mark.skipif(
+    not usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+    reason="triton not installed (or no GPU and TRITON_INTERPRET unset)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+
+def test_matmul_rows_are_batch_invariant():
+    x, w, b = _rand(40, 80), _rand(150, 80, seed=1), _rand(150, seed=2)  # N spans two column tiles
+    full = EK.matmul(x, w, b)
+    assert (full - (x @ w.t() + b)).abs().max().item() <= 1e-5
+    for rows in (slice(7, 8), slice(20, 23), slice(3, 20), slice(23, 40)):  # batches of 1, 3, 17, 17 rows
+        assert torch.equal(EK.matmul(x[rows], w, b), full[rows])
+    many = torch.cat([x, _rand(100, 80, seed=3)])  # the rows again, in a 140-row call (three row tiles)
+    assert torch.equal(EK.matmul(many, w, b)[:40], full)
+
+
+def test_attention_prefill_equals_decode_bitwise():
+    r, t, h, hkv, d = 2, 70, 6, 2, 16  # 70 keys: two key blocks, a partial one
+    q, k, v = _rand(r, t, h, d), _rand(r, hkv, t, d, seed=1), _rand(r, hkv, t, d, seed=2)
+    pos = torch.arange(t, device=DEV).expand(r, t)
+    prefill = EK.attention_kernel(q, k, v, pos, 0.3)
+    torch.testing.assert_close(prefill, EK.attention_ref(q, k, v, pos, 0.3), rtol=0, atol=1e-5)
+    cache_k, cache_v = (torch.cat([c, torch.full((r, hkv, 60, d), 1e4, device=DEV)], 2) for c in (k, v))
+    for p in (0, 5, 63, 64, 69):  # one key, inside, the block edge, past it, the last
+        one = EK.attention_kernel(q[:, p : p + 1], cache_k, cache_v, pos[:, p : p + 1], 0.3)  # a decode step
+        assert torch.equal(one, prefill[:, p : p + 1])
+    some = torch.tensor([[3, 64, 69], [69, 0, 30]], device=DEV)  # queries in another order and company
+    picked = EK.attention_kernel(q.gather(1, some[..., None, None].expand(r, 3, h, d)), k, v, some, 0.3)
+    assert torch.equal(picked, prefill.gather(1, some[..., None, None].expand(r, 3, h, d)))
+
+
+def test_rms_norm_rows_are_batch_invariant():
+    x, w = _rand(17, 96), 1 + 0.1 * _rand(96, seed=1)
+    full = EK.rms_norm(x, w, 1e-6)
+    assert (full - EK.rms_norm_ref(x, w, 1e-6)).abs().max().item() <= 1e-5
+    for rows in (slice(4, 5), slice(0, 3)):
+        assert torch.equal(EK.rms_norm(x[rows], w, 1e-6), full[rows])
+
+
+def test_kernel_functions_give_torchs_gradients():
+    x, w, b = (t.requires_grad_() for t in (_rand(9, 24), _rand(12, 24, seed=1), _rand(12, seed=2)))
+    q, k, v = (
+        _rand(*s, seed=i).requires_grad_() for i, s in enumerate([(2, 9, 4, 8), (2, 2, 9, 8), (2, 2, 9, 8)])
+    )
+    pos = torch.arange(9, device=DEV).expand(2, 9)
+    nw = (1 + 0.1 * _rand(12, seed=5)).requires_grad_()
+
+    def loss(lin, att, norm):
+        y = norm(lin(x, w, b), nw, 1e-6)
+        return (y * y.detach().cos()).sum() + (att(q, k, v, pos, 0.5) ** 2).sum()
+
+    grads = []
+    for fns in ((EK.linear, EK.attention, EK.rms_norm), (exact.linear, exact.attention, exact.rms_norm)):
+        leaves = [x, w, b, q, k, v, nw]
+        grads.append(torch.autograd.grad(loss(*fns), leaves))
+    for a, ref in zip(*grads, strict=True):
+        assert (a - ref).abs().max() <= 1e-4 * ref.abs().max()
