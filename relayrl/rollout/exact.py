@@ -366,8 +366,10 @@ class ExactRunner(DecoderRunner):
         scored[:, :-1] &= real[:, 1:]
         targets, hs = ids[:, 1:][scored[:, :-1]], h[scored]
         # chunks of rows (whole row blocks), each recomputed in backward: no [N, V] logits kept for autograd
-        block = 1 if self.triton else row_block(h.device)  # (the kernels' rows need no alignment)
-        chunk = max(1, CHUNK_ELEMENTS // self.vocab_size // block) * block
+        # kernels: whole 64-row tiles and 4x the logits per chunk (fewer, fuller head GEMMs on a GPU)
+        block = exact_kernels.MM_BLOCK_M if self.triton else row_block(h.device)
+        elements = CHUNK_ELEMENTS * (4 if self.triton else 1)
+        chunk = max(1, elements // self.vocab_size // block) * block
         w = self._w(self.model.lm_head)[0].to(h.dtype)
         parts = [
             _maybe_checkpoint(

@@ -151,7 +151,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # ------------------------------------------------------------------------------------------ attention
-@_jit(do_not_specialize=["n_q", "length"])
+@_jit(do_not_specialize=["n_q", "length", "spr"])  # (spr: 0 for a prefill's expanded positions, 1 in decode)
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale, n_q, length, n_kv, head_dim,
     sqr, sqq, sqh, skr, skh, skl, svr, svh, svl, spr, sor, soq, soh,
