@@ -224,11 +224,8 @@ class ExactRunner(DecoderRunner):
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [R, Qn, heads, D] at positions pos [R, Qn]: HF's rotary in fp32, cast back."""
-        cos, sin = self.cos32[pos][:, :, None], self.sin32[pos][:, :, None]
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos + rot * sin).to(x.dtype)
+        fn = exact_kernels.rope if self.triton else exact_kernels.rope_ref
+        return fn(x, pos, self.cos32, self.sin32)
 
     def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
         """Final-normed hidden states [R, Qn, hidden] of tokens ids [R, Qn] at positions pos [R, Qn]. Every

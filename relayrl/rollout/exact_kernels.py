@@ -20,11 +20,13 @@ same binary runs a 1-row decode and a 5,000-row trainer micro-batch):
                                         same in a prefill of many queries, a decode of one, or a training
                                         sequence -- whatever the key length (the cache bucket) past it.
     rms_norm                            kernels.rms_norm: one program per row over the whole row.
+    rope                                rotary embedding in fp32 per token (elementwise; one launch for all
+                                        heads instead of torch's gather / cat / products).
 
 Each has an autograd Function for the trainer's update: the forward is the kernel (the values the engine
 computes); the backward is an ordinary formulation (torch matmuls for the GEMM; for attention and RMSNorm the
 torch reference recomputed and differentiated: SDPA with the positions' mask), which only needs to be the
-gradient, not bit-equal. Everything else in exact mode (rotary, SiLU x up, residual adds, log-softmax) is
+gradient, not bit-equal. Everything else in exact mode (SiLU x up, residual adds, log-softmax) is
 elementwise or per-row torch code, batch-invariant as it is.
 
 The torch references (`*_ref`) are what the CPU tests compare against (Triton's interpreter,
@@ -275,6 +277,67 @@ def attention(
         return attention_ref(q, k, v, q_pos, scale)
 
     return _Recomputed.apply(kernel, reference, q, k, v)
+
+
+# -------------------------------------------------------------------------------------------- rotary
+@_jit()
+def _rope_kernel(
+    x_ptr, pos_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, half, sxt, sxh, spt, sct,
+    BH: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)  # one token, all its heads
+    h, i = tl.arange(0, BH), tl.arange(0, BD)
+    m = (h < n_heads)[:, None] & (i < half)[None, :]
+    p = tl.load(pos_ptr + t * spt)
+    src = x_ptr + t * sxt + h[:, None] * sxh + i[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=m, other=0.0).to(tl.float32)
+    im = i < half
+    c1 = tl.load(cos_ptr + p * sct + i, mask=im, other=0.0)[None, :]
+    c2 = tl.load(cos_ptr + p * sct + half + i, mask=im, other=0.0)[None, :]
+    s1 = tl.load(sin_ptr + p * sct + i, mask=im, other=0.0)[None, :]
+    s2 = tl.load(sin_ptr + p * sct + half + i, mask=im, other=0.0)[None, :]
+    dst = o_ptr + (t * n_heads + h[:, None]) * 2 * half + i[None, :]
+    tl.store(dst, (x1 * c1 - x2 * s1).to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + half, (x2 * c2 + x1 * s2).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def rope_ref(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary in fp32, cast back: x [R, Qn, heads, D] at positions pos [R, Qn], fp32 tables [max_len, D]."""
+    c, s = cos[pos][:, :, None], sin[pos][:, :, None]
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * c + rot * s).to(x.dtype)
+
+
+def _rope_rows(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r, qn, heads, d = x.shape
+    x3 = x.reshape(r * qn, heads, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    p = pos.reshape(-1)
+    out = torch.empty((r, qn, heads, d), dtype=x.dtype, device=x.device)
+    _rope_kernel[(r * qn,)](
+        x3, p, cos, sin, out, heads, d // 2, x3.stride(0), x3.stride(1), p.stride(0), cos.stride(0),
+        BH=_pow2(heads, 1), BD=_pow2(d // 2, 1), num_warps=1 if heads * d <= 1024 else 4,
+    )  # fmt: skip
+    return out
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope_ref as one elementwise kernel (per token: no reduction, so batch-invariant as it stands; the
+    rounding is the kernel's own, the same on both sides), differentiable in x."""
+    if not x.requires_grad:
+        return _rope_rows(x, pos, cos, sin)
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return _rope_rows(x, pos, cos, sin)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return rope_ref(x, pos, cos, sin)
+
+    return _Recomputed.apply(kernel, reference, x)
 
 
 # ------------------------------------------------------------------------------------------- RMSNorm

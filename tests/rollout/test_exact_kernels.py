@@ -62,6 +62,17 @@ def test_rms_norm_rows_are_batch_invariant():
         assert torch.equal(EK.rms_norm(x[rows], w, 1e-6), full[rows])
 
 
+def test_rope_matches_torch_per_token():
+    cos, sin = _rand(40, 16, seed=1), _rand(40, 16, seed=2)
+    x, pos = (
+        _rand(3, 7, 5, 16),
+        torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(3)).to(DEV),
+    )
+    full = EK.rope(x, pos, cos, sin)
+    assert (full - EK.rope_ref(x, pos, cos, sin)).abs().max().item() <= 1e-5
+    assert torch.equal(EK.rope(x[1:2, 4:5], pos[1:2, 4:5], cos, sin), full[1:2, 4:5])
+
+
 def test_kernel_functions_give_torchs_gradients():
     x, w, b = (t.requires_grad_() for t in (_rand(9, 24), _rand(12, 24, seed=1), _rand(12, seed=2)))
     q, k, v = (
@@ -70,12 +81,17 @@ def test_kernel_functions_give_torchs_gradients():
     pos = torch.arange(9, device=DEV).expand(2, 9)
     nw = (1 + 0.1 * _rand(12, seed=5)).requires_grad_()
 
-    def loss(lin, att, norm):
+    cos, sin = _rand(9, 8, seed=6), _rand(9, 8, seed=7)
+
+    def loss(lin, att, norm, rope):
         y = norm(lin(x, w, b), nw, 1e-6)
-        return (y * y.detach().cos()).sum() + (att(q, k, v, pos, 0.5) ** 2).sum()
+        return (y * y.detach().cos()).sum() + (att(rope(q, pos, cos, sin), k, v, pos, 0.5) ** 2).sum()
 
     grads = []
-    for fns in ((EK.linear, EK.attention, EK.rms_norm), (exact.linear, exact.attention, exact.rms_norm)):
+    for fns in (
+        (EK.linear, EK.attention, EK.rms_norm, EK.rope),
+        (exact.linear, exact.attention, exact.rms_norm, EK.rope_ref),
+    ):
         leaves = [x, w, b, q, k, v, nw]
         grads.append(torch.autograd.grad(loss(*fns), leaves))
     for a, ref in zip(*grads, strict=True):
