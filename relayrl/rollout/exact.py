@@ -34,8 +34,10 @@ The trainer (relayrl.models.forward, layout "exact") calls `ExactRunner.sequence
 Cost (docs/rl.md, measured): the fixed-row GEMMs pad decode batches to `row_block` rows; attention is
 a loop of small fixed-shape GEMMs over key blocks instead of a fused kernel; the head's log-softmax sees
 [tokens, V] fp32 logits (no chunked kernel).
-On a GPU the same design wants a fixed-tile (no split-K) matmul and a fixed-block attention kernel (Triton);
-these torch ops are the reference the kernels must equal. Limits: plain nn.Linear projections and HF
+On CUDA (`use_kernels`) ExactRunner runs the same design as Triton kernels instead (exact_kernels.py: a
+fixed-tile matmul without row padding, position-anchored flash-style attention, per-row RMSNorm, per-token
+rotary): the same properties, not the same bits as these torch ops -- engine and trainer on one device take
+the same path, which is what equality needs. Limits: plain nn.Linear projections and HF
 RMSNorm/SiLU-MLP modules only (no LoRA, no FSDP shards); a model the native engine cannot run raises there.
 """
 
