@@ -41,7 +41,7 @@ import torch
 
 from relayrl.models import forward
 from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
-from relayrl.rollout.exact import use_kernels as exact_kernels_on
+from relayrl.rollout import exact as exact_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -168,7 +168,7 @@ def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, promp
             "captured": sum(g is not None for g in graphs),
             "failed": sum(g is None for g in graphs),
         },
-        "exact_kernels": bool(exact and dev == "cuda" and exact_kernels_on(torch.device(dev))),
+        "exact_kernels": bool(exact and exact_module.use_kernels(torch.device(dev))),
     }
 
 
@@ -209,8 +209,17 @@ def main() -> None:
     parser.add_argument(
         "--budget-s", type=float, default=230, help="skip the rl_step part when past 55%% of this (seconds)"
     )
+    parser.add_argument(
+        "--exact-impl",
+        default="auto",
+        choices=["auto", "torch"],
+        help="exact mode's forward: auto (Triton kernels on CUDA) or torch (the CPU ops, on any device: the "
+        "earlier GPU implementation, for comparison; results key suffix /torch-ops)",
+    )
     args = parser.parse_args()
     t_start = time.perf_counter()
+    if args.exact_impl == "torch":  # both sides (engine and trainer) read exact.use_kernels
+        exact_module.use_kernels = lambda device: False
     gpu = args.device == "cuda"
     args.rl_steps = (3 if gpu else 0) if args.rl_steps < 0 else args.rl_steps
     if not gpu:
@@ -237,7 +246,7 @@ def main() -> None:
         row["wall_s"] = round(time.perf_counter() - t_start, 1)
         out.parent.mkdir(parents=True, exist_ok=True)
         results = json.loads(out.read_text()) if out.is_file() else {}
-        results[f"{args.device}/{args.shape}"] = row
+        results[f"{args.device}/{args.shape}" + ("/torch-ops" if args.exact_impl == "torch" else "")] = row
         out.write_text(json.dumps(results, indent=2) + "\n")
 
     row["setup"] = {
