@@ -24,9 +24,9 @@ same binary runs a 1-row decode and a 5,000-row trainer micro-batch):
                                         heads instead of torch's gather / cat / products).
 
 Each has an autograd Function for the trainer's update: the forward is the kernel (the values the engine
-computes); the backward is an ordinary formulation (torch matmuls for the GEMM; for attention and RMSNorm the
-torch reference recomputed and differentiated: SDPA with the positions' mask), which only needs to be the
-gradient, not bit-equal. Everything else in exact mode (SiLU x up, residual adds, log-softmax) is
+computes); the backward is an ordinary formulation (torch matmuls for the GEMM; for attention, RMSNorm and
+rotary the torch reference recomputed and differentiated: SDPA with the positions' mask for attention), which
+only needs to be the gradient, not bit-equal. Everything else in exact mode (SiLU x up, residual adds, log-softmax) is
 elementwise or per-row torch code, batch-invariant as it is.
 
 The torch references (`*_ref`) are what the CPU tests compare against (Triton's interpreter,

@@ -121,9 +121,9 @@ def test_bf16_kernels_are_batch_invariant_on_the_gpu():
     assert (
         prefill.float() - EK.attention_ref(q.float(), k.float(), v.float(), pos, d**-0.5)
     ).abs().max() <= 3e-2
-    cache = [torch.cat([c, torch.full((r, hkv, 212, d), 3e4, device=DEV, dtype=c.dtype)], 2) for c in (k, v)]
-    for p in (0, 63, 64, 200, 299):
+    ck, cv = (torch.cat([c, torch.full((r, hkv, 212, d), 3e4, device=DEV, dtype=c.dtype)], 2) for c in (k, v))
+    for p in (0, 63, 64, 200, 299):  # one decode step over a padded cache (garbage past the keys)
         step = EK.attention_kernel(
-            q[:, p : p + 1].contiguous(), *cache, pos[:, p].contiguous()[:, None], d**-0.5
+            q[:, p : p + 1].contiguous(), ck, cv, pos[:, p].contiguous()[:, None], d**-0.5
         )
         assert torch.equal(step, prefill[:, p : p + 1])
