@@ -229,16 +229,17 @@ class ExactRunner(DecoderRunner):
         fn = exact_kernels.rope if self.triton else exact_kernels.rope_ref
         return fn(x, pos, self.cos32, self.sin32)
 
-    def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
+    def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn, causal: bool = False) -> torch.Tensor:
         """Final-normed hidden states [R, Qn, hidden] of tokens ids [R, Qn] at positions pos [R, Qn]. Every
         dtype is explicit (the compute dtype, fp32 in attention), so autocast is off inside: it would turn the
         trainer's fp32 attention products into bf16 ones the engine does not run."""
         emb = self.body.embed_tokens.weight
         x = F.embedding(ids, emb).to(compute_dtype(emb))
         with torch.autocast(self.device.type, enabled=False):
-            return self._layers(x, pos, kv)
+            return self._layers(x, pos, kv, causal)
 
-    def _layers(self, x: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, kv: KVFn, causal: bool) -> torch.Tensor:
+        """`causal`: every row's positions are 0..Qn-1 over its own keys (the trainer: a causal backward)."""
         r, qn = pos.shape
         for li, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -251,7 +252,7 @@ class ExactRunner(DecoderRunner):
             q, k = self._rope(q, pos), self._rope(k, pos)
             keys, values = kv(li, k.transpose(1, 2), v.transpose(1, 2))
             if self.triton:  # (its autograd Function keeps only q, k, v: nothing to checkpoint)
-                o = exact_kernels.attention(q, keys, values, pos, self.scale).reshape(r, qn, -1)
+                o = exact_kernels.attention(q, keys, values, pos, self.scale, causal).reshape(r, qn, -1)
             else:
                 o = _maybe_checkpoint(attention, q, keys, values, pos, self.scale).reshape(r, qn, -1)
             x = x + self._linear(o, *self._w(attn.o_proj))
@@ -358,7 +359,7 @@ class ExactRunner(DecoderRunner):
         ids = torch.nn.utils.rnn.pad_sequence([s.to(self.device).long() for s in seqs], batch_first=True)
         b, t = ids.shape
         pos = torch.arange(t, device=self.device).expand(b, t)
-        h = self._stack(ids, pos, lambda li, k, v: (k, v))
+        h = self._stack(ids, pos, lambda li, k, v: (k, v), causal=True)
         real = pos < torch.tensor(lengths, device=self.device)[:, None]
         scored = real.clone()
         scored[:, -1] = False  # h[:, j] scores token j + 1

@@ -226,16 +226,21 @@ def attention_kernel(
 
 
 def attention_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, causal: bool = False
 ) -> torch.Tensor:
-    """The same attention as SDPA with the positions' mask (differentiable; the backward's formulation)."""
+    """The same attention as SDPA with the positions' mask (differentiable; the backward's formulation).
+    `causal`: the caller's promise that q_pos is 0..Qn-1 in every row over Qn keys (the trainer's sequences):
+    SDPA's causal flag instead of the mask (its flash kernel)."""
     g = q.shape[2] // k.shape[1]
-    mask = torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None]
+    mask = None
+    if not causal:
+        mask = (torch.arange(k.shape[2], device=q.device)[None, None, :] <= q_pos[:, :, None])[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.repeat_interleave(g, 1),
         v.repeat_interleave(g, 1),
-        attn_mask=mask[:, None],
+        attn_mask=mask,
+        is_causal=causal,
         scale=scale,
     )
     return out.transpose(1, 2)
@@ -264,9 +269,10 @@ class _Recomputed(torch.autograd.Function):
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, causal: bool = False
 ) -> torch.Tensor:
-    """exact.attention on the GPU (same contract), differentiable in q, k and v."""
+    """exact.attention on the GPU (same contract), differentiable in q, k and v (`causal`: see attention_ref;
+    it only picks the backward's formulation, the forward values are the kernel's either way)."""
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         return attention_kernel(q, k, v, q_pos, scale)
 
@@ -274,7 +280,7 @@ def attention(
         return attention_kernel(q, k, v, q_pos, scale)
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention_ref(q, k, v, q_pos, scale)
+        return attention_ref(q, k, v, q_pos, scale, causal)
 
     return _Recomputed.apply(kernel, reference, q, k, v)
 

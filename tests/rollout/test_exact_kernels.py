@@ -11,6 +11,8 @@ and the kernels' autograd Functions give torch's gradients (rtol 1e-4 of the lar
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -73,7 +75,8 @@ def test_rope_matches_torch_per_token():
     assert torch.equal(EK.rope(x[1:2, 4:5], pos[1:2, 4:5], cos, sin), full[1:2, 4:5])
 
 
-def test_kernel_functions_give_torchs_gradients():
+@pytest.mark.parametrize("causal", [False, True], ids=["masked-backward", "causal-backward"])
+def test_kernel_functions_give_torchs_gradients(causal):
     x, w, b = (t.requires_grad_() for t in (_rand(9, 24), _rand(12, 24, seed=1), _rand(12, seed=2)))
     q, k, v = (
         _rand(*s, seed=i).requires_grad_() for i, s in enumerate([(2, 9, 4, 8), (2, 2, 9, 8), (2, 2, 9, 8)])
@@ -89,7 +92,7 @@ def test_kernel_functions_give_torchs_gradients():
 
     grads = []
     for fns in (
-        (EK.linear, EK.attention, EK.rms_norm, EK.rope),
+        (EK.linear, functools.partial(EK.attention, causal=causal), EK.rms_norm, EK.rope),
         (exact.linear, exact.attention, exact.rms_norm, EK.rope_ref),
     ):
         leaves = [x, w, b, q, k, v, nw]
