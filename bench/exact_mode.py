@@ -13,8 +13,15 @@ each timed after a warm-up run (CUDA synchronised):
   train        forward + backward of the same pass with entropy (the update's forward)
 (CPU: process CPU seconds, the best of two runs after a warm-up; GPU: wall seconds likewise.) Mismatch over
 the sampled tokens: mean / max |engine - trainer| log-prob, the share of tokens bit-equal and
-the share of sequences whose ratio exp(sum diff) is outside [0.5, 2]. Writes $OUT/exact_mode.json when OUT
-is set, else bench/results/exact_mode.json (one entry per device/shape, updated in place).
+the share of sequences whose ratio exp(sum diff) is outside [0.5, 2]; the same of the update's (grad-enabled)
+forward: `first_step_ratio_min/max`, exp(update forward - engine) over every sampled token (exactly 1 in exact
+mode: the first step's PPO ratio). With --rl-steps S (GPU default 3) it then runs bench/rl_step.py's workload
+(`relayrl rl`'s own loop, GRPO) for S steps in each mode and reports the mean step time after the first and
+its parts, exact over default (the issue's target: <= 1.3x). The exit status is 1 when exact mode is not
+bit-equal. Writes $OUT/exact_mode.json when OUT is set, else bench/results/exact_mode.json (one entry per
+device/shape, updated in place, rewritten after every part so a cut-off run keeps what it measured).
+
+    python bench/exact_mode.py --device cuda --shape qwen0.5b --prompts 16     # ~3 min on one H100 / H200
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +41,7 @@ import torch
 
 from relayrl.models import forward
 from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
+from relayrl.rollout import exact as exact_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -108,6 +117,8 @@ def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, promp
         for i, p in enumerate(prompts)
     ]
     results, gen_s = phase(dev, lambda: generate_all(engine, reqs))
+    cache = getattr(engine, "graphs", None)  # the native engine's GraphCache (None without CUDA graphs)
+    graphs = list(cache.graphs.values()) if cache is not None else []
     engine.close()
     seqs, spans, engine_lps = [], [], []
     for p, res in zip(prompts, results, strict=True):
@@ -130,11 +141,17 @@ def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, promp
         return torch.cat(outs)
 
     lp, lp_s = phase(dev, lambda: pass_(False))
-    _, train_s = phase(dev, lambda: pass_(True))
+    train_lp, train_s = phase(dev, lambda: pass_(True))
     master.zero_grad(set_to_none=True)
-    flat = forward.split_flat(lp, [len(s) for s in seqs])
-    diffs = [row[a:b] - e for row, (a, b), e in zip(flat, spans, engine_lps, strict=True)]
+
+    def against_engine(lp_all: torch.Tensor | None) -> list[torch.Tensor]:
+        assert lp_all is not None
+        flat = forward.split_flat(lp_all, [len(s) for s in seqs])
+        return [row[a:b] - e for row, (a, b), e in zip(flat, spans, engine_lps, strict=True)]
+
+    diffs = against_engine(lp)
     all_d = torch.cat(diffs).double()
+    ratio = torch.cat(against_engine(train_lp)).double().exp()
     gen_tokens = sum(len(e) for e in engine_lps)
     return {
         "generation_s": gen_s,
@@ -145,7 +162,36 @@ def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, promp
         "mismatch_max": float(all_d.abs().max()),
         "tokens_bit_equal": float((all_d == 0).double().mean()),
         "seq_ratio_out_frac": sum(abs(float(d.double().sum())) > math.log(2) for d in diffs) / len(diffs),
+        "first_step_ratio_min": float(ratio.min()),
+        "first_step_ratio_max": float(ratio.max()),
+        "cuda_graphs": {
+            "captured": sum(g is not None for g in graphs),
+            "failed": sum(g is None for g in graphs),
+        },
+        "exact_kernels": bool(exact and exact_module.use_kernels(torch.device(dev))),
     }
+
+
+def rl_steps(args, row: dict, save) -> None:
+    """bench/rl_step.py's workload (its shape table, `relayrl rl`'s own loop) in each mode; mean step parts."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import rl_step  # bench/rl_step.py
+
+    steps = {}
+    for mode in ("default", "exact"):
+        t0 = time.perf_counter()
+        res = rl_step.run(args.device, args.shape, args.rl_steps, exact=mode == "exact")
+        steps[mode] = {k: res[k] for k in ("seconds", "per_step", "peak_mem_gib", "gen_tokens_per_s")}
+        steps[mode].update({k: v for k, v in res.items() if k.startswith("mismatch/")})
+        steps[mode]["wall_s"] = round(time.perf_counter() - t0, 1)
+        row["rl_step"] = steps
+        save()
+    row["rl_step"]["exact_over_default"] = {
+        p: steps["exact"]["seconds"][p] / steps["default"]["seconds"][p]
+        for p in ("generation", "update", "step")
+        if steps["default"]["seconds"][p] > 0
+    }
+    save()
 
 
 def main() -> None:
@@ -157,8 +203,25 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0, help="new tokens (0: 24 on CPU, 256 on GPU)")
     parser.add_argument("--micro-seqs", type=int, default=16, help="sequences per trainer micro-batch")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steadier CPU seconds)")
+    parser.add_argument(
+        "--rl-steps", type=int, default=-1, help="rl_step.py workload steps per mode (-1: 3 on GPU, 0 on CPU)"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=230, help="skip the rl_step part when past 55%% of this (seconds)"
+    )
+    parser.add_argument(
+        "--exact-impl",
+        default="auto",
+        choices=["auto", "torch"],
+        help="exact mode's forward: auto (Triton kernels on CUDA) or torch (the CPU ops, on any device: the "
+        "earlier GPU implementation, for comparison; results key suffix /torch-ops)",
+    )
     args = parser.parse_args()
+    t_start = time.perf_counter()
+    if args.exact_impl == "torch":  # both sides (engine and trainer) read exact.use_kernels
+        exact_module.use_kernels = lambda device: False
     gpu = args.device == "cuda"
+    args.rl_steps = (3 if gpu else 0) if args.rl_steps < 0 else args.rl_steps
     if not gpu:
         torch.set_num_threads(args.threads)
     args.prompts = args.prompts or (32 if gpu else 8)
@@ -172,10 +235,20 @@ def main() -> None:
         torch.randint(3, vocab, (int(n),), generator=gen).tolist()
         for n in torch.randint(8, 128, (args.prompts,), generator=gen)
     ]
-    row = {m: run_mode(args, master, engine_model, prompts, m == "exact") for m in ("default", "exact")}
-    row["exact_over_default"] = {
-        k: row["exact"][k] / row["default"][k] for k in ("generation_s", "logprobs_s", "train_fwd_bwd_s")
-    }
+    out = (
+        Path(os.environ["OUT"]) / "exact_mode.json"
+        if os.environ.get("OUT")
+        else (ROOT / "bench" / "results" / "exact_mode.json")
+    )
+    row: dict = {}
+
+    def save() -> None:
+        row["wall_s"] = round(time.perf_counter() - t_start, 1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        results = json.loads(out.read_text()) if out.is_file() else {}
+        results[f"{args.device}/{args.shape}" + ("/torch-ops" if args.exact_impl == "torch" else "")] = row
+        out.write_text(json.dumps(results, indent=2) + "\n")
+
     row["setup"] = {
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
         "threads": torch.get_num_threads(),
@@ -184,18 +257,32 @@ def main() -> None:
         "n": args.n,
         "new_tokens": args.new_tokens,
         "engine_dtype": "bf16" if gpu else "fp32",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    print(json.dumps(row, indent=2))
-    out = (
-        Path(os.environ["OUT"]) / "exact_mode.json"
-        if os.environ.get("OUT")
-        else (ROOT / "bench" / "results" / "exact_mode.json")
+    for mode in ("default", "exact"):
+        row[mode] = run_mode(args, master, engine_model, prompts, mode == "exact")
+        save()
+    row["exact_over_default"] = {
+        k: row["exact"][k] / row["default"][k] for k in ("generation_s", "logprobs_s", "train_fwd_bwd_s")
+    }
+    ex = row["exact"]
+    row["bit_equal"] = (
+        ex["mismatch_max"] == 0.0 and ex["first_step_ratio_min"] == ex["first_step_ratio_max"] == 1.0
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results[f"{args.device}/{args.shape}"] = row
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    save()
+    print(json.dumps(row, indent=2))
+    if args.rl_steps and time.perf_counter() - t_start > 0.55 * args.budget_s:
+        row["rl_step"] = f"skipped: {time.perf_counter() - t_start:.0f} s spent of --budget-s {args.budget_s}"
+        save()
+    elif args.rl_steps:
+        del master, engine_model
+        if gpu:
+            torch.cuda.empty_cache()
+        rl_steps(args, row, save)
+        print(json.dumps(row["rl_step"], indent=2))
+    print(f"wrote {out}; exact mode bit-equal: {row['bit_equal']}")
+    if not row["bit_equal"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

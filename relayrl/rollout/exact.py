@@ -34,8 +34,10 @@ The trainer (relayrl.models.forward, layout "exact") calls `ExactRunner.sequence
 Cost (docs/rl.md, measured): the fixed-row GEMMs pad decode batches to `row_block` rows; attention is
 a loop of small fixed-shape GEMMs over key blocks instead of a fused kernel; the head's log-softmax sees
 [tokens, V] fp32 logits (no chunked kernel).
-On a GPU the same design wants a fixed-tile (no split-K) matmul and a fixed-block attention kernel (Triton);
-these torch ops are the reference the kernels must equal. Limits: plain nn.Linear projections and HF
+On CUDA (`use_kernels`) ExactRunner runs the same design as Triton kernels instead (exact_kernels.py: a
+fixed-tile matmul without row padding, position-anchored flash-style attention, per-row RMSNorm, per-token
+rotary): the same properties, not the same bits as these torch ops -- engine and trainer on one device take
+the same path, which is what equality needs. Limits: plain nn.Linear projections and HF
 RMSNorm/SiLU-MLP modules only (no LoRA, no FSDP shards); a model the native engine cannot run raises there.
 """
 
@@ -49,7 +51,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from relayrl.rollout import exact_kernels
+from relayrl.rollout.kernels import usable
 from relayrl.rollout.native_model import DecoderRunner
+
+
+def use_kernels(device: torch.device) -> bool:
+    """ExactRunner's default: the Triton kernels (exact_kernels.py) on a CUDA device when triton imports, the
+    torch ops of this module elsewhere. Both sides (engine and trainer) decide alike on the same device."""
+    return device.type == "cuda" and usable(device)
 
 
 def row_block(device: torch.device) -> int:
@@ -184,10 +194,13 @@ class ExactRunner(DecoderRunner):
     """DecoderRunner's prefill / extend / decode (same signatures, so NativeEngine and its CUDA graphs use it
     unchanged) and the trainer's `sequence_logprobs`, all through the batch-invariant ops above."""
 
-    def __init__(self, model: torch.nn.Module, max_len: int, decode_attention: str = "math") -> None:
-        super().__init__(
-            model, max_len, "math", fuse=False
-        )  # (decode_attention: unused, the attention is ours)
+    def __init__(self, model: torch.nn.Module, max_len: int, triton_kernels: bool | None = None) -> None:
+        """`triton_kernels`: run matmuls, attention and norms through exact_kernels.py (None: use_kernels,
+        i.e. on CUDA); the engine and the trainer must agree (they do when both take the default)."""
+        super().__init__(model, max_len, "math", fuse=False)  # (its decode attention is unused: ours runs)
+        self.triton = use_kernels(self.device) if triton_kernels is None else triton_kernels
+        self._linear = exact_kernels.linear if self.triton else linear
+        self._rms = exact_kernels.rms_norm if self.triton else rms_norm
         for li, layer in enumerate(self.layers):
             mods = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             mods += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -209,47 +222,51 @@ class ExactRunner(DecoderRunner):
 
     def _norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-        return rms_norm(x, cast(torch.nn.Linear, module).weight, eps)
+        return self._rms(x, cast(torch.nn.Linear, module).weight, eps)
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [R, Qn, heads, D] at positions pos [R, Qn]: HF's rotary in fp32, cast back."""
-        cos, sin = self.cos32[pos][:, :, None], self.sin32[pos][:, :, None]
-        xf = x.float()
-        half = xf.shape[-1] // 2
-        rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos + rot * sin).to(x.dtype)
+        fn = exact_kernels.rope if self.triton else exact_kernels.rope_ref
+        return fn(x, pos, self.cos32, self.sin32)
 
-    def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
+    def _stack(self, ids: torch.Tensor, pos: torch.Tensor, kv: KVFn, causal: bool = False) -> torch.Tensor:
         """Final-normed hidden states [R, Qn, hidden] of tokens ids [R, Qn] at positions pos [R, Qn]. Every
         dtype is explicit (the compute dtype, fp32 in attention), so autocast is off inside: it would turn the
         trainer's fp32 attention products into bf16 ones the engine does not run."""
         emb = self.body.embed_tokens.weight
         x = F.embedding(ids, emb).to(compute_dtype(emb))
         with torch.autocast(self.device.type, enabled=False):
-            return self._layers(x, pos, kv)
+            return self._layers(x, pos, kv, causal)
 
-    def _layers(self, x: torch.Tensor, pos: torch.Tensor, kv: KVFn) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, kv: KVFn, causal: bool) -> torch.Tensor:
+        """`causal`: every row's positions are 0..Qn-1 over its own keys (the trainer: a causal backward)."""
         r, qn = pos.shape
         for li, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._norm(layer.input_layernorm, x)
-            q = linear(h, *self._w(attn.q_proj)).view(r, qn, self.n_heads, self.head_dim)
-            k = linear(h, *self._w(attn.k_proj)).view(r, qn, self.n_kv, self.head_dim)
-            v = linear(h, *self._w(attn.v_proj)).view(r, qn, self.n_kv, self.head_dim)
+            q = self._linear(h, *self._w(attn.q_proj)).view(r, qn, self.n_heads, self.head_dim)
+            k = self._linear(h, *self._w(attn.k_proj)).view(r, qn, self.n_kv, self.head_dim)
+            v = self._linear(h, *self._w(attn.v_proj)).view(r, qn, self.n_kv, self.head_dim)
             if getattr(attn, "q_norm", None) is not None:
                 q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
             q, k = self._rope(q, pos), self._rope(k, pos)
             keys, values = kv(li, k.transpose(1, 2), v.transpose(1, 2))
-            o = _maybe_checkpoint(attention, q, keys, values, pos, self.scale).reshape(r, qn, -1)
-            x = x + linear(o, *self._w(attn.o_proj))
+            if self.triton:  # (its autograd Function keeps only q, k, v: nothing to checkpoint)
+                o = exact_kernels.attention(q, keys, values, pos, self.scale, causal).reshape(r, qn, -1)
+            else:
+                o = _maybe_checkpoint(attention, q, keys, values, pos, self.scale).reshape(r, qn, -1)
+            x = x + self._linear(o, *self._w(attn.o_proj))
             h = self._norm(layer.post_attention_layernorm, x)
-            gate = linear(h, *self._w(mlp.gate_proj))
-            up = linear(h, *self._w(mlp.up_proj))
-            x = x + linear(F.silu(gate) * up, *self._w(mlp.down_proj))
+            gate = self._linear(h, *self._w(mlp.gate_proj))
+            up = self._linear(h, *self._w(mlp.up_proj))
+            x = x + self._linear(F.silu(gate) * up, *self._w(mlp.down_proj))
         return self._norm(self.body.norm, x)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, *self._w(self.model.lm_head))
+    def _head(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [.., V] in h's dtype (`weight`: the head's weight already cast, as the trainer's chunks
+        pass it: one cast per pass instead of one per chunk; the same values)."""
+        w, b = self._w(self.model.lm_head)
+        return self._linear(h, w if weight is None else weight, b)
 
     # ---- engine side (DecoderRunner's interface) ---------------------------------------------------------
     def prefill(
@@ -328,9 +345,9 @@ class ExactRunner(DecoderRunner):
 
     # ---- trainer side ------------------------------------------------------------------------------------
     def _chunk_logprobs(
-        self, h: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+        self, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lp, ent = token_logprobs(self._head(h), targets, temperature, entropy)
+        lp, ent = token_logprobs(self._head(h, w), targets, temperature, entropy)
         return lp, (ent if ent is not None else lp.new_zeros(0))
 
     def sequence_logprobs(
@@ -342,17 +359,21 @@ class ExactRunner(DecoderRunner):
         ids = torch.nn.utils.rnn.pad_sequence([s.to(self.device).long() for s in seqs], batch_first=True)
         b, t = ids.shape
         pos = torch.arange(t, device=self.device).expand(b, t)
-        h = self._stack(ids, pos, lambda li, k, v: (k, v))
+        h = self._stack(ids, pos, lambda li, k, v: (k, v), causal=True)
         real = pos < torch.tensor(lengths, device=self.device)[:, None]
         scored = real.clone()
         scored[:, -1] = False  # h[:, j] scores token j + 1
         scored[:, :-1] &= real[:, 1:]
         targets, hs = ids[:, 1:][scored[:, :-1]], h[scored]
         # chunks of rows (whole row blocks), each recomputed in backward: no [N, V] logits kept for autograd
-        chunk = max(1, CHUNK_ELEMENTS // self.vocab_size // row_block(h.device)) * row_block(h.device)
+        # kernels: whole 64-row tiles and 4x the logits per chunk (fewer, fuller head GEMMs on a GPU)
+        block = exact_kernels.MM_BLOCK_M if self.triton else row_block(h.device)
+        elements = CHUNK_ELEMENTS * (4 if self.triton else 1)
+        chunk = max(1, elements // self.vocab_size // block) * block
+        w = self._w(self.model.lm_head)[0].to(h.dtype)
         parts = [
             _maybe_checkpoint(
-                self._chunk_logprobs, hs[i : i + chunk], targets[i : i + chunk], temperature, entropy
+                self._chunk_logprobs, hs[i : i + chunk], w, targets[i : i + chunk], temperature, entropy
             )
             for i in range(0, hs.shape[0], chunk)
         ]

@@ -11,18 +11,19 @@ import pytest
 import torch
 
 from relayrl.models import forward
-from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
-from relayrl.rollout.exact import attention, linear
+from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, exact, generate_all
+from relayrl.rollout.exact import ExactRunner, attention, linear
+from relayrl.rollout.kernels import usable
 
 
-def _generate(model, tok, prompts, order, *, exact, slots, temperature=1.0):
+def _generate(model, tok, prompts, order, *, exact, slots, temperature=1.0, n=3, new_tokens=14):
     engine = build_engine(
         "native", model, tok, max_slots=slots, max_seq_len=96, eos_token_id=[], driver="loop", exact=exact
     )
     reqs = [
         GenerationRequest(
             prompt_ids=prompts[i],
-            params=SamplingParams(n=3, temperature=temperature, max_new_tokens=14, seed=i),
+            params=SamplingParams(n=n, temperature=temperature, max_new_tokens=new_tokens, seed=i),
         )
         for i in order
     ]
@@ -69,6 +70,23 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(
     # the trainer's micro-batching does not matter either: one sequence alone gives the same values
     _, alone = _trainer_logprobs(model, prompts, {3: few[3]}, "exact", temperature)
     assert torch.equal(alone[0], trainer_lps[3 * 3])
+
+
+@pytest.mark.skipif(not usable(torch.device("cpu")), reason="triton not installed or TRITON_INTERPRET unset")
+def test_triton_kernels_path_is_bit_equal_too(lively_model, tiny_tokenizer, prompts, monkeypatch):
+    """The GPU path (exact_kernels.py: fixed-tile matmul, position-anchored attention, per-row norms) run by
+    Triton's interpreter on the CPU in fp32: engine == trainer bit for bit, across batch compositions."""
+    monkeypatch.setattr(exact, "use_kernels", lambda device: True)
+    assert ExactRunner(lively_model, 32).triton
+    run = dict(exact=True, n=2, new_tokens=5)  # (small: the interpreter runs each launch in numpy)
+    everything = _generate(lively_model, tiny_tokenizer, prompts, [1, 3], slots=4, **run)
+    engine_lps, trainer_lps = _trainer_logprobs(lively_model, prompts, everything, "exact")
+    for e, t in zip(engine_lps, trainer_lps, strict=True):
+        assert torch.equal(e, t)
+    few = _generate(lively_model, tiny_tokenizer, prompts, [3], slots=2, **run)
+    for i, res in few.items():
+        for a, b in zip(everything[i].completions, res.completions, strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 def test_with_the_mode_off_engine_and_trainer_differ(lively_model, tiny_tokenizer, prompts):
