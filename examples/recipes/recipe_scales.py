@@ -103,8 +103,8 @@ class Scale:
         """Why SFT ends after `steps` optimizer steps and `seconds` of wall time with validation exact match
         `val_em` (None: not measured at this step): "steps" (sft_steps reached), "target" (val_em reached
         sft_target_em), "time" (sft_seconds, the cap), or None to go on."""
-        if self.sft_steps and steps >= self.sft_steps:
-            return "steps"
+        if self.sft_steps:  # a fixed count: no target
+            return "steps" if steps >= self.sft_steps else ("time" if seconds >= self.sft_seconds else None)
         if val_em is not None and self.sft_target_em and val_em >= self.sft_target_em:
             return "target"
         return "time" if seconds >= self.sft_seconds else None
