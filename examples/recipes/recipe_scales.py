@@ -194,7 +194,7 @@ def rl_config(scale: Scale, work: Path, algo: str, seed: int, device: str, run: 
     """relayrl rl from WORK/sft/final on the fresh prompts, reward = recipe_task.score (its reward_func);
     the algorithm's preset with the recipe's changes (module doc). Run folder WORK/rl/<run or algo>."""
     s = scale.rl
-    gae = {"lam": scale.ppo_lam} if algo == "ppo" else {}
+    gae: dict[str, Any] = {"lam": scale.ppo_lam} if algo == "ppo" else {}
     return RLConfig(
         model=ModelConfig(name_or_path=str(work / "sft" / "final")),
         data=DataConfig(
@@ -207,8 +207,11 @@ def rl_config(scale: Scale, work: Path, algo: str, seed: int, device: str, run: 
             lr=s["learning_rate"], warmup_steps=0, warmup_ratio=0.0, scheduler="constant", weight_decay=0.0
         ),
         train=RLTrainConfig(
-            seed=seed, max_steps=10**6, device=device, output_dir=str(work / "rl" / (run or algo))
-        ),  # type: ignore[arg-type]
+            seed=seed,
+            max_steps=10**6,
+            device=device,  # pyright: ignore[reportArgumentType]  (main's --device: auto, cpu or cuda)
+            output_dir=str(work / "rl" / (run or algo)),
+        ),
         ckpt=CkptConfig(save_every=0, keep_last=1, resume="none", overwrite=True),
         logger=LoggerConfig(progress_bar=False),
         reward=RewardConfig(source=str(Path(task.__file__).resolve())),

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.cpu_smoke:
         in_process_engine()
         if early:
-            import vllm  # noqa: F401  (its import, seconds long, while the recipe builds and trains)
+            import vllm  # noqa: F401  # pyright: ignore[reportMissingImports]  (seconds long: import it while waiting)
     import datasets
     import torch
     from trl import GRPOTrainer
