@@ -188,6 +188,14 @@ def write_results(out: Path, meta: dict[str, Any] | None = None) -> list[dict[st
         + "\n"
     )
     text = markdown(table)
+    if "sft" in extra:
+        f = extra["sft"]
+        text += (
+            f"\nSFT: {f.get('sft_steps')} steps in {f.get('sft_seconds')} s, stopped by "
+            f"{f.get('stopped_by', 'time')}, held-out EM {f.get('sft_heldout_em')}; validation checks "
+            + " ".join(f"{c['step']}:{c['val_em']:.3f}" for c in f.get("validation_checks", [])[-6:])
+            + "\n"
+        )
     if times:
         text += (
             "\nMedian seconds per step: "
