@@ -18,7 +18,8 @@
 # Environment (defaults for 4-5 GPUs / 6+ GPUs): OUT (runs/recipe), RECIPE_WORK (/root/recipe), SCALE (full),
 # SFT_TARGET_EM (the scale's 0.45), SFT_STEPS (0: the target rule), SFT_SECONDS (the scale's cap, 150),
 # SFT_ROWS (0: 2000), RL_SECONDS (240 / 300), TRL_SECONDS (150 / RL_SECONDS), H2H_EVAL_SECONDS (15 / 30),
-# H2H (1; 0: no phase 2), H2H_MIN_SECONDS (45: a shorter head-to-head is skipped), THREADS (8 CPU threads per job), DEADLINE_S (545: every job is killed by then; the
+# H2H (1; 0: no phase 2), H2H_MIN_SECONDS (45: a shorter head-to-head is skipped), TRL_WAIT_S (200: on 4 GPUs,
+# REINFORCE++ starts on TRL's GPU once TRL's trainer is built, or at this second at the latest), THREADS (8 CPU threads per job), DEADLINE_S (545: every job is killed by then; the
 # plot gets 15 s more), PYTHON (python3), REUSE_SFT=1 (no build, SFT or control: RL runs from the existing
 # $RECIPE_WORK/sft/final), RECIPE_DEVICE (cuda; cpu with SCALE=tiny and a stub nvidia-smi: a smoke test),
 # TRL_ARGS (more trl_recipe.py arguments; "--cpu-smoke --max-steps 2" in the CPU smoke test).
@@ -67,7 +68,11 @@ echo "host: $(nproc) CPUs; $THREADS threads per job; started $(date -u +%FT%TZ)"
 # checkpoint appears, and loads the SFT weights once $GO appears.
 GO="$RECIPE_WORK/trl.go"
 rm -f "$GO" "$RECIPE_WORK/trl.ready"
-[ "${REUSE_SFT:-0}" = 1 ] && [ -d "$RECIPE_WORK/sft/final" ] || rm -f "$RECIPE_WORK/prepared"
+if [ "${REUSE_SFT:-0}" = 1 ] && [ -d "$RECIPE_WORK/sft/final" ]; then
+  [ -d "$RECIPE_WORK/base" ] && touch "$RECIPE_WORK/prepared"  # (a folder an older version of the recipe wrote)
+else
+  rm -f "$RECIPE_WORK/prepared"
+fi
 if [ "$BESIDE" = 1 ]; then TRL_GPU=4; H2H_GPU=5; else TRL_GPU=3; H2H_GPU=1; fi
 trl_pid=""
 h2h_pid=""
@@ -108,7 +113,8 @@ for algo in grpo ppo reinforce++; do
   if [ "$gpu" = "$TRL_GPU" ] && [ -n "$trl_pid" ]; then
     # vLLM must not start on a GPU where another process frees memory (its start-up check fails): this run
     # waits for TRL's trainer (or TRL's end); it waits for the SFT checkpoint anyway
-    while [ ! -e "$RECIPE_WORK/trl.ready" ] && kill -0 "$trl_pid" 2>/dev/null && [ "$(left)" -gt 120 ]; do
+    # waits for TRL's trainer at most until TRL_WAIT_S after the start (then TRL may fail, not the recipe)
+    while [ ! -e "$RECIPE_WORK/trl.ready" ] && kill -0 "$trl_pid" 2>/dev/null && [ "$(elapsed)" -lt "${TRL_WAIT_S:-200}" ]; do
       sleep 1; done
     echo "recipe: $algo starts on GPU $gpu after $(elapsed)s (TRL's trainer $([ -e "$RECIPE_WORK/trl.ready" ] \
       && echo "built in $(cat "$RECIPE_WORK/trl.ready")s" || echo 'not built'))"
