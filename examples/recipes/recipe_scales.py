@@ -145,7 +145,7 @@ SCALES: dict[str, Scale] = {
         digits=(2, 3),
     ),
     # one H100 / H200 per run: a ~100M Qwen2 shape (12 layers, hidden 768, MLP 3072, 12 heads, 4 KV heads).
-    # SFT stops at 0.45 validation exact match (module doc), checked every 20 steps from step 300, 150 s cap
+    # SFT stops at 0.45 validation exact match (module doc), checked every 25 steps from step 400, 150 s cap
     "full": Scale(
         model=TinyModelSpec(
             hidden=768, layers=12, heads=12, kv_heads=4, intermediate=3072, max_positions=160
@@ -156,8 +156,8 @@ SCALES: dict[str, Scale] = {
         val_rows=256,
         sft_seconds=150.0,
         sft_target_em=0.45,
-        sft_min_steps=300,
-        sft_check_every=20,
+        sft_min_steps=400,
+        sft_check_every=25,
         rl_seconds=300.0,
         eval_seconds=30.0,
         sft_lr=3e-4,

@@ -90,10 +90,10 @@ def test_table_compares_each_run_with_the_control_at_the_same_time():
 def test_sft_stops_at_the_validation_target_or_a_fixed_step_count():
     full = scales.SCALES["full"]
     assert full.sft_target_em == 0.45 and full.val_rows > 0
-    # checks every 20 steps from step 300; the first check at or above the target stops SFT there
-    assert [s for s in range(0, 400) if full.checks_at(s)] == [300, 320, 340, 360, 380]
-    assert full.sft_stop(299, 10.0, None) is None
-    assert full.sft_stop(300, 10.0, 0.449) is None and full.sft_stop(320, 10.0, 0.45) == "target"
+    # checks every 25 steps from step 400; the first check at or above the target stops SFT there
+    assert [s for s in range(0, 500) if full.checks_at(s)] == [400, 425, 450, 475]
+    assert full.sft_stop(399, 10.0, None) is None
+    assert full.sft_stop(400, 10.0, 0.449) is None and full.sft_stop(425, 10.0, 0.45) == "target"
     assert full.sft_stop(326, full.sft_seconds, None) == "time"  # the cap
     # a fixed step count replaces the target (no checks) and still has the cap
     fixed = scales.dataclasses.replace(full, sft_steps=700)
