@@ -63,9 +63,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/logs/gpus
 echo "host: $(nproc) CPUs; $THREADS threads per job; started $(date -u +%FT%TZ)" >> "$OUT/logs/versions.txt"
 
 # ------------------------------------------------------------------------------------------- the head-to-head's processes
-# Both start now and wait (no GPU touched) until $GO holds their budget. TRL builds its trainer (vLLM's start-up,
-# ~90 s, outside its clock) from the base model as soon as the data exist, on a GPU that is idle until the SFT
-# checkpoint appears, and loads the SFT weights once $GO appears.
+# Both start now (their imports overlap phase 1) and wait until $GO holds their budget. Meanwhile TRL builds its
+# trainer (vLLM's start-up, ~90 s, outside its clock) from the base model as soon as the data exist, on a GPU that
+# is idle until the SFT checkpoint appears, and loads the SFT weights once $GO appears; relayrl's side touches no
+# GPU before $GO.
 GO="$RECIPE_WORK/trl.go"
 rm -f "$GO" "$RECIPE_WORK/trl.ready"
 if [ "${REUSE_SFT:-0}" = 1 ] && [ -d "$RECIPE_WORK/sft/final" ]; then
