@@ -97,7 +97,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-batch", type=int, default=512, help="held-out prompts per generate call")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, model.generate, tiny settings (a test)")
+    p.add_argument(
+        "--start-after",
+        default="",
+        help="early set-up (run_gpu.sh): build the trainer from WORK/base as soon as WORK/prepared exists, write "
+        "WORK/trl.ready, wait until this file exists, then load WORK/sft/final's weights and train; a number in "
+        "the file replaces --budget-s, 'abort' ends the process",
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=900.0, help="most seconds each --start-after wait takes"
+    )
     return p.parse_args(argv)
+
+
+def wait_for_file(path: Path, timeout: float, failed: Path | None = None) -> str:
+    """The text of `path` once it exists (polled every 0.2 s); SystemExit when it reads "abort", when `failed`
+    exists first, or after `timeout` s."""
+    t0 = time.perf_counter()
+    while not path.is_file():
+        if failed is not None and failed.exists():
+            sys.exit(f"trl_recipe: {failed} exists (the recipe's build or SFT failed); no TRL run")
+        if time.perf_counter() - t0 > timeout:
+            sys.exit(f"trl_recipe: {path} did not appear within {timeout:.0f}s (--start-after)")
+        time.sleep(0.2)
+    text = path.read_text().strip()
+    if text == "abort":  # a decision of the caller (no time left, the runs before failed): not an error here
+        print(f"trl_recipe: {path} says abort; no TRL run", flush=True)
+        sys.exit(0)
+    print(f"trl_recipe: {path} appeared after {time.perf_counter() - t0:.0f}s", flush=True)
+    return text
+
+
+def budget_in(text: str, where: str) -> float | None:
+    """The budget (seconds > 0) a --start-after file holds, None when it holds no number."""
+    try:
+        budget = float(text.split()[0])
+    except (ValueError, IndexError):
+        return None
+    if not (budget > 0 and budget < float("inf")):
+        sys.exit(f"trl_recipe: {where} holds budget {budget}; expected seconds > 0")
+    return budget
+
+
+def load_weights(model: Any, folder: Path) -> None:
+    """Copy the weights of the HF model in `folder` into `model` (same architecture: every parameter's name and
+    shape must match), in place, so what the trainer holds (its optimizer is made in train()) stays the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = dict(AutoModelForCausalLM.from_pretrained(str(folder)).named_parameters())
+    target = dict(model.named_parameters())
+    if source.keys() != target.keys():
+        raise ValueError(
+            f"{folder}: parameters differ from the trainer's model ({sorted(source.keys() ^ target.keys())[:4]})"
+        )
+    with torch.no_grad():
+        for name, p in target.items():
+            if p.shape != source[name].shape:
+                raise ValueError(
+                    f"{folder}: {name} has shape {tuple(source[name].shape)}, not {tuple(p.shape)}"
+                )
+            p.copy_(source[name])
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -273,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     work, out = Path(args.work), Path(args.out) / RUN_NAME
     sft = work / "sft" / "final"
-    if not (sft / "config.json").is_file():
+    early = bool(args.start_after)
+    if not early and not (sft / "config.json").is_file():
         sys.exit(
             f"trl_recipe: no SFT checkpoint at {sft}: run the recipe's SFT first, or set RECIPE_WORK / --work"
         )
@@ -281,10 +342,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.exit(f"trl_recipe: {problem} (or run --cpu-smoke for the model.generate path)")
     if not args.cpu_smoke:
         in_process_engine()
+        if early:
+            import vllm  # noqa: F401  # pyright: ignore[reportMissingImports]  (seconds long: import it while waiting)
     import datasets
     import torch
     from trl import GRPOTrainer
 
+    if early:  # the base model and the data, written by the recipe's prepare phase
+        wait_for_file(work / "prepared", args.start_timeout, failed=work / "sft.failed")
     s = settings(args)
     train = read_jsonl(work / "data" / "train_prompts.jsonl")
     heldout = read_jsonl(work / "data" / "heldout.jsonl")
@@ -296,9 +361,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = grpo_config(args, s, Path(tempfile.mkdtemp(prefix="trl_recipe-")))  # TRL saves nothing there
     t0 = time.perf_counter()
     trainer = GRPOTrainer(
-        model=str(sft), reward_funcs=recipe_reward, args=config, train_dataset=dataset, callbacks=[curve]
+        model=str(work / "base" if early else sft),
+        reward_funcs=recipe_reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[curve],
     )
     setup_s = time.perf_counter() - t0
+    load_s = 0.0
+    if early:
+        # the same architecture and tokenizer as the SFT checkpoint: only the weights change. vLLM receives
+        # them from the trainer's model at the first step, as after every step (TRL's _last_loaded_step -1)
+        (work / "trl.ready").write_text(f"{setup_s:.1f}\n")
+        print(
+            f"trl_recipe: trainer built from {work / 'base'} in {setup_s:.0f}s; waiting for {args.start_after}"
+        )
+        budget = budget_in(wait_for_file(Path(args.start_after), args.start_timeout), args.start_after)
+        args.budget_s = args.budget_s if budget is None else budget
+        t1 = time.perf_counter()
+        load_weights(trainer.model, sft)
+        load_s = time.perf_counter() - t1
     trainer.train()
     last = curve.points[-1]
     summary = {
@@ -317,6 +399,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_s": round(last["t"] - last["eval_s"], 3),
         "eval_s": last["eval_s"],
         "setup_s": round(setup_s, 3),
+        "weights_load_s": round(load_s, 3),
+        "trainer_built_from": str(work / "base") if early else str(sft),
         "wall_s": round(time.perf_counter() - t_start, 3),
         "budget_s": args.budget_s,
         "eval_seconds": args.eval_seconds,

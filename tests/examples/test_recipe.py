@@ -29,6 +29,8 @@ def _load(name: str):
 
 task = _load("recipe_task")
 plot = _load("plot")
+sys.path.insert(0, str(RECIPES))  # recipe_scales imports recipe_task by name
+scales = _load("recipe_scales")
 
 
 def test_worked_answer_carries_and_ends_with_the_sum():
@@ -83,6 +85,106 @@ def test_table_compares_each_run_with_the_control_at_the_same_time():
     assert "| grpo | 0.300 | 0.700 | 0.700 | +0.400 | 0.500 | +0.200 | 60 | 40 |" in plot.markdown(
         plot.summarize(curves)
     )
+
+
+def test_sft_stops_at_the_validation_target_or_a_fixed_step_count():
+    full = scales.SCALES["full"]
+    assert full.sft_target_em == 0.45 and full.val_rows > 0
+    # checks every 25 steps from step 400; the first check at or above the target stops SFT there
+    assert [s for s in range(0, 500) if full.checks_at(s)] == [400, 425, 450, 475]
+    assert full.sft_stop(399, 10.0, None) is None
+    assert full.sft_stop(400, 10.0, 0.449) is None and full.sft_stop(425, 10.0, 0.45) == "target"
+    assert full.sft_stop(326, full.sft_seconds, None) == "time"  # the cap
+    # a fixed step count replaces the target (no checks) and still has the cap
+    fixed = scales.dataclasses.replace(full, sft_steps=700)
+    assert not any(fixed.checks_at(s) for s in range(2000))
+    assert fixed.sft_stop(699, 10.0, 0.99) is None and fixed.sft_stop(700, 10.0, None) == "steps"
+    assert fixed.sft_stop(10, full.sft_seconds, None) == "time"
+    with pytest.raises(ValueError, match="val_rows"):
+        scales.dataclasses.replace(full, val_rows=0)
+    with pytest.raises(ValueError, match="sft_target_em"):
+        scales.dataclasses.replace(full, sft_target_em=1.5)
+
+
+def test_command_line_picks_one_stop_rule():
+    import argparse
+
+    def args(**kw):
+        base = dict(scale="full", sft_seconds=0.0, rl_seconds=0.0, eval_seconds=0.0, sft_rows=0)
+        return argparse.Namespace(**{**base, "sft_steps": 0, "sft_target_em": 0.0, **kw})
+
+    assert scales.scale_of(args()) == scales.SCALES["full"]
+    s = scales.scale_of(args(sft_steps=800, eval_seconds=15.0))
+    assert (s.sft_steps, s.sft_target_em, s.eval_seconds) == (800, 0.0, 15.0)
+    s = scales.scale_of(args(scale="tiny", sft_target_em=0.3))
+    assert (s.sft_steps, s.sft_target_em) == (0, 0.3) and s.val_rows > 0
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "reinforce++"])
+def test_rl_runs_no_reference_and_no_old_logprob_pass_and_one_micro_batch(algo, tmp_path):
+    from relayrl.algorithms.registry import needs_critic, needs_reference
+    from relayrl.trainers.rl.validate import validate_rl
+    from relayrl.workers.builders import exact_on_policy
+
+    full = scales.SCALES["full"]
+    cfg = validate_rl(scales.rl_config(full, tmp_path, algo, 0, "cpu"))
+    a = cfg.algo
+    # the presets' KL modes (grpo: loss, ppo / reinforce++: reward) would build a reference model and run its
+    # forward every step even at kl_coef 0; reward-KL also forces the old-log-prob forward
+    assert a.kl_mode == "none" and not needs_reference(a.kl_mode) and exact_on_policy(a)
+    assert needs_critic(a.advantage) == (algo == "ppo")
+    s = full.rl
+    longest = s["prompts_per_step"] * s["group_size"] * (16 + s["max_new_tokens"])  # prompts <= 16 tokens
+    assert a.micro_batch_tokens >= longest // 2  # a whole step in at most two micro-batches
+    assert a.lam == (1.0 if algo == "ppo" else 0.95)
+    assert cfg.train.output_dir == str(tmp_path / "rl" / algo)
+    assert scales.rl_config(full, tmp_path, algo, 0, "cpu", "other").train.output_dir.endswith("rl/other")
+
+
+def test_head_to_head_is_the_time_relayrl_first_reaches_trls_final_accuracy():
+    trl = [
+        {"t": 0.0, "step": 0, "heldout_em": 0.45},
+        {"t": 60.0, "step": 20, "heldout_em": 0.8},
+        {"t": 120.0, "step": 40, "heldout_em": 0.9},
+    ]
+    ours = [
+        {"t": 0.0, "step": 0, "heldout_em": 0.45},
+        {"t": 15.0, "step": 20, "heldout_em": 0.7},
+        {"t": 45.0, "step": 60, "heldout_em": 0.9},
+        {"t": 120.0, "step": 160, "heldout_em": 0.95},
+    ]
+    h = plot.head_to_head({"trl_grpo": trl, "grpo_vs_trl": ours, "grpo": ours})
+    assert h is not None and h["relayrl_seconds_to_trl_final"] == 45.0 and h["time_ratio"] == 0.375
+    assert h["target_met"] and h["relayrl_em_at_trl_end"] == 0.95
+    slow = [ours[0], {"t": 100.0, "step": 9, "heldout_em": 0.9}]
+    h = plot.head_to_head({"trl_grpo": trl, "grpo_vs_trl": slow})
+    assert h is not None and h["time_ratio"] == pytest.approx(100 / 120, abs=1e-3) and not h["target_met"]
+    never = plot.head_to_head({"trl_grpo": trl, "grpo_vs_trl": ours[:2]})
+    assert never is not None and never["relayrl_seconds_to_trl_final"] is None and not never["target_met"]
+    assert plot.head_to_head({"grpo": ours}) is None
+
+
+def test_results_keep_the_head_to_head_out_of_the_main_table(tmp_path):
+    pts = [{"t": 0.0, "step": 0, "heldout_em": 0.4}, {"t": 30.0, "step": 9, "heldout_em": 0.6}]
+    for run in ("grpo", "sft_control", "trl_grpo", "grpo_vs_trl"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "curve.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pts))
+    metrics = [
+        {"timing/step": 1.0, "timing/update": 0.2},
+        {"timing/step": 3.0, "timing/update": 0.4},
+        {"timing/step": 2.0, "timing/update": 0.3},
+    ]
+    (tmp_path / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    summary = {"per_step": {"1": {"step_time": 2.5}, "2": {"step_time": 1.5}, "3": {"step_time": 2.0}}}
+    (tmp_path / "trl_grpo" / "summary.json").write_text(json.dumps(summary))
+    table = plot.write_results(tmp_path)
+    assert {r["run"] for r in table} == {"grpo", "sft_control"}
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["head_to_head"]["trl_final_em"] == 0.6 and set(results["curves"]) >= {"trl_grpo"}
+    assert results["step_times"]["grpo"] == {"step": 2.0, "update": 0.3}
+    assert results["step_times"]["trl_grpo"] == {"step": 2.0}
+    text = (tmp_path / "results.md").read_text()
+    assert "| TRL + vLLM (trl_grpo) | 0.400 | 0.600 | 30 | 9 |" in text and "| grpo |" in text
 
 
 @pytest.mark.slow

@@ -100,3 +100,62 @@ def test_cpu_smoke_run_writes_the_curve_and_stops_at_the_budget(tmp_path):
     summary = trl_recipe.main([*common, "--eval-seconds", "1e9", "--budget-s", "0"])
     curve = [json.loads(line) for line in (out / "trl_grpo" / "curve.jsonl").read_text().splitlines()]
     assert [p["step"] for p in curve] == [0, 1] and summary["steps"] == 1
+
+
+def test_load_weights_copies_the_checkpoint_into_the_trainers_model_in_place(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.models.tiny import TinyModelSpec, save_tiny
+
+    base = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "base", TinyModelSpec(seed=0)))
+    sft = save_tiny(tmp_path / "sft", TinyModelSpec(seed=1))
+    params = dict(base.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    trl_recipe.load_weights(base, sft)
+    want = dict(AutoModelForCausalLM.from_pretrained(sft).named_parameters())
+    for name, p in base.named_parameters():
+        assert p is params[name]  # the same tensors (an optimizer made later sees them)
+        assert torch.equal(p, want[name])
+    changed = [n for n, p in base.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) > len(params) // 2  # every randomly initialised one (biases start at 0 in both)
+    other = save_tiny(tmp_path / "other", TinyModelSpec(hidden=48, seed=1))
+    with pytest.raises(ValueError, match="shape"):
+        trl_recipe.load_weights(base, other)
+
+
+def test_budget_in_a_start_file():
+    assert trl_recipe.budget_in("120", "f") == 120.0 and trl_recipe.budget_in("go", "f") is None
+    with pytest.raises(SystemExit):
+        trl_recipe.budget_in("-3", "f")
+
+
+@pytest.mark.slow
+def test_early_setup_builds_from_the_base_then_trains_the_sft_weights(tmp_path):
+    """--start-after: the trainer is built from WORK/base once WORK/prepared exists, WORK/trl.ready is written,
+    and after the start file appears (its number the budget) the SFT checkpoint's weights are trained."""
+    from relayrl.models.tiny import TinyModelSpec, save_tiny
+
+    work, out = _work(tmp_path), tmp_path / "out"
+    save_tiny(work / "base", TinyModelSpec(seed=7))
+    (work / "prepared").write_text("1\n")
+    go = work / "trl.go"
+    go.write_text("1e9\n")  # the budget: only --max-steps ends the run
+    args = [
+        "--cpu-smoke",
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--max-steps",
+        "1",
+        "--eval-seconds",
+        "1e9",
+    ]
+    summary = trl_recipe.main([*args, "--start-after", str(go), "--start-timeout", "5"])
+    assert summary["trainer_built_from"] == str(work / "base") and summary["budget_s"] == 1e9
+    assert (work / "trl.ready").is_file() and summary["steps"] == 1
+    assert 0 <= summary["weights_load_s"] < 60  # the SFT weights were loaded (load_weights: the test above)
+    go.write_text("abort\n")
+    with pytest.raises(SystemExit) as stop:
+        trl_recipe.main([*args, "--start-after", str(go), "--start-timeout", "5"])
+    assert stop.value.code == 0
