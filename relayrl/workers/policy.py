@@ -69,7 +69,7 @@ from relayrl.workers.builders import (
 )
 from relayrl.workers.ema import PolicyEma
 from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
-from relayrl.workers.model_ops import masked_logprobs, on_my_rows, row_logprobs
+from relayrl.workers.model_ops import TokenBudgets, masked_logprobs, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -160,6 +160,15 @@ class PolicyWorker:
         )
         self.layout, self.train = ("exact" if spec.rollout.exact else built.layout), built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
+        self.budgets = TokenBudgets(
+            model=self.model,
+            device=self.device,
+            update=a.micro_batch_tokens,
+            infer=a.infer_micro_batch_tokens,
+            precision=self.train.precision,
+            optimizer=self.train.optimizer,
+        )
+        """Micro-batch token budgets (algo.micro_batch_tokens / infer_micro_batch_tokens; 0: auto)."""
         self.ema: PolicyEma | None = None
         if spec.ema > 0:  # fp32, sharded like the policy under N ranks (relayrl.workers.ema)
             with self.train.full_precision():
@@ -227,7 +236,7 @@ class PolicyWorker:
             lambda sub: masked_logprobs(
                 self.model,
                 sub,
-                self.spec.algo.micro_batch_tokens,
+                self.infer_budget,
                 self.spec.rollout.temperature,
                 self.layout,
                 self.train.autocast,
@@ -260,13 +269,23 @@ class PolicyWorker:
     def _optimizer_step(self, part: Experience, kl_coef: float, real: bool) -> dict[str, float]:
         """One optimizer step on this rank's share `part` of the mini-batch (all of it on one rank); `real`
         False: a padding pass (weight 0) of a rank without rows."""
-        groups = plan_micro_batches(part.tokens.lengths, self.spec.algo.micro_batch_tokens, self.layout)
+        groups = plan_micro_batches(part.tokens.lengths, self.update_budget, self.layout)
 
         def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
             return self._loss(model, part, r, kl_coef)
 
         out = self.train.step(groups, loss_fn, num_real=len(groups) if real else 0)
         return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
+
+    @property
+    def update_budget(self) -> int:
+        """Tokens of one training micro-batch (resolved at first use; relayrl.models.budget)."""
+        return self.budgets.get()[0]
+
+    @property
+    def infer_budget(self) -> int:
+        """Tokens of one no-gradient forward (old log-probs)."""
+        return self.budgets.get()[1]
 
     def _prepare_update(self) -> None:
         """Before training: the engine frees its KV cache (engine_sleep) and offloaded optimizer states
