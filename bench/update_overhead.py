@@ -394,7 +394,7 @@ def measure(
         "host_reads": sum(sites.values()),
         "host_read_sites": dict(sites.most_common()),
         "cuda_syncs": len(syncs) if device.type == "cuda" else None,
-        "cuda_sync_kinds": dict(Counter(syncs).most_common(8)) if device.type == "cuda" else None,
+        "cuda_sync_kinds": dict(Counter(syncs).most_common(12)) if device.type == "cuda" else None,
         "kernel_seconds": kernel_seconds(fn, device),
         "peak_gib": peak,
         "allocator_per_pass": {k: (alloc1[k] - alloc0[k]) / args.repeats for k in alloc0},
@@ -470,27 +470,32 @@ def main() -> None:
         vocab = int(parts["policy"].model.config.vocab_size)
         batch = synthetic_batch(vocab, args.prompts, args.n, (args.min_len, args.max_len), seed=0)
         policy: PolicyWorker = parts["policy"]
-        entry.update(
-            tokens=int(batch.attention_mask.sum()),
-            rows=batch.input_ids.shape[0],
-            layout=policy.layout,
-            update_budget=budgets(policy)[0],
-            infer_budget=budgets(policy)[1],
-            params=sum(p.numel() for p in policy.model.parameters()),
-        )
-        print(
-            f"{key}: {entry['rows']} rows, {entry['tokens']} tokens, layout {policy.layout}, "
-            f"update budget {entry['update_budget']}, inference budget {entry['infer_budget']}",
-            flush=True,
-        )
-        fns = phases(parts, batch, vocab)
-        mbs = micro_batches(parts, batch)
         gen = (
             generation(parts, args, vocab)
             if (args.generate == 1 or (args.generate < 0 and device.type == "cuda"))
             else None
         )
-        entry["generate"] = gen is not None
+        if gen is not None:  # a real run resolves its budgets after the first rollout
+            gen()
+        entry.update(
+            generate=gen is not None,
+            threads=torch.get_num_threads(),
+            tokens=int(batch.attention_mask.sum()),
+            rows=batch.input_ids.shape[0],
+            layout=policy.layout,
+            update_budget=budgets(policy)[0],
+            infer_budget=budgets(policy)[1],
+            reference_budget=budgets(parts["reference"])[1],
+            params=sum(p.numel() for p in policy.model.parameters()),
+        )
+        print(
+            f"{key}: {entry['rows']} rows, {entry['tokens']} tokens, layout {policy.layout}, "
+            f"update budget {entry['update_budget']}, inference budget {entry['infer_budget']} "
+            f"(reference {entry['reference_budget']}), {entry['params'] / 1e6:.1f}M parameters",
+            flush=True,
+        )
+        fns = phases(parts, batch, vocab)
+        mbs = micro_batches(parts, batch)
         for name in args.phases.split(","):
             try:
                 row = measure(name, fns[name], mbs[name], args, device, before=gen)
@@ -525,6 +530,8 @@ def _print_row(name: str, row: dict[str, Any], args: argparse.Namespace) -> None
     if args.sites:
         for site, n in row["host_read_sites"].items():
             print(f"    {n:6d}  {site}")
+    for site, n in (row["cuda_sync_kinds"] or {}).items():
+        print(f"    {n:6d}  cuda sync at {site}")
     if args.profile:
         print(row["cprofile_top"])
 
