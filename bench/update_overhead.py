@@ -237,8 +237,10 @@ def build(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     path = save_tiny(folder / "model", shape["model"])
     cfg = tiny_cpu_config(str(path), str(folder / "run"))
     algo: dict[str, Any] = dict(preset="grpo", kl_coef=1e-3)
+    # (the infer field is absent before the automatic budgets: the harness also runs on older commits)
+    has_infer = "infer_micro_batch_tokens" in AlgoConfig.__dataclass_fields__
     if args.baseline:
-        algo.update(micro_batch_tokens=4096, infer_micro_batch_tokens=4096)
+        algo.update(micro_batch_tokens=4096, **({"infer_micro_batch_tokens": 4096} if has_infer else {}))
     elif args.micro_batch_tokens:
         algo["micro_batch_tokens"] = args.micro_batch_tokens
     if args.infer_micro_batch_tokens and not args.baseline:
@@ -263,13 +265,14 @@ def build(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             model=r.model, optim=r.optim, algo=r.algo, rollout=r.rollout, eval=r.eval, device=args.device
         )
     )
+    infer: dict[str, Any] = {"infer_micro_batch_tokens": r.algo.infer_micro_batch_tokens} if has_infer else {}
     reference = ReferenceWorker(
         ReferenceSpec(
             model=r.model,
             micro_batch_tokens=r.algo.micro_batch_tokens,
-            infer_micro_batch_tokens=r.algo.infer_micro_batch_tokens,
             temperature=1.0,
             device=args.device,
+            **infer,
         )
     )
     return dict(policy=policy, reference=reference, algo=r.algo)
