@@ -153,7 +153,10 @@ def cuda_syncs(device: torch.device) -> Iterator[list[str]]:
             yield seen
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    seen.extend(str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message))
+    for w in caught:  # attributed to the Python line that made the call
+        if "synchroniz" in str(w.message):
+            path = Path(w.filename)
+            seen.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{w.lineno}")
 
 
 class OpCounter(TorchDispatchMode):
@@ -248,6 +251,7 @@ def build(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     cfg = replace(
         cfg,
         model=replace(cfg.model, dtype=shape["dtype"]),
+        optim=replace(cfg.optim, lr=1e-6),  # the passes repeat on the same weights: keep them where they are
         train=replace(cfg.train, device=args.device),
         algo=AlgoConfig(**algo),
         rollout=replace(
