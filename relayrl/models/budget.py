@@ -22,7 +22,9 @@ amortise that time; the loss contract (relayrl/training/step.py) keeps the updat
         CPU      the update budget
         CUDA     INFER_FACTOR (4) x the update budget, at most MAX_INFER_TOKENS
 
-Budgets are resolved once per worker (at its first pass, when the engine's KV cache and the weights are in
+A mixture-of-experts config counts its expert width (moe_intermediate_size, else intermediate_size) times the
+experts per token. The policy keeps DEFAULT_TOKENS for exact on-policy mode (rollout.exact: padded rows through
+the batch-invariant forward), where it sets 0 itself. Budgets are resolved once per worker (at its first pass, when the engine's KV cache and the weights are in
 place) and logged once; every rank of a role resolves its own (ranks may differ: the passes are padded to
 the largest count, relayrl.training.step.padded_passes).
 """
@@ -74,7 +76,7 @@ def bytes_per_token(model: Any, compute_bytes: int) -> int | None:
     if not isinstance(hidden, int) or not isinstance(layers, int):
         return None
     inter = (
-        getattr(cfg, "intermediate_size", None) or getattr(cfg, "moe_intermediate_size", None) or 4 * hidden
+        getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or 4 * hidden
     )
     k = max(1, int(getattr(cfg, "num_experts_per_tok", 1) or 1))  # a MoE token runs k experts' MLPs
     per_layer = (32 * hidden + 5 * int(inter) * k) * compute_bytes

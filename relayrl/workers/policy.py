@@ -51,6 +51,7 @@ from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
 from relayrl.distributed.weights.tensor_parallel import TensorParallelWeights, tp_groups
+from relayrl.models.budget import DEFAULT_TOKENS
 from relayrl.models.forward import to_device
 from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
@@ -160,11 +161,13 @@ class PolicyWorker:
         )
         self.layout, self.train = ("exact" if spec.rollout.exact else built.layout), built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
+        # exact mode's batch-invariant forward (rollout/exact.py) attends over padded rows: not sized by `auto`
+        fixed = DEFAULT_TOKENS if self.layout == "exact" else 0
         self.budgets = TokenBudgets(
             model=self.model,
             device=self.device,
-            update=a.micro_batch_tokens,
-            infer=a.infer_micro_batch_tokens,
+            update=a.micro_batch_tokens or fixed,
+            infer=a.infer_micro_batch_tokens or fixed,
             precision=self.train.precision,
             optimizer=self.train.optimizer,
         )
