@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from relayrl.data.packing import plan_micro_batches
-from relayrl.distributed.group import my_data_share, reports
+from relayrl.distributed.group import in_group, my_data_share, reports
 from relayrl.models import forward
 from relayrl.models.budget import pending_optimizer_bytes, token_budgets
 from relayrl.models.moe import moe_pass
@@ -173,9 +173,11 @@ class TokenBudgets:
     resolved: tuple[int, int] | None = field(default=None, init=False)
 
     def get(self) -> tuple[int, int]:
-        """(update tokens, inference tokens)."""
+        """(update tokens, inference tokens). Under a process group an automatic budget is the smallest over
+        the ranks (one all-reduce, at the first call, which every rank of a role makes in the same method):
+        the ranks of a sequence-parallel group must cut the same micro-batches."""
         if self.resolved is None:
-            self.resolved = token_budgets(
+            update, infer = token_budgets(
                 self.model,
                 self.device,
                 update=self.update,
@@ -183,4 +185,16 @@ class TokenBudgets:
                 pending_bytes=pending_optimizer_bytes(self.optimizer) if self.optimizer is not None else 0,
                 compute_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
             )
+            if in_group() and 0 in (self.update, self.infer):
+                both = torch.tensor([update, infer], dtype=torch.int64, device=_comm_device())
+                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
+                update, infer = (int(x) for x in both.tolist())
+            self.resolved = (update, infer)
         return self.resolved
+
+
+def _comm_device() -> torch.device:
+    """Where a collective's tensor lives: the current CUDA device under NCCL, else the CPU (gloo)."""
+    if "nccl" in str(torch.distributed.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
