@@ -23,10 +23,11 @@ amortise that time; the loss contract (relayrl/training/step.py) keeps the updat
         CUDA     INFER_FACTOR (4) x the update budget, at most MAX_INFER_TOKENS
 
 A mixture-of-experts config counts its expert width (moe_intermediate_size, else intermediate_size) times the
-experts per token. The policy keeps DEFAULT_TOKENS for exact on-policy mode (rollout.exact: padded rows through
-the batch-invariant forward), where it sets 0 itself. Budgets are resolved once per worker (at its first pass, when the engine's KV cache and the weights are in
-place) and logged once; every rank of a role resolves its own (ranks may differ: the passes are padded to
-the largest count, relayrl.training.step.padded_passes).
+experts per token. In exact on-policy mode (rollout.exact: padded rows through the batch-invariant forward)
+the policy uses DEFAULT_TOKENS where its budgets are left at 0. Budgets are resolved once per worker (at its
+first pass, when the engine's KV cache and the weights are in place) and logged once; under a process group
+the automatic ones are the smallest over the role's ranks (relayrl.workers.model_ops.TokenBudgets), so
+sequence-parallel ranks cut the same micro-batches.
 """
 
 from __future__ import annotations
