@@ -12,6 +12,7 @@
 # GPU busy time of one traced pass (torch.profiler), peak memory, allocator retries. Output: $OUT/
 # update_overhead.json (one entry per shape / settings) and $OUT/log.txt. Each run has its own timeout, so a
 # failure leaves the others' numbers.
+# torch runs 8 intra-op threads (the GPU host is shared by several jobs; see docs/recipe.md on contention).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench/results/update_overhead_gpu}
@@ -26,7 +27,7 @@ run() {  # run SECONDS ARGS...
   local limit=$1
   shift
   echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
-  timeout -k 10 "$limit" "$PY" bench/update_overhead.py --device cuda --threads 0 "$@" 2>&1 \
+  timeout -k 10 "$limit" "$PY" bench/update_overhead.py --device cuda --threads 8 "$@" 2>&1 \
     | grep -v "Loading weights\|Writing model" | tee -a "$LOG"
   echo "=== exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
