@@ -356,10 +356,10 @@ def measure(
     device: torch.device,
     before: Callable[[], Any] | None = None,
 ) -> dict:
-    def call(inside: Any = None) -> tuple[float, float]:
+    def call(inside: Any = None, generate: bool = True) -> tuple[float, float]:
         """(wall, process CPU) seconds of one pass of `fn` (inside the context `inside`), after the untimed
-        generation."""
-        if before is not None:  # not timed: the generation a real step runs first
+        generation (timed passes only: the counting passes skip it)."""
+        if before is not None and generate:  # not timed: the generation a real step runs first
             before()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -379,7 +379,7 @@ def measure(
     alloc1 = _alloc_stats(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     ops = OpCounter()
-    call(ops)
+    call(ops, generate=False)
     sites: Counter[str] = Counter()
     syncs: list[str] = []
 
@@ -390,7 +390,7 @@ def measure(
         sites.update(found)
         syncs.extend(seen)
 
-    call(reads())
+    call(reads(), generate=False)
     row: dict[str, Any] = {
         "seconds": statistics.median(times),
         "seconds_all": times,
@@ -408,7 +408,7 @@ def measure(
     }
     if args.profile:
         prof = cProfile.Profile()
-        call(prof)
+        call(prof, generate=False)
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile_top)
         row["cprofile_top"] = out.getvalue()

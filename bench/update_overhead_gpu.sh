@@ -33,9 +33,9 @@ run() {  # run SECONDS ARGS...
 }
 
 RECIPE=(--shape recipe100m --min-len 60 --max-len 136 --repeats 2)
-run 70 "${RECIPE[@]}" --baseline
-run 55 "${RECIPE[@]}"
+run 100 "${RECIPE[@]}" --baseline
+run 50 "${RECIPE[@]}"
 HALF=(--shape qwen0.5b-char --repeats 2 --phases ref_logprobs,update)
-run 80 "${HALF[@]}" --baseline
-run 60 "${HALF[@]}"
+run 75 "${HALF[@]}" --baseline
+run 55 "${HALF[@]}"
 echo "results: $OUT/update_overhead.json" | tee -a "$LOG"
