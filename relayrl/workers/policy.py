@@ -110,6 +110,24 @@ class PolicySpec:
     `sync` while its rounds are paused, so an optimizer step never changes weights under a running round."""
 
 
+def check_experience(exp: Experience) -> None:
+    """ValueError naming the field and rows when the experience's advantages or old log-probs are not finite,
+    or its reference log-probs are NaN, on an action token. These are host tensors: on an accelerator the
+    loss functions skip their own per-micro-batch check (a device sync each), so the update checks them here,
+    once; a non-finite value the model itself produces reaches the train step's non-finite guard."""
+    mask = exp.tokens.action_mask.bool()
+    for name, x, bad in (
+        ("advantages", exp.advantages, lambda t: ~torch.isfinite(t)),
+        ("old_logprobs", exp.old_logprobs, lambda t: ~torch.isfinite(t)),
+        ("ref_logprobs", exp.ref_logprobs, torch.isnan),
+    ):
+        if x is not None and (rows := (bad(x) & mask).any(dim=1).nonzero().flatten().tolist()):
+            raise ValueError(
+                f"Experience.{name} is not finite on action tokens of rows {rows[:10]} of this update's share; "
+                "check the advantage estimator / log-prob pass that produced it"
+            )
+
+
 class PolicyWorker:
     """The actor role (see module doc)."""
 
@@ -256,6 +274,9 @@ class PolicyWorker:
         sums: dict[str, float] = {}
         steps = 0
         self._prepare_update()
+        if self.device.type != "cpu":  # (on a CPU the loss functions check them per micro-batch, for free)
+            for part, _ in parts:
+                check_experience(part)
         for _ in range(a.epochs):
             for part, real in parts:
                 for k, v in self._optimizer_step(part, kl_coef, real).items():
