@@ -126,14 +126,22 @@ class ReadCounter:
 
             setattr(torch.Tensor, name, wrapper)
 
+    def uninstall(self) -> None:
+        for name, orig in self._orig.items():
+            setattr(torch.Tensor, name, orig)
+        self._orig = {}
+
     @contextlib.contextmanager
     def counting(self) -> Iterator[Counter[str]]:
+        """Counting inside the block; the wrappers exist only there (the timed passes run unwrapped)."""
         self.sites = Counter()
+        self.install()
         self.active = True
         try:
             yield self.sites
         finally:
             self.active = False
+            self.uninstall()
 
 
 counter = ReadCounter()
@@ -450,7 +458,6 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("update_overhead: --device cuda but no CUDA device is visible")
-    counter.install()
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / RESULTS.name
