@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-Metrics = dict[str, float]
+Metrics = dict[str, Tensor]
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -32,8 +32,9 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 def entropy_bonus(entropy: Tensor, action_mask: Tensor, *, coef: float) -> tuple[Tensor, Metrics]:
     """Per-token loss -coef * H_t [B, T] (0 off the mask; subtracting entropy = a bonus). Metric `entropy`
-    = sum over action tokens / their count (0 for an empty mask). coef = 0 gives a zero loss (metric only)."""
+    = sum over action tokens / their count (0 for an empty mask; a 0-dim tensor on the inputs' device). coef = 0
+    gives a zero loss (metric only)."""
     m = action_mask.bool()
     ent = torch.where(m, entropy, 0.0)
-    mean = float(ent.detach().sum() / m.sum().clamp(min=1))
+    mean = ent.detach().sum() / m.sum().clamp(min=1)
     return -coef * ent, {"entropy": mean}

@@ -98,7 +98,7 @@ def compute_advantages(
     kl, metrics = None, {}
     if ref_logprobs is not None:
         kl, m = kl_estimate(old_logprobs, ref_logprobs, action_mask, estimator=kl_estimator)
-        metrics["rollout/kl"] = m["kl"]
+        metrics["rollout/kl"] = float(m["kl"])
     in_reward = kl_mode == "reward"
     inputs = AdvantageInputs(
         rewards=rewards,

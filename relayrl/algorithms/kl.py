@@ -3,7 +3,9 @@
 Schulman, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html). Tokens are sampled from pi
 (the policy), log_ratio = log pi(a) - log pi_ref(a), clamped to [-clamp, clamp] (default 10) first (a clamped
 token gets no gradient); float16 / bfloat16 inputs are computed in float32; masked positions are never read
-and NaN on an action token raises a ValueError naming the rows:
+and NaN on an action token raises a ValueError naming the rows (host tensors; on an accelerator the check
+would stall the device, and a NaN reaches the train step's non-finite guard instead). The `kl` metric is a
+0-dim tensor on the inputs' device:
 
 | name | per-token estimate                      | notes                                               |
 |------|-----------------------------------------|-----------------------------------------------------|
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from relayrl.algorithms.registry import KL_CONTROLLERS, KL_ESTIMATORS
 
-Metrics = dict[str, float]
+Metrics = dict[str, Tensor | float]
 
 KL_CLAMP = 10.0
 
@@ -85,12 +87,16 @@ def kl_estimate(
         )
     m = action_mask.bool()
     diff = _wide(logprobs) - _wide(ref_logprobs.detach())
-    rows = (diff.detach().isnan() & m).any(dim=1).nonzero().flatten().tolist()
+    rows = (
+        []
+        if diff.device.type != "cpu"
+        else (diff.detach().isnan() & m).any(dim=1).nonzero().flatten().tolist()
+    )
     if rows:
         raise ValueError(f"KL: logprobs / ref_logprobs are NaN on action tokens of rows {rows[:10]}")
     log_ratio = torch.where(m, diff, 0.0).clamp(-clamp, clamp)
     kl = torch.where(m, KL_ESTIMATORS[estimator](log_ratio), 0.0)
-    return kl, {"kl": float(kl.detach().sum() / m.sum().clamp(min=1))}
+    return kl, {"kl": kl.detach().sum() / m.sum().clamp(min=1)}
 
 
 def _wide(x: Tensor) -> Tensor:

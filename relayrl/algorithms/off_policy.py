@@ -14,7 +14,9 @@ w_t = pi_old(a_t) / pi_rollout(a_t) = exp(clamp(old_logprobs - rollout_logprobs,
 `OFF_POLICY[name](old_logprobs, rollout_logprobs, action_mask, *, low=None, high=None) -> (is_weight [B, T],
 keep_mask [B, T] bool, metrics)`; is_weight is float32 (float64 for float64 inputs) and 0 off the mask.
 low / high None: the method's own default bounds below (what `algo.off_policy_low/high` None means).
-A token the engine gave log-prob -inf gets log w = +20 (clamped); NaN on an action token raises. Multiply
+A token the engine gave log-prob -inf gets log w = +20 (clamped); NaN on an action token raises (host tensors:
+on an accelerator the check would stall the device once per micro-batch, and the train step's non-finite guard
+catches what reaches the loss). Multiply
 the per-token policy loss by is_weight (pass it as `PolicyLossInputs.is_weight`) and use
 `action_mask & keep_mask` as its mask; aggregate with the unmasked action mask, so the count includes
 dropped tokens as zero-loss tokens.
@@ -25,7 +27,8 @@ defaults low = 0.5, high = 5); seq-mask-TIS as in the follow-up MIS blog / verl 
 (defaults low = 0.5, high = 2). Metrics (none for `none`), all means over the action tokens of the batch
 (denominator: their count, at least 1): `is_weight_mean` (masked tokens count as weight 0), `masked_frac`, `kl_rollout_train`
 (k3 estimate of KL(pi_rollout || pi_old), tokens sampled from pi_rollout: w - 1 - log w),
-`kl_rollout_train_k1` (-log w); seq_mask_tis adds `masked_seq_frac` (of rows).
+`kl_rollout_train_k1` (-log w); seq_mask_tis adds `masked_seq_frac` (of rows). The corrections' metrics are
+0-dim tensors on the inputs' device (read one with float()); `logprob_mismatch`'s are floats.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-Metrics = dict[str, float]
+Metrics = dict[str, Tensor | float]
 
 LOG_W_CLAMP = 20.0
 
@@ -88,7 +91,7 @@ def _log_w(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor) 
         )
     mask = action_mask.bool()
     diff = _wide(old_logprobs) - _wide(rollout_logprobs)
-    rows = (diff.isnan() & mask).any(dim=1).nonzero().flatten().tolist()
+    rows = [] if diff.device.type != "cpu" else (diff.isnan() & mask).any(dim=1).nonzero().flatten().tolist()
     if rows:
         raise ValueError(
             f"off-policy correction: old_logprobs / rollout_logprobs are NaN on action tokens of rows "
@@ -103,10 +106,10 @@ def _metrics(weight: Tensor, keep: Tensor, log_w: Tensor, mask: Tensor) -> Metri
     n = m.sum().clamp(min=1)
     # KL(rollout || old) with a ~ rollout: k1 = log(rollout/old) = -log_w ; k3 = w - 1 - log w
     return {
-        "is_weight_mean": float((weight * m).sum() / n),
-        "masked_frac": float(((~keep) & mask).to(m.dtype).sum() / n),
-        "kl_rollout_train": float(((log_w.exp() - 1 - log_w) * m).sum() / n),
-        "kl_rollout_train_k1": float((-log_w * m).sum() / n),
+        "is_weight_mean": (weight * m).sum() / n,
+        "masked_frac": ((~keep) & mask).to(m.dtype).sum() / n,
+        "kl_rollout_train": ((log_w.exp() - 1 - log_w) * m).sum() / n,
+        "kl_rollout_train_k1": (-log_w * m).sum() / n,
     }
 
 
@@ -179,7 +182,7 @@ def seq_mask_tis(
     keep = keep_seq[:, None].expand_as(mask).clone()
     weight = log_w.exp().clamp(max=hi) * (keep & mask)
     metrics = _metrics(weight, keep, log_w, mask)
-    metrics["masked_seq_frac"] = float((~keep_seq & mask.any(dim=1)).float().mean())
+    metrics["masked_seq_frac"] = (~keep_seq & mask.any(dim=1)).float().mean()
     return weight, keep, metrics
 
 

@@ -7,7 +7,8 @@ Papers: Schulman et al. PPO arXiv 1707.06347 (value clipping as in the OpenAI ba
 
 Per-token loss [B, T] (0 off the mask); aggregate with `relayrl.algorithms.aggregation` (token_mean is the
 usual choice). Default clip_eps = 0.2. Metrics (denominator: this micro-batch's action-token count):
-`value_clip_frac` (tokens where the clipped term is the max and differs), `value_error` (mean of (v - G)^2).
+`value_clip_frac` (tokens where the clipped term is the max and differs), `value_error` (mean of (v - G)^2),
+0-dim tensors on the inputs' device (no host read per micro-batch).
 float16 / bfloat16 inputs are computed in float32; masked positions are never read.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-Metrics = dict[str, float]
+Metrics = dict[str, Tensor]
 
 
 def wide(x: Tensor) -> Tensor:
@@ -51,7 +52,7 @@ def value_loss(
     n = m.sum().clamp(min=1)
     with torch.no_grad():
         metrics = {
-            "value_clip_frac": float((clipped.to(m.dtype) * m).sum() / n),
-            "value_error": float((((values - ret) ** 2) * m).sum() / n),
+            "value_clip_frac": (clipped.to(m.dtype) * m).sum() / n,
+            "value_error": (((values - ret) ** 2) * m).sum() / n,
         }
     return loss, metrics

@@ -285,8 +285,15 @@ class AlgoConfig:
     """Passes over each step's experience."""
     mini_batches: int = 1
     """Optimizer steps per epoch (the experience is split into this many mini-batches)."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (packed sequences); the loss is normalised over the mini-batch."""
+    micro_batch_tokens: int = 0
+    """Token budget of one training micro-batch (packed sequences); the loss is normalised over the
+    mini-batch, so the split does not change the update. 0 (auto): 4096 on a CPU; on a CUDA device picked
+    from the model's shape and the free memory at the first pass, 4096 to 65536 (relayrl/models/budget.py;
+    logged). Lower it if the update runs out of memory."""
+    infer_micro_batch_tokens: int = 0
+    """Token budget of one no-gradient forward (old, reference and teacher log-probs, critic values). 0
+    (auto): micro_batch_tokens on a CPU, 4 x its (resolved) value on a CUDA device (no activations are kept
+    for a backward)."""
     value_clip: float = 0.2
     """Value clipping range of the critic loss (gae)."""
 

@@ -63,6 +63,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from relayrl.data.packing import check_layout
 from relayrl.models import sequence_parallel as sp
 from relayrl.models.logprobs import head_logprobs
+from relayrl.models.packed_rows import skip_packed_detection
 from relayrl.models.value_head import head_values
 from relayrl.rollout.exact import ExactRunner
 
@@ -208,6 +209,7 @@ def _varlen_mask(*args: Any, **kwargs: Any) -> Tensor | None:
 def _register() -> None:
     AttentionInterface.register(ATTN_NAME, varlen_attention)
     AttentionMaskInterface.register(ATTN_NAME, _varlen_mask)
+    skip_packed_detection(_IN_VARLEN_FORWARD.get)  # its mask is None there: no device sync to detect packing
 
 
 # ---------------------------------------------------------------- choosing and applying a layout
@@ -312,8 +314,7 @@ def _varlen_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
     counts = torch.tensor(lengths)
     positions = (torch.arange(int(starts[-1])) - torch.repeat_interleave(starts[:-1].long(), counts))[lo:hi]
     ids = sp.pad_to(ids, padded, 0)[lo:hi]
-    cu = to_device(starts, device)
-    max_len = max(lengths)
+    cu, max_len = to_device(starts, device), max(lengths)
     token = _IN_VARLEN_FORWARD.set(True)
     try:
         out = trunk(
@@ -335,7 +336,7 @@ def _padded_hidden(trunk: Any, ids: Tensor, lengths: list[int]) -> Tensor:
     rows = torch.nn.utils.rnn.pad_sequence(list(ids.split(lengths)), batch_first=True)
     real = (
         torch.arange(rows.shape[1], device=ids.device)[None]
-        < torch.tensor(lengths, device=ids.device)[:, None]
+        < to_device(torch.tensor(lengths), ids.device)[:, None]
     )
     hidden = trunk(input_ids=rows, attention_mask=None, use_cache=False)
     return hidden[real]
@@ -438,12 +439,11 @@ def token_logprobs(
     hidden = _hidden(model, seqs, layout)
     tokens = torch.cat(list(seqs)).long()
     vocab = head.weight.shape[0]
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):  # checked on the host
-        raise ValueError(
-            f"token ids must lie in [0, {vocab}); got [{int(tokens.min())}, {int(tokens.max())}]"
-        )
+    bounds = torch.stack([tokens.min(), tokens.max()]).tolist() if tokens.numel() else [0, 0]  # one read
+    if bounds[0] < 0 or bounds[1] >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}); got {bounds}")
     first = torch.zeros(tokens.numel(), dtype=torch.bool, device=tokens.device)
-    first[torch.tensor([0, *accumulate(lengths[:-1])], device=tokens.device)] = True
+    first[to_device(torch.tensor([0, *accumulate(lengths[:-1])]), tokens.device)] = True
     # row j scores token j + 1; the last token of a sequence scores nothing (ignore_index -> logp 0)
     targets = torch.cat([tokens[1:].masked_fill(first[1:], -100), tokens.new_full((1,), -100)])
     targets, first = to_device(targets, hidden.device), to_device(first, hidden.device)

@@ -58,7 +58,7 @@ def next_token_loss(model: torch.nn.Module, batch: SFTBatch, aux_loss_coef: floa
     ):
         logp, _ = token_logprobs(model, batch.input_ids, batch.layout)
     mask = torch.cat(batch.targets)
-    mask[torch.tensor(_first_positions(batch.input_ids))] = False
+    mask[to_device(torch.tensor(_first_positions(batch.input_ids)), mask.device)] = False
     mask = to_device(mask, logp.device)
     loss_sum = -torch.where(mask, logp, 0.0).sum()
     count = mask.sum().float()

@@ -31,7 +31,7 @@ from relayrl.training.checkpoint import load_weights_into
 from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import setup_process
-from relayrl.workers.model_ops import critic_values, on_my_rows
+from relayrl.workers.model_ops import RowGather, TokenBudgets, critic_values, on_my_rows
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -50,8 +50,10 @@ class CriticSpec:
     """Critic passes over each step's experience (critic.epochs)."""
     mini_batches: int = 1
     """Optimizer steps per epoch (algo.mini_batches)."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (algo.micro_batch_tokens)."""
+    micro_batch_tokens: int = 0
+    """Token budget of one training micro-batch (algo.micro_batch_tokens; 0: auto, relayrl/models/budget.py)."""
+    infer_micro_batch_tokens: int = 0
+    """Token budget of one value forward (algo.infer_micro_batch_tokens; 0: auto)."""
     value_clip: float = 0.2
     """Value clipping range of the loss (algo.value_clip; 0 = no clipping)."""
     seed: int = 0
@@ -86,6 +88,15 @@ class CriticWorker:
         )
         self.layout, self.train = built.layout, built.train
         self.objective = ValueObjective(clip_eps=spec.value_clip or None)
+        self.budgets = TokenBudgets(
+            model=self.model,
+            device=self.device,
+            update=spec.micro_batch_tokens,
+            infer=spec.infer_micro_batch_tokens,
+            precision=self.train.precision,
+            optimizer=self.train.optimizer,
+        )
+        """Micro-batch token budgets (update, values pass), resolved at first use."""
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
 
     def _build(self, device: torch.device) -> torch.nn.Module:
@@ -109,15 +120,14 @@ class CriticWorker:
         return on_my_rows(batch, self._values)
 
     def _values(self, batch: SequenceBatch) -> Tensor:
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for rows, weight in padded_passes(
-            plan_micro_batches(batch.lengths, self.spec.micro_batch_tokens, self.layout), None
-        ):
+        out = RowGather(batch.input_ids.shape)  # on the device; one copy back to the host
+        infer = self.budgets.get()[1]
+        for rows, weight in padded_passes(plan_micro_batches(batch.lengths, infer, self.layout), None):
             with self.train.autocast():
                 v = critic_values(self.model, batch, rows, self.layout)
             if weight:
-                out[rows, : v.shape[1]] = v.float().cpu()
-        return out * batch.action_mask
+                out.put(rows, v)
+        return out.result() * batch.action_mask
 
     def update(self, exp: Rows[Experience]) -> dict[str, float]:
         """Critic epochs over the experience; returns critic/* metrics averaged over optimizer steps. Each
@@ -127,7 +137,7 @@ class CriticWorker:
         steps = 0
         for _ in range(self.spec.epochs):
             for mb, mine in parts:
-                groups = plan_micro_batches(mb.tokens.lengths, self.spec.micro_batch_tokens, self.layout)
+                groups = plan_micro_batches(mb.tokens.lengths, self.budgets.get()[0], self.layout)
                 out = self.train.step(
                     groups,
                     lambda model, batch, mb=mb: self._loss(model, mb, batch),

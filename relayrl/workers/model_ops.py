@@ -2,6 +2,8 @@
 computed on micro-batches of rows of a SequenceBatch and returned in its padded [B, T] layout.
 
     layout = choose_layout(model, device)                                 varlen (GPU) | padded (CPU)
+    budgets = TokenBudgets(model=model, device=device, update=0, infer=0)  # 0: auto (models.budget)
+    update_tokens, infer_tokens = budgets.get()                           resolved once, at the first pass
     for rows in plan_micro_batches(batch.lengths, budget, layout):        token-budget bins (data.packing)
         lp, ent = row_logprobs(model, batch, rows, layout, temperature=1.0, entropy=True)    # [R, T_rows]
         v = critic_values(critic, batch, rows, layout)                                      # [R, T_rows]
@@ -20,14 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from relayrl.data.packing import plan_micro_batches
-from relayrl.distributed.group import my_data_share, reports
+from relayrl.distributed.group import in_group, my_data_share, reports
 from relayrl.models import forward
+from relayrl.models.budget import pending_optimizer_bytes, token_budgets
 from relayrl.models.moe import moe_pass
 from relayrl.models.vlm import images_for
 from relayrl.rollout.media import ImageInputs
@@ -97,14 +101,36 @@ def masked_logprobs(
 ) -> Tensor:
     """Log-probs [B, T] (float32, CPU) of the whole batch, micro-batched by `budget`; 0 off the action mask.
     `autocast` is a context-manager factory (the role's compute precision). Under a process group every rank
-    runs the same number of forwards (padding passes; their results are dropped)."""
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    runs the same number of forwards (padding passes; their results are dropped). The micro-batches' results
+    gather on the model's device and come back to the host once (`gather_rows`), so the host never waits for
+    the device between passes."""
+    out = RowGather(batch.input_ids.shape)
     for rows, weight in padded_passes(plan_micro_batches(batch.lengths, budget, layout), None):
         with autocast():
             lp, _ = row_logprobs(model, batch, rows, layout, temperature=temperature)
         if weight:
-            out[rows, : lp.shape[1]] = lp.float().cpu()
-    return out * batch.action_mask
+            out.put(rows, lp)
+    return out.result() * batch.action_mask
+
+
+class RowGather:
+    """A [B, T] float32 result filled micro-batch by micro-batch on the device its pieces come from, read back
+    to the host once (`result`): one device-to-host copy per pass over the batch, not one per micro-batch."""
+
+    def __init__(self, shape: torch.Size | tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+        self.out: Tensor | None = None
+
+    def put(self, rows: list[int], piece: Tensor) -> None:
+        """Rows `rows` (columns [0, piece width)) := `piece` [len(rows), width]."""
+        if self.out is None:
+            self.out = torch.zeros(self.shape, dtype=torch.float32, device=piece.device)
+        idx = forward.to_device(torch.as_tensor(rows, dtype=torch.long), piece.device)
+        self.out[idx, : piece.shape[1]] = piece.float()
+
+    def result(self) -> Tensor:
+        """The filled [B, T] float32 CPU tensor (zeros where nothing was put)."""
+        return torch.zeros(self.shape, dtype=torch.float32) if self.out is None else self.out.cpu()
 
 
 def my_rows(batch: Rows[SequenceBatch]) -> list[int]:
@@ -124,3 +150,51 @@ def on_my_rows(batch: Rows[SequenceBatch], fn: Callable[[SequenceBatch], Tensor]
     out = torch.zeros((len(rows), batch.width), dtype=piece.dtype)
     out[:, : piece.shape[1]] = piece[: len(rows)]
     return out
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenBudgets:
+    """A role's micro-batch token budgets (update, inference), each as configured (0: auto), resolved once at
+    the first call of `get` (relayrl.models.budget.token_budgets): by then the engine's cache and the weights
+    are on the device, so the free memory it reads is what the passes will find."""
+
+    model: torch.nn.Module
+    """The role's model (its shape sets the activation bytes per token)."""
+    device: torch.device
+    """Where it computes."""
+    update: int
+    """Configured training budget (algo.micro_batch_tokens; 0: auto)."""
+    infer: int
+    """Configured no-gradient budget (algo.infer_micro_batch_tokens; 0: auto)."""
+    precision: str = "fp32"
+    """The role's compute precision (TrainStep.precision): bf16 halves the activation bytes."""
+    optimizer: torch.optim.Optimizer | None = None
+    """A trained role's optimizer: states not allocated yet are kept out of the memory the budget uses."""
+    resolved: tuple[int, int] | None = field(default=None, init=False)
+
+    def get(self) -> tuple[int, int]:
+        """(update tokens, inference tokens). Under a process group an automatic budget is the smallest over
+        the ranks (one all-reduce, at the first call, which every rank of a role makes in the same method):
+        the ranks of a sequence-parallel group must cut the same micro-batches."""
+        if self.resolved is None:
+            update, infer = token_budgets(
+                self.model,
+                self.device,
+                update=self.update,
+                infer=self.infer,
+                pending_bytes=pending_optimizer_bytes(self.optimizer) if self.optimizer is not None else 0,
+                compute_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
+            )
+            if in_group() and 0 in (self.update, self.infer):
+                both = torch.tensor([update, infer], dtype=torch.int64, device=_comm_device())
+                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
+                update, infer = (int(x) for x in both.tolist())
+            self.resolved = (update, infer)
+        return self.resolved
+
+
+def _comm_device() -> torch.device:
+    """Where a collective's tensor lives: the current CUDA device under NCCL, else the CPU (gloo)."""
+    if "nccl" in str(torch.distributed.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -51,6 +51,7 @@ from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
 from relayrl.distributed.weights.tensor_parallel import TensorParallelWeights, tp_groups
+from relayrl.models.budget import DEFAULT_TOKENS
 from relayrl.models.forward import to_device
 from relayrl.models.loading import pretrained, resolve_device
 from relayrl.rollout.base import RolloutEngine
@@ -69,7 +70,7 @@ from relayrl.workers.builders import (
 )
 from relayrl.workers.ema import PolicyEma
 from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
-from relayrl.workers.model_ops import masked_logprobs, on_my_rows, row_logprobs
+from relayrl.workers.model_ops import TokenBudgets, masked_logprobs, on_my_rows, row_logprobs
 from relayrl.workers.trained import RoleState, build_trained
 
 
@@ -107,6 +108,24 @@ class PolicySpec:
     async_train: bool = False
     """Rollout overlaps training (train.async_train): the engine gets its own weight copy, refreshed only at
     `sync` while its rounds are paused, so an optimizer step never changes weights under a running round."""
+
+
+def check_experience(exp: Experience) -> None:
+    """ValueError naming the field and rows when the experience's advantages or old log-probs are not finite,
+    or its reference log-probs are NaN, on an action token. These are host tensors: on an accelerator the
+    loss functions skip their own per-micro-batch check (a device sync each), so the update checks them here,
+    once; a non-finite value the model itself produces reaches the train step's non-finite guard."""
+    mask = exp.tokens.action_mask.bool()
+    for name, x, bad in (
+        ("advantages", exp.advantages, lambda t: ~torch.isfinite(t)),
+        ("old_logprobs", exp.old_logprobs, lambda t: ~torch.isfinite(t)),
+        ("ref_logprobs", exp.ref_logprobs, torch.isnan),
+    ):
+        if x is not None and (rows := (bad(x) & mask).any(dim=1).nonzero().flatten().tolist()):
+            raise ValueError(
+                f"Experience.{name} is not finite on action tokens of rows {rows[:10]} of this update's share; "
+                "check the advantage estimator / log-prob pass that produced it"
+            )
 
 
 class PolicyWorker:
@@ -160,6 +179,17 @@ class PolicyWorker:
         )
         self.layout, self.train = ("exact" if spec.rollout.exact else built.layout), built.train
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
+        # exact mode's batch-invariant forward (rollout/exact.py) attends over padded rows: not sized by `auto`
+        fixed = DEFAULT_TOKENS if self.layout == "exact" else 0
+        self.budgets = TokenBudgets(
+            model=self.model,
+            device=self.device,
+            update=a.micro_batch_tokens or fixed,
+            infer=a.infer_micro_batch_tokens or fixed,
+            precision=self.train.precision,
+            optimizer=self.train.optimizer,
+        )
+        """Micro-batch token budgets (algo.micro_batch_tokens / infer_micro_batch_tokens; 0: auto)."""
         self.ema: PolicyEma | None = None
         if spec.ema > 0:  # fp32, sharded like the policy under N ranks (relayrl.workers.ema)
             with self.train.full_precision():
@@ -227,7 +257,7 @@ class PolicyWorker:
             lambda sub: masked_logprobs(
                 self.model,
                 sub,
-                self.spec.algo.micro_batch_tokens,
+                self.infer_budget,
                 self.spec.rollout.temperature,
                 self.layout,
                 self.train.autocast,
@@ -244,6 +274,9 @@ class PolicyWorker:
         sums: dict[str, float] = {}
         steps = 0
         self._prepare_update()
+        if self.device.type != "cpu":  # (on a CPU the loss functions check them per micro-batch, for free)
+            for part, _ in parts:
+                check_experience(part)
         for _ in range(a.epochs):
             for part, real in parts:
                 for k, v in self._optimizer_step(part, kl_coef, real).items():
@@ -260,13 +293,23 @@ class PolicyWorker:
     def _optimizer_step(self, part: Experience, kl_coef: float, real: bool) -> dict[str, float]:
         """One optimizer step on this rank's share `part` of the mini-batch (all of it on one rank); `real`
         False: a padding pass (weight 0) of a rank without rows."""
-        groups = plan_micro_batches(part.tokens.lengths, self.spec.algo.micro_batch_tokens, self.layout)
+        groups = plan_micro_batches(part.tokens.lengths, self.update_budget, self.layout)
 
         def loss_fn(model: torch.nn.Module, r: list[int]) -> LossOutput:
             return self._loss(model, part, r, kl_coef)
 
         out = self.train.step(groups, loss_fn, num_real=len(groups) if real else 0)
         return {**out.metrics, "grad_norm": out.grad_norm, "loss": out.loss}
+
+    @property
+    def update_budget(self) -> int:
+        """Tokens of one training micro-batch (resolved at first use; relayrl.models.budget)."""
+        return self.budgets.get()[0]
+
+    @property
+    def infer_budget(self) -> int:
+        """Tokens of one no-gradient forward (old log-probs)."""
+        return self.budgets.get()[1]
 
     def _prepare_update(self) -> None:
         """Before training: the engine frees its KV cache (engine_sleep) and offloaded optimizer states

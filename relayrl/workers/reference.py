@@ -25,7 +25,7 @@ from relayrl.training.setup import compute_precision
 from relayrl.training.step import autocast
 from relayrl.workers.base import Rows, SequenceBatch
 from relayrl.workers.builders import build_frozen, setup_process
-from relayrl.workers.model_ops import masked_logprobs, on_my_rows
+from relayrl.workers.model_ops import TokenBudgets, masked_logprobs, on_my_rows
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,8 +34,11 @@ class ReferenceSpec:
 
     model: ModelConfig
     """The policy's model config (path, dtype)."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one forward."""
+    micro_batch_tokens: int = 0
+    """The policy's training budget (algo.micro_batch_tokens; 0: auto): the automatic inference budget is a
+    multiple of it."""
+    infer_micro_batch_tokens: int = 0
+    """Token budget of one forward (algo.infer_micro_batch_tokens; 0: auto, relayrl/models/budget.py)."""
     temperature: float = 1.0
     """The sampling temperature."""
     seed: int = 0
@@ -61,6 +64,14 @@ class ReferenceWorker:
         self.layout = choose_layout(self.model, self.device)
         prepare_model(self.model, self.layout)
         self.precision = compute_precision(spec.model.dtype, self.device)
+        self.budgets = TokenBudgets(
+            model=self.model,
+            device=self.device,
+            update=spec.micro_batch_tokens,
+            infer=spec.infer_micro_batch_tokens,
+            precision=self.precision,
+        )
+        """Micro-batch token budgets; the forwards use the inference one."""
         if grouped:  # sharded for inference: held in the inference dtype, gathered layer by layer
             d = spec.dist or DistConfig()
             shard_model(
@@ -76,7 +87,7 @@ class ReferenceWorker:
             lambda sub: masked_logprobs(
                 self.model,
                 replace(sub, routes=None),  # routes a MoE reference itself: recorded routes are the policy's
-                self.spec.micro_batch_tokens,
+                self.infer_budget,
                 self.spec.temperature,
                 self.layout,
                 lambda: autocast(self.precision, self.device),
@@ -85,3 +96,8 @@ class ReferenceWorker:
         if is_sharded(self.model):
             hf_model(self.model).reshard()  # the root unit stays gathered after an inference forward
         return out
+
+    @property
+    def infer_budget(self) -> int:
+        """Tokens of one forward (resolved at first use; relayrl.models.budget)."""
+        return self.budgets.get()[1]

@@ -1,5 +1,6 @@
 """PolicyObjective / ValueObjective: the registry pieces composed into one micro-batch's (loss_sum, count,
-metrics), against hand-worked values in float64 (rtol 1e-12), plus micro-batch invariance."""
+metrics), against hand-worked values in float64 (rtol 1e-12), plus micro-batch invariance; on the meta device
+the whole objective runs without a host read (what keeps a GPU update's micro-batch loop free of syncs)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,30 @@ def test_value_objective_is_the_clipped_value_loss_token_mean():
     close(values.grad, torch.tensor([[0.0, 1.0, 0.0]], dtype=F64))
     unclipped = ValueObjective(clip_eps=None)(terms)
     close(unclipped.loss_sum, 0.5 * 1.0 + 0.5 * 1.0)
+
+
+def test_policy_objective_reads_nothing_back_to_the_host():
+    """On the meta device any host read (.item(), bool(), float(), .tolist()) raises: the whole objective
+    (checks, PPO clip, k3 KL loss, entropy, TIS weights and every metric) must stay on the device."""
+    meta = torch.device("meta")
+    shape = (3, 5)
+    terms = PolicyTerms(
+        logprobs=torch.zeros(shape, device=meta, requires_grad=True),
+        action_mask=torch.ones(shape, dtype=torch.bool, device=meta),
+        advantages=torch.zeros(shape, device=meta),
+        rollout_logprobs=torch.zeros(shape, device=meta),
+        old_logprobs=torch.zeros(shape, device=meta),
+        entropy=torch.zeros(shape, device=meta),
+        ref_logprobs=torch.zeros(shape, device=meta),
+    )
+    obj = PolicyObjective(
+        aggregation="seq_mean_token_mean",
+        kl_loss_estimator="k3",
+        entropy_coef=0.01,
+        off_policy="tis",
+        dual_clip=3.0,
+    )
+    out = obj(terms, kl_coef=0.1)
+    assert out.loss_sum.device == meta
+    assert {"clip_frac", "kl_loss", "entropy", "is_weight_mean", "policy_loss"} <= set(out.metrics)
+    assert all(isinstance(v, torch.Tensor) and v.device == meta for v in out.metrics.values())

@@ -343,3 +343,13 @@ def test_engine_tp_needs_separate_engines_of_a_tensor_parallel_engine():
         parse_cli(RLConfig, [*BASE, *ray, "--rollout.engine", "vllm"])
     )  # vllm not imported
     assert (resolved.dist.engine_tp, resolved.rollout.engine) == (2, "vllm")
+
+
+def test_config_accepts_auto_and_names_a_negative_budget():
+    a = validate_rl(parse_cli(RLConfig, BASE)).algo
+    assert (a.micro_batch_tokens, a.infer_micro_batch_tokens) == (0, 0)
+    for name in ("micro_batch_tokens", "infer_micro_batch_tokens"):
+        with pytest.raises(
+            ConfigError, match=rf"algo\.{name}: -1 is invalid; expected 0 \(auto\) or an int >= 1"
+        ):
+            validate_rl(parse_cli(RLConfig, [*BASE, f"--algo.{name}", "-1"]))

@@ -5,6 +5,7 @@
 - The policy-objective gradient of a mini-batch does not depend on how it is split into token-budget
   micro-batches (sum of loss_sum over the micro-batches / sum of count, the training core's contract), for
   each aggregation.
+- RowGather: the pieces of a pass land in their rows on the device and come back to the host once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from relayrl.data.packing import plan_micro_batches
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import SequenceBatch
 from relayrl.workers.builders import build_policy_objective
-from relayrl.workers.model_ops import row_logprobs
+from relayrl.workers.model_ops import RowGather, row_logprobs
 
 
 def _batch(lengths: list[int], prompt: int = 3, seed: int = 0) -> SequenceBatch:
@@ -90,3 +91,15 @@ def test_policy_gradient_is_invariant_to_micro_batching(tiny_model, tmp_path, ag
     assert n1 == 1 and n2 == 5  # one micro-batch vs one per sequence
     for a, b in zip(whole, split, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_row_gather_puts_pieces_in_their_rows():
+    g = RowGather((4, 6))
+    a, b = torch.arange(6.0).reshape(2, 3), -torch.arange(8.0).reshape(2, 4)
+    g.put([0, 2], a)
+    g.put([3, 1], b)
+    want = torch.zeros(4, 6)
+    want[[0, 2], :3] = a
+    want[[3, 1], :4] = b
+    assert torch.equal(g.result(), want) and g.result().device.type == "cpu"
+    assert torch.equal(RowGather((2, 3)).result(), torch.zeros(2, 3))

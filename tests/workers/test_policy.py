@@ -31,7 +31,7 @@ from relayrl.config.presets import tiny_cpu_config
 from relayrl.data.records import PromptSample
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import Experience, SequenceBatch, collate
-from relayrl.workers.policy import PolicySpec, PolicyWorker
+from relayrl.workers.policy import PolicySpec, PolicyWorker, check_experience
 
 T = 0.7  # sampling temperature: log-probs are of softmax(logits / T)
 
@@ -330,3 +330,24 @@ def test_reported_lr_is_the_lr_the_step_used(tiny_model_path, tmp_path):
     w = _warmup_worker(tiny_model_path, tmp_path)
     m = w.update(_experience(_handmade_batch()), kl_coef=0.0)
     assert m["train/lr"] == pytest.approx(1e-3 * 1 / 4)
+
+
+def test_check_experience_names_the_field_and_rows():
+    """On an accelerator the update checks the experience's host tensors once (the loss functions skip their
+    per-micro-batch check there): non-finite advantages / old log-probs, NaN reference log-probs, on action
+    tokens only."""
+    batch = _handmade_batch()
+    exp = _experience(batch, old=torch.zeros(batch.input_ids.shape))
+    check_experience(exp)  # clean
+    exp.advantages[2, 0] = float("nan")  # off the action mask (a prompt token): ignored
+    exp.ref_logprobs = torch.full(batch.input_ids.shape, -float("inf"))  # -inf is not NaN: allowed
+    check_experience(exp)
+    exp.advantages[1, 4] = float("inf")
+    with pytest.raises(
+        ValueError, match=r"Experience\.advantages is not finite on action tokens of rows \[1\]"
+    ):
+        check_experience(exp)
+    exp.advantages[1, 4] = 0.0
+    exp.ref_logprobs[0, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"Experience\.ref_logprobs .* rows \[0\]"):
+        check_experience(exp)

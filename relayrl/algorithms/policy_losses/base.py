@@ -12,25 +12,30 @@ the whole optimizer step. All variants take the same keyword arguments:
   [2e-9, 4.9e8]) before exp, so a stale or broken token cannot produce inf/nan. Gradients through clamped
   positions are 0.
 
-Metrics (floats; means divide by this micro-batch's action-token count, 0 / 1.0 when it has none):
+Metrics (0-dim tensors on the inputs' device, so a micro-batch of the update reads nothing back to the host;
+`float(m[name])` reads one; means divide by this micro-batch's action-token count, 0 / 1.0 when it has none):
 `clip_frac` (tokens whose gradient is cut by the clip), `ratio_mean`, `ratio_min`, `ratio_max`, `approx_kl`
 (k3 of pi_old -> pi: mean(r - 1 - log r)).
 
 Numerics: float16 / bfloat16 inputs are computed (and the loss returned) in float32, float64 stays float64.
-Non-finite values on action tokens raise a ValueError naming the field and rows; masked positions (padding)
+Non-finite values on action tokens raise a ValueError naming the field and rows when the inputs are host
+tensors; on an accelerator the check would stall the device once per micro-batch, so there a non-finite value
+reaches the loss and the train step's non-finite guard skips the update (relayrl/training/step.py; the policy
+worker checks the experience's own tensors once per update, on the host). Masked positions (padding)
 are replaced by 0 before any arithmetic, so garbage there reaches neither the loss nor its gradient. An empty
 mask gives a zero loss.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-Metrics = dict[str, float]
+Metrics = dict[str, Tensor]
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -78,9 +83,11 @@ def check_inputs(inputs: PolicyLossInputs) -> None:
             raise ValueError(
                 f"PolicyLossInputs.{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (logprobs)"
             )
+    if inputs.logprobs.device.type != "cpu":  # a host read per micro-batch: left to the step's guard
+        return
     mask = inputs.action_mask.bool()
     bad = {n: ~torch.isfinite(x.detach()) & mask for n in _FIELDS if (x := getattr(inputs, n)) is not None}
-    if bool(torch.stack([b.any() for b in bad.values()]).any()):  # one device sync on the happy path
+    if bool(torch.stack([b.any() for b in bad.values()]).any()):
         name, b = next((n, b) for n, b in bad.items() if b.any())
         rows = b.any(dim=1).nonzero().flatten().tolist()
         raise ValueError(
@@ -131,12 +138,13 @@ def finish(
         lr = log_ratio.detach()
         ratio = lr.exp()
         m = inputs.action_mask.bool()
-        any_tok = bool(m.any())
+        any_tok = m.any()
+        one = ratio.new_ones(())  # min / max of an empty mask: 1.0, without reading the mask on the host
         metrics = {
-            "clip_frac": float(masked_mean(clipped.to(lr.dtype), m)),
-            "ratio_mean": float(masked_mean(ratio, m)),
-            "ratio_min": float(ratio[m].min()) if any_tok else 1.0,
-            "ratio_max": float(ratio[m].max()) if any_tok else 1.0,
-            "approx_kl": float(masked_mean(ratio - 1 - lr, m)),
+            "clip_frac": masked_mean(clipped.to(lr.dtype), m),
+            "ratio_mean": masked_mean(ratio, m),
+            "ratio_min": torch.where(any_tok, ratio.masked_fill(~m, math.inf).amin(), one),
+            "ratio_max": torch.where(any_tok, ratio.masked_fill(~m, -math.inf).amax(), one),
+            "approx_kl": masked_mean(ratio - 1 - lr, m),
         }
     return loss, metrics

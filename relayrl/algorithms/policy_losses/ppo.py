@@ -60,7 +60,7 @@ def ppo_clip(
         dual_frac = masked_mean(capped.to(ratio.dtype), inputs.action_mask.bool())
     loss, metrics = finish(loss, inputs, log_ratio, clipped)
     if dual_frac is not None:
-        metrics["dual_clip_frac"] = float(dual_frac)
+        metrics["dual_clip_frac"] = dual_frac
     return loss, metrics
 
 

@@ -153,6 +153,7 @@ def build_roles(
             ref_spec = ReferenceSpec(
                 model=cfg.model,
                 micro_batch_tokens=algo.micro_batch_tokens,
+                infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
                 temperature=cfg.rollout.temperature,
                 dist=cfg.dist,
                 **run,
@@ -164,6 +165,7 @@ def build_roles(
             teacher_spec = ReferenceSpec(
                 model=teacher_model,
                 micro_batch_tokens=algo.micro_batch_tokens,
+                infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
                 temperature=cfg.rollout.temperature,
                 dist=cfg.dist,
                 **run,
@@ -178,6 +180,7 @@ def build_roles(
                 epochs=cfg.critic.epochs,
                 mini_batches=algo.mini_batches,
                 micro_batch_tokens=algo.micro_batch_tokens,
+                infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
                 value_clip=algo.value_clip,
                 total_steps=total_steps,
                 dist=cfg.dist,

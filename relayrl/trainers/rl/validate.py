@@ -241,10 +241,16 @@ def _check_sizes(cfg: RLConfig) -> None:
             f"rollout.engine_slots: {r.engine_slots} is invalid; expected 0 (auto) or an int >= 1",
             field="rollout.engine_slots",
         )
-    for name in ("epochs", "mini_batches", "micro_batch_tokens"):
+    for name in ("epochs", "mini_batches"):
         if getattr(a, name) < 1:
             raise ConfigError(
                 f"algo.{name}: {getattr(a, name)} is invalid; expected an int >= 1", field=f"algo.{name}"
+            )
+    for name in ("micro_batch_tokens", "infer_micro_batch_tokens"):
+        if getattr(a, name) < 0:
+            raise ConfigError(
+                f"algo.{name}: {getattr(a, name)} is invalid; expected 0 (auto) or an int >= 1",
+                field=f"algo.{name}",
             )
 
 
