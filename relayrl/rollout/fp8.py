@@ -141,7 +141,8 @@ class FP8Linear:
     order: q/k/v, gate/up). Holds W_q [N, K] fp8 and s_w [N] fp32 (and, emulated, W_q * s_w in the model
     dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says.
     `quantizer`: the activations' (quantize_rows or its kernel); `kernels`: the refresh quantises through
-    fp8_kernels.quantize_rows_into (no temporaries); `fast_accum`: torch._scaled_mm's use_fast_accum."""
+    fp8_kernels.quantize_rows_into (no temporaries); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
+    FAST_ACCUM)."""
 
     def __init__(
         self,
@@ -150,12 +151,13 @@ class FP8Linear:
         emulate: bool,
         quantizer: Quantizer = quantize_rows,
         kernels: bool = False,
-        fast_accum: bool = FAST_ACCUM,
+        fast_accum: bool | None = None,
     ) -> None:
         self.linears = list(linears)
         self.emulate = emulate
         self.quantizer = quantizer
-        self.kernels, self.fast_accum = kernels, fast_accum
+        self.kernels = kernels
+        self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
         w0 = self.linears[0].weight
         self.dtype, self.device = w0.dtype, w0.device
         self.rows = [m.weight.shape[0] for m in self.linears]
@@ -264,16 +266,17 @@ class FP8Runner(DecoderRunner):
         emulate: bool | None = None,
         quant_kernels: bool = True,
         kernels: bool | None = False,
-        fast_accum: bool = FAST_ACCUM,
+        fast_accum: bool | None = None,
     ) -> None:
         """`emulate`: quantise-dequantise instead of fp8 GEMMs (None: on a CPU; a CUDA device below 8.9
         raises FP8Unsupported); `quant_kernels`: the GPU path's quantisers as fp8_kernels.py's Triton kernels
         where triton runs (else the torch functions); `kernels`: DecoderRunner's fused decode kernels around
-        the projections (rollout/kernels.py); `fast_accum`: torch._scaled_mm's use_fast_accum."""
+        the projections (rollout/kernels.py); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
+        FAST_ACCUM)."""
         super().__init__(model, max_len, decode_attention, kernels=kernels)
         real = check_device(self.device)
         self.emulate = (not real) if emulate is None else emulate
-        self.fast_accum = fast_accum
+        self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
         self.quant_kernels = quant_kernels and not self.emulate and fp8_kernels.usable(self.device)
         """The activation quantisers and the refresh run fp8_kernels.py's Triton kernels."""
         quantizer = fp8_kernels.quantize_rows if self.quant_kernels else quantize_rows
