@@ -55,18 +55,19 @@ def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def eager() -> None:
+        for _ in range(reps):
+            fn()
+
+    run: Callable[[], object] = eager
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        run: Callable[[], object] = graph.replay
+            eager()
+        run = graph.replay
     except Exception:  # a capture that fails: time eager calls (launch cost included)
-
-        def run() -> None:
-            for _ in range(reps):
-                fn()
-
+        pass
     run()
     times = []
     for _ in range(5):

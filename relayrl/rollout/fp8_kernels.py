@@ -74,7 +74,7 @@ def _quantize_rows_kernel(
         m = cols < n_cols
         acc = tl.maximum(acc, tl.abs(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU)))
     amax = tl.max(acc, 0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
     tl.store(s_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
