@@ -7,7 +7,8 @@ bf16 weights (std 0.02, as the bench model) and activations (unit-RMS rows, as a
 projection's input is silu(gate) * up of such rows):
   - time (us per call, a CUDA graph of 20 calls replayed, so launch overhead is out): the bf16 GEMM
     (F.linear), the fp8 GEMM (torch._scaled_mm row-wise, fast and slow accumulation, operands quantised
-    beforehand), the activation quantiser (fp8_kernels.py's Triton kernel and the torch ops it replaces);
+    beforehand), the activation quantiser (fp8_kernels.py's Triton kernel and the torch ops it replaces), and
+    for comparison cuBLAS's per-tensor fp8 GEMM with a separate row-scaling pass (an alternative backend);
   - error (relative Frobenius against an fp32 GEMM with TF32 off): `bf16` the bf16 GEMM against the exact
     product of the bf16 operands; `fp8_fast` / `fp8_slow` the fp8 GEMM against the same exact product (what
     the engine adds: the e4m3 roundings, ~0.038 expected, 13x bf16's ~0.003); `acc_fast` / `acc_slow` the fp8
@@ -113,9 +114,22 @@ def gemm_row(name: str, n: int, k: int, bias: bool, m: int, gen: torch.Generator
             xq, wq.t(), scale_a=xs, scale_b=ws[None, :], bias=b, out_dtype=torch.bfloat16, use_fast_accum=fast
         )
 
+    one = torch.ones((), device=dev)
+
+    def tensorwise() -> torch.Tensor:  # cuBLAS's fp8 GEMM (per-tensor scales), the row-wise scales left out
+        return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
+            xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True
+        )
+
     row["bf16_us"] = graph_us(lambda: F.linear(x, w, b))
     row["fp8_fast_us"] = graph_us(lambda: mm(True))
     row["fp8_slow_us"] = graph_us(lambda: mm(False))
+    try:  # the alternative to CUTLASS's row-wise kernel: cuBLAS + a separate scaling pass (not in the engine)
+        y = tensorwise()
+        row["cublas_tensorwise_us"] = graph_us(tensorwise)
+        row["rescale_pass_us"] = graph_us(lambda: (y.float() * xs * ws).to(torch.bfloat16))
+    except Exception as e:  # diagnostic only
+        row["cublas_tensorwise_us"] = f"{type(e).__name__}: {e}"[:200]
     row["quant_triton_us"] = graph_us(lambda: triton_q(quant_in))
     row["quant_torch_us"] = graph_us(lambda: torch_q(quant_in))
     tf32 = torch.backends.cuda.matmul.allow_tf32  # fp32 reference GEMMs in full fp32
@@ -157,7 +171,8 @@ def gemm_line(r: dict) -> str:
         return f"gemm {r['gemm']:7s} M={r['m']:<5d} ERROR {r['error']}"
     return (
         f"gemm {r['gemm']:7s} M={r['m']:<5d} bf16 {r['bf16_us']:8.1f}us  fp8 fast {r['fp8_fast_us']:8.1f}us "
-        f"slow {r['fp8_slow_us']:8.1f}us  quant triton {r['quant_triton_us']:6.1f}us torch {r['quant_torch_us']:6.1f}us"
+        f"slow {r['fp8_slow_us']:8.1f}us cublas-tw {r.get('cublas_tensorwise_us')}+{r.get('rescale_pass_us')}us"
+        f"  quant triton {r['quant_triton_us']:6.1f}us torch {r['quant_torch_us']:6.1f}us"
         f"  | err bf16 {r['err_bf16']:.4f} fp8 {r['err_fp8_fast']:.4f}/{r['err_fp8_slow']:.4f} (fast/slow)"
         f"  acc {r['acc_fast']:.4f}/{r['acc_slow']:.4f}  quant_equal {r['quant_equal']}"
     )

@@ -11,7 +11,8 @@ fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then
   - build the native engine over the model (max_slots = prompts, max_seq_len = prompt + new tokens, CUDA
     graphs, the fused decode kernels where triton imports, --fused-kernels off for the plain ops; fp8: the
     projections quantised on the device, the per-token activation quantisers as Triton kernels, fast
-    accumulation; engine "fp8-slowacc": the same with torch._scaled_mm's slow accumulation);
+    accumulation; engine "fp8-slowacc": the same with torch._scaled_mm's slow accumulation, "fp8-cublas":
+    cuBLAS's per-tensor fp8 GEMM plus a rescaling kernel instead of CUTLASS's row-wise one, fp8.GEMM);
   - workload: --prompts random prompts of --prompt-len tokens -> exactly --new-tokens new tokens each,
     temperature 1, log-probs; one warm-up round, --rounds timed rounds (fresh prompts each), one prefill-only
     round: tokens/s median and decode ms per step (bench/rollout.py's definitions);
@@ -64,7 +65,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add = ap.add_argument
     add("--shape", default="7b", help="tiny | 0.5b | 7b | 32b (bench/rollout_engines.py SHAPES)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8, fp8-slowacc")
+    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8, fp8-slowacc, fp8-cublas")
     add("--gemm-check", action="store_true", help="per-GEMM time and error at 7B widths first (GPU)")
     add("--profile", action="store_true", help="each engine's decode-step profile after its rounds (GPU)")
     add("--prompts", type=int, default=256)
@@ -117,7 +118,8 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
     opts: dict = {"quantization": "fp8"} if name.startswith("fp8") else {}
     if args.fused_kernels == "off":
         opts["fused_kernels"] = False
-    fp8.FAST_ACCUM = name != "fp8-slowacc"  # read when the engine's FP8Linears are built
+    fp8.FAST_ACCUM = name != "fp8-slowacc"  # both read when the engine's FP8Linears are built
+    fp8.GEMM = "cublas" if name == "fp8-cublas" else "cutlass"
     runner = native_runner(model, [wl], tp=1, opts=opts)
     try:
         engine = runner.impl
@@ -127,7 +129,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
             r = engine.runner
             row.update(
                 fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quant_kernels=r.quant_kernels,
-                fast_accum=r.fast_accum,
+                fast_accum=r.fast_accum, gemm=fp8.GEMM,
             )  # fmt: skip
         timing, samples = time_rounds(runner, wl, vocab, args.rounds)
         row.update(timing)
@@ -231,7 +233,7 @@ def summary_line(name: str, row: dict) -> str:
         return f"[{name}] ERROR {row['error']}"
     mm = row.get("mismatch", {})
     fp8_bits = (
-        f" | fp8 GEMMs {row['fp8_gemms']} quant_kernels {row['quant_kernels']} fast_accum {row['fast_accum']}"
+        f" | fp8 GEMMs {row['fp8_gemms']} ({row['gemm']}) quant_kernels {row['quant_kernels']} fast_accum {row['fast_accum']}"
         f" skipped {len(row['skipped'])}"
         if "fp8_gemms" in row
         else ""

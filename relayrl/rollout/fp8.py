@@ -85,6 +85,10 @@ QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization's values."""
 FAST_ACCUM = True
 """torch._scaled_mm's use_fast_accum on the GPU path (module doc, "Speed"); False: the fp32-promoting kernel."""
+GEMM = "cutlass"
+"""The GPU path's fp8 GEMM: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in its epilogue)
+or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then fp8_kernels.rescale: one more pass
+over the output; bench/fp8_rollout.py's "fp8-cublas" engine measures it against the default)."""
 
 
 class FP8Unsupported(RuntimeError):
@@ -142,7 +146,7 @@ class FP8Linear:
     dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says.
     `quantizer`: the activations' (quantize_rows or its kernel); `kernels`: the refresh quantises through
     fp8_kernels.quantize_rows_into (no temporaries); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
-    FAST_ACCUM)."""
+    FAST_ACCUM); `gemm`: "cutlass" or "cublas" (None: GEMM)."""
 
     def __init__(
         self,
@@ -152,12 +156,16 @@ class FP8Linear:
         quantizer: Quantizer = quantize_rows,
         kernels: bool = False,
         fast_accum: bool | None = None,
+        gemm: str | None = None,
     ) -> None:
         self.linears = list(linears)
         self.emulate = emulate
         self.quantizer = quantizer
         self.kernels = kernels
         self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
+        self.gemm = GEMM if gemm is None else gemm
+        if self.gemm not in ("cutlass", "cublas"):
+            raise ValueError(f"FP8Linear: gemm={self.gemm!r}; choose 'cutlass' or 'cublas'")
         w0 = self.linears[0].weight
         self.dtype, self.device = w0.dtype, w0.device
         self.rows = [m.weight.shape[0] for m in self.linears]
@@ -179,6 +187,8 @@ class FP8Linear:
         """W_q^T [K, N]: the column-major second operand torch._scaled_mm wants (a view)."""
         self.scale_row = self.scale[None, :]
         """s_w as [1, N] (a view): _scaled_mm's row-wise scale_b."""
+        self.one = torch.ones((), dtype=torch.float32, device=self.device)
+        """The unit per-tensor scale of the "cublas" GEMM."""
         self.refresh()
 
     @torch.no_grad()
@@ -212,7 +222,13 @@ class FP8Linear:
 
     def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
-        scales and the bias applied in the GEMM's epilogue."""
+        scales and the bias applied in the GEMM's epilogue ("cublas": by fp8_kernels.rescale after it)."""
+        if self.gemm == "cublas":
+            acc = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
+                xq, self.qweight_t, scale_a=self.one, scale_b=self.one, out_dtype=torch.float32,
+                use_fast_accum=self.fast_accum,
+            )  # fmt: skip
+            return fp8_kernels.rescale(acc, xs, self.scale, self.bias, dtype)
         return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
             xq, self.qweight_t, scale_a=xs, scale_b=self.scale_row, bias=self.bias, out_dtype=dtype,
             use_fast_accum=self.fast_accum,

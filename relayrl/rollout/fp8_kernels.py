@@ -7,6 +7,9 @@ functions they replace, as plain kernel launches.
     silu_mul_quantize(gu [M, 2I]) -> (h_q [M, I], s [M, 1])          = fp8.silu_mul_quantize
     quantize_rows_into(w [N, K], q_out [N, K], s_out [N])            the weight refresh: straight into the
                                                                      engine's fp8 buffers, no temporaries
+    rescale(acc [M, N] fp32, s_x [M, 1], s_w [N], bias, dtype)        acc * s_x * s_w + bias in `dtype`: the
+                                                                     epilogue of fp8.py's "cublas" GEMM (cuBLAS's
+                                                                     per-tensor fp8 GEMM has no row-wise scales)
 
 Why kernels and not torch.compile (the first version compiled the torch functions with dynamic shapes):
 Dynamo guards every compiled function on the grad mode, the 0/1 size of M (decode batch 1), inference
@@ -37,7 +40,7 @@ from relayrl.rollout.kernels import _jit, _pow2, tl, usable
 
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["quantize_rows", "quantize_rows_into", "silu_mul_quantize", "usable"]
+__all__ = ["quantize_rows", "quantize_rows_into", "rescale", "silu_mul_quantize", "usable"]
 
 
 @_jit
@@ -134,3 +137,38 @@ def quantize_rows_into(w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor
         )
     if w.shape[0]:
         _launch(w, q_out, s_out, w.shape[1], silu=False)
+
+
+@_jit
+def _rescale_kernel(
+    acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, n_cols, sa, so, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    acc = tl.load(acc_ptr + row * sa + cols, mask=m, other=0.0)
+    y = (
+        acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + cols, mask=m, other=0.0)
+    )  # (acc * s_x) * s_w: CUTLASS's
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * so + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rescale(
+    acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """acc [M, N] fp32 (x_q @ W_q^T) -> (acc * s_x [M, 1] * s_w [N] + bias [N]) in `dtype`, one kernel (the torch
+    ops where the kernels cannot run)."""
+    if not usable(acc.device):
+        y = acc * xs * ws
+        return (y if bias is None else y + bias.float()).to(dtype)
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    n = acc.shape[1]
+    block = min(1024, _pow2(n, 16))
+    if acc.shape[0]:
+        _rescale_kernel[(acc.shape[0], -(-n // block))](
+            acc, xs, ws, acc if bias is None else bias, out, n, acc.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out

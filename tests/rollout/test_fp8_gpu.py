@@ -59,10 +59,11 @@ def test_scaled_mm_matches_the_emulation_on_the_same_operands():
         assert 1e-3 < _rel(got, torch.nn.functional.linear(x, w, b)) < 0.08
 
 
-@pytest.mark.parametrize("fast_accum", [True, False])
-def test_scaled_mm_at_7b_widths(fast_accum):
-    """q/k/v (4608 x 3584, bias) and down (3584 x 18944) at decode and prefill row counts: the real GEMM
-    against the emulation (<= 1e-2) and against the exact product of the bf16 operands ([0.02, 0.05])."""
+@pytest.mark.parametrize(("fast_accum", "gemm"), [(True, "cutlass"), (False, "cutlass"), (True, "cublas")])
+def test_scaled_mm_at_7b_widths(fast_accum, gemm):
+    """q/k/v (4608 x 3584, bias) and down (3584 x 18944) at decode and prefill row counts, through each GEMM
+    backend (fp8.GEMM): the real GEMM against the emulation (<= 1e-2) and against the exact product of the bf16
+    operands ([0.02, 0.05])."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     for k, sizes, bias in ((3584, (3584, 512, 512), True), (18944, (3584,), False)):
         lins = [torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16) for n in sizes]
@@ -72,7 +73,7 @@ def test_scaled_mm_at_7b_widths(fast_accum):
                 if bias:
                     m.bias.normal_(0, 0.02, generator=gen)
         real = FP8Linear(lins, emulate=False, quantizer=fp8_kernels.quantize_rows, kernels=True,
-                         fast_accum=fast_accum)  # fmt: skip
+                         fast_accum=fast_accum, gemm=gemm)  # fmt: skip
         emulated = FP8Linear(lins, emulate=True)
         assert torch.equal(real.scale, emulated.scale)
         w = torch.cat([m.weight for m in lins]).float()

@@ -139,6 +139,31 @@ def test_gpu_path_quantises_through_the_kernels_in_every_grad_mode_without_torch
     assert torch.equal(lin.scale, quantize_rows(torch.cat([m.weight for m in lin.linears]).detach())[1][:, 0])
 
 
+@needs_kernels
+def test_rescale_kernel_and_the_cublas_gemm_path():
+    """fp8_kernels.rescale against its torch form (the same fp32 products in the same order: equal), and
+    FP8Linear(gemm="cublas") (per-tensor GEMM, fp32 out, then rescale) against the emulation on the same fp8
+    operands, in fp32 where this CPU build runs torch._scaled_mm: relative error <= 1e-5 (summation order)."""
+    gen = torch.Generator().manual_seed(5)
+    acc = torch.randn(5, 300, generator=gen).to(DEV) * 1e4
+    xs, ws, b = (torch.rand(5, 1, generator=gen) + 0.1).to(DEV), torch.rand(300, generator=gen).to(DEV), None
+    for bias in (None, torch.randn(300, generator=gen).to(DEV)):
+        want = acc * xs * ws + (0.0 if bias is None else bias)
+        assert torch.equal(fp8_kernels.rescale(acc, xs, ws, bias, torch.float32), want)
+        b = bias
+    lins = [torch.nn.Linear(64, n, bias=True).to(DEV) for n in (64, 32, 32)]
+    cublas, emulated = FP8Linear(lins, emulate=False, gemm="cublas"), FP8Linear(lins, emulate=True)
+    x = torch.randn(7, 64, generator=gen).to(DEV)
+    try:
+        got = cublas(x)
+    except (NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"torch._scaled_mm (per-tensor, fp32 out) does not run on this build: {e}")
+    want = emulated(x)
+    assert b is not None and float((got - want).norm() / want.norm()) <= 1e-5
+    with pytest.raises(ValueError, match="gemm='cudnn'"):
+        FP8Linear(lins, emulate=False, gemm="cudnn")
+
+
 # ------------------------------------------------------------------------------------------- 7B widths
 def _linear(k: int, n: int, bias: bool, gen: torch.Generator) -> torch.nn.Linear:
     lin = torch.nn.Linear(k, n, bias=bias)
