@@ -118,10 +118,12 @@ def check_device(device: torch.device) -> bool:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (x_q [..., K] float8_e4m3fn, scale [..., 1] fp32) with x ~ x_q * scale, one scale per row:
-    max |row| / 448 (an all-zero row gets scale 1 and zeros)."""
+    max |row| / 448 (an all-zero row gets scale 1 and zeros). Both divisions are IEEE fp32 divisions on every
+    device (fp8_kernels.py's kernel computes the same bytes): 448 is divided as a tensor, because CUDA torch
+    turns a division by a Python scalar into a multiplication by its rounded reciprocal (1 ulp off)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -61,7 +61,9 @@ def _load_row(x_ptr, row, cols, m, n_cols, sx, SILU: tl.constexpr):
     if SILU:
         g = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * sx + n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        s = (
+            tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        )  # torch: IEEE division
         return (s * u).to(x_ptr.dtype.element_ty).to(tl.float32)
     return tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
 
