@@ -3,13 +3,16 @@ log-prob mismatch each engine adds against the trainer's bf16 forward, on the sa
 
     python bench/fp8_rollout.py                                  # Qwen2.5-7B shape, random bf16 weights, one GPU
     python bench/fp8_rollout.py --shape tiny --device cpu --prompts 8 --new-tokens 16 --rounds 1   # CPU smoke run
+    python bench/fp8_rollout.py --gemm-check --profile            # + per-GEMM check at 7B widths, step profile
 
 Setup (bench/rollout.py's shapes, model builder, workload, timing and mismatch code, bench/rollout_engines.py):
 one random-weight bf16 model of the shape (seed 0), frozen (an engine's own copy: the bf16 engine runs its
 fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then fp8 (the other one closed first):
   - build the native engine over the model (max_slots = prompts, max_seq_len = prompt + new tokens, CUDA
     graphs, the fused decode kernels where triton imports, --fused-kernels off for the plain ops; fp8: the
-    projections quantised on the device, the per-token activation quantisers compiled);
+    projections quantised on the device, the per-token activation quantisers as Triton kernels, fast
+    accumulation; engine "fp8-slowacc": the same with torch._scaled_mm's slow accumulation, "fp8-cublas":
+    cuBLAS's per-tensor fp8 GEMM plus a rescaling kernel instead of CUTLASS's row-wise one, fp8.GEMM);
   - workload: --prompts random prompts of --prompt-len tokens -> exactly --new-tokens new tokens each,
     temperature 1, log-probs; one warm-up round, --rounds timed rounds (fresh prompts each), one prefill-only
     round: tokens/s median and decode ms per step (bench/rollout.py's definitions);
@@ -20,6 +23,11 @@ fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then
     same tokens: mean / p99 / max |diff| and the share of sequences whose ratio is outside [0.5, 2].
 Random weights make near-uniform next-token distributions, so the mismatch here is that of a random model;
 the GPU learning check (bench/fp8_learn.py) measures it on a trained one.
+
+--gemm-check (first, before the model is built) and --profile (per engine, after its rounds): bench/fp8_check.py
+(the per-GEMM time and error at 7B widths, bf16 against fp8 fast / slow accumulation and the quantiser kernel
+against the torch ops; the engine's CUDA graph captures, its largest decode step as graph replays and as one
+eager step, torch.profiler's kernel table). One summary line per engine and per GEMM row goes to stdout.
 
 Robustness: every finished piece is written to the JSON at once; --budget-s (default 225 s) stops the run with
 the partial results written (exit 3) before the coordinator's 4-minute limit. Exit 2 when the device cannot run
@@ -45,8 +53,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from fp8_check import gemm_check, profile_decode, profile_line  # noqa: E402
 from rollout_engines import Workload, build_model, mismatch, native_runner, shape_config, time_rounds  # noqa: E402
 
+from relayrl.rollout import fp8  # noqa: E402
 from relayrl.rollout.fp8 import FP8Runner, FP8Unsupported, check_device  # noqa: E402
 
 
@@ -55,7 +65,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add = ap.add_argument
     add("--shape", default="7b", help="tiny | 0.5b | 7b | 32b (bench/rollout_engines.py SHAPES)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8")
+    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8, fp8-slowacc, fp8-cublas")
+    add("--gemm-check", action="store_true", help="per-GEMM time and error at 7B widths first (GPU)")
+    add("--profile", action="store_true", help="each engine's decode-step profile after its rounds (GPU)")
     add("--prompts", type=int, default=256)
     add("--prompt-len", type=int, default=128)
     add("--new-tokens", type=int, default=256)
@@ -103,9 +115,11 @@ def refresh_ms(engine, device: str, repeats: int = 3) -> float:
 
 def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
     """Build, time, refresh and compare one engine; returns its row."""
-    opts: dict = {"quantization": "fp8"} if name == "fp8" else {}
+    opts: dict = {"quantization": "fp8"} if name.startswith("fp8") else {}
     if args.fused_kernels == "off":
         opts["fused_kernels"] = False
+    fp8.FAST_ACCUM = name != "fp8-slowacc"  # both read when the engine's FP8Linears are built
+    fp8.GEMM = "cublas" if name == "fp8-cublas" else "cutlass"
     runner = native_runner(model, [wl], tp=1, opts=opts)
     try:
         engine = runner.impl
@@ -114,11 +128,18 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
         if isinstance(engine.runner, FP8Runner):
             r = engine.runner
             row.update(
-                fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quantizer_compiled=r.compiled
-            )
+                fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quant_kernels=r.quant_kernels,
+                fast_accum=r.fast_accum, gemm=fp8.GEMM,
+            )  # fmt: skip
         timing, samples = time_rounds(runner, wl, vocab, args.rounds)
         row.update(timing)
         row["refresh_ms"] = round(refresh_ms(engine, args.device), 3)
+        if args.profile and args.device.startswith("cuda"):
+            try:
+                row["profile"] = profile_decode(engine)
+                print(profile_line(name, row["profile"]), flush=True)
+            except Exception as e:  # the profile is a diagnostic: its failure is recorded, the row stands
+                row["profile"] = {"error": f"{type(e).__name__}: {e}"}
         row["mismatch"] = mismatch(model, samples, 1.0, args.mismatch_samples)
         if args.device.startswith("cuda"):
             row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -162,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.device.startswith("cuda"):
             rep.data["capability"] = list(torch.cuda.get_device_capability())
+        if args.gemm_check and args.device.startswith("cuda"):
+            print(f"[fp8_rollout {time.perf_counter() - t0:.0f}s] per-GEMM check at 7B widths", flush=True)
+            rep.data["gemm_check"] = gemm_check()
+            rep.write()
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = build_model(args.shape, args.device, dtype, args.layers)
         model.requires_grad_(False)
@@ -181,11 +206,17 @@ def main(argv: list[str] | None = None) -> int:
                     "trace": traceback.format_exc(),
                 }
             rep.write()
-            print(json.dumps({name: _brief(rep.data["engines"][name])}), flush=True)
+            print(summary_line(name, rep.data["engines"][name]), flush=True)
         bf16, fp8 = rep.data["engines"].get("bf16", {}), rep.data["engines"].get("fp8", {})
         if "tok_s_median" in bf16 and "tok_s_median" in fp8:
             rep.data["speedup_tok_s"] = round(fp8["tok_s_median"] / bf16["tok_s_median"], 3)
-            rep.data["speedup_decode_step"] = round(bf16["decode_ms_per_step"] / fp8["decode_ms_per_step"], 3)
+            rep.data["speedup_decode_step"] = (  # a tiny CPU run's decode time can round to 0
+                round(bf16["decode_ms_per_step"] / fp8["decode_ms_per_step"], 3)
+                if fp8["decode_ms_per_step"]
+                else None
+            )
+            print(f"fp8 vs bf16: tok/s {rep.data['speedup_tok_s']}x, decode step {rep.data['speedup_decode_step']}x "
+                  "(target >= 1.4x)", flush=True)  # fmt: skip
     except TimeoutError as e:
         rep.data["stopped"] = str(e)
         rep.write()
@@ -200,12 +231,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all("error" not in r for r in rep.data["engines"].values()) else 1
 
 
-def _brief(row: dict) -> dict:
-    keys = ("tok_s_median", "decode_ms_per_step", "refresh_ms", "startup_s", "error")
-    out = {k: row[k] for k in keys if k in row}
-    if "mismatch" in row:
-        out.update({f"mismatch_{k}": v for k, v in row["mismatch"].items()})
-    return out
+def summary_line(name: str, row: dict) -> str:
+    """One line per engine: speed, refresh, start-up, mismatch, what the fp8 path ran."""
+    if "error" in row:
+        return f"[{name}] ERROR {row['error']}"
+    mm = row.get("mismatch", {})
+    fp8_bits = (
+        f" | fp8 GEMMs {row['fp8_gemms']} ({row['gemm']}) quant_kernels {row['quant_kernels']} fast_accum {row['fast_accum']}"
+        f" skipped {len(row['skipped'])}"
+        if "fp8_gemms" in row
+        else ""
+    )
+    prof = row.get("profile", {})
+    return (
+        f"[{name}] tok/s {row['tok_s_median']:.0f} | decode {row['decode_ms_per_step']:.2f} ms/step (graph "
+        f"replay {prof.get('graph_step_ms')}) | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
+        f" | start-up {row['startup_s']:.1f} s | mismatch mean {mm.get('logprob_absdiff_mean')} p99 "
+        f"{mm.get('logprob_absdiff_p99')} max {mm.get('logprob_absdiff_max')} out-of-range "
+        f"{mm.get('seq_ratio_out_frac')}{fp8_bits}"
+    )
 
 
 if __name__ == "__main__":

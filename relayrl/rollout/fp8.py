@@ -32,13 +32,34 @@ shared-weights case included, where the optimizer step changed the bf16 weights 
 
 Paths:
     GPU (compute capability >= 8.9: H100, H200, L40S, RTX 4090, ...): torch._scaled_mm(x_q, W_q.t(), s_x [M, 1],
-        s_w [1, N], out_dtype=bfloat16); the per-token activation quantiser is one torch.compile'd kernel when
-        compiling works, else eager torch ops (`FP8Runner.compiled` says which); the down projection's input
-        is quantised together with silu(gate) * up (`silu_mul_quantize`, one kernel).
+        s_w [1, N], bias, out_dtype=bfloat16, use_fast_accum=FAST_ACCUM): CUTLASS's row-wise kernel with the
+        scales and the bias in its epilogue; the per-token activation quantiser is one Triton kernel
+        (fp8_kernels.py; the torch ops where triton does not import: `FP8Runner.quant_kernels` says which),
+        bit for bit `quantize_rows`; the down projection's input is quantised together with silu(gate) * up
+        (`silu_mul_quantize`, one kernel); the refresh quantises each weight straight into the fp8 buffers.
     CPU, or `emulate=True`: the same quantisation (fp8 tensors, the same scales), then dequantised and run as a
         plain F.linear in the model dtype: quantise-dequantise emulation, so CPU tests cover the rounding, the
         scales, the refresh and the config; the only difference from the GPU path is the GEMM's accumulation.
     A CUDA device below 8.9 raises `FP8Unsupported` (no fp8 tensor cores; torch._scaled_mm refuses).
+
+Speed (the first GPU run, 7B at batch 256 on an H200, decoded 3x SLOWER than bf16; what changed): the
+activation quantisers were torch.compile'd functions, which recompiled per grad mode / batch-1 / dtype and,
+past torch's recompile limit, fell back to ~8 eager ops per call for the rest of the process (and a recompile
+inside a CUDA graph capture fails that capture: its decode shape then runs without a graph); now Triton kernels
+(fp8_kernels.py's doc). torch._scaled_mm's row-wise kernel without fast accumulation (promoting the fp32
+accumulator every few k-blocks) is the slow CUTLASS schedule (pytorch/pytorch#147971, pytorch/ao#1325);
+inference engines (vLLM's CUTLASS fp8 GEMMs, FBGEMM, torchao's fp8 inference) run the fast-accumulation
+kernels, and so does this one (`FAST_ACCUM`; bench/fp8_rollout.py --gemm-check measures both: time and error
+against an fp64 GEMM of the same operands). The bias rides in the GEMM's epilogue (one kernel, not two).
+
+Mismatch (the same run: mean |engine - trainer| 0.595 for fp8 against 0.050 for the bf16 engine, on random
+7B weights): e4m3 keeps 3 mantissa bits against bf16's 7, so ONE fp8 GEMM's output is off by ~3.8% (relative
+Frobenius, activations and weights each ~2.7%) where a bf16 GEMM's is ~0.29%, 13x, measured at 7B widths on a
+CPU for every projection (tests/rollout/test_fp8.py pins it); the log-prob gap follows that ratio (12x) on a
+random-weight model, which turns bf16's own rounding into 0.05 (5x a trained 0.5B's 0.0098), and shows on a CPU
+too (4 random layers at 7B widths: 0.238 for fp8 emulation, 0.021 for bf16, against fp32): the gap is e4m3's
+precision, not a scale bug. Row-wise scales are already the finest that run as one GEMM; what remains
+is a correction (TIS, on by default) or keeping sensitive projections in bf16.
 
 Memory: the fp8 copy is one byte per projection weight beside the bf16 weights the engine already reads (the
 trainer's compute weights, or its own copy); it is not freed while the engine sleeps.
@@ -46,17 +67,15 @@ trainer's compute weights, or its own copy); it is not freed while the engine sl
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 
+from relayrl.rollout import fp8_kernels
 from relayrl.rollout.exact import ExactRunner
 from relayrl.rollout.native_model import DecoderRunner, TensorFn
-
-log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -65,6 +84,12 @@ MIN_CAPABILITY = (8, 9)
 """Compute capability with fp8 tensor cores (Ada, Hopper and later)."""
 QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization's values."""
+FAST_ACCUM = True
+"""torch._scaled_mm's use_fast_accum on the GPU path (module doc, "Speed"); False: the fp32-promoting kernel."""
+GEMM = "cutlass"
+"""The GPU path's fp8 GEMM: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in its epilogue)
+or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then fp8_kernels.rescale: one more pass
+over the output; bench/fp8_rollout.py's "fp8-cublas" engine measures it against the default)."""
 
 
 class FP8Unsupported(RuntimeError):
@@ -93,10 +118,12 @@ def check_device(device: torch.device) -> bool:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (x_q [..., K] float8_e4m3fn, scale [..., 1] fp32) with x ~ x_q * scale, one scale per row:
-    max |row| / 448 (an all-zero row gets scale 1 and zeros)."""
+    max |row| / 448 (an all-zero row gets scale 1 and zeros). Both divisions are IEEE fp32 divisions on every
+    device (fp8_kernels.py's kernel computes the same bytes): 448 is divided as a tensor, because CUDA torch
+    turns a division by a Python scalar into a multiplication by its rounded reciprocal (1 ulp off)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -106,61 +133,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""x [M, K] -> (x_q [M, K'] fp8, scale [M, 1] fp32): `quantize_rows`, `silu_mul_quantize` or a compiled form."""
+"""x [M, K] -> (x_q [M, K'] fp8, scale [M, 1] fp32): `quantize_rows`, `silu_mul_quantize` or their kernels."""
 
 
 def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate/up rows gu [M, 2I] -> quantize_rows(silu(gate) * up): the down projection's input, quantised (one
-    fused kernel once compiled, instead of silu, mul and the quantiser apart)."""
+    kernel on the GPU path, fp8_kernels.py, instead of silu, mul and the quantiser apart)."""
     inter = gu.shape[-1] // 2
     return quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
-
-
-_compiled: dict[str, Quantizer] = {}
-
-
-def compiled(fn: Quantizer, compile: bool, device: torch.device) -> tuple[Quantizer, bool]:
-    """`fn` (`quantize_rows` or `silu_mul_quantize`) compiled for the GPU path: one fused kernel instead of ~6,
-    which matters at a few calls per layer per decode step; or eager when compiling is off or fails. A compiled
-    call that fails later (a recompilation for a new shape that cannot compile, e.g. inside a CUDA graph
-    capture) runs that call and every later one eagerly: the same values. Returns (function, compiled)."""
-    if not compile:
-        return fn, False
-    name = fn.__name__
-    if name not in _compiled:
-        try:
-            compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
-            compiled_fn(
-                torch.ones(16, 32, device=device, dtype=torch.bfloat16)
-            )  # now, before any graph capture
-            _compiled[name] = _fall_back_once(compiled_fn, fn)
-        except Exception:  # no Triton / compiler in this build: the eager ops give the same values
-            log.warning("torch.compile of the fp8 %s failed; running it eagerly", name, exc_info=True)
-            _compiled[name] = fn
-    out = _compiled[name]
-    return out, out is not fn
-
-
-def _fall_back_once(fn: Quantizer, eager: Quantizer) -> Quantizer:
-    """`fn`, switching to `eager` for good after its first failure (logged once)."""
-    failed: list[bool] = []
-
-    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not failed:
-            try:
-                return fn(x)
-            except Exception:
-                log.warning("compiled fp8 %s failed; eager from now on", eager.__name__, exc_info=True)
-                failed.append(True)
-        return eager(x)
-
-    return quantize
 
 
 class FP8Linear:
     """One fp8 projection over the row blocks of one or more live bf16 Linears (their weights stacked in
     order: q/k/v, gate/up). Holds W_q [N, K] fp8 and s_w [N] fp32 (and, emulated, W_q * s_w in the model
-    dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says."""
+    dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says.
+    `quantizer`: the activations' (quantize_rows or its kernel); `kernels`: the refresh quantises through
+    fp8_kernels.quantize_rows_into (no temporaries); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
+    FAST_ACCUM); `gemm`: "cutlass" or "cublas" (None: GEMM)."""
 
     def __init__(
         self,
@@ -168,10 +157,18 @@ class FP8Linear:
         *,
         emulate: bool,
         quantizer: Quantizer = quantize_rows,
+        kernels: bool = False,
+        fast_accum: bool | None = None,
+        gemm: str | None = None,
     ) -> None:
         self.linears = list(linears)
         self.emulate = emulate
         self.quantizer = quantizer
+        self.kernels = kernels
+        self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
+        self.gemm = GEMM if gemm is None else gemm
+        if self.gemm not in ("cutlass", "cublas"):
+            raise ValueError(f"FP8Linear: gemm={self.gemm!r}; choose 'cutlass' or 'cublas'")
         w0 = self.linears[0].weight
         self.dtype, self.device = w0.dtype, w0.device
         self.rows = [m.weight.shape[0] for m in self.linears]
@@ -189,6 +186,12 @@ class FP8Linear:
         """The stacked biases (model dtype, not quantised), when every linear has one."""
         if any(has_bias) and not all(has_bias):
             raise ValueError("FP8Linear: the stacked linears must all have a bias or none")
+        self.qweight_t = self.qweight.t()
+        """W_q^T [K, N]: the column-major second operand torch._scaled_mm wants (a view)."""
+        self.scale_row = self.scale[None, :]
+        """s_w as [1, N] (a view): _scaled_mm's row-wise scale_b."""
+        self.one = torch.ones((), dtype=torch.float32, device=self.device)
+        """The unit per-tensor scale of the "cublas" GEMM."""
         self.refresh()
 
     @torch.no_grad()
@@ -196,9 +199,14 @@ class FP8Linear:
         """Re-quantise from the linears' current weights into the same buffers."""
         row = 0
         for m, n in zip(self.linears, self.rows, strict=True):
-            q, s = quantize_rows(m.weight.detach())
-            self.qweight[row : row + n].copy_(q)
-            self.scale[row : row + n].copy_(s.view(-1))
+            if self.kernels:  # one kernel per weight, straight into the buffers
+                fp8_kernels.quantize_rows_into(
+                    m.weight.detach(), self.qweight[row : row + n], self.scale[row : row + n]
+                )
+            else:
+                q, s = quantize_rows(m.weight.detach())
+                self.qweight[row : row + n].copy_(q)
+                self.scale[row : row + n].copy_(s.view(-1))
             if self.bias is not None and m.bias is not None:
                 self.bias[row : row + n].copy_(m.bias.detach())
             row += n
@@ -216,11 +224,18 @@ class FP8Linear:
         return out.view(*shape, -1)
 
     def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm."""
-        out = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
-            xq, self.qweight.t(), scale_a=xs, scale_b=self.scale[None, :], out_dtype=dtype
-        )
-        return out if self.bias is None else out + self.bias
+        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
+        scales and the bias applied in the GEMM's epilogue ("cublas": by fp8_kernels.rescale after it)."""
+        if self.gemm == "cublas":
+            acc = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
+                xq, self.qweight_t, scale_a=self.one, scale_b=self.one, out_dtype=torch.float32,
+                use_fast_accum=self.fast_accum,
+            )  # fmt: skip
+            return fp8_kernels.rescale(acc, xs, self.scale, self.bias, dtype)
+        return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
+            xq, self.qweight_t, scale_a=xs, scale_b=self.scale_row, bias=self.bias, out_dtype=dtype,
+            use_fast_accum=self.fast_accum,
+        )  # fmt: skip
 
 
 def build_runner(
@@ -268,17 +283,23 @@ class FP8Runner(DecoderRunner):
         decode_attention: str = "auto",
         *,
         emulate: bool | None = None,
-        compile: bool = True,
+        quant_kernels: bool = True,
         kernels: bool | None = False,
+        fast_accum: bool | None = None,
     ) -> None:
         """`emulate`: quantise-dequantise instead of fp8 GEMMs (None: on a CPU; a CUDA device below 8.9
-        raises FP8Unsupported); `compile`: torch.compile the activation quantisers (GPU path); `kernels`:
-        DecoderRunner's fused decode kernels around the projections (rollout/kernels.py)."""
+        raises FP8Unsupported); `quant_kernels`: the GPU path's quantisers as fp8_kernels.py's Triton kernels
+        where triton runs (else the torch functions); `kernels`: DecoderRunner's fused decode kernels around
+        the projections (rollout/kernels.py); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
+        FAST_ACCUM)."""
         super().__init__(model, max_len, decode_attention, kernels=kernels)
         real = check_device(self.device)
         self.emulate = (not real) if emulate is None else emulate
-        quantizer, self.compiled = compiled(quantize_rows, compile and not self.emulate, self.device)
-        self.silu_quantize, _ = compiled(silu_mul_quantize, compile and not self.emulate, self.device)
+        self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
+        self.quant_kernels = quant_kernels and not self.emulate and fp8_kernels.usable(self.device)
+        """The activation quantisers and the refresh run fp8_kernels.py's Triton kernels."""
+        quantizer = fp8_kernels.quantize_rows if self.quant_kernels else quantize_rows
+        self.silu_quantize = fp8_kernels.silu_mul_quantize if self.quant_kernels else silu_mul_quantize
         self.skipped: list[str] = []
         """Projections left in the model dtype (not plain Linears, or sizes that fp8 GEMMs refuse)."""
         self.fp8_qkv: list[FP8Linear | None] = []
@@ -322,7 +343,13 @@ class FP8Runner(DecoderRunner):
         if not self.emulate and any(s % 16 for s in sizes):
             self.skipped.append(f"{name} (sizes {sizes} not multiples of 16)")
             return None
-        return FP8Linear(linears, emulate=self.emulate, quantizer=quantizer)
+        return FP8Linear(
+            linears,
+            emulate=self.emulate,
+            quantizer=quantizer,
+            kernels=self.quant_kernels,
+            fast_accum=self.fast_accum,
+        )
 
     def _mlp_fn(self, li: int) -> TensorFn:
         gate_up, down = self.fp8_gate_up[li], self.fp8_down[li]

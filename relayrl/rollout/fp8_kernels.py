@@ -1,0 +1,176 @@
+# pyright: reportInvalidTypeForm=false
+# (a kernel's `tl.constexpr` parameter annotations are markers for Triton's compiler, not types)
+"""Triton kernels of the fp8 rollout path (rollout/fp8.py): the per-row e4m3 quantiser, bit for bit the torch
+functions they replace, as plain kernel launches.
+
+    quantize_rows(x [M, K]) -> (x_q [M, K] e4m3fn, s [M, 1] fp32)     = fp8.quantize_rows
+    silu_mul_quantize(gu [M, 2I]) -> (h_q [M, I], s [M, 1])          = fp8.silu_mul_quantize
+    quantize_rows_into(w [N, K], q_out [N, K], s_out [N])            the weight refresh: straight into the
+                                                                     engine's fp8 buffers, no temporaries
+    rescale(acc [M, N] fp32, s_x [M, 1], s_w [N], bias, dtype)        acc * s_x * s_w + bias in `dtype`: the
+                                                                     epilogue of fp8.py's "cublas" GEMM (cuBLAS's
+                                                                     per-tensor fp8 GEMM has no row-wise scales)
+
+Why kernels and not torch.compile (the first version compiled the torch functions with dynamic shapes):
+Dynamo guards every compiled function on the grad mode, the 0/1 size of M (decode batch 1), inference
+tensors, the dtype; the engine is built with grad on and runs under no_grad, captures batch 1 and prefills,
+and a trainer process builds engines in several such states, so the functions recompiled per state until
+torch's recompile limit (8 per function, process-wide) raised `FailOnRecompileLimitHit` (fullgraph=True) and
+every later call in the process ran the ~8 eager ops (fp32 temporaries of every activation) instead of one
+kernel; a recompile reached inside a CUDA graph capture can also fail that capture, and a failed capture
+makes that decode shape run without a graph (rollout/native_state.py GraphCache). A Triton kernel has none
+of this: one launch per call, the same compiled binary for every batch size (the row length is a runtime
+argument), compiled in the warm-up run before each capture as kernels.py's are.
+
+Each program quantises one row in two passes over it: the absolute maximum, then x / s rounded to e4m3's grid
+(the second pass re-reads the row, from L2 at decode sizes). Rounding: x / s is computed with IEEE division
+(`div_rn`, as torch's), clamped to +-448, then rounded to nearest-even on e4m3's grid in fp32 (adding and
+subtracting 1.5 * 2^(p + 23), p the exponent of the grid step at |v|: 2^(e - 3) for a normal |v| in
+[2^e, 2^(e+1)), 2^-9 below 2^-6) and only then cast, so the cast is exact whatever its own rounding
+(Triton's CPU interpreter, which the CPU tests run, mis-rounds fp32 -> fp8 casts just below a power of two).
+silu(gate) * up is rounded to the model dtype step by step as torch's bf16 ops do (kernels.py's silu_mul);
+its exp is an approximation, so a value at an e4m3 rounding boundary may land one step away (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.rollout.kernels import _jit, _pow2, tl, usable
+
+FP8 = torch.float8_e4m3fn
+
+__all__ = ["quantize_rows", "quantize_rows_into", "rescale", "silu_mul_quantize", "usable"]
+
+
+@_jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to nearest-even on e4m3fn's grid, still fp32 (module doc)."""
+    a = tl.abs(v)
+    exp = (a.to(tl.int32, bitcast=True) >> 23) - 127  # floor(log2 a) for a normal fp32; -127 for 0
+    step = tl.maximum(exp, -6) - 3  # e4m3: 3 mantissa bits; subnormal step 2^-9 below 2^-6
+    magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(step + 23)
+    r = (a + magic) - magic
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit (-0.0 stays -0.0)
+
+
+@_jit
+def _load_row(x_ptr, row, cols, m, n_cols, sx, SILU: tl.constexpr):
+    """Columns `cols` of row `row` in fp32: x, or silu(gate) * up (gate at [0, n_cols), up at [n_cols,
+    2 n_cols) of the row), each step rounded to the input dtype as torch computes it."""
+    if SILU:
+        g = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * sx + n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        s = (
+            tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        )  # torch: IEEE division
+        return (s * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+
+
+@_jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, n_cols, sx, sq, SILU: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < n_cols
+        acc = tl.maximum(acc, tl.abs(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU)))
+    amax = tl.max(acc, 0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
+    tl.store(s_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < n_cols
+        v = tl.math.div_rn(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU), scale)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, n_cols: int, silu: bool) -> None:
+    block = min(2048, _pow2(n_cols, 16))
+    _quantize_rows_kernel[(x.shape[0],)](
+        x, q, s, n_cols, x.stride(0), q.stride(0), SILU=silu, BLOCK=block, num_warps=8 if block >= 2048 else 4
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"fp8 quantiser: expected rows [M, K], got shape {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] float8_e4m3fn, scale [M, 1] fp32): fp8.quantize_rows in one kernel."""
+    x = _rows(x)
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    s = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _launch(x, q, s, x.shape[1], silu=False)
+    return q, s
+
+
+def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [M, 2I] (gate | up) -> quantize_rows(silu(gate) * up) [M, I]: fp8.silu_mul_quantize in one kernel."""
+    gu = _rows(gu)
+    inter = gu.shape[1] // 2
+    q = torch.empty((gu.shape[0], inter), dtype=FP8, device=gu.device)
+    s = torch.empty((gu.shape[0], 1), dtype=torch.float32, device=gu.device)
+    if gu.shape[0]:
+        _launch(gu, q, s, inter, silu=True)
+    return q, s
+
+
+def quantize_rows_into(w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """quantize_rows(w [N, K]) written into q_out [N, K] fp8 (unit column stride) and s_out [N] fp32 (the
+    engine's buffers, or row slices of them): the weight refresh without temporaries."""
+    w = _rows(w)
+    if (
+        q_out.shape != w.shape
+        or q_out.stride(-1) != 1
+        or s_out.shape != (w.shape[0],)
+        or s_out.stride(0) != 1
+    ):
+        raise ValueError(
+            f"fp8 quantize_rows_into: weight {tuple(w.shape)} into q {tuple(q_out.shape)} (stride "
+            f"{q_out.stride()}), s {tuple(s_out.shape)}: want q of the weight's shape and s [rows], contiguous"
+        )
+    if w.shape[0]:
+        _launch(w, q_out, s_out, w.shape[1], silu=False)
+
+
+@_jit
+def _rescale_kernel(
+    acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, n_cols, sa, so, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    acc = tl.load(acc_ptr + row * sa + cols, mask=m, other=0.0)
+    y = (
+        acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + cols, mask=m, other=0.0)
+    )  # (acc * s_x) * s_w: CUTLASS's
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * so + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rescale(
+    acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """acc [M, N] fp32 (x_q @ W_q^T) -> (acc * s_x [M, 1] * s_w [N] + bias [N]) in `dtype`, one kernel (the torch
+    ops where the kernels cannot run)."""
+    if not usable(acc.device):
+        y = acc * xs * ws
+        return (y if bias is None else y + bias.float()).to(dtype)
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    n = acc.shape[1]
+    block = min(1024, _pow2(n, 16))
+    if acc.shape[0]:
+        _rescale_kernel[(acc.shape[0], -(-n // block))](
+            acc, xs, ws, acc if bias is None else bias, out, n, acc.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out
