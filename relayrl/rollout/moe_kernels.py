@@ -58,9 +58,11 @@ MAX_PAIRS = 4096
 CONFIG: dict[str, dict[str, int]] = {
     "gate_up": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     "down": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "scan": dict(CHUNK=256),
 }
 """Tile sizes and launch settings of the two GEMM kernels (fixed: no autotuning inside a captured graph;
-bench/moe.py --sweep times others). BLOCK_N of gate_up counts columns of each of gate and up."""
+bench/moe.py --sweep times others; BLOCK_N of gate_up counts columns of each of gate and up), and how many
+pair ids a program scans at a time to find its expert's pairs."""
 
 
 def _jit(fn: Any) -> Any:
@@ -97,24 +99,32 @@ def fits(x: torch.Tensor, gate_up: torch.Tensor, top_k: int) -> bool:
 
 # ------------------------------------------------------------------------------- an expert's pairs
 @_jit
-def _expert_pairs(ids, e, start, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """(pair ids [BLOCK_M], valid [BLOCK_M]): expert e's pairs number start .. start + BLOCK_M - 1 (in pair
-    order) among the flat expert ids `ids` [BLOCK_P] (padding holds -1)."""
-    p = tl.arange(0, BLOCK_P)
-    hit = ids == e
-    rank = tl.cumsum(hit.to(tl.int32), 0) - 1
-    r = start + tl.arange(0, BLOCK_M)
-    sel = hit[None, :] & (rank[None, :] == r[:, None])
-    pair = tl.sum(tl.where(sel, p[None, :], 0), 1)
-    valid = tl.sum(sel.to(tl.int32), 1) > 0
-    return pair, valid
+def _expert_count(idx_ptr, n_pairs, e, CHUNK: tl.constexpr):
+    """How many of the flat expert ids [n_pairs] are e."""
+    count = tl.full([], 0, tl.int32)
+    for c in range(0, n_pairs, CHUNK):
+        p = c + tl.arange(0, CHUNK)
+        count += tl.sum((tl.load(idx_ptr + p, mask=p < n_pairs, other=-1) == e).to(tl.int32), 0)
+    return count
 
 
 @_jit
-def _load_ids(idx_ptr, n_pairs, e, BLOCK_P: tl.constexpr):
-    p = tl.arange(0, BLOCK_P)
-    ids = tl.load(idx_ptr + p, mask=p < n_pairs, other=-1)
-    return ids, tl.sum((ids == e).to(tl.int32), 0)
+def _expert_pairs(idx_ptr, n_pairs, e, start, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """(pair ids [BLOCK_M], valid [BLOCK_M]): expert e's pairs number start .. start + BLOCK_M - 1, in pair
+    order, among the flat expert ids [n_pairs] (read CHUNK at a time: registers stay [BLOCK_M, CHUNK])."""
+    r = start + tl.arange(0, BLOCK_M)
+    pair = tl.zeros((BLOCK_M,), tl.int32)
+    found = tl.zeros((BLOCK_M,), tl.int32)
+    before = tl.full([], 0, tl.int32)  # e's pairs in earlier chunks
+    for c in range(0, n_pairs, CHUNK):
+        p = c + tl.arange(0, CHUNK)
+        hit = (tl.load(idx_ptr + p, mask=p < n_pairs, other=-1) == e).to(tl.int32)
+        rank = before + tl.cumsum(hit, 0) - 1
+        sel = (hit[None, :] > 0) & (rank[None, :] == r[:, None])
+        pair += tl.sum(tl.where(sel, p[None, :], 0), 1)
+        found += tl.sum(sel.to(tl.int32), 1)
+        before += tl.sum(hit, 0)
+    return pair, found > 0
 
 
 # ----------------------------------------------------------------- 1. SiLU(x W_gate^T) * (x W_up^T)
@@ -122,15 +132,15 @@ def _load_ids(idx_ptr, n_pairs, e, BLOCK_P: tl.constexpr):
 def _gate_up_kernel(
     x_ptr, idx_ptr, w_ptr, h_ptr, n_pairs, hidden, inter, sx, swe, swn, sh,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    CHUNK: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0)
-    ids, count = _load_ids(idx_ptr, n_pairs, e, BLOCK_P)
+    count = _expert_count(idx_ptr, n_pairs, e, CHUNK)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < inter
     w_e = w_ptr + e.to(tl.int64) * swe
     for start in range(0, count, BLOCK_M):
-        pair, valid = _expert_pairs(ids, e, start, BLOCK_M, BLOCK_P)
+        pair, valid = _expert_pairs(idx_ptr, n_pairs, e, start, BLOCK_M, CHUNK)
         tok = (pair // TOP_K).to(tl.int64)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -157,16 +167,16 @@ def _gate_up_kernel(
 @_jit
 def _down_kernel(
     h_ptr, idx_ptr, w_ptr, y_ptr, n_pairs, hidden, inter, sh, swe, swn, sy,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0)
-    ids, count = _load_ids(idx_ptr, n_pairs, e, BLOCK_P)
+    count = _expert_count(idx_ptr, n_pairs, e, CHUNK)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < hidden
     w_e = w_ptr + e.to(tl.int64) * swe
     for start in range(0, count, BLOCK_M):
-        pair, valid = _expert_pairs(ids, e, start, BLOCK_M, BLOCK_P)
+        pair, valid = _expert_pairs(idx_ptr, n_pairs, e, start, BLOCK_M, CHUNK)
         rows = pair.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inter, BLOCK_K):
@@ -211,13 +221,15 @@ def fused_experts(
     inter = two_i // 2
     assert x.stride(-1) == 1 and gate_up.stride(-1) == 1 and down.stride(-1) == 1
     n_pairs = n_tok * top_k
-    ids = idx.reshape(-1).to(torch.int32)
+    ids = idx.reshape(-1)  # int64 (or int32) as the router gives it: no cast
     w = weights.reshape(-1).to(torch.float32).contiguous()
     h = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=x.device)
     out = torch.empty((n_tok, hidden), dtype=x.dtype, device=x.device)
     upcast = x.dtype == torch.float32 or x.device.type == "cpu"
-    common = dict(BLOCK_P=_pow2(n_pairs, 16), UPCAST=upcast, PREC="ieee" if upcast else "tf32")
+    common = dict(
+        CHUNK=min(cfg["scan"]["CHUNK"], _pow2(n_pairs, 16)), UPCAST=upcast, PREC="ieee" if upcast else "tf32"
+    )
     c1, c2 = cfg["gate_up"], cfg["down"]
     _gate_up_kernel[(n_exp, _cdiv(inter, c1["BLOCK_N"]))](
         x, ids, gate_up, h, n_pairs, hidden, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
