@@ -77,6 +77,13 @@ def test_fused_experts_match_the_torch_path(dtype, config):
     idx[1:, 1] = 4 + torch.arange(20) % 4
     out = MK.fused_experts(x.to(DEV), idx.to(DEV), weights.to(DEV), gate_up.to(DEV), down.to(DEV), config)
     _check(out.cpu(), _reference(x, idx, weights, gate_up, down), dtype)
+    if (
+        config is None
+    ):  # 34 pairs on 2 experts: 17 a expert on average, so BLOCK_M 32 (moe_kernels._rows_per_tile)
+        busy = idx[1:18] % 2  # of experts 3 and 4 (gate_up[3:5]) only
+        out = MK.fused_experts(x[1:18].to(DEV), busy.to(DEV), weights[1:18].to(DEV), gate_up[3:5].to(DEV),
+                               down[3:5].to(DEV))  # fmt: skip
+        _check(out.cpu(), _reference(x[1:18], busy, weights[1:18], gate_up[3:5], down[3:5]), dtype)
     few = torch.tensor([[1, 2], [2, 1], [1, 7]])  # experts 0, 3, 4, 5, 6 hold no token
     out = MK.fused_experts(x[:3].to(DEV), few.to(DEV), weights[:3].to(DEV), gate_up.to(DEV), down.to(DEV))
     _check(out.cpu(), _reference(x[:3], few, weights[:3], gate_up, down), dtype)
