@@ -10,8 +10,8 @@ Shape "qwen3-30b-a3b" (Qwen3-30B-A3B's config, fewer layers: --layers, default 1
 random weights. 16 layers are ~10B parameters (20 GB), so native and vLLM each fit one H100 in turn.
 
 Phases (each written to the JSON as soon as it is done, so a timeout keeps what finished):
-  layer      (CUDA; bench/moe_layer.py) one decode step's MoE blocks alone, --prompts tokens through every layer's sparse block in
-             one CUDA graph: the torch path (fp32 router, softmax / top-k, grouped GEMMs) against the fused
+  layer      (CUDA; bench/moe_layer.py) one decode step's MoE blocks alone, --prompts tokens through every
+             layer's sparse block in one CUDA graph: the torch path (fp32 router, softmax / top-k, grouped GEMMs) against the fused
              kernels (rollout/moe_kernels.py), the experts alone each way, and the kernels' tile configs
              (--sweep); microseconds per layer and the expert weights' read bandwidth.
   native_<v> for each of --kernels: "on" (the engine's default: fused decode kernels with the MoE kernels),
