@@ -3,12 +3,20 @@ mismatch (engine vs trainer log-probs with and without replayed routes) in bf16.
 
     python bench/moe.py                                   # GPU: Qwen3-30B-A3B widths, 16 of its 48 layers
     python bench/moe.py --device cpu --shape tiny         # CPU smoke run and the CPU bf16 mismatch numbers
+    python bench/moe.py --skip-vllm --skip-mismatch --kernels on,off     # the MoE decode kernels A/B (< 4 min)
 
 Shape "qwen3-30b-a3b" (Qwen3-30B-A3B's config, fewer layers: --layers, default 16): hidden 2048, 32 query /
 4 KV heads of 128, 128 experts of width 768 per layer, top-8 routing renormalised, vocabulary 151936, bf16,
 random weights. 16 layers are ~10B parameters (20 GB), so native and vLLM each fit one H100 in turn.
 
 Phases (each written to the JSON as soon as it is done, so a timeout keeps what finished):
+  layer      (CUDA; bench/moe_layer.py) one decode step's MoE blocks alone, --prompts tokens through every
+             layer's sparse block in one CUDA graph: the torch path (fp32 router, softmax / top-k, grouped GEMMs) against the fused
+             kernels (rollout/moe_kernels.py), the experts alone each way, and the kernels' tile configs
+             (--sweep); microseconds per layer and the expert weights' read bandwidth.
+  native_<v> for each of --kernels: "on" (the engine's default: fused decode kernels with the MoE kernels),
+             "off" (the MoE blocks through the grouped-GEMM torch path, the other fused kernels on), "none"
+             (fused_kernels=False).
   mismatch   the native engine (bf16 weights, CUDA graphs on a GPU, routes recorded) samples --mm-prompts
              prompts x --mm-new tokens at temperature 1; the trainer's forward (relayrl.models.forward, the
              device's default layout, on the same bf16 weights) recomputes every sampled token's log-prob
@@ -29,6 +37,7 @@ Writes $OUT/moe.json (or bench/results/moe.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -50,6 +59,11 @@ sys.path.insert(0, str(ROOT))
 from relayrl.models import forward  # noqa: E402
 from relayrl.models.moe import install_moe, moe_pass  # noqa: E402
 from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all  # noqa: E402
+from relayrl.rollout import moe_kernels as MK  # noqa: E402
+from relayrl.rollout import native_moe as NM  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from moe_layer import layer_bench  # noqa: E402  (the bench folder is put on the path first)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(
@@ -229,14 +243,29 @@ def mismatch(model, args, device: str, slots: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- throughput
-def native_throughput(model, args, slots: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def moe_kernels_off():
+    """Engines built inside run their MoE blocks through the torch path (MoEForward sees no kernel support)."""
+    supports = MK.supports
+    MK.supports = lambda experts: False
+    try:
+        yield
+    finally:
+        MK.supports = supports
+
+
+def native_throughput(model, args, slots: int, variant: str = "on") -> dict[str, Any]:
     t0 = time.perf_counter()
-    engine = build_engine(
-        "native", model, None, eos_token_id=[], max_slots=slots, max_seq_len=args.prompt_len + args.new_tokens,
-        prefix_cache=False,
-    )  # fmt: skip
+    off = moe_kernels_off() if variant == "off" else contextlib.nullcontext()
+    with off:
+        engine = build_engine(
+            "native", model, None, eos_token_id=[], max_slots=slots, max_seq_len=args.prompt_len + args.new_tokens,
+            prefix_cache=False, fused_kernels=None if variant != "none" else False,
+        )  # fmt: skip
     sync()
     startup = time.perf_counter() - t0
+    runner: Any = getattr(engine, "runner", None)
+    moe = [f for f in getattr(runner, "mlps", []) if isinstance(f, NM.MoEForward)]
     vocab = model.config.vocab_size
     generate_all(engine, requests(args.prompts, args.prompt_len, 16, vocab, seed=1))  # warm-up
     reqs = requests(args.prompts, args.prompt_len, args.new_tokens, vocab, seed=2)
@@ -247,7 +276,11 @@ def native_throughput(model, args, slots: int) -> dict[str, Any]:
     secs = time.perf_counter() - t0
     engine.close()
     tokens = sum(len(c.token_ids) for r in res for c in r.completions)
-    return dict(startup_s=startup, seconds=secs, tokens=tokens, tokens_per_s=tokens / secs)
+    return dict(
+        variant=variant, fused_kernels=bool(getattr(runner, "kernels", False)),
+        moe_kernel_layers=sum(f.kernels for f in moe), startup_s=startup, seconds=secs, tokens=tokens,
+        tokens_per_s=tokens / secs, ms_per_token_step=secs / args.new_tokens * 1e3,
+    )  # fmt: skip
 
 
 def vllm_throughput(args) -> dict[str, Any]:
@@ -326,8 +359,42 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--budget-s", type=float, default=230.0, help="stop starting phases after this")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-mismatch", action="store_true", help="leave out the routing-replay mismatch phase")
+    p.add_argument(
+        "--kernels",
+        default="on,off",
+        help="native engine variants to time, comma-separated: on (MoE kernels), off (MoE torch path), none "
+        "(fused_kernels=False); vLLM is compared with the first",
+    )
+    p.add_argument("--sweep", type=int, default=1, help="layer phase: also time the kernels' tile configs")
     p.add_argument("--vllm-only", default="", help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def summary(result: dict[str, Any], variants: list[str]) -> None:
+    """A few lines on stdout: tokens/s per variant, the layer timings, vLLM."""
+    lines = [f"== moe bench: {result['machine']}, {result['layers']} layers, {result['workload']}"]
+    for v in variants:
+        n = result.get(f"native_{v}", {})
+        if "tokens_per_s" in n:
+            lines.append(f"native kernels={v}: {n['tokens_per_s']:.0f} tok/s ({n['ms_per_token_step']:.2f} ms a "
+                         f"step, startup {n['startup_s']:.0f} s, MoE kernel layers {n['moe_kernel_layers']})")  # fmt: skip
+        else:
+            lines.append(f"native kernels={v}: {json.dumps(n)[:300]}")
+    base, new = result.get("native_off", {}), result.get("native_on", {})
+    if "tokens_per_s" in base and "tokens_per_s" in new:
+        lines.append(f"MoE kernels on / off: {new['tokens_per_s'] / base['tokens_per_s']:.2f}x")
+    layer = result.get("layer", {})
+    timed = {k: v for k, v in layer.items() if isinstance(v, dict) and "us_per_layer" in v}
+    for name, t in sorted(timed.items(), key=lambda kv: kv[1]["us_per_layer"]):
+        lines.append(
+            f"  {name}: {t['us_per_layer']:.0f} us/layer, {t['weight_tb_per_s']:.2f} TB/s of weights"
+        )
+    v = result.get("vllm", {})
+    lines.append(
+        f"vllm: {v.get('tokens_per_s', json.dumps(v)[:200])}; native/vllm {result.get('native_over_vllm')}"
+    )
+    print("\n".join(lines), flush=True)
 
 
 def main() -> None:
@@ -361,13 +428,29 @@ def main() -> None:
         print(name, json.dumps(result[name], indent=1)[:2000], flush=True)
         save()
 
+    variants = [v for v in args.kernels.split(",") if v]
+    unknown = sorted(set(variants) - {"on", "off", "none"})
+    if unknown or not variants:
+        raise SystemExit(f"--kernels: {args.kernels!r}; give a comma-separated list of on, off, none")
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - t_start)
+
     def on_the_model() -> None:  # the model is freed when this returns (vLLM needs the card)
         t0 = time.perf_counter()
         model = build(args.shape, args.layers, args.device, dtype)
         result["params"] = sum(p.numel() for p in model.parameters())
         result["build_s"] = time.perf_counter() - t0
-        phase("native", lambda: native_throughput(model, args, args.prompts))
-        phase("mismatch", lambda: mismatch(model, args, args.device, min(args.mm_prompts, 64)))
+        if args.device == "cuda":
+            phase("layer", lambda: layer_bench(model, args))
+        for v in variants:
+            if left() < 30:
+                result[f"native_{v}"] = dict(skipped=f"only {left():.0f} s of the budget left")
+                continue
+            phase(f"native_{v}", lambda v=v: native_throughput(model, args, args.prompts, v))
+        result["native"] = result[f"native_{variants[0]}"]
+        if not args.skip_mismatch:
+            phase("mismatch", lambda: mismatch(model, args, args.device, min(args.mm_prompts, 64)))
 
     on_the_model()
     gc.collect()
@@ -376,10 +459,11 @@ def main() -> None:
     if args.skip_vllm or args.device != "cuda":
         result["vllm"] = dict(skipped="--skip-vllm" if args.skip_vllm else "CPU run")
     else:
-        phase("vllm", lambda: run_vllm_subprocess(args, args.budget_s - (time.perf_counter() - t_start)))
+        phase("vllm", lambda: run_vllm_subprocess(args, left()))
     n, v = result.get("native", {}), result.get("vllm", {})
     if "tokens_per_s" in n and "tokens_per_s" in v:
         result["native_over_vllm"] = n["tokens_per_s"] / v["tokens_per_s"]
+    summary(result, variants)
     result["total_s"] = time.perf_counter() - t_start
     save()
     print(f"wrote {path}")

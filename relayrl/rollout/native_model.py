@@ -143,7 +143,9 @@ class DecoderRunner:
         self.norm_params = cast(list[tuple[torch.Tensor, float]], params)
         glu = silu_mul if self.kernels else silu_mul_ref
         self.mlps = [
-            MoEForward(layer.mlp, router_spec(cfg)) if is_sparse_block(layer.mlp) else mlp_fn(layer.mlp, glu)
+            MoEForward(layer.mlp, router_spec(cfg), self.kernels)
+            if is_sparse_block(layer.mlp)
+            else mlp_fn(layer.mlp, glu)
             for layer in self.layers
         ]
         self.moe_layers = [li for li, fn in enumerate(self.mlps) if isinstance(fn, MoEForward)]
