@@ -23,6 +23,7 @@ from safetensors import safe_open
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.models.empty import Built, Unsupported, empty_causal_lm, empty_value_model
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, save_tiny
+from relayrl.models.tiny_vlm import save_tiny_vlm
 from relayrl.models.value_head import build_value_model, save_value_model
 
 
@@ -127,21 +128,16 @@ def test_sharded_load_equals_the_old_path_and_holds_only_a_share(folders, big_fo
 
 def test_unsupported_checkpoints_name_why(folders, tmp_path):
     lora = ModelConfig(name_or_path=folders["dense"], lora=LoraConfig(rank=4))
-    assert isinstance(empty_causal_lm(lora), Unsupported)
+    got = empty_causal_lm(lora)
+    assert isinstance(got, Unsupported) and "LoRA" in got.reason
     assert isinstance(empty_causal_lm(lora, lora=False), Built)  # a frozen reference ignores adapters
     model = build_tiny_model(build_tiny_tokenizer(), TinyModelSpec(hidden=32, layers=1))
-    model.save_pretrained(tmp_path / "bin", safe_serialization=False) if _bin_supported() else None
-    if (tmp_path / "bin" / "pytorch_model.bin").is_file():
-        got = empty_causal_lm(ModelConfig(name_or_path=str(tmp_path / "bin")))
-        assert isinstance(got, Unsupported) and ".bin" in got.reason
+    model.config.save_pretrained(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    got = empty_causal_lm(ModelConfig(name_or_path=str(tmp_path / "bin")))
+    assert isinstance(got, Unsupported) and ".bin" in got.reason
+    got = empty_causal_lm(ModelConfig(name_or_path=str(save_tiny_vlm(tmp_path / "vlm"))))
+    assert isinstance(got, Unsupported) and "vision-language" in got.reason
     built = empty_value_model(ModelConfig(name_or_path=folders["dense"]), init="zeros")
     assert isinstance(built, Built) and all(p.is_meta for p in built.model.parameters())
     assert all(not b.is_meta for b in built.model.buffers())
-
-
-def _bin_supported() -> bool:
-    import inspect
-
-    from transformers import PreTrainedModel
-
-    return "safe_serialization" in inspect.signature(PreTrainedModel.save_pretrained).parameters
