@@ -93,24 +93,29 @@ class FillPlan:
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of parameter `name` (dim 0; a 0-d parameter: the whole value), in the
-        checkpoint's dtype, on the CPU. Each call maps the files it reads and unmaps them before it returns,
-        so the mapped pages never add up beyond one parameter's rows."""
+        checkpoint's dtype, on the CPU. Each call maps the files it reads (once each) and unmaps them before
+        it returns, so the mapped pages never add up beyond one parameter's rows."""
+        from safetensors import safe_open
+
         src = self.sources[name]
         if isinstance(src, Given):
             return src.tensor[start:stop] if src.tensor.dim() else src.tensor
-        if isinstance(src, Direct):
-            return self._slice(src.key, start, stop)
-        rows = [torch.cat([self._slice(k) for k in keys]) for keys in src.rows[start:stop]]
-        return torch.stack(rows) if rows else torch.empty(0)
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, Any] = {}
 
-    def _slice(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        from safetensors import safe_open
+            def rows_of(key: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
+                path = self.files[key]
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+                sl = handles[path].get_slice(key)
+                t = sl[a:b] if len(sl.get_shape()) else sl[:]
+                self.bytes_read += t.numel() * t.element_size()
+                return t
 
-        with safe_open(str(self.files[key]), framework="pt") as f:
-            sl = f.get_slice(key)
-            t = sl[start:stop] if len(sl.get_shape()) else sl[:]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+            if isinstance(src, Direct):
+                return rows_of(src.key, start, stop)
+            rows = [torch.cat([rows_of(k) for k in keys]) for keys in src.rows[start:stop]]
+            return torch.stack(rows) if rows else torch.empty(0)
 
 
 @dataclass(frozen=True, slots=True)
