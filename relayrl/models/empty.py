@@ -280,6 +280,7 @@ def _empty(
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
         )
+    model.eval()  # as from_pretrained returns it
     persistent = [n for n, _ in model.named_buffers() if n in model.state_dict()]
     if persistent:
         return Unsupported(f"persistent buffers ({persistent[0]}, ...) are loaded from the checkpoint")

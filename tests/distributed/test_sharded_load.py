@@ -101,7 +101,7 @@ def test_sharded_load_equals_the_old_path_and_holds_only_a_share(folders, big_fo
         assert new["requires_grad"] == old["requires_grad"] and new["dtype"] == old["dtype"], case
         tied = case["kind"] == "lm" and case["folder"] != folders["untied"]
         assert new["tied"] == old["tied"] == tied, case
-        assert new["config"] == old["config"], case
+        assert new["config"] == old["config"] and new["training"] == old["training"], case
         for r in range(2):
             old_logits, new_logits = results[r][i]["logits"]
             assert torch.equal(old_logits, new_logits), case

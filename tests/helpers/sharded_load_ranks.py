@@ -56,6 +56,7 @@ def snapshot(model: Any) -> dict[str, Any]:
         "requires_grad": {n: p.requires_grad for n, p in hf.named_parameters()},
         "dtype": {n: p.dtype for n, p in hf.named_parameters()},
         "config": hf.config.to_dict(),
+        "training": [m.training for m in hf.modules()],
     }
     head = getattr(hf, "lm_head", None)
     out["tied"] = head is not None and head.weight is hf.model.embed_tokens.weight
