@@ -28,7 +28,7 @@ embedding's parameter, so it has one entry) to where its values are:
   init, then `_init_head`), so every rank (seeded alike) holds the same head as on the old path.
 
 Unsupported (the caller loads the whole model the old way, and logs the reason): a folder without safetensors
-files (.bin), a Hub id that is not a local folder, LoRA / QLoRA (peft initialises adapters with the process's
+files (.bin), a quantized checkpoint (config.quantization_config), a Hub id that is not a local folder, LoRA / QLoRA (peft initialises adapters with the process's
 RNG on real tensors), vision-language models (their checkpoints are renamed on load), persistent buffers, and
 any parameter the plan cannot find in the checkpoint with the same shape (transformers would initialise or
 convert it). Every check reads the safetensors headers only.
@@ -149,7 +149,8 @@ def forget_plan(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def _params_on_meta() -> Iterator[None]:
     """Every parameter registered inside goes to the meta device; buffers stay where they are made (as
-    accelerate's init_empty_weights(include_buffers=False))."""
+    accelerate's init_empty_weights(include_buffers=False)). It patches nn.Module for its duration: build
+    nothing else in another thread meanwhile."""
     register = torch.nn.Module.register_parameter
 
     def on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
@@ -273,6 +274,8 @@ def _empty(
     """The shared build: model on meta params, then its plan (module doc)."""
     files = safetensors_files(Path(source))
     assert files is not None
+    if getattr(hf_config, "quantization_config", None) is not None:  # e.g. fp8 weights with scales
+        return Unsupported("a quantized checkpoint (config.quantization_config) is dequantized on load")
     with _params_on_meta():
         model = auto.from_config(
             hf_config,

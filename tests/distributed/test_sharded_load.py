@@ -11,6 +11,7 @@ ranks runs every case (~25 s on 2 cores).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,12 @@ def test_unsupported_checkpoints_name_why(folders, tmp_path):
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     got = empty_causal_lm(ModelConfig(name_or_path=str(tmp_path / "bin")))
     assert isinstance(got, Unsupported) and ".bin" in got.reason
+    quantized = save_tiny(tmp_path / "fp8", TinyModelSpec(hidden=32, layers=1))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    got = empty_causal_lm(ModelConfig(name_or_path=str(quantized)))
+    assert isinstance(got, Unsupported) and "quantized" in got.reason, got
     got = empty_causal_lm(ModelConfig(name_or_path=str(save_tiny_vlm(tmp_path / "vlm"))))
     assert isinstance(got, Unsupported) and "vision-language" in got.reason
     built = empty_value_model(ModelConfig(name_or_path=folders["dense"]), init="zeros")
