@@ -184,6 +184,8 @@ def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> 
         "peak_mem_gib": round(max(h.get("perf/peak_mem_gib", 0.0) for h in result.history), 2),
         "response_len": round(statistics.mean(h["rollout/response_len"] for h in hist), 1),
         "wall_s": round(wall, 1),
+        # start-up: the run's time outside its steps (launch, the roles' loads and sharding, engines, final export)
+        "startup_s": round(wall - sum(h.get("timing/step", 0.0) for h in result.history), 1),
         "step_s_by_step": [h.get("timing/step", 0.0) for h in result.history],
         "losses": {k: [h[k] for h in result.history if k in h] for k in ("train/policy_loss", "critic/loss")},
     }
@@ -248,6 +250,8 @@ def run_sft_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) ->
         "step_s": round(statistics.median(h["perf/step_s"] for h in hist), 4),
         "tokens_per_step": round(statistics.mean(h["perf/tokens_per_s"] * h["perf/step_s"] for h in hist), 1),
         "wall_s": round(wall, 1),
+        # start-up: the run's time outside its steps (launch, the load and sharding, final export)
+        "startup_s": round(wall - sum(h["perf/step_s"] for h in result.history), 1),
         "step_s_by_step": [h["perf/step_s"] for h in result.history],
     }
 

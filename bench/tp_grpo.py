@@ -7,9 +7,12 @@ engine refresh time, peak memory per GPU. One process per GPU, no Ray (torchrun)
 
 Every rank builds the real `PolicyWorker` (workers/policy.py) with dist.engine_tp = TP, exactly as `relayrl
 rl` does in ray mode (ranks of one GPU each: CUDA_VISIBLE_DEVICES is set to the local rank, as Ray does), with
-one change: the model is not loaded from a folder (a 32B fp32 load on every rank would need 4 x 131 GB of host
-memory, and the folder 64 GB of disk), but built on the meta device and, once FSDP2 has sharded it, each rank
-initialises only its own shards (N(0, 0.02), norms 1, biases 0). The engine's TP shard is then refreshed from
+one change: the model is not loaded from a folder (the folder of a 32B model is 64 GB of disk), but built on
+the meta device and, once FSDP2 has sharded it, each rank initialises only its own shards (N(0, 0.02), norms
+1, biases 0). With --folder (an HF folder of the shape, e.g. `bench/sharded_load.py --shape qwen2.5-32b
+--modes new --folder F` writes one and times its load) there is no change at all: the worker loads it by
+shards as `relayrl rl` does (distributed/sharded_load.py: each rank reads only its rows, so 4 ranks never
+need 4 x 131 GB of host memory as whole fp32 copies did). The engine's TP shard is then refreshed from
 those shards by the worker's own `sync` (one parameter all-gathered at a time, distributed/weights/
 tensor_parallel.py), so no rank ever holds the full model. The step is the controller's sync step (trainers/rl/
 loop.py): rollout (the block leaders generate their block's share, the others follow) -> rewards ->
@@ -290,11 +293,12 @@ def run_tp(args: argparse.Namespace, tp: int, device: torch.device, report: dict
         return row
     tokenizer = build_tiny_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        tokenizer.save_pretrained(folder)
-        qwen2_config(args, tokenizer).save_pretrained(folder)
+        folder = Path(args.folder or tmp)
+        if not args.folder:  # no weights on disk: random shards (module doc)
+            tokenizer.save_pretrained(folder)
+            qwen2_config(args, tokenizer).save_pretrained(folder)
+            install_meta_build(args, tokenizer, device)
         cfg = build_cfg(args, tp, folder, device)
-        install_meta_build(args, tokenizer, device)
         spec = PolicySpec(model=cfg.model, optim=cfg.optim, algo=cfg.algo, rollout=cfg.rollout, eval=cfg.eval,
                           total_steps=args.steps, dist=cfg.dist, device=device.type, seed=0)  # fmt: skip
         if device.type == "cuda":
@@ -420,6 +424,12 @@ def main() -> None:
         "--steps", type=int, default=3, help="GRPO steps per TP size (the first one is a warm-up)"
     )
     ap.add_argument("--time-limit", type=float, default=480.0, help="seconds before partial results + exit")
+    ap.add_argument(
+        "--folder",
+        default="",
+        help="an HF folder of --shape (e.g. written by bench/sharded_load.py): the worker loads it as "
+        "`relayrl rl` does (sharded loading: each rank reads its own rows) instead of random shards",
+    )
     args = ap.parse_args()
     if args.device == "cuda":
         device = torch.device("cuda", 0)  # this rank's only visible GPU

@@ -4,7 +4,7 @@ engines, FSDP2 sharding options and timeouts (docs/distributed.md).
     DistConfig
       mode, ray_address, num_cpus, gpus, timeout_s,         every command
       stall_timeout_s
-      offload, reshard_after_forward                         every trained model (FSDP2 shards)
+      offload, reshard_after_forward, sharded_load           every model role of several ranks (FSDP2)
       sp_size                                                sequence parallelism of every model role
       num_nodes, num_gpus_per_node                           the one-model commands' model (sft, rm, dpo, ...)
       policy_* / ref_* / critic_*, num_engines, engine_tp,   `relayrl rl` only (OpenRLHF's terms)
@@ -107,6 +107,11 @@ class DistConfig:
     reshard_after_forward: bool = True
     """Free each layer's gathered weights after its forward (ZeRO-3); False keeps them until the backward
     (ZeRO-2-like: faster, more memory)."""
+    sharded_load: bool = True
+    """Ray mode, a model role of several ranks: each rank builds the model empty and reads only its own FSDP2
+    shards' rows from the checkpoint's safetensors files (no rank ever holds the whole model); false: every
+    rank loads the whole model in host memory first, then shards it (the old path; also taken, with a log
+    line, for LoRA, vision-language and .bin checkpoints)."""
     engine_sleep: Literal["auto", "yes", "no"] = "auto"
     """relayrl rl: the rollout engine frees its KV cache (and CUDA graphs) while the policy trains and
     re-allocates them before the next rollout, so training can use that memory: yes, no, auto (= no: waking

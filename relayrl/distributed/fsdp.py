@@ -11,6 +11,9 @@ trunk) when the model is sharded, so FSDP's hooks gather and reshard the weights
 reduce-scatter the gradients in backward. Under peft the root is the base transformers model (inside the
 PeftModel), so the LoRA adapters are sharded with the layer that holds them.
 
+A model built empty (relayrl.models.empty, on the meta device) is allocated and filled with this rank's rows
+of the checkpoint right after sharding (relayrl.distributed.sharded_load: no rank holds the whole model).
+
 Precision: the sharded parameters are the fp32 master weights (what AdamW updates, what checkpoints hold);
 `compute_dtype` (bf16 on a GPU) is FSDP's MixedPrecisionPolicy param dtype, the weights are all-gathered in it
 and gradients are reduced in fp32. On a CPU (gloo) everything stays fp32. `offload` keeps the sharded
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from relayrl.distributed.sharded_load import is_empty, materialize
 from relayrl.models.forward import hf_model
 
 
@@ -75,6 +79,8 @@ def shard_model(model: Any, spec: ShardSpec) -> Any:
     for layer in layers:
         fully_shard(layer, reshard_after_forward=spec.reshard_after_forward, **kw)
     fully_shard(hf, **kw)
+    if is_empty(model):  # built on the meta device: allocate and fill this rank's shards (sharded_load.py)
+        materialize(model, torch.device("cpu") if spec.offload else spec.device)
     return model
 
 

@@ -5,8 +5,10 @@ the controller never does.
     setup_process(seed)                              seeds (relayrl.training.rng) for a worker process
     inference_dtype(model_cfg, device)               dtype of frozen copies (engine, reference): bf16 on a GPU
                                                      unless model.dtype is fp32; fp32 on a CPU
-    build_trainable(model_cfg, device)               causal LM with fp32 master weights (+ LoRA)
-    build_frozen(model_cfg, device)                  frozen causal LM in the inference dtype (reference)
+    build_trainable(model_cfg, device, sharded=)     causal LM with fp32 master weights (+ LoRA); sharded:
+                                                     built empty, each rank reads its own shards
+                                                     (relayrl.distributed.sharded_load)
+    build_frozen(model_cfg, device, sharded=)        frozen causal LM in the inference dtype (reference)
     build_policy_objective(algo, max_new_tokens)     PolicyObjective from the resolved AlgoConfig
     exact_on_policy(algo)                            True when the update needs no separate old-log-prob pass
     build_engine_for(rollout, eval, model, tok)      RolloutEngine over `model` (the engine copy or the policy)
@@ -31,6 +33,8 @@ from relayrl.agents.loader import load_agent_from_file
 from relayrl.algorithms.objective import PolicyObjective
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
+from relayrl.distributed.sharded_load import load_for_shards
+from relayrl.models.empty import empty_causal_lm
 from relayrl.models.loading import load_causal_lm, load_tokenizer
 from relayrl.rollout.base import EngineSettings, RolloutEngine
 from relayrl.rollout.build import build_engine, engine_capabilities
@@ -52,23 +56,43 @@ def inference_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "fp16": torch.float16}.get(model.dtype, torch.bfloat16)
 
 
-def build_trainable(model: ModelConfig, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """(causal LM, tokenizer): the trained weights are fp32 masters (mixed precision computes in bf16)."""
+def build_trainable(
+    model: ModelConfig, device: torch.device, *, sharded: bool = False
+) -> tuple[torch.nn.Module, Any]:
+    """(causal LM, tokenizer): the trained weights are fp32 masters (mixed precision computes in bf16).
+    `sharded`: one rank of a sharded role: built empty when the checkpoint allows, filled by shard_model
+    (relayrl.distributed.sharded_load), else loaded whole on the CPU."""
     tokenizer = load_tokenizer(
         model.tokenizer_name_or_path or model.name_or_path, trust_remote_code=model.trust_remote_code
     )
-    return load_causal_lm(replace(model, dtype="fp32"), device=device, lora=True), tokenizer
+    cfg = replace(model, dtype="fp32")
+    if sharded:
+        cpu = torch.device("cpu")
+        m = load_for_shards(
+            lambda: empty_causal_lm(cfg), lambda: load_causal_lm(cfg, device=cpu, lora=True), what="policy"
+        )
+        return m, tokenizer
+    return load_causal_lm(cfg, device=device, lora=True), tokenizer
 
 
 def build_frozen(
-    model: ModelConfig, device: torch.device, like: torch.device | None = None
+    model: ModelConfig, device: torch.device, like: torch.device | None = None, *, sharded: bool = False
 ) -> torch.nn.Module:
     """A frozen causal LM on `device` in the inference dtype of device `like` (default `device`), without
-    adapters (the reference policy; a sharded one is loaded on the CPU first)."""
+    adapters (the reference policy). `sharded`: one rank of a sharded role: built empty when the checkpoint
+    allows (filled by shard_model), else loaded whole on the CPU (`device` is then the CPU)."""
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
         inference_dtype(model, like or device)
     ]
-    m = load_causal_lm(replace(model, dtype=dtype, gradient_checkpointing=False), device=device, lora=False)
+    cfg = replace(model, dtype=dtype, gradient_checkpointing=False)
+    if sharded:
+        m = load_for_shards(
+            lambda: empty_causal_lm(cfg, lora=False),
+            lambda: load_causal_lm(cfg, device=device, lora=False),
+            what="frozen model",
+        )
+    else:
+        m = load_causal_lm(cfg, device=device, lora=False)
     m.eval()
     m.requires_grad_(False)
     return m

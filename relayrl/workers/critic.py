@@ -24,6 +24,9 @@ from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.packing import plan_micro_batches
 from relayrl.distributed.group import in_group, merged
+from relayrl.distributed.sharded_load import load_for_shards
+from relayrl.distributed.sharded_load import wanted as sharded_load
+from relayrl.models.empty import empty_value_model
 from relayrl.models.forward import to_device
 from relayrl.models.loading import load_tokenizer, resolve_device
 from relayrl.models.value_head import build_value_model
@@ -76,7 +79,7 @@ class CriticWorker:
         m = spec.model
         self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or m.name_or_path)
         grouped = in_group()
-        self.model = self._build(torch.device("cpu") if grouped else self.device)
+        self.model = self._build(torch.device("cpu") if grouped else self.device, sharded_load(spec.dist))
         built = build_trained(
             self.model,
             device=self.device,
@@ -99,13 +102,21 @@ class CriticWorker:
         """Micro-batch token budgets (update, values pass), resolved at first use."""
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
 
-    def _build(self, device: torch.device) -> torch.nn.Module:
+    def _build(self, device: torch.device, sharded: bool = False) -> torch.nn.Module:
+        """The value model on `device`; `sharded`: built empty, filled by shards (distributed/sharded_load)."""
         m = replace(
             self.spec.model,
             name_or_path=self.spec.model_path or self.spec.model.name_or_path,
             dtype="fp32",
         )
-        return build_value_model(m, init="zeros", pad_token_id=self.tokenizer.pad_token_id, device=device)
+        pad = self.tokenizer.pad_token_id
+        if sharded:
+            return load_for_shards(
+                lambda: empty_value_model(m, init="zeros", pad_token_id=pad),
+                lambda: build_value_model(m, init="zeros", pad_token_id=pad, device=device),
+                what="critic",
+            )
+        return build_value_model(m, init="zeros", pad_token_id=pad, device=device)
 
     def _full_weights(self, folder: Path) -> dict[str, Tensor]:
         cpu = self._build(torch.device("cpu"))

@@ -47,6 +47,8 @@ from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.data.packing import plan_micro_batches
 from relayrl.data.records import PromptSample
 from relayrl.distributed.group import in_group, merged, rank, world
+from relayrl.distributed.sharded_load import is_empty
+from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
 from relayrl.distributed.weights.broadcast import BroadcastSender, free_endpoint
 from relayrl.distributed.weights.local import LocalWeights
@@ -139,8 +141,9 @@ class PolicyWorker:
         # N ranks: load on the CPU, copy the engine's full replica, then shard (FSDP moves each layer's shard
         # to the device), so no rank ever holds the full fp32 model on its GPU
         self.model, self.tokenizer = build_trainable(
-            spec.model, torch.device("cpu") if grouped else self.device
+            spec.model, torch.device("cpu") if grouped else self.device, sharded=sharded_load(spec.dist)
         )
+        empty = is_empty(self.model)  # filled by shards after sharding: the engine's copy is refreshed then
         a = spec.algo
         engine_dtype = inference_dtype(spec.model, self.device)
         engine_device = torch.device(spec.rollout.engine_device) if spec.rollout.engine_device else None
@@ -178,6 +181,8 @@ class PolicyWorker:
             role="policy",
         )
         self.layout, self.train = ("exact" if spec.rollout.exact else built.layout), built.train
+        if empty:
+            self.weights.refresh()
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
         # exact mode's batch-invariant forward (rollout/exact.py) attends over padded rows: not sized by `auto`
         fixed = DEFAULT_TOKENS if self.layout == "exact" else 0

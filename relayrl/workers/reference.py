@@ -19,6 +19,7 @@ from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged
 from relayrl.distributed.sequence_parallel import setup_sequence_parallel
+from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.models.loading import resolve_device
 from relayrl.training.setup import compute_precision
@@ -58,7 +59,10 @@ class ReferenceWorker:
         self.device = resolve_device(spec.device)
         grouped = in_group()
         self.model = build_frozen(
-            spec.model, torch.device("cpu") if grouped else self.device, like=self.device
+            spec.model,
+            torch.device("cpu") if grouped else self.device,
+            like=self.device,
+            sharded=sharded_load(spec.dist),
         )
         setup_sequence_parallel(spec.dist.sp_size if spec.dist else 1, self.model, "reference")
         self.layout = choose_layout(self.model, self.device)

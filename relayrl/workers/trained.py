@@ -61,8 +61,11 @@ from relayrl.distributed.checkpoint import (
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_data_share, rank, reports, world
 from relayrl.distributed.sequence_parallel import setup_sequence_parallel
+from relayrl.distributed.sharded_load import load_for_shards
+from relayrl.distributed.sharded_load import wanted as sharded_load
+from relayrl.models.empty import Built, Unsupported, empty_causal_lm, empty_value_model
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
-from relayrl.models.loading import load_model_and_tokenizer, load_tokenizer, pretrained, resolve_device
+from relayrl.models.loading import load_causal_lm, load_tokenizer, pretrained, resolve_device
 from relayrl.models.value_head import build_value_model
 from relayrl.training.checkpoint import WEIGHTS_FILE, check_finite_weights, load_state, load_weights_into
 from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -337,7 +340,9 @@ class ModelWorker:
         self.spec = spec
         self.device = resolve_device(spec.device)
         grouped = in_group()
-        self.model, self.tokenizer = self._load(torch.device("cpu") if grouped else self.device)
+        self.model, self.tokenizer = self._load(
+            torch.device("cpu") if grouped else self.device, sharded_load(spec.dist)
+        )
         self.frozen: Any = None
 
         def load_frozen(layout: str) -> None:  # before sharding: the frozen model is laid out like the model
@@ -356,22 +361,35 @@ class ModelWorker:
         self.layout, self.train = built.layout, built.train
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights, spec.hf_format)
 
-    def _load(self, device: torch.device) -> tuple[Any, Any]:
+    def _load(self, device: torch.device, sharded: bool = False) -> tuple[Any, Any]:
+        """(model, tokenizer) on `device`; `sharded`: the model built empty when the checkpoint allows, its
+        shards filled by shard_model (relayrl.distributed.sharded_load)."""
         cfg = replace(self.spec.model, dtype="fp32")
-        if self.spec.head == "lm":
-            return load_model_and_tokenizer(cfg, device=device)
-        if self.spec.head != "value":
+        if self.spec.head not in ("lm", "value"):
             raise ValueError(f"ModelSpec.head must be 'lm' or 'value', got {self.spec.head!r}")
         tok = load_tokenizer(
             cfg.tokenizer_name_or_path or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
         )
-        return build_value_model(cfg, init="normal", pad_token_id=tok.pad_token_id, device=device), tok
+        lm, pad = self.spec.head == "lm", tok.pad_token_id
+
+        def whole() -> Any:
+            if lm:
+                return load_causal_lm(cfg, device=device)
+            return build_value_model(cfg, init="normal", pad_token_id=pad, device=device)
+
+        def empty() -> Built | Unsupported:
+            return empty_causal_lm(cfg) if lm else empty_value_model(cfg, init="normal", pad_token_id=pad)
+
+        return (load_for_shards(empty, whole, what="model") if sharded else whole()), tok
 
     def _load_frozen(self, grouped: bool, layout: str) -> Any:
         if self.spec.frozen is None:
             return None
         frozen = build_frozen(
-            self.spec.frozen, torch.device("cpu") if grouped else self.device, like=self.device
+            self.spec.frozen,
+            torch.device("cpu") if grouped else self.device,
+            like=self.device,
+            sharded=sharded_load(self.spec.dist),
         )
         prepare_model(frozen, layout)
         if grouped:  # sharded for inference, like the RL reference
