@@ -75,6 +75,7 @@ import torch.nn.functional as F
 
 from relayrl.rollout import fp8_kernels
 from relayrl.rollout.exact import ExactRunner
+from relayrl.rollout.kernels import decode_attention, rms_norm, rope_kv_write
 from relayrl.rollout.native_model import DecoderRunner, TensorFn
 
 FP8 = torch.float8_e4m3fn
@@ -86,10 +87,16 @@ QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization's values."""
 FAST_ACCUM = True
 """torch._scaled_mm's use_fast_accum on the GPU path (module doc, "Speed"); False: the fp32-promoting kernel."""
-GEMM = "cutlass"
-"""The GPU path's fp8 GEMM: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in its epilogue)
-or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then fp8_kernels.rescale: one more pass
-over the output; bench/fp8_rollout.py's "fp8-cublas" engine measures it against the default)."""
+GEMM = {"qkv": "cutlass", "o": "cublas", "gate_up": "cutlass", "down": "cublas"}
+"""The GPU path's fp8 GEMM per projection: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in
+its epilogue) or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then the row-wise scales:
+in the next fused norm on the fused decode path, else fp8_kernels.rescale). Both multiply the same fp8
+operands and apply the same scales in fp32; only the accumulation order differs. Per-GEMM times at M = 256 on
+an H200 (us, CUTLASS / cuBLAS + rescale): q/k/v 12.5 / 12.0, o 12.1 / 10.4, gate/up 58.4 / 74.5, down 47.6 /
+33.8 (CUTLASS's row-wise tiles leave SMs idle where N is small and K large; cuBLAS splits K)."""
+FUSED = True
+"""Decode through `FP8Runner._decode_fused` where it applies (module doc, "Paths"); False: the per-projection
+quantisers (bench/fp8_rollout.py's "fp8-unfused")."""
 
 
 class FP8Unsupported(RuntimeError):
@@ -149,7 +156,7 @@ class FP8Linear:
     dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says.
     `quantizer`: the activations' (quantize_rows or its kernel); `kernels`: the refresh quantises through
     fp8_kernels.quantize_rows_into (no temporaries); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
-    FAST_ACCUM); `gemm`: "cutlass" or "cublas" (None: GEMM)."""
+    FAST_ACCUM); `gemm`: "cutlass" (default) or "cublas" (GEMM's doc)."""
 
     def __init__(
         self,
@@ -166,7 +173,7 @@ class FP8Linear:
         self.quantizer = quantizer
         self.kernels = kernels
         self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
-        self.gemm = GEMM if gemm is None else gemm
+        self.gemm = gemm or "cutlass"
         if self.gemm not in ("cutlass", "cublas"):
             raise ValueError(f"FP8Linear: gemm={self.gemm!r}; choose 'cutlass' or 'cublas'")
         w0 = self.linears[0].weight
@@ -223,15 +230,26 @@ class FP8Linear:
             out = self.matmul(*self.quantizer(rows), x.dtype)
         return out.view(*shape, -1)
 
-    def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
-        scales and the bias applied in the GEMM's epilogue ("cublas": by fp8_kernels.rescale after it)."""
+    def accumulate(
+        self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
+        """`matmul` with the "cublas" GEMM's rescale left to the caller: (x @ W^T + bias in `dtype`, None), or
+        (the fp32 accumulator x_q @ W_q^T, (s_x, s_w, bias)) for fp8_kernels.rms_norm_quantize's `scales`."""
         if self.gemm == "cublas":
             acc = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
                 xq, self.qweight_t, scale_a=self.one, scale_b=self.one, out_dtype=torch.float32,
                 use_fast_accum=self.fast_accum,
             )  # fmt: skip
-            return fp8_kernels.rescale(acc, xs, self.scale, self.bias, dtype)
+            return acc, (xs, self.scale, self.bias)
+        return self.matmul(xq, xs, dtype), None
+
+    def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
+        scales and the bias applied in the GEMM's epilogue ("cublas": by fp8_kernels.rescale after it)."""
+        if self.gemm == "cublas":
+            acc, scales = self.accumulate(xq, xs, dtype)
+            assert scales is not None
+            return fp8_kernels.rescale(acc, *scales, dtype)
         return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
             xq, self.qweight_t, scale_a=xs, scale_b=self.scale_row, bias=self.bias, out_dtype=dtype,
             use_fast_accum=self.fast_accum,
@@ -309,17 +327,18 @@ class FP8Runner(DecoderRunner):
         for li, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             groups = (
-                (self.fp8_qkv, "q/k/v", [attn.q_proj, attn.k_proj, attn.v_proj]),
-                (self.fp8_o, "o_proj", [attn.o_proj]),
+                (self.fp8_qkv, "q/k/v", "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                (self.fp8_o, "o_proj", "o", [attn.o_proj]),
                 (
                     self.fp8_gate_up,
                     "gate/up",
+                    "gate_up",
                     [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)],
                 ),
-                (self.fp8_down, "down_proj", [getattr(mlp, "down_proj", None)]),
+                (self.fp8_down, "down_proj", "down", [getattr(mlp, "down_proj", None)]),
             )
-            for out, name, mods in groups:
-                out.append(self._make(f"layer {li} {name}", mods, quantizer))
+            for out, name, key, mods in groups:
+                out.append(self._make(f"layer {li} {name}", mods, quantizer, GEMM[key]))
         gated = type(getattr(self.layers[0].mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
         if not gated:  # another MLP: leave it whole (its projections are not called one by one here)
             self.skipped += [f"layer {li} mlp" for li, g in enumerate(self.fp8_gate_up) if g is not None]
@@ -333,8 +352,11 @@ class FP8Runner(DecoderRunner):
             g is not None for g in (*self.fp8_qkv, *self.fp8_o, *self.fp8_gate_up, *self.fp8_down)
         )
         """fp8 GEMMs per forward (4 per layer when every projection is a plain Linear)."""
+        every = all(None not in g for g in (self.fp8_qkv, self.fp8_o, self.fp8_gate_up, self.fp8_down))
+        self.fused = FUSED and self.kernels and self.quant_kernels and every and not self.moe_layers
+        """Decode runs `_decode_fused` (every layer's four projections in fp8, the fused kernels on)."""
 
-    def _make(self, name: str, mods: list, quantizer: Quantizer) -> FP8Linear | None:
+    def _make(self, name: str, mods: list, quantizer: Quantizer, gemm: str) -> FP8Linear | None:
         if not all(_plain(m) for m in mods):
             self.skipped.append(name)
             return None
@@ -349,6 +371,7 @@ class FP8Runner(DecoderRunner):
             quantizer=quantizer,
             kernels=self.quant_kernels,
             fast_accum=self.fast_accum,
+            gemm=gemm,
         )
 
     def _mlp_fn(self, li: int) -> TensorFn:
@@ -389,6 +412,34 @@ class FP8Runner(DecoderRunner):
 
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         return self.mlps[li](x)
+
+    def _decode_kernels(
+        self, tok: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """DecoderRunner's fused decode with each RMSNorm emitting the next projection's fp8 input and scales
+        (fp8_kernels.rms_norm_quantize: no bf16 normed row, no quantiser launch for q/k/v and gate/up), and the
+        "cublas" GEMMs' (o, down: GEMM) row-wise scales applied inside the next norm; the same bytes as the
+        per-projection path with the same GEMMs (tested). Off (`fused`): DecoderRunner's loop."""
+        if not self.fused:
+            return super()._decode_kernels(tok, pos, k_cache, v_cache, kv_len)
+        bs, norms, dt = tok.shape[0], self.norm_params, self.dtype
+        hq, hs, x = fp8_kernels.rms_norm_quantize(self.body.embed_tokens(tok), *norms[0])
+        for li in range(len(self.layers)):
+            qkv, o_proj = cast(FP8Linear, self.fp8_qkv[li]), cast(FP8Linear, self.fp8_o[li])
+            gate_up, down = cast(FP8Linear, self.fp8_gate_up[li]), cast(FP8Linear, self.fp8_down[li])
+            q, k, v = qkv.matmul(hq, hs, dt).split(qkv.rows, dim=-1)
+            q, k, v = self._heads(li, q, k, v, (bs,))
+            q = rope_kv_write(q, k, v, self.cos, self.sin, pos, k_cache[li], v_cache[li])
+            o = decode_attention(q, k_cache[li], v_cache[li], pos, self.scale, kv_len)
+            delta, scales = o_proj.accumulate(*o_proj.quantizer(o.view(bs, -1)), dt)
+            hq, hs, x = fp8_kernels.rms_norm_quantize(delta, *norms[2 * li + 1], residual=x, scales=scales)
+            hq, hs = self.silu_quantize(gate_up.matmul(hq, hs, dt))
+            delta, scales = down.accumulate(hq, hs, dt)
+            if li + 1 == len(self.layers):  # the final norm: the LM head's input stays in the model dtype
+                delta = delta if scales is None else fp8_kernels.rescale(delta, *scales, dt)
+                return self.model.lm_head(rms_norm(delta, *norms[-1], residual=x)[0])
+            hq, hs, x = fp8_kernels.rms_norm_quantize(delta, *norms[2 * li + 2], residual=x, scales=scales)
+        raise AssertionError("a decoder without layers")
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
