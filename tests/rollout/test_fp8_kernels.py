@@ -259,7 +259,7 @@ def test_fused_decode_equals_the_per_projection_path(tiny_model, monkeypatch):
     head) against the per-projection path with the same GEMMs (quantiser kernels, rescale kernel): logits and
     KV caches EQUAL, on the fp32 tiny model through torch._scaled_mm where this CPU build runs it."""
     monkeypatch.setattr(fp8, "check_device", lambda device: True)
-    monkeypatch.setattr(fp8_kernels, "quantize_rows_into", _refresh_into)  # the interpreter is slow on weights
+    monkeypatch.setattr(fp8_kernels, "quantize_rows_into", _refresh_into)  # interpreter: slow on weights
     runner = FP8Runner(tiny_model.to(DEV).eval(), 64, kernels=True)
     assert runner.fused and not runner.emulate
     assert [lin.gemm for lin in runner.fp8_linears()[:4]] == ["cutlass", "cublas", "cutlass", "cublas"]
