@@ -28,8 +28,11 @@ makes that decode shape run without a graph (rollout/native_state.py GraphCache)
 of this: one launch per call, the same compiled binary for every batch size (the row length is a runtime
 argument), compiled in the warm-up run before each capture as kernels.py's are.
 
-Each program quantises one row in two passes over it: the absolute maximum, then x / s rounded to e4m3's grid
-(the second pass re-reads the row, from L2 at decode sizes). Rounding: x / s is computed with IEEE division
+quantize_rows: each program quantises one row, the absolute maximum then x / s rounded to e4m3's grid, from
+registers when the row fits ONE_PASS_MAX columns, else in two passes (the second re-reads it, from L2 at decode
+sizes); silu_mul_quantize: chunks of CHUNK columns per program, the row's maximum across them through a second
+kernel (the quantised values are the same bytes; the max is order-free); rms_norm_quantize: one row per program,
+held in registers as kernels.rms_norm's. Rounding: x / s is computed with IEEE division
 (`div_rn`, as torch's), clamped to +-448, then rounded to nearest-even on e4m3's grid in fp32 (adding and
 subtracting 1.5 * 2^(p + 23), p the exponent of the grid step at |v|: 2^(e - 3) for a normal |v| in
 [2^e, 2^(e+1)), 2^-9 below 2^-6) and only then cast, so the cast is exact whatever its own rounding
@@ -51,6 +54,8 @@ __all__ = [
 ]  # fmt: skip
 CHUNK = 1024
 """Columns per program of the chunked quantiser (silu_mul_quantize: rows of 18944 at 7B)."""
+ONE_PASS_MAX = 4096
+"""quantize_rows reads a row this long or shorter once (held in registers; 3584 at 7B), a longer one twice."""
 
 
 @_jit
@@ -79,30 +84,53 @@ def _load_row(x_ptr, row, cols, m, n_cols, sx, SILU: tl.constexpr):
 
 
 @_jit
+def _row_scale(amax):
+    """A row's scale from its max |x|: amax / 448 (IEEE division, as torch's), 1 for an all-zero row."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
+
+
+@_jit
+def _store_quantized(q_ptr, row, sq, cols, m, v, scale):
+    """Columns `cols` of row `row` (fp32 values v): round_e4m3(clamp(v / scale)) stored as e4m3fn."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+
+
+@_jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, n_cols, sx, sq, SILU: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, n_cols, sx, sq, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_PASS:  # the row fits one block: read once, held in registers
+        cols = tl.arange(0, BLOCK)
         m = cols < n_cols
-        acc = tl.maximum(acc, tl.abs(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU)))
-    amax = tl.max(acc, 0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
-    tl.store(s_ptr + row, scale)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < n_cols
-        v = tl.math.div_rn(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU), scale)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+        x = _load_row(x_ptr, row, cols, m, n_cols, sx, False)
+        scale = _row_scale(tl.max(tl.abs(x), 0))
+        tl.store(s_ptr + row, scale)
+        _store_quantized(q_ptr, row, sq, cols, m, x, scale)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            acc = tl.maximum(acc, tl.abs(_load_row(x_ptr, row, cols, m, n_cols, sx, False)))
+        scale = _row_scale(tl.max(acc, 0))
+        tl.store(s_ptr + row, scale)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            _store_quantized(
+                q_ptr, row, sq, cols, m, _load_row(x_ptr, row, cols, m, n_cols, sx, False), scale
+            )
 
 
 def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, n_cols: int) -> None:
-    block = min(2048, _pow2(n_cols, 16))
+    block = _pow2(n_cols, 16)
+    one_pass = block <= ONE_PASS_MAX
+    block = block if one_pass else 2048
     _quantize_rows_kernel[(x.shape[0],)](
-        x, q, s, n_cols, x.stride(0), q.stride(0), SILU=False, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        x, q, s, n_cols, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
+        num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
 
 
@@ -123,52 +151,56 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @_jit
-def _chunk_amax_kernel(x_ptr, part_ptr, n_cols, sx, n_chunks, SILU: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_amax_kernel(x_ptr, h_ptr, part_ptr, n_cols, sx, sh, n_chunks, BLOCK: tl.constexpr):
+    """Chunk program_id(1) of row program_id(0): h = silu(gate) * up stored in the model dtype (exact: it is
+    rounded to it already) and max |h| into part[row, chunk]."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
-    v = _load_row(x_ptr, row, cols, m, n_cols, sx, SILU)
+    v = _load_row(x_ptr, row, cols, m, n_cols, sx, True)
+    tl.store(h_ptr + row * sh + cols, v.to(h_ptr.dtype.element_ty), mask=m)
     tl.store(part_ptr + row * n_chunks + chunk, tl.max(tl.abs(v), 0))
 
 
 @_jit
 def _chunk_quantize_kernel(
-    x_ptr, part_ptr, q_ptr, s_ptr, n_cols, sx, sq, n_chunks,
-    SILU: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+    h_ptr, part_ptr, q_ptr, s_ptr, n_cols, sh, sq, n_chunks, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
 ):  # fmt: skip
+    """Chunk program_id(1) of row program_id(0) of h quantised with the row's scale (the max of its chunks')."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     parts = tl.arange(0, CHUNKS)
-    amax = tl.max(tl.load(part_ptr + row * n_chunks + parts, mask=parts < n_chunks, other=0.0), 0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
+    scale = _row_scale(
+        tl.max(tl.load(part_ptr + row * n_chunks + parts, mask=parts < n_chunks, other=0.0), 0)
+    )
     if chunk == 0:
         tl.store(s_ptr + row, scale)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
-    v = tl.math.div_rn(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU), scale)
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+    _store_quantized(
+        q_ptr, row, sq, cols, m, tl.load(h_ptr + row * sh + cols, mask=m, other=0.0).to(tl.float32), scale
+    )
 
 
 def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gu [M, 2I] (gate | up) -> quantize_rows(silu(gate) * up) [M, I]: fp8.silu_mul_quantize in two kernels
     over chunks of CHUNK columns (M x I / CHUNK programs each, not M: a row of 18944 is too long for one
-    program to stream at the card's bandwidth): each chunk's max |h|, then each chunk quantised with its row's
-    scale (the max of its chunks' maxima: exact, whatever the order), h recomputed from gu (read from L2)."""
+    program to stream at the card's bandwidth): h = silu(gate) * up and each chunk's max |h|, then each chunk
+    of h quantised with its row's scale (the max of its chunks' maxima: exact, whatever the order)."""
     gu = _rows(gu)
     m, inter = gu.shape[0], gu.shape[1] // 2
     q = torch.empty((m, inter), dtype=FP8, device=gu.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=gu.device)
     if m:
         chunks = -(-inter // CHUNK)
+        h = torch.empty((m, inter), dtype=gu.dtype, device=gu.device)
         part = torch.empty((m, chunks), dtype=torch.float32, device=gu.device)
         _chunk_amax_kernel[(m, chunks)](
-            gu, part, inter, gu.stride(0), chunks, SILU=True, BLOCK=CHUNK, num_warps=4
+            gu, h, part, inter, gu.stride(0), h.stride(0), chunks, BLOCK=CHUNK, num_warps=4
         )
         _chunk_quantize_kernel[(m, chunks)](
-            gu, part, q, s, inter, gu.stride(0), q.stride(0), chunks,
-            SILU=True, BLOCK=CHUNK, CHUNKS=_pow2(chunks), num_warps=4,
+            h, part, q, s, inter, h.stride(0), q.stride(0), chunks, BLOCK=CHUNK, CHUNKS=_pow2(chunks), num_warps=4,
         )  # fmt: skip
     return q, s
 
@@ -190,11 +222,9 @@ def _rms_norm_quant_kernel(
         x = x.to(res_ptr.dtype.element_ty)
     y = _add_rms_norm(x, r_ptr, w_ptr, res_ptr, row, cols, m, n_cols, eps, sr, sres, HAS_RES, ROUND)
     y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the normed row in the model dtype, as rms_norm's
-    scale = tl.max(tl.abs(y), 0)
-    scale = tl.where(scale > 0, tl.math.div_rn(scale, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
+    scale = _row_scale(tl.max(tl.abs(y), 0))
     tl.store(s_ptr + row, scale)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
-    tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+    _store_quantized(q_ptr, row, sq, cols, m, y, scale)
 
 
 def rms_norm_quantize(

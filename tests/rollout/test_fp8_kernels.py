@@ -49,7 +49,8 @@ def _rows(gen: torch.Generator, m: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantiser_kernel_equals_quantize_rows(dtype):
     gen = torch.Generator().manual_seed(0)
-    for m, k in ((1, 64), (5, 300), (3, 2500)):  # one row; a ragged block; K past one 2048 block
+    # one row; a ragged block; rows read once (<= ONE_PASS_MAX) and, past it, twice over 2048-column blocks
+    for m, k in ((1, 64), (5, 300), (3, 2500), (2, fp8_kernels.ONE_PASS_MAX + 900)):
         x = _rows(gen, m, k).to(DEV, dtype)
         q, s = fp8_kernels.quantize_rows(x)
         want_q, want_s = quantize_rows(x)
