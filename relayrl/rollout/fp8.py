@@ -109,6 +109,9 @@ in the next fused norm on the fused decode path, else fp8_kernels.rescale). Both
 operands and apply the same scales in fp32; only the accumulation order differs. Per-GEMM times at M = 256 on
 an H200 (us, CUTLASS / cuBLAS + rescale): q/k/v 12.5 / 12.0, o 12.1 / 10.4, gate/up 58.4 / 74.5, down 47.6 /
 33.8 (CUTLASS's row-wise tiles leave SMs idle where N is small and K large; cuBLAS splits K)."""
+CUBLAS_MAX_ROWS = 512
+""""cublas" runs up to this many rows (decode batches); more (prefill) take the row-wise GEMM: at M = 4096 on an
+H200 cuBLAS + rescale lost (o 107 vs 75 us, down 489 vs 436: the fp32 output's extra pass)."""
 FUSED = True
 """Decode through `FP8Runner._decode_fused` where it applies (module doc, "Paths"); False: the per-projection
 quantisers (bench/fp8_rollout.py's "fp8-unfused")."""
@@ -248,27 +251,26 @@ class FP8Linear:
     def accumulate(
         self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
-        """`matmul` with the "cublas" GEMM's rescale left to the caller: (x @ W^T + bias in `dtype`, None), or
-        (the fp32 accumulator x_q @ W_q^T, (s_x, s_w, bias)) for fp8_kernels.rms_norm_quantize's `scales`."""
-        if self.gemm == "cublas":
+        """`matmul` with the "cublas" GEMM's rescale left to the caller: (x @ W^T + bias in `dtype`, None) from
+        the row-wise GEMM, or ("cublas" and M <= CUBLAS_MAX_ROWS) the fp32 accumulator x_q @ W_q^T with (s_x,
+        s_w, bias) for fp8_kernels.rms_norm_quantize's `scales`."""
+        if self.gemm == "cublas" and xq.shape[0] <= CUBLAS_MAX_ROWS:
             acc = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
                 xq, self.qweight_t, scale_a=self.one, scale_b=self.one, out_dtype=torch.float32,
                 use_fast_accum=self.fast_accum,
             )  # fmt: skip
             return acc, (xs, self.scale, self.bias)
-        return self.matmul(xq, xs, dtype), None
+        return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM, row-wise)
+            xq, self.qweight_t, scale_a=xs, scale_b=self.scale_row, bias=self.bias, out_dtype=dtype,
+            use_fast_accum=self.fast_accum,
+        ), None  # fmt: skip
 
     def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
-        scales and the bias applied in the GEMM's epilogue ("cublas": by fp8_kernels.rescale after it)."""
-        if self.gemm == "cublas":
-            acc, scales = self.accumulate(xq, xs, dtype)
-            assert scales is not None
-            return fp8_kernels.rescale(acc, *scales, dtype)
-        return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
-            xq, self.qweight_t, scale_a=xs, scale_b=self.scale_row, bias=self.bias, out_dtype=dtype,
-            use_fast_accum=self.fast_accum,
-        )  # fmt: skip
+        scales and the bias applied in the GEMM's epilogue ("cublas", M <= CUBLAS_MAX_ROWS: by
+        fp8_kernels.rescale after it)."""
+        acc, scales = self.accumulate(xq, xs, dtype)
+        return acc if scales is None else fp8_kernels.rescale(acc, *scales, dtype)
 
 
 def build_runner(

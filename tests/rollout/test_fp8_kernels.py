@@ -289,3 +289,27 @@ def _refresh_into(w, q_out, s_out):
     q, s = quantize_rows(w)
     q_out.copy_(q)
     s_out.copy_(s[:, 0])
+
+
+def test_cublas_gemm_runs_decode_sized_batches_only(monkeypatch):
+    """ "cublas" (fp32 accumulator + scales for the caller) up to fp8.CUBLAS_MAX_ROWS rows; more rows (prefill,
+    where cuBLAS + rescale measured slower) take the row-wise GEMM with the scales in its epilogue."""
+    gen = torch.Generator().manual_seed(8)
+    lin = FP8Linear([torch.nn.Linear(64, 32, bias=False)], emulate=False, gemm="cublas")
+    monkeypatch.setattr(fp8, "CUBLAS_MAX_ROWS", 4)
+    small, large = (
+        quantize_rows(torch.randn(4, 64, generator=gen)),
+        quantize_rows(torch.randn(5, 64, generator=gen)),
+    )
+    try:
+        acc, scales = lin.accumulate(*small, torch.float32)
+        out, none = lin.accumulate(*large, torch.float32)
+    except (NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this build: {e}")
+    assert scales is not None and scales[0] is small[1] and scales[1] is lin.scale and none is None
+    scaled_mm = torch._scaled_mm  # pyright: ignore[reportPrivateImportUsage]
+    want_acc = scaled_mm(small[0], lin.qweight_t, scale_a=lin.one, scale_b=lin.one, out_dtype=torch.float32)
+    want_out = scaled_mm(
+        large[0], lin.qweight_t, scale_a=large[1], scale_b=lin.scale_row, out_dtype=torch.float32
+    )
+    assert torch.equal(acc, want_acc) and torch.equal(out, want_out)
