@@ -13,7 +13,7 @@ fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then
     projections quantised on the device, the per-token activation quantisers as Triton kernels, fast
     accumulation; engine "fp8-slowacc": the same with torch._scaled_mm's slow accumulation, "fp8-cublas":
     cuBLAS's per-tensor fp8 GEMM plus a rescaling kernel for every projection instead of fp8.GEMM's choice
-    per projection (CUTLASS's row-wise kernel for q/k/v and gate/up, cuBLAS for o and down), "fp8-unfused":
+    per projection (the row-wise kernel for gate/up, cuBLAS for q/k/v, o and down at decode sizes), "fp8-unfused":
     the per-projection quantisers (fp8.FUSED off) and CUTLASS everywhere, the engine before the fused decode);
   - workload: --prompts random prompts of --prompt-len tokens -> exactly --new-tokens new tokens each,
     temperature 1, log-probs; one warm-up round, --rounds timed rounds (fresh prompts each), one prefill-only

@@ -40,11 +40,10 @@ Paths:
         buffers. Decode with the fused kernels (`FP8Runner.fused`: every layer's four projections in fp8, no
         MoE layer) runs `_decode_kernels` below: each residual add + RMSNorm writes the next projection's fp8
         input and scales (fp8_kernels.rms_norm_quantize), so q/k/v and gate/up need no quantiser launch and no
-        bf16 normed row is written; o and down take GEMM's choice ("cublas": fp32 accumulator, its row-wise
-        scales and bias applied inside the next norm, no rescale launch); the final norm stays in the model
-        dtype for the LM head. Same bytes as the per-projection path with the same GEMMs (tested). (The
-        "cutlass" name is historical: torch 2.11 runs the row-wise _scaled_mm on sm90 as cuBLASLt's
-        outer-vector-scaled kernel, `nvjet_*_ovscale` in the profile.)
+        bf16 normed row is written; each projection takes GEMM's choice (o and down "cublas": fp32
+        accumulator, its row-wise scales and bias applied inside the next norm, no rescale launch; q/k/v
+        "cublas" too, rescaled by fp8_kernels.rescale before the rotary kernel); the final norm stays in the
+        model dtype for the LM head. Same bytes as the per-projection path with the same GEMMs (tested).
     CPU, or `emulate=True`: the same quantisation (fp8 tensors, the same scales), then dequantised and run as a
         plain F.linear in the model dtype: quantise-dequantise emulation, so CPU tests cover the rounding, the
         scales, the refresh and the config; the only difference from the GPU path is the GEMM's accumulation.
@@ -63,7 +62,7 @@ After those fixes (H200, 7B, batch 256): 1.25x bf16's tokens/s, decode 7.99 ms/s
 GPU time gemm 3.9 ms, quantisers 1.14 ms (4 launches a layer, 10 us on average), attention 0.75, the rest
 (sampler, rotary) 1.4; the down projection's row-wise GEMM (47.6 us) lost to cuBLAS's per-tensor one (33.8 with
 its rescale). Hence the fused decode above: 2 of 4 quantiser launches a layer folded into the norms, the
-silu(gate) * up quantiser over column chunks (M x I / 1024 programs instead of M rows of 18944), o and down
+silu(gate) * up quantiser over column chunks (M x I / 1024 programs instead of M rows of 18944), q/k/v, o and down
 through cuBLAS with the rescale folded into the next norm (bench/fp8_rollout.py's "fp8-unfused" engine is the
 path before it).
 
@@ -102,13 +101,16 @@ QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization's values."""
 FAST_ACCUM = True
 """torch._scaled_mm's use_fast_accum on the GPU path (module doc, "Speed"); False: the fp32-promoting kernel."""
-GEMM = {"qkv": "cutlass", "o": "cublas", "gate_up": "cutlass", "down": "cublas"}
+GEMM = {"qkv": "cublas", "o": "cublas", "gate_up": "cutlass", "down": "cublas"}
 """The GPU path's fp8 GEMM per projection: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in
 its epilogue) or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then the row-wise scales:
-in the next fused norm on the fused decode path, else fp8_kernels.rescale). Both multiply the same fp8
-operands and apply the same scales in fp32; only the accumulation order differs. Per-GEMM times at M = 256 on
-an H200 (us, CUTLASS / cuBLAS + rescale): q/k/v 12.5 / 12.0, o 12.1 / 10.4, gate/up 58.4 / 74.5, down 47.6 /
-33.8 (CUTLASS's row-wise tiles leave SMs idle where N is small and K large; cuBLAS splits K)."""
+in the next fused norm on the fused decode path, else fp8_kernels.rescale; up to CUBLAS_MAX_ROWS rows). Both
+multiply the same fp8 operands and apply the same scales in fp32; only the accumulation order differs.
+Per-GEMM us on an H200 at M = 1 / 32 / 256 (row-wise / cuBLAS + rescale kernel): q/k/v 11.7 / 12.0 / 12.5 vs
+7.7 / 7.4 / 12.0; o 11.7 / 11.8 / 12.1 vs 6.6 / 7.0 / 10.4; gate/up 47.1 / 44.7 / 58.4 vs 39.3 / 44.1 / 74.5;
+down 47.2 / 47.3 / 47.6 vs 23.7 / 25.5 / 33.8 (the row-wise kernel has a ~12 us floor and no split-K; gate/up's
+fp32 output is 2x the bytes of its bf16 one). The name "cutlass" is historical: torch 2.11 runs the row-wise
+kernel on sm90 as cuBLASLt's outer-vector-scaled one (`nvjet_*_ovscale` in the profile)."""
 CUBLAS_MAX_ROWS = 512
 """"cublas" runs up to this many rows (decode batches); more (prefill) take the row-wise GEMM: at M = 4096 on an
 H200 cuBLAS + rescale lost (o 107 vs 75 us, down 489 vs 436: the fp32 output's extra pass)."""
