@@ -200,7 +200,7 @@ def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             gu, h, part, inter, gu.stride(0), h.stride(0), chunks, BLOCK=CHUNK, num_warps=4
         )
         _chunk_quantize_kernel[(m, chunks)](
-            h, part, q, s, inter, h.stride(0), q.stride(0), chunks, BLOCK=CHUNK, CHUNKS=_pow2(chunks), num_warps=4,
+            h, part, q, s, inter, h.stride(0), q.stride(0), chunks, BLOCK=CHUNK, CHUNKS=_pow2(chunks, 16), num_warps=4,
         )  # fmt: skip
     return q, s
 
