@@ -73,7 +73,7 @@ def engine_worker(rank: int, world: int, store_path: str, out: str, untied: bool
             engine.release()
         else:
             engine.follow()
-        rows = shard.get_submodule("lm_head").weight.shape[0]
+        rows = int(shard.get_parameter("lm_head.weight").shape[0])
         torch.save(
             {"outputs": got, "steps": engine.decode_steps, "kv": engine.runner.n_kv, "head_rows": rows},
             f"{out}.{rank}",
