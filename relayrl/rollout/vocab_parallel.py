@@ -9,21 +9,23 @@ and the embedding's refresh refreshes it.
 Sampling (`sample_split`): the SAME rule and the SAME per-slot uniforms as the one-GPU sampler
 (sampling.py: inverse CDF over softmax(logits / T) in vocabulary order, argmax when T = 0), evaluated
 piecewise. Each rank scales its logits x = logits / T (T = 1 for greedy rows) and computes its local max
-m_r, the local cumulative sums cdf_r = cumsum(exp(x - m_r)) and s_r = cdf_r[-1]. ONE all-reduce of [TP, B, 2]
-(each rank fills its row: an all-gather) hands every rank every (m_r, s_r); each rank then computes the
-same global max M = max m_r, the rank masses s_r' = s_r exp(m_r - M), their running ends, the total Z and
-target = u Z, so every rank agrees on the winning rank: for a sampled row the first rank whose mass ends
-past the target (ranks ordered by vocabulary), for a greedy row the first rank holding M (torch.argmax's
-first-maximum rule). The winner finds its token by counting its cdf_r entries <= (target - offset) /
-exp(m_r - M) (greedy: its local argmax); a second all-reduce of [B, 2] (token id and its x, zeros from the
-other ranks) hands every rank the token and its log-prob x[tok] - M - log Z = log_softmax(logits / T)[tok].
+m_r and e_r = exp(x - m_r) with its sum s_r. ONE all-reduce of [TP, B, 2] (each rank fills its row: an
+all-gather) hands every rank every (m_r, s_r); each rank then computes the same global max M = max m_r, the
+rank masses s_r' = s_r exp(m_r - M), their running ends, the total Z and target = u Z, so every rank agrees
+on the winning rank: for a sampled row the first rank whose mass ends past the target (ranks ordered by
+vocabulary), for a greedy row the first rank holding M (torch.argmax's first-maximum rule). The winner counts
+the entries of its running sum of e_r that are <= (target - its offset) / exp(m_r - M) (`count_below`: block
+sums first, then a scan of the one block the target falls in, not of the whole slice; greedy: its local
+argmax); a second all-reduce of [B, 2] (the token id and its x, zeros from the other ranks) hands every rank
+the token and its log-prob x[tok] - M - log Z = log_softmax(logits / T)[tok].
 
-Guarantee: the samples and log-probs of one-GPU sampling up to fp32 rounding: the sums are taken per slice
-and combined instead of in one pass, so a token can differ only where u lands within rounding (~1e-7
-relative) of a CDF boundary, and log-probs differ by ~1e-7. Deterministic given the seeds and independent
-of the batch, as one-GPU sampling; independent of the TP size up to that rounding. Nothing is gathered but
-2 x [B, 2] (x TP) floats per step; the per-rank work (the cast, exp, cumsum over 1/TP of the vocabulary)
-and the lm_head GEMM are divided by TP.
+Guarantee: the samples and log-probs of one-GPU sampling up to fp32 rounding: the sums are grouped per slice
+and per block instead of one running sum, so a token can differ only where u lands within rounding (~1e-7
+relative) of a CDF boundary; log-probs are within 1e-6 of the fp64 value (the one-GPU fp32 log_softmax is
+itself a few 1e-6 off it over a large row). Deterministic given the seeds and independent of the batch, as
+one-GPU sampling; independent of the TP size up to that rounding. Nothing is gathered but 2 x [B, 2] (x TP)
+floats per step; the per-rank passes (scale, max, argmax, exp, block sums) cover 1/TP of the vocabulary, with
+no full-width scan, and the lm_head GEMM is divided by TP.
 
 Top-p / top-k (mode "truncate"): the ranks all-gather the logits ([B, V] on every rank) and run
 sampling.sample_tokens on them, so truncation keeps its one-GPU semantics exactly; only steps in that mode
@@ -54,6 +56,31 @@ def vocab_bounds(vocab: int, size: int) -> list[int]:
     return [r * q + min(r, rem) for r in range(size)] + [vocab]
 
 
+BLOCK = 1024
+"""Entries per block of the two-level inverse-CDF search (`count_below`)."""
+
+
+def count_below(e: torch.Tensor, t: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """For e [B, n] >= 0 and t [B]: (the number of j with cumsum(e)[j] <= t, clamped to n - 1; the row sums),
+    without a scan over the whole row: the block sums' running ends find the block where the running sum
+    passes t, and only that block of `block` entries is scanned (sampling.py's `_inverse_cdf` count, the sums
+    grouped by block: equal up to fp32 rounding)."""
+    n = e.shape[1]
+    nb = n // block
+    sums = e[:, : nb * block].unflatten(1, (nb, block)).sum(-1)  # [B, nb] (a view: one reduction pass)
+    if n > nb * block:  # the tail: one short block
+        sums = torch.cat((sums, e[:, nb * block :].sum(-1, keepdim=True)), dim=-1)
+    ends = sums.cumsum(-1)
+    blk = (ends <= t[:, None]).sum(-1).clamp_(max=ends.shape[1] - 1)  # blocks wholly at or below t
+    before = torch.where(blk > 0, ends.gather(-1, (blk - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
+    cols = blk[:, None] * block + torch.arange(block, device=e.device)
+    inside = cols < n
+    vals = e.gather(-1, cols.clamp(max=n - 1)) * inside
+    running = before[:, None] + vals.cumsum(-1)
+    count = blk * block + ((running <= t[:, None]) & inside).sum(-1)
+    return count.clamp_(max=n - 1), ends[:, -1]
+
+
 def sample_split(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -68,19 +95,17 @@ def sample_split(
     """Sample one token per row from this rank's logits slice [B, n] (vocabulary rows [lo, lo + n)), every
     rank of the group calling it with its own slice and the same temperature / u [B]; returns (token [B]
     int64, logprob [B] fp32), the same on every rank (module doc). `greedy_only`: every row has T = 0."""
-    b, n = logits.shape
+    b = logits.shape[0]
     greedy = temperature <= 0
-    if greedy_only:
-        x = logits.float()
-    else:  # bf16 / fp32 promotes to fp32: the cast and the scaling in one pass, values as sampling.py's
-        x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    t_eff = torch.where(greedy, 1.0, temperature)
+    # bf16 / fp32 promotes to fp32: the cast and the scaling in one pass, the values of sampling.py's
+    x = logits.to(torch.float32, copy=True) if greedy_only else logits / t_eff[:, None]
     m = x.amax(-1)
     arg = x.argmax(-1)
-    e = torch.exp(x - m[:, None])
-    cdf = None if greedy_only else e.cumsum(-1)
+    e = x.sub_(m[:, None]).exp_()  # in place: x[tok] is recomputed from logits below
     stats = torch.zeros((size, b, 2), dtype=torch.float32, device=x.device)
     stats[rank, :, 0] = m
-    stats[rank, :, 1] = e.sum(-1) if cdf is None else cdf[:, -1]
+    stats[rank, :, 1] = e.sum(-1)
     reduce(stats)  # every rank's (max, sum)
     maxes = stats[..., 0]
     top = maxes.amax(0)  # [B] global max M
@@ -90,19 +115,19 @@ def sample_split(
     total = ends[-1]
     win = (maxes == top).int().argmax(0)  # greedy: the first rank holding the max
     idx = arg
-    if cdf is not None:
+    if not greedy_only:
         target = u * total
         w = (ends <= target).sum(0)  # the first rank whose mass ends past the target
         last = size - 1 - (mass > 0).flip(0).int().argmax(0)  # (target >= Z by rounding: the last with mass)
         w = torch.minimum(w, last)
-        t_local = (target - (ends[rank] - mass[rank])) / scale[rank]
-        count = (cdf <= t_local[:, None]).sum(-1).clamp_(max=n - 1)
+        count, _ = count_below(e, (target - (ends[rank] - mass[rank])) / scale[rank])
         win = torch.where(greedy, win, w)
         idx = torch.where(greedy, arg, count)
     mine = win == rank
     out = torch.zeros((b, 2), dtype=torch.float32, device=x.device)
     out[:, 0] = torch.where(mine, idx + lo, 0).float()
-    out[:, 1] = torch.where(mine, x.gather(-1, idx[:, None]).squeeze(-1), 0.0)
+    picked = logits.gather(-1, idx[:, None]).squeeze(-1).float() / t_eff  # = x[tok] before the exp
+    out[:, 1] = torch.where(mine, picked, 0.0)
     reduce(out)  # the winner's token and its scaled logit
     return out[:, 0].long(), (out[:, 1] - top) - torch.log(total)
 
