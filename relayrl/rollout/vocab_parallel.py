@@ -57,20 +57,25 @@ def vocab_bounds(vocab: int, size: int) -> list[int]:
 
 
 BLOCK = 1024
-"""Entries per block of the two-level inverse-CDF search (`count_below`)."""
+"""Entries per block of the two-level inverse-CDF search (`block_ends`, `count_below`)."""
 
 
-def count_below(e: torch.Tensor, t: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """For e [B, n] >= 0 and t [B]: (the number of j with cumsum(e)[j] <= t, clamped to n - 1; the row sums),
-    without a scan over the whole row: the block sums' running ends find the block where the running sum
-    passes t, and only that block of `block` entries is scanned (sampling.py's `_inverse_cdf` count, the sums
-    grouped by block: equal up to fp32 rounding)."""
+def block_ends(e: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Running sums of e [B, n] at the end of each block of `block` entries (a last short block for the
+    tail): [B, ceil(n / block)], the last column the row sums. One reduction pass over e."""
     n = e.shape[1]
     nb = n // block
-    sums = e[:, : nb * block].unflatten(1, (nb, block)).sum(-1)  # [B, nb] (a view: one reduction pass)
-    if n > nb * block:  # the tail: one short block
+    sums = e[:, : nb * block].unflatten(1, (nb, block)).sum(-1)  # a view, no copy
+    if n > nb * block:
         sums = torch.cat((sums, e[:, nb * block :].sum(-1, keepdim=True)), dim=-1)
-    ends = sums.cumsum(-1)
+    return sums.cumsum(-1)
+
+
+def count_below(e: torch.Tensor, ends: torch.Tensor, t: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """For e [B, n] >= 0, its `block_ends` and t [B]: the number of j with cumsum(e)[j] <= t, clamped to n - 1
+    (sampling.py's `_inverse_cdf` count, the sums grouped by block: equal up to fp32 rounding), scanning only
+    the block where the running sum passes t."""
+    n = e.shape[1]
     blk = (ends <= t[:, None]).sum(-1).clamp_(max=ends.shape[1] - 1)  # blocks wholly at or below t
     before = torch.where(blk > 0, ends.gather(-1, (blk - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
     cols = blk[:, None] * block + torch.arange(block, device=e.device)
@@ -78,7 +83,7 @@ def count_below(e: torch.Tensor, t: torch.Tensor, block: int = BLOCK) -> tuple[t
     vals = e.gather(-1, cols.clamp(max=n - 1)) * inside
     running = before[:, None] + vals.cumsum(-1)
     count = blk * block + ((running <= t[:, None]) & inside).sum(-1)
-    return count.clamp_(max=n - 1), ends[:, -1]
+    return count.clamp_(max=n - 1)
 
 
 def sample_split(
@@ -103,9 +108,10 @@ def sample_split(
     m = x.amax(-1)
     arg = x.argmax(-1)
     e = x.sub_(m[:, None]).exp_()  # in place: x[tok] is recomputed from logits below
+    ends_e = None if greedy_only else block_ends(e)
     stats = torch.zeros((size, b, 2), dtype=torch.float32, device=x.device)
     stats[rank, :, 0] = m
-    stats[rank, :, 1] = e.sum(-1)
+    stats[rank, :, 1] = e.sum(-1) if ends_e is None else ends_e[:, -1]
     reduce(stats)  # every rank's (max, sum)
     maxes = stats[..., 0]
     top = maxes.amax(0)  # [B] global max M
@@ -115,12 +121,12 @@ def sample_split(
     total = ends[-1]
     win = (maxes == top).int().argmax(0)  # greedy: the first rank holding the max
     idx = arg
-    if not greedy_only:
+    if ends_e is not None:
         target = u * total
         w = (ends <= target).sum(0)  # the first rank whose mass ends past the target
         last = size - 1 - (mass > 0).flip(0).int().argmax(0)  # (target >= Z by rounding: the last with mass)
         w = torch.minimum(w, last)
-        count, _ = count_below(e, (target - (ends[rank] - mass[rank])) / scale[rank])
+        count = count_below(e, ends_e, (target - (ends[rank] - mass[rank])) / scale[rank])
         win = torch.where(greedy, win, w)
         idx = torch.where(greedy, arg, count)
     mine = win == rank
