@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 bench/tp_decode.py                    # 7B shape, TP 1, 2, 4
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2
+    torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2 --head both  # split vs replicated head
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --shape tiny --device cpu   # smoke test
 
 Model: random bf16 weights of Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate
@@ -21,6 +22,10 @@ One full warm-up round, then --rounds timed rounds (median reported). Per TP siz
     graphs / eager   CUDA graphs captured / keys whose capture failed (run eagerly)
     peak_gib         peak GPU memory of rank 0
     kernels          decode ran rollout/kernels.py's fused Triton kernels (on by default on CUDA)
+    head             TP > 1: "vocab_parallel" (lm_head rows split, ranks sample together without gathering the
+                     logits: rollout/vocab_parallel.py; the default) or "replicated" (every rank computes the
+                     full logits and samples alone: the engine before the split); --head picks, "both" runs
+                     each TP > 1 size both ways (the split's gain)
 A last row runs TP 1 with unfused projections (q/k/v and gate/up as separate GEMMs): the fused projections'
 gain (--no-unfused skips it).
 
@@ -28,7 +33,8 @@ gain (--no-unfused skips it).
 through the samples (kv bucket covering prompt + new_tokens / 2), under torch.profiler: GPU kernel time per
 step split into all-reduce (NCCL), GEMM, attention, the fused norm / rotary / SiLU kernels and the rest
 (sampling, embedding, copies), for the step run eagerly (every kernel visible) and as the CUDA graph the
-engine replays; plus each one's wall time per step. Written as "profile" in the JSON.
+engine replays; plus each one's wall time per step. Written as "profile" in the JSON (--profile-head both: the
+vocab-parallel head's, then the replicated head's as "profile_replicated").
 
 --allreduce (GPUs, last): the decode step's all-reduce alone ([batch, hidden] bf16, 2 a layer), per call,
 eagerly and inside a CUDA graph: NCCL (what the engine runs) vs torch's symmetric-memory one-shot / two-shot
@@ -81,11 +87,15 @@ SHAPES = {
 }
 
 
-def build_shard(shape: str, tp: int, rank: int, group, device: torch.device, dtype: torch.dtype):
+def build_shard(
+    shape: str, tp: int, rank: int, group, device: torch.device, dtype: torch.dtype, split_head: bool = True
+):
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
-    shard = shard_model(model, rank=rank, size=tp, group=group, dtype=dtype, device=device)
+    shard = shard_model(
+        model, rank=rank, size=tp, group=group, dtype=dtype, device=device, vocab_parallel=split_head
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in shard.named_parameters():
@@ -127,9 +137,12 @@ def timed_round(engine: NativeEngine, reqs: list[GenerationRequest] | None, devi
     return time.perf_counter() - t0
 
 
-def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool = True) -> dict | None:
+def run_tp(
+    args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool = True, split_head: bool = True
+) -> dict | None:
     """One row: TP size `tp` over ranks [0, tp) (tp 1: the plain NativeEngine, no collectives); `fused`
-    False keeps the projections separate (the shard's parameters left trainable, which fusion skips)."""
+    False keeps the projections separate (the shard's parameters left trainable, which fusion skips);
+    `split_head` False: the lm_head replicated (module doc)."""
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))  # every rank creates it (torch.distributed's rule)
     out = None
@@ -137,7 +150,7 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        shard = build_shard(args.shape, tp, rank, group, device, dtype)
+        shard = build_shard(args.shape, tp, rank, group, device, dtype, split_head)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         shard_s = time.perf_counter() - t0
@@ -164,6 +177,7 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool 
         out = {
             "tp": tp,
             "fused": fused,
+            "head": head_name(tp, split_head),
             "tok_s": args.batch * args.new_tokens / t,
             "round_s": rounds,
             "prefill_round_s": pre,
@@ -182,6 +196,10 @@ def run_tp(args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool 
             torch.cuda.empty_cache()
     dist.barrier()
     return out if rank == 0 else None
+
+
+def head_name(tp: int, split_head: bool) -> str:
+    return "vocab_parallel" if tp > 1 and split_head else "replicated"
 
 
 GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "sm90_", "sm100_", "sm80_")
@@ -222,13 +240,15 @@ def kernel_breakdown(prof, steps: int) -> dict:
     }
 
 
-def profile_tp(args, tp: int, device: torch.device, dtype: torch.dtype, steps: int = 10) -> dict | None:
+def profile_tp(
+    args, tp: int, device: torch.device, dtype: torch.dtype, steps: int = 10, split_head: bool = True
+) -> dict | None:
     """The TP-`tp` engine's decode step at batch args.batch under torch.profiler (module doc); rank 0's view. (On a CPU: the same path, no kernel times; for the smoke test.)"""
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))
     out = None
     if rank < tp:
-        shard = build_shard(args.shape, tp, rank, group, device, dtype)
+        shard = build_shard(args.shape, tp, rank, group, device, dtype, split_head)
         opts = dict(max_slots=args.batch, max_seq_len=args.prompt_len + args.new_tokens,
                     max_prefill_tokens=args.prefill_tokens, eos_token_id=[], seed=0)  # fmt: skip
         engine = TPNativeEngine(shard, group=group, **opts) if tp > 1 else NativeEngine(shard, **opts)
@@ -249,7 +269,8 @@ def profile_tp(args, tp: int, device: torch.device, dtype: torch.dtype, steps: i
             engine.graphs.run(keys[0])
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        result: dict = {"tp": tp, "batch": bs, "kv_len": kv_len, "kernels": bool(engine.runner.kernels)}
+        result: dict = {"tp": tp, "batch": bs, "kv_len": kv_len, "kernels": bool(engine.runner.kernels),
+                        "head": head_name(tp, split_head)}  # fmt: skip
         for label, fn in (("eager", eager), ("graph", replay if keys else None)):
             if fn is None:
                 result[label] = "no captured graph for this (batch, kv_len)"
@@ -355,13 +376,14 @@ def allreduce_bench(args, tp: int, device: torch.device, dtype: torch.dtype, ite
 
 def print_table(rows: list) -> None:
     base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
-    head = f"{'tp':>3} {'fused':>5} {'kernels':>7} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6} {'start s':>8}"
+    head = f"{'tp':>3} {'fused':>5} {'head':>14} {'kernels':>7} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6}"
+    head += f" {'start s':>8}"
     print(f"{head} {'graphs':>6} {'peak GiB':>8}")
     for r in rows:
         assert r is not None
         speed = r["tok_s"] / base["tok_s"] if base else float("nan")
         print(
-            f"{r['tp']:>3} {r['fused']!s:>5} {r['kernels']!s:>7} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
+            f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['kernels']!s:>7} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
             f"{speed:>6.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} {r['peak_gib']:>8.1f}"
         )
 
@@ -405,7 +427,19 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
     ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
+    ap.add_argument(
+        "--head",
+        choices=("split", "replicated", "both"),
+        default="split",
+        help="TP > 1 lm_head: vocab-parallel (split), replicated, or both rows per TP size",
+    )
     ap.add_argument("--profile", type=int, default=2, help="TP size whose decode step is profiled (0: none)")
+    ap.add_argument(
+        "--profile-head",
+        choices=("split", "replicated", "both"),
+        default="split",
+        help="the profiled engine's lm_head (both: profile each)",
+    )
     ap.add_argument(
         "--allreduce", action="store_true", help="time the all-reduce alone: NCCL vs symm. memory"
     )
@@ -431,17 +465,21 @@ def main() -> None:
         "rows": [],
     }
     watchdog(args.time_limit, result, world_rank)
-    plan = [(tp, True) for tp in sizes] + ([(1, False)] if 1 in sizes and not args.no_unfused else [])
-    for tp, fused in plan:  # the unfused TP 1 row: the fused projections' gain
-        result["rows"].append(run_tp(args, tp, device, dtype, fused=fused))
+    heads = {"split": [True], "replicated": [False], "both": [True, False]}
+    plan = [(tp, True, s) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])]
+    plan += [(1, False, True)] if 1 in sizes and not args.no_unfused else []
+    for tp, fused, split in plan:  # the unfused TP 1 row: the fused projections' gain
+        result["rows"].append(run_tp(args, tp, device, dtype, fused=fused, split_head=split))
         write(result, world_rank)
     if world_rank == 0:
         print_table(result["rows"])
     if args.profile and args.profile <= world:
-        result["profile"] = profile_tp(args, args.profile, device, dtype)
-        write(result, world_rank)
-        if world_rank == 0:
-            print(json.dumps(result["profile"], indent=1))
+        for split in heads[args.profile_head]:  # "profile": the first; "profile_replicated": the second
+            key = "profile" if split == heads[args.profile_head][0] else "profile_replicated"
+            result[key] = profile_tp(args, args.profile, device, dtype, split_head=split)
+            write(result, world_rank)
+            if world_rank == 0:
+                print(json.dumps(result[key], indent=1))
     if args.allreduce and device.type == "cuda":
         result["allreduce"] = [allreduce_bench(args, tp, device, dtype) for tp in sizes if tp > 1]
         write(result, world_rank)

@@ -20,6 +20,7 @@ from relayrl.rollout.base import SamplingParams
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_moe import MoEForward
 from relayrl.rollout.sampling import sample_tokens, uniform
+from relayrl.rollout.vocab_parallel import VocabParallelHead
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class SlotState:
             shape = (slots, self.max_len + 1, len(runner.moe_layers), top_k)
             self.routes = torch.full(shape, -1, dtype=torch.int16, device=dev)
         runner.routes = self.routes
+        head = getattr(runner.model, "lm_head", None)
+        self.sample = head.sample_tokens if isinstance(head, VocabParallelHead) else sample_tokens
+        """sampling.sample_tokens; a tensor-parallel shard's vocab-parallel head samples over its logits slice
+        with the other ranks (vocab_parallel.py)."""
 
     def snapshot_tensors(self) -> list[torch.Tensor]:
         """The progress tensors a step mutates (besides K/V and token buffers)."""
@@ -109,7 +114,7 @@ class SlotState:
         live = ~self.done[idx]
         new_pos = self.pos[idx] + 1
         u = self.uniforms[rows, new_pos]
-        tok, lp = sample_tokens(logits, self.temp[idx], self.top_p[idx], self.top_k[idx], u, mode)
+        tok, lp = self.sample(logits, self.temp[idx], self.top_p[idx], self.top_k[idx], u, mode)
         self.tokens[rows, new_pos] = tok
         self.logprobs[rows, new_pos] = lp
         stop = live & (tok[:, None] == self.stop_ids[idx]).any(-1)

@@ -9,7 +9,11 @@ read a trainer's modules in place):
                                output (`RowParallelLinear`), bias added once after it
     gate_proj, up_proj         column-parallel: intermediate rows split
     down_proj                  row-parallel: input columns split; ONE all-reduce
-    embed_tokens, lm_head, norms, rotary, q_norm / k_norm (Qwen3, per head_dim)   replicated
+    lm_head                    vocab-parallel: rows split as torch.tensor_split cuts the vocabulary
+                               (rollout/vocab_parallel.py: each rank computes its logits slice and the ranks
+                               sample together with two [B, 2]-sized all-reduces, no logits gather); tied
+                               to the embedding: a view of the replicated embedding's rows
+    embed_tokens, norms, rotary, q_norm / k_norm (Qwen3, per head_dim)   replicated
 
 So a decoder block costs two all-reduces ([tokens, hidden] each), and the KV cache of a rank holds its Hkv / TP
 heads. The shard is the HF model itself with smaller Linears, its config saying H / TP and Hkv / TP heads, and
@@ -18,12 +22,15 @@ is not a plain Linear), fused q/k/v and gate/up per shard included (native_fused
 names; `tp_slice(name, full, rank, size)` is the rule every weight transport applies to a full tensor
 (distributed/weights/tensor_parallel.py).
 
-Vocabulary: replicated. Every rank then computes the same logits from the same all-reduced hidden state
-(all-reduce hands every rank the same sum), so the same per-slot seeds sample the same tokens on every rank
-with no extra collective: no logits all-gather on the critical path, no sampling on one rank plus a
-broadcast, and sampling stays the single-GPU code. The cost is memory and one unsplit GEMM: at 7B (Qwen2.5,
-vocab 152064, untied) embedding + lm_head are 2.2 GB bf16 per rank, and the lm_head GEMM is ~7% of a decode
-step's FLOPs, which TP does not divide.
+Vocabulary: the lm_head is split (vocab_parallel.py), the embedding replicated. Splitting the head divides
+its GEMM (~7% of a 7B decode step's FLOPs) and the sampler's passes over the logits (cast, exp, cumsum over
+152k entries a row at 7B) by TP, for two small all-reduces per sampling step; the samples are those of the
+one-GPU sampler (same uniforms, same inverse-CDF rule) up to fp32 rounding of the split sums. The
+embedding stays replicated: a lookup costs no FLOPs, and splitting it would add an all-reduce of [tokens,
+hidden] to every forward, so it would save memory (1.1 GB bf16 a rank at 7B, untied) but cost time; a tied
+head is then a view of the embedding's rows (no memory, refreshed with the embedding). `vocab_parallel=False`
+(shard_model / tp_slice) keeps the head replicated: every rank computes the same full logits from the same
+all-reduced hidden state and samples alone (bench/tp_decode.py --replicated-head, for comparison).
 
 Lock step (`TPNativeEngine`): the collectives inside every forward need every rank to run the same rounds
 with the same requests. Rank 0 of the group (the leader) is the engine callers talk to (`generate`); at the
@@ -43,7 +50,7 @@ import concurrent.futures
 import copy
 import random
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -53,29 +60,37 @@ from relayrl.rollout.base import EngineCapabilities, GenerationRequest, Generati
 from relayrl.rollout.driver import Pending
 from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.native_moe import MOE_MODEL_TYPES
+from relayrl.rollout.vocab_parallel import VocabParallelHead, vocab_bounds
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 """Modules whose output rows (weight dim 0, bias) are split over the TP ranks."""
 ROW_PARALLEL = ("o_proj", "down_proj")
 """Modules whose input columns (weight dim 1) are split; their output is all-reduced, their bias replicated."""
+VOCAB_PARALLEL = ("lm_head",)
+"""Modules whose output rows (the vocabulary) are cut as torch.tensor_split cuts them (any vocabulary size)."""
 
 
 def split_dim(name: str) -> int | None:
     """The dimension of parameter `name` (HF naming) split over TP ranks; None: replicated."""
     module, _, leaf = name.rpartition(".")
     module = module.rpartition(".")[2]
-    if module in COLUMN_PARALLEL:
+    if module in COLUMN_PARALLEL or module in VOCAB_PARALLEL:
         return 0
     if module in ROW_PARALLEL and leaf == "weight":
         return 1
     return None
 
 
-def tp_slice(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank `rank`'s slice (a view) of the full tensor of parameter `name` (module doc)."""
+def tp_slice(
+    name: str, full: torch.Tensor, rank: int, size: int, vocab_parallel: bool = True
+) -> torch.Tensor:
+    """Rank `rank`'s slice (a view) of the full tensor of parameter `name` (module doc); `vocab_parallel`
+    False: the lm_head replicated (it must match the shard's `shard_model(vocab_parallel=...)`)."""
     dim = split_dim(name)
     if dim is None or size == 1:
         return full
+    if name.rpartition(".")[0].rpartition(".")[2] in VOCAB_PARALLEL:
+        return full.tensor_split(size, dim)[rank] if vocab_parallel else full
     return full.chunk(size, dim)[rank]
 
 
@@ -123,17 +138,19 @@ def shard_model(
     group: Any,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    vocab_parallel: bool = True,
 ) -> torch.nn.Module:
     """Rank `rank`'s shard of an HF Llama-layout causal LM (module doc): its own parameters (requires_grad
     False) in `dtype` on `device`, copied slice by slice (never a full copy). Parameters of a model on the
     meta device become zero tensors of the slice's shape (the caller fills them: a benchmark's random
     weights, or the first weight refresh from a policy initialised after sharding; zeros, not uninitialised
-    memory, so an engine that captures or runs before that refresh never meets NaN)."""
+    memory, so an engine that captures or runs before that refresh never meets NaN). `vocab_parallel` (TP >
+    1): the lm_head split over the ranks (vocab_parallel.py), else replicated."""
     cfg: Any = model.config
     check_shardable(cfg, size)
     memo: dict[int, object] = {}
     for name, p in model.named_parameters():  # tied weights: one name, one copy (the memo ties them back)
-        local = tp_slice(name, p.detach(), rank, size)
+        local = tp_slice(name, p.detach(), rank, size, vocab_parallel)
         kind = dtype or p.dtype
         if p.is_meta:
             t = torch.zeros(local.shape, dtype=kind, device=device)
@@ -160,9 +177,27 @@ def shard_model(
                 )
             lin.__class__ = RowParallelLinear  # same parameters and fields; forward adds the all-reduce
             lin.group = group
+    if size > 1 and vocab_parallel:
+        split_head(shard, cfg.vocab_size, rank=rank, size=size, group=group)
     real_rotary(shard, device)
     shard.eval()
     return shard
+
+
+def split_head(shard: Any, vocab: int, *, rank: int, size: int, group: Any) -> None:
+    """Make the shard's lm_head a VocabParallelHead over its rows (already sliced by `tp_slice` when untied;
+    tied: a view of the replicated embedding's rows, which `tp_slice` leaves whole)."""
+    linear = shard.lm_head
+    if type(linear) is not torch.nn.Linear:
+        raise ValueError(f"tensor-parallel native engine: lm_head is a {type(linear).__name__}, not a Linear")
+    embed = shard.model.embed_tokens.weight
+    if linear.weight is embed:  # tied
+        lo, hi = vocab_bounds(vocab, size)[rank : rank + 2]
+        linear.weight = torch.nn.Parameter(embed[lo:hi], requires_grad=False)  # a view: shares storage
+        linear.out_features = hi - lo
+    linear.__class__ = VocabParallelHead  # same parameters; forward gives the rows' logits
+    head = cast(VocabParallelHead, linear)
+    head.setup(group, rank, size, vocab)
 
 
 def real_rotary(model: Any, device: torch.device | str | None) -> None:

@@ -4,6 +4,7 @@ the children, which test modules under --import-mode=importlib are not)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,15 @@ def tiny_model() -> torch.nn.Module:
     return build_tiny_model(build_tiny_tokenizer(), SPEC)
 
 
+def untied_model() -> torch.nn.Module:
+    """The tiny model with its own lm_head (the embedding's rows reversed and scaled: a different head)."""
+    model: Any = tiny_model()
+    model.config.tie_word_embeddings = False
+    weight = model.model.embed_tokens.weight.detach().flip(0) * 1.5
+    model.lm_head.weight = torch.nn.Parameter(weight.contiguous())
+    return model
+
+
 def outputs(results) -> list[list[tuple[list[int], list[float]]]]:
     return [[(c.token_ids, c.logprobs) for c in r.completions] for r in results]
 
@@ -47,15 +57,15 @@ def init(rank: int, world: int, store_path: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
 
 
-def engine_worker(rank: int, world: int, store_path: str, out: str) -> None:
+def engine_worker(rank: int, world: int, store_path: str, out: str, untied: bool = False) -> None:
     """TP = world over the whole group: the leader generates, the followers follow; rank 0 saves what it got
-    and every rank saves its decode step count (lock step)."""
+    and every rank saves its decode step count (lock step). `untied`: `untied_model` (its own lm_head)."""
     from relayrl.rollout.native_tp import TPNativeEngine, shard_model
 
     init(rank, world, store_path)
     try:
         group = dist.group.WORLD
-        shard = shard_model(tiny_model(), rank=rank, size=world, group=group)
+        shard = shard_model(untied_model() if untied else tiny_model(), rank=rank, size=world, group=group)
         engine = TPNativeEngine(shard, group=group, **ENGINE)
         got = None
         if rank == 0:
@@ -63,7 +73,11 @@ def engine_worker(rank: int, world: int, store_path: str, out: str) -> None:
             engine.release()
         else:
             engine.follow()
-        torch.save({"outputs": got, "steps": engine.decode_steps, "kv": engine.runner.n_kv}, f"{out}.{rank}")
+        rows = int(shard.get_parameter("lm_head.weight").shape[0])
+        torch.save(
+            {"outputs": got, "steps": engine.decode_steps, "kv": engine.runner.n_kv, "head_rows": rows},
+            f"{out}.{rank}",
+        )
         engine.close()
         dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     finally:

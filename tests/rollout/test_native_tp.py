@@ -1,7 +1,9 @@
 """The tensor-parallel native engine (relayrl/rollout/native_tp.py) over real gloo groups of 2 and 4 processes,
-fp32: the same sampled tokens as TP = 1 and log-probs within 1e-5 (the only difference: all-reduce sums the
-partial products of o_proj / down_proj in another order than one GEMM, so fp32 rounding differs in the last
-bits; tokens, greedy and seeded, are identical), the ranks in lock step; and the sharding rule itself."""
+fp32: the same sampled tokens as TP = 1 and log-probs within 1e-5 (the only differences: all-reduce sums the
+partial products of o_proj / down_proj in another order than one GEMM, and the vocab-parallel head's sampler
+combines per-rank softmax sums, so fp32 rounding differs in the last bits; tokens, greedy, seeded and top-p /
+top-k, are identical), the ranks in lock step; and the sharding rule itself. The lm_head is vocab-parallel
+(tied: the tiny model, 101 rows cut unevenly; untied: `untied_model`)."""
 
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ def assert_same(got: list, want: list) -> None:
             torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=ATOL, rtol=0)
 
 
-def run(fn, world: int, tmp_path) -> list[dict]:
+def run(fn, world: int, tmp_path, *extra) -> list[dict]:
     out = str(tmp_path / "out")
-    mp.spawn(fn, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, str(tmp_path / "store"), out, *extra), nprocs=world, join=True)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 
@@ -48,7 +50,8 @@ def test_split_rule_names_column_and_row_parallel_weights():
     assert split_dim("model.layers.0.self_attn.o_proj.weight") == 1
     assert split_dim("model.layers.0.mlp.down_proj.weight") == 1
     assert split_dim("model.layers.0.self_attn.o_proj.bias") is None  # added once, after the all-reduce
-    assert split_dim("model.embed_tokens.weight") is None and split_dim("lm_head.weight") is None
+    assert split_dim("model.embed_tokens.weight") is None
+    assert split_dim("lm_head.weight") == 0  # vocab-parallel (test_native_tp_vocab.py)
     full = torch.arange(24.0).view(4, 6)
     assert torch.equal(tp_slice("a.mlp.down_proj.weight", full, 1, 2), full[:, 3:])
     assert torch.equal(tp_slice("a.mlp.gate_proj.weight", full, 1, 2), full[2:])
@@ -63,6 +66,15 @@ def test_tp4_samples_what_tp1_samples(tmp_path):
     ranks = run(tp_workers.engine_worker, 4, tmp_path)
     assert_same(ranks[0]["outputs"], want)
     assert len({r["steps"] for r in ranks}) == 1 and all(r["kv"] == 1 for r in ranks)
+    assert [r["head_rows"] for r in ranks] == [26, 25, 25, 25]  # the tied head split (101 rows)
+
+
+@pytest.mark.slow
+def test_tp2_with_an_untied_vocab_parallel_head_samples_what_tp1_samples(tmp_path):
+    want = reference(tp_workers.untied_model())
+    ranks = run(tp_workers.engine_worker, 2, tmp_path, True)
+    assert_same(ranks[0]["outputs"], want)
+    assert [r["head_rows"] for r in ranks] == [51, 50]
 
 
 @pytest.mark.slow
