@@ -130,3 +130,12 @@ def test_bf16_kernels_are_batch_invariant_on_the_gpu():
             q[:, p : p + 1].contiguous(), ck, cv, pos[:, p].contiguous()[:, None], d**-0.5
         )
         assert torch.equal(step, prefill[:, p : p + 1])
+
+
+def test_matmul_tile_follows_the_weight_shape_only(monkeypatch):
+    """Column tiles per weight (enough programs for a decode step's one row tile: the 0.5B shape's 896-column
+    projections get 32-column tiles, the MLP's 4,864 64, the head 128); "fixed" restores 128 everywhere.
+    The row count never enters (batch invariance: test_matmul_rows_are_batch_invariant runs 32-column tiles)."""
+    assert [EK.mm_tile_n(n) for n in (128, 896, 4864, 151936)] == [32, 32, 64, 128]
+    monkeypatch.setattr(EK, "MM_TILES", "fixed")
+    assert EK.mm_tile_n(896) == 128

@@ -88,11 +88,11 @@ def test_torch_path_matches_the_default_distribution_on_qwens_vocabulary(tiny_to
 
 @pytest.mark.skipif(not usable(torch.device("cpu")), reason="triton not installed or TRITON_INTERPRET unset")
 def test_kernels_match_the_default_distribution_with_ragged_tiles(tiny_tokenizer, prompts, monkeypatch):
-    """The kernels with every tile ragged: vocabulary 50,021 (the head's last 128-column tile holds 101 rows
-    of the weight), hidden 80 (K = 64 + 16; head_dim 20 in a 32-wide tile), intermediate 200 (N = 128 + 72,
-    K = 3 x 64 + 8). (A smaller vocabulary than Qwen's: the interpreter runs each of the head's column tiles
-    in numpy.)"""
+    """The kernels with every tile ragged: vocabulary 20,011 (the head's last 128-column tile holds 43 rows
+    of the weight), hidden 80 (K = 64 + 16; 32-column tiles, the last 16 wide; head_dim 20 in a 32-wide
+    tile), intermediate 200 (gate/up: the last 32-column tile 8 wide; down: K = 3 x 64 + 8). (A smaller
+    vocabulary than Qwen's: the interpreter runs each of the head's column tiles in numpy.)"""
     monkeypatch.setattr(exact, "use_kernels", lambda device: True)
-    model = _model(50021, hidden=80, inter=200)
+    model = _model(20011, hidden=80, inter=200)
     _check_logits(model, triton=True)
     _check_engine(model, tiny_tokenizer, prompts[2:3], n=1, new_tokens=3)
