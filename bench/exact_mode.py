@@ -324,14 +324,14 @@ def summary(row: dict) -> list[str]:
             f"[tiles] exact generation: per-shape tiles {e['generation_s']:.3f} s, fixed 128-column tiles "
             f"{ft['generation_s']:.3f} s"
         )
-    rl = row.get("rl_step")
+    rl, nan = row.get("rl_step"), float("nan")
     if isinstance(rl, dict) and "exact_over_default" in rl:
         x = rl["exact_over_default"]
         lines.append(
             f"[rl_step] vocab {rl['default']['vocab_size']}, gen tokens/step default "
             f"{rl['default']['gen_tokens_per_step']:.0f} exact {rl['exact']['gen_tokens_per_step']:.0f} "
-            f"(equal: {rl['equal_tokens']}); exact/default: step x{x['step']:.2f}, generation "
-            f"x{x['generation']:.2f}, update x{x['update']:.2f}; per generated token: step "
+            f"(equal: {rl['equal_tokens']}); exact/default: step x{x.get('step', nan):.2f}, generation "
+            f"x{x.get('generation', nan):.2f}, update x{x.get('update', nan):.2f}; per generated token: step "
             f"x{x['step_per_gen_token']:.2f}, generation x{x['generation_per_gen_token']:.2f}; train tokens/s "
             f"x{x['train_tokens_per_s']:.2f}"
         )
