@@ -20,7 +20,10 @@ projection's input is silu(gate) * up of such rows):
 profile_decode(engine): the engine's CUDA graphs (captured / failed keys: a failed capture runs that decode
 shape eagerly), the largest decode step (batch max_slots, the longest KV bucket) timed as graph replays and as
 one eager step (wall clock: the host's launch cost), and torch.profiler's kernel table of both (top kernels by
-GPU time per step, and the time per category: GEMM, fp8 quantiser, attention, norm, other).
+GPU time per step, and the time per category: GEMM, fp8 quantiser, the fused norm + quantiser, the "cublas"
+GEMM's rescale, attention, norm, other).
+
+fused_check(): the fused decode's norm kernels against the kernels they replace at M = 256, K = 3584.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.rollout import fp8, fp8_kernels
+from relayrl.rollout.kernels import rms_norm
 
 GEMMS_7B = {"qkv": (4608, 3584, True), "o": (3584, 3584, False), "gate_up": (37888, 3584, False),
             "down": (3584, 18944, False)}  # fmt: skip
@@ -182,9 +186,46 @@ def gemm_line(r: dict) -> str:
     )
 
 
+def fused_check(m: int = 256, k: int = 3584, device: str = "cuda") -> dict:
+    """The fused decode's norm kernels at 7B width (us per call, `graph_us`): residual + RMSNorm then the
+    quantiser (two kernels, the per-projection path) against fp8_kernels.rms_norm_quantize (one), and with the
+    "cublas" GEMM's rescale in front (three against one); `equal`: the fused bytes equal the unfused ones."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    w = (torch.rand(k, device=device, generator=gen) + 0.5).to(dt)
+    x, res = (torch.randn(m, k, device=device, generator=gen).to(dt) for _ in range(2))
+    acc = torch.randn(m, k, device=device, generator=gen) * 100
+    xs, ws = (
+        torch.rand(m, 1, device=device, generator=gen) * 1e-2,
+        torch.rand(k, device=device, generator=gen),
+    )
+
+    def unfused(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_kernels.quantize_rows(rms_norm(d, w, 1e-6, res)[0])
+
+    q, _, _ = fp8_kernels.rms_norm_quantize(acc, w, 1e-6, res, scales=(xs, ws, None))
+    want, _ = unfused(fp8_kernels.rescale(acc, xs, ws, None, dt))
+    row = dict(
+        m=m, k=k, equal=_same(q, want),
+        norm_then_quant_us=graph_us(lambda: unfused(x)),
+        norm_quant_us=graph_us(lambda: fp8_kernels.rms_norm_quantize(x, w, 1e-6, res)),
+        rescale_norm_then_quant_us=graph_us(lambda: unfused(fp8_kernels.rescale(acc, xs, ws, None, dt))),
+        rescale_norm_quant_us=graph_us(lambda: fp8_kernels.rms_norm_quantize(acc, w, 1e-6, res, (xs, ws, None))),
+    )  # fmt: skip
+    print(
+        f"fused norm+quant M={m} K={k}: norm then quant {row['norm_then_quant_us']}us -> fused "
+        f"{row['norm_quant_us']}us; rescale+norm+quant {row['rescale_norm_then_quant_us']}us -> fused "
+        f"{row['rescale_norm_quant_us']}us; bytes equal {row['equal']}",
+        flush=True,
+    )
+    return row
+
+
 # ------------------------------------------------------------------------------------------ engine profile
 CATEGORIES = (
-    ("quant", r"quantize_rows"),
+    ("norm+quant", r"norm_quant"),
+    ("quant", r"quantize|amax"),
+    ("rescale", r"rescale"),
     ("gemm", r"gemm|cutlass|sm90|sm80|xmma|nvjet|cublas|matmul|scaled_mm|Kernel2"),
     ("attention", r"attention|flash|fmha|sdpa"),
     ("norm", r"rms_norm|norm"),

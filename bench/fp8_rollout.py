@@ -12,7 +12,9 @@ fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then
     graphs, the fused decode kernels where triton imports, --fused-kernels off for the plain ops; fp8: the
     projections quantised on the device, the per-token activation quantisers as Triton kernels, fast
     accumulation; engine "fp8-slowacc": the same with torch._scaled_mm's slow accumulation, "fp8-cublas":
-    cuBLAS's per-tensor fp8 GEMM plus a rescaling kernel instead of CUTLASS's row-wise one, fp8.GEMM);
+    cuBLAS's per-tensor fp8 GEMM plus a rescaling kernel for every projection instead of fp8.GEMM's choice
+    per projection (the row-wise kernel for gate/up, cuBLAS for q/k/v, o and down at decode sizes), "fp8-unfused":
+    the per-projection quantisers (fp8.FUSED off) and CUTLASS everywhere, the engine before the fused decode);
   - workload: --prompts random prompts of --prompt-len tokens -> exactly --new-tokens new tokens each,
     temperature 1, log-probs; one warm-up round, --rounds timed rounds (fresh prompts each), one prefill-only
     round: tokens/s median and decode ms per step (bench/rollout.py's definitions);
@@ -24,7 +26,7 @@ fused q/k/v and gate/up GEMMs, its strongest layout). For each engine, bf16 then
 Random weights make near-uniform next-token distributions, so the mismatch here is that of a random model;
 the GPU learning check (bench/fp8_learn.py) measures it on a trained one.
 
---gemm-check (first, before the model is built) and --profile (per engine, after its rounds): bench/fp8_check.py
+--gemm-check (first, before the model is built; with the fused norm kernels' check) and --profile (per engine, after its rounds): bench/fp8_check.py
 (the per-GEMM time and error at 7B widths, bf16 against fp8 fast / slow accumulation and the quantiser kernel
 against the torch ops; the engine's CUDA graph captures, its largest decode step as graph replays and as one
 eager step, torch.profiler's kernel table). One summary line per engine and per GEMM row goes to stdout.
@@ -53,11 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fp8_check import gemm_check, profile_decode, profile_line  # noqa: E402
+from fp8_check import fused_check, gemm_check, profile_decode, profile_line  # noqa: E402
 from rollout_engines import Workload, build_model, mismatch, native_runner, shape_config, time_rounds  # noqa: E402
 
 from relayrl.rollout import fp8  # noqa: E402
 from relayrl.rollout.fp8 import FP8Runner, FP8Unsupported, check_device  # noqa: E402
+
+DEFAULT_GEMM = dict(fp8.GEMM)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -65,7 +69,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add = ap.add_argument
     add("--shape", default="7b", help="tiny | 0.5b | 7b | 32b (bench/rollout_engines.py SHAPES)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8, fp8-slowacc, fp8-cublas")
+    add("--engines", default="bf16,fp8", help="comma list of bf16, fp8, fp8-unfused, fp8-slowacc, fp8-cublas")
     add("--gemm-check", action="store_true", help="per-GEMM time and error at 7B widths first (GPU)")
     add("--profile", action="store_true", help="each engine's decode-step profile after its rounds (GPU)")
     add("--prompts", type=int, default=256)
@@ -118,8 +122,11 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
     opts: dict = {"quantization": "fp8"} if name.startswith("fp8") else {}
     if args.fused_kernels == "off":
         opts["fused_kernels"] = False
-    fp8.FAST_ACCUM = name != "fp8-slowacc"  # both read when the engine's FP8Linears are built
-    fp8.GEMM = "cublas" if name == "fp8-cublas" else "cutlass"
+    fp8.FAST_ACCUM = name != "fp8-slowacc"  # all three read when the engine's FP8Linears are built
+    fp8.FUSED = name != "fp8-unfused"
+    fp8.GEMM = dict(DEFAULT_GEMM)
+    if name in ("fp8-cublas", "fp8-unfused"):
+        fp8.GEMM = dict.fromkeys(DEFAULT_GEMM, "cublas" if name == "fp8-cublas" else "cutlass")
     runner = native_runner(model, [wl], tp=1, opts=opts)
     try:
         engine = runner.impl
@@ -129,7 +136,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
             r = engine.runner
             row.update(
                 fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quant_kernels=r.quant_kernels,
-                fast_accum=r.fast_accum, gemm=fp8.GEMM,
+                fast_accum=r.fast_accum, gemm=dict(fp8.GEMM), fused=r.fused,
             )  # fmt: skip
         timing, samples = time_rounds(runner, wl, vocab, args.rounds)
         row.update(timing)
@@ -187,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[fp8_rollout {time.perf_counter() - t0:.0f}s] per-GEMM check at 7B widths", flush=True)
             rep.data["gemm_check"] = gemm_check()
             rep.write()
+            try:  # a diagnostic: its failure is recorded, the run goes on
+                rep.data["fused_check"] = fused_check()
+            except Exception as e:
+                rep.data["fused_check"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"fused norm+quant check ERROR {rep.data['fused_check']['error']}", flush=True)
+            rep.write()
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = build_model(args.shape, args.device, dtype, args.layers)
         model.requires_grad_(False)
@@ -217,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"fp8 vs bf16: tok/s {rep.data['speedup_tok_s']}x, decode step {rep.data['speedup_decode_step']}x "
                   "(target >= 1.4x)", flush=True)  # fmt: skip
+        for name, row in rep.data["engines"].items():  # the variants, against the same bf16 row
+            if name.startswith("fp8-") and "tok_s_median" in row and "tok_s_median" in bf16:
+                ratio = round(row["tok_s_median"] / bf16["tok_s_median"], 3)
+                rep.data.setdefault("speedup_tok_s_variants", {})[name] = ratio
+                print(f"{name} vs bf16: tok/s {ratio}x", flush=True)
     except TimeoutError as e:
         rep.data["stopped"] = str(e)
         rep.write()
@@ -236,9 +254,10 @@ def summary_line(name: str, row: dict) -> str:
     if "error" in row:
         return f"[{name}] ERROR {row['error']}"
     mm = row.get("mismatch", {})
+    gemms = "/".join(f"{k}:{v}" for k, v in row.get("gemm", {}).items())
     fp8_bits = (
-        f" | fp8 GEMMs {row['fp8_gemms']} ({row['gemm']}) quant_kernels {row['quant_kernels']} fast_accum {row['fast_accum']}"
-        f" skipped {len(row['skipped'])}"
+        f" | fp8 GEMMs {row['fp8_gemms']} ({gemms}) fused {row['fused']} quant_kernels {row['quant_kernels']} "
+        f"fast_accum {row['fast_accum']} skipped {len(row['skipped'])}"
         if "fp8_gemms" in row
         else ""
     )

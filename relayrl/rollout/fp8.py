@@ -36,7 +36,14 @@ Paths:
         scales and the bias in its epilogue; the per-token activation quantiser is one Triton kernel
         (fp8_kernels.py; the torch ops where triton does not import: `FP8Runner.quant_kernels` says which),
         bit for bit `quantize_rows`; the down projection's input is quantised together with silu(gate) * up
-        (`silu_mul_quantize`, one kernel); the refresh quantises each weight straight into the fp8 buffers.
+        (`silu_mul_quantize`, two chunked kernels); the refresh quantises each weight straight into the fp8
+        buffers. Decode with the fused kernels (`FP8Runner.fused`: every layer's four projections in fp8, no
+        MoE layer) runs `_decode_kernels` below: each residual add + RMSNorm writes the next projection's fp8
+        input and scales (fp8_kernels.rms_norm_quantize), so q/k/v and gate/up need no quantiser launch and no
+        bf16 normed row is written; each projection takes GEMM's choice (o and down "cublas": fp32
+        accumulator, its row-wise scales and bias applied inside the next norm, no rescale launch; q/k/v
+        "cublas" too, rescaled by fp8_kernels.rescale before the rotary kernel); the final norm stays in the
+        model dtype for the LM head. Same bytes as the per-projection path with the same GEMMs (tested).
     CPU, or `emulate=True`: the same quantisation (fp8 tensors, the same scales), then dequantised and run as a
         plain F.linear in the model dtype: quantise-dequantise emulation, so CPU tests cover the rounding, the
         scales, the refresh and the config; the only difference from the GPU path is the GEMM's accumulation.
@@ -51,6 +58,13 @@ accumulator every few k-blocks) is the slow CUTLASS schedule (pytorch/pytorch#14
 inference engines (vLLM's CUTLASS fp8 GEMMs, FBGEMM, torchao's fp8 inference) run the fast-accumulation
 kernels, and so does this one (`FAST_ACCUM`; bench/fp8_rollout.py --gemm-check measures both: time and error
 against an fp64 GEMM of the same operands). The bias rides in the GEMM's epilogue (one kernel, not two).
+After those fixes (H200, 7B, batch 256): 1.25x bf16's tokens/s, decode 7.99 ms/step against 9.49, the step's
+GPU time gemm 3.9 ms, quantisers 1.14 ms (4 launches a layer, 10 us on average), attention 0.75, the rest
+(sampler, rotary) 1.4; the down projection's row-wise GEMM (47.6 us) lost to cuBLAS's per-tensor one (33.8 with
+its rescale). Hence the fused decode above: 2 of 4 quantiser launches a layer folded into the norms, the
+silu(gate) * up quantiser over column chunks (M x I / 1024 programs instead of M rows of 18944), q/k/v, o and down
+through cuBLAS with the rescale folded into the next norm (bench/fp8_rollout.py's "fp8-unfused" engine is the
+path before it).
 
 Mismatch (the same run: mean |engine - trainer| 0.595 for fp8 against 0.050 for the bf16 engine, on random
 7B weights): e4m3 keeps 3 mantissa bits against bf16's 7, so ONE fp8 GEMM's output is off by ~3.8% (relative
@@ -75,6 +89,7 @@ import torch.nn.functional as F
 
 from relayrl.rollout import fp8_kernels
 from relayrl.rollout.exact import ExactRunner
+from relayrl.rollout.kernels import decode_attention, rms_norm, rope_kv_write
 from relayrl.rollout.native_model import DecoderRunner, TensorFn
 
 FP8 = torch.float8_e4m3fn
@@ -86,10 +101,22 @@ QUANTIZATIONS = ("none", "fp8")
 """rollout.quantization's values."""
 FAST_ACCUM = True
 """torch._scaled_mm's use_fast_accum on the GPU path (module doc, "Speed"); False: the fp32-promoting kernel."""
-GEMM = "cutlass"
-"""The GPU path's fp8 GEMM: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in its epilogue)
-or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then fp8_kernels.rescale: one more pass
-over the output; bench/fp8_rollout.py's "fp8-cublas" engine measures it against the default)."""
+GEMM = {"qkv": "cublas", "o": "cublas", "gate_up": "cutlass", "down": "cublas"}
+"""The GPU path's fp8 GEMM per projection: "cutlass" (torch._scaled_mm's row-wise kernel, the scales and bias in
+its epilogue) or "cublas" (its per-tensor cuBLAS kernel with unit scales, fp32 out, then the row-wise scales:
+in the next fused norm on the fused decode path, else fp8_kernels.rescale; up to CUBLAS_MAX_ROWS rows). Both
+multiply the same fp8 operands and apply the same scales in fp32; only the accumulation order differs.
+Per-GEMM us on an H200 at M = 1 / 32 / 256 (row-wise / cuBLAS + rescale kernel): q/k/v 11.7 / 12.0 / 12.5 vs
+7.7 / 7.4 / 12.0; o 11.7 / 11.8 / 12.1 vs 6.6 / 7.0 / 10.4; gate/up 47.1 / 44.7 / 58.4 vs 39.3 / 44.1 / 74.5;
+down 47.2 / 47.3 / 47.6 vs 23.7 / 25.5 / 33.8 (the row-wise kernel has a ~12 us floor and no split-K; gate/up's
+fp32 output is 2x the bytes of its bf16 one). The name "cutlass" is historical: torch 2.11 runs the row-wise
+kernel on sm90 as cuBLASLt's outer-vector-scaled one (`nvjet_*_ovscale` in the profile)."""
+CUBLAS_MAX_ROWS = 512
+""""cublas" runs up to this many rows (decode batches); more (prefill) take the row-wise GEMM: at M = 4096 on an
+H200 cuBLAS + rescale lost (o 107 vs 75 us, down 489 vs 436: the fp32 output's extra pass)."""
+FUSED = True
+"""Decode through `FP8Runner._decode_fused` where it applies (module doc, "Paths"); False: the per-projection
+quantisers (bench/fp8_rollout.py's "fp8-unfused")."""
 
 
 class FP8Unsupported(RuntimeError):
@@ -149,7 +176,7 @@ class FP8Linear:
     dtype); `refresh` re-quantises in place; calling it computes x @ W^T + bias as the module doc says.
     `quantizer`: the activations' (quantize_rows or its kernel); `kernels`: the refresh quantises through
     fp8_kernels.quantize_rows_into (no temporaries); `fast_accum`: torch._scaled_mm's use_fast_accum (None:
-    FAST_ACCUM); `gemm`: "cutlass" or "cublas" (None: GEMM)."""
+    FAST_ACCUM); `gemm`: "cutlass" (default) or "cublas" (GEMM's doc)."""
 
     def __init__(
         self,
@@ -166,7 +193,7 @@ class FP8Linear:
         self.quantizer = quantizer
         self.kernels = kernels
         self.fast_accum = FAST_ACCUM if fast_accum is None else fast_accum
-        self.gemm = GEMM if gemm is None else gemm
+        self.gemm = gemm or "cutlass"
         if self.gemm not in ("cutlass", "cublas"):
             raise ValueError(f"FP8Linear: gemm={self.gemm!r}; choose 'cutlass' or 'cublas'")
         w0 = self.linears[0].weight
@@ -223,19 +250,29 @@ class FP8Linear:
             out = self.matmul(*self.quantizer(rows), x.dtype)
         return out.view(*shape, -1)
 
-    def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
-        scales and the bias applied in the GEMM's epilogue ("cublas": by fp8_kernels.rescale after it)."""
-        if self.gemm == "cublas":
+    def accumulate(
+        self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
+        """`matmul` with the "cublas" GEMM's rescale left to the caller: (x @ W^T + bias in `dtype`, None) from
+        the row-wise GEMM, or ("cublas" and M <= CUBLAS_MAX_ROWS) the fp32 accumulator x_q @ W_q^T with (s_x,
+        s_w, bias) for fp8_kernels.rms_norm_quantize's `scales`."""
+        if self.gemm == "cublas" and xq.shape[0] <= CUBLAS_MAX_ROWS:
             acc = torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]
                 xq, self.qweight_t, scale_a=self.one, scale_b=self.one, out_dtype=torch.float32,
                 use_fast_accum=self.fast_accum,
             )  # fmt: skip
-            return fp8_kernels.rescale(acc, xs, self.scale, self.bias, dtype)
-        return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM)
+            return acc, (xs, self.scale, self.bias)
+        return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage]  (torch's fp8 GEMM, row-wise)
             xq, self.qweight_t, scale_a=xs, scale_b=self.scale_row, bias=self.bias, out_dtype=dtype,
             use_fast_accum=self.fast_accum,
-        )  # fmt: skip
+        ), None  # fmt: skip
+
+    def matmul(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(x_q [M, K] fp8, s_x [M, 1]) -> x @ W^T + bias [M, N] in `dtype` (bf16) by torch._scaled_mm, the
+        scales and the bias applied in the GEMM's epilogue ("cublas", M <= CUBLAS_MAX_ROWS: by
+        fp8_kernels.rescale after it)."""
+        acc, scales = self.accumulate(xq, xs, dtype)
+        return acc if scales is None else fp8_kernels.rescale(acc, *scales, dtype)
 
 
 def build_runner(
@@ -309,17 +346,18 @@ class FP8Runner(DecoderRunner):
         for li, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             groups = (
-                (self.fp8_qkv, "q/k/v", [attn.q_proj, attn.k_proj, attn.v_proj]),
-                (self.fp8_o, "o_proj", [attn.o_proj]),
+                (self.fp8_qkv, "q/k/v", "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                (self.fp8_o, "o_proj", "o", [attn.o_proj]),
                 (
                     self.fp8_gate_up,
                     "gate/up",
+                    "gate_up",
                     [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)],
                 ),
-                (self.fp8_down, "down_proj", [getattr(mlp, "down_proj", None)]),
+                (self.fp8_down, "down_proj", "down", [getattr(mlp, "down_proj", None)]),
             )
-            for out, name, mods in groups:
-                out.append(self._make(f"layer {li} {name}", mods, quantizer))
+            for out, name, key, mods in groups:
+                out.append(self._make(f"layer {li} {name}", mods, quantizer, GEMM[key]))
         gated = type(getattr(self.layers[0].mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
         if not gated:  # another MLP: leave it whole (its projections are not called one by one here)
             self.skipped += [f"layer {li} mlp" for li, g in enumerate(self.fp8_gate_up) if g is not None]
@@ -333,8 +371,11 @@ class FP8Runner(DecoderRunner):
             g is not None for g in (*self.fp8_qkv, *self.fp8_o, *self.fp8_gate_up, *self.fp8_down)
         )
         """fp8 GEMMs per forward (4 per layer when every projection is a plain Linear)."""
+        every = all(None not in g for g in (self.fp8_qkv, self.fp8_o, self.fp8_gate_up, self.fp8_down))
+        self.fused = FUSED and self.kernels and self.quant_kernels and every and not self.moe_layers
+        """Decode runs `_decode_fused` (every layer's four projections in fp8, the fused kernels on)."""
 
-    def _make(self, name: str, mods: list, quantizer: Quantizer) -> FP8Linear | None:
+    def _make(self, name: str, mods: list, quantizer: Quantizer, gemm: str) -> FP8Linear | None:
         if not all(_plain(m) for m in mods):
             self.skipped.append(name)
             return None
@@ -349,6 +390,7 @@ class FP8Runner(DecoderRunner):
             quantizer=quantizer,
             kernels=self.quant_kernels,
             fast_accum=self.fast_accum,
+            gemm=gemm,
         )
 
     def _mlp_fn(self, li: int) -> TensorFn:
@@ -389,6 +431,34 @@ class FP8Runner(DecoderRunner):
 
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         return self.mlps[li](x)
+
+    def _decode_kernels(
+        self, tok: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """DecoderRunner's fused decode with each RMSNorm emitting the next projection's fp8 input and scales
+        (fp8_kernels.rms_norm_quantize: no bf16 normed row, no quantiser launch for q/k/v and gate/up), and the
+        "cublas" GEMMs' (o, down: GEMM) row-wise scales applied inside the next norm; the same bytes as the
+        per-projection path with the same GEMMs (tested). Off (`fused`): DecoderRunner's loop."""
+        if not self.fused:
+            return super()._decode_kernels(tok, pos, k_cache, v_cache, kv_len)
+        bs, norms, dt = tok.shape[0], self.norm_params, self.dtype
+        hq, hs, x = fp8_kernels.rms_norm_quantize(self.body.embed_tokens(tok), *norms[0])
+        for li in range(len(self.layers)):
+            qkv, o_proj = cast(FP8Linear, self.fp8_qkv[li]), cast(FP8Linear, self.fp8_o[li])
+            gate_up, down = cast(FP8Linear, self.fp8_gate_up[li]), cast(FP8Linear, self.fp8_down[li])
+            q, k, v = qkv.matmul(hq, hs, dt).split(qkv.rows, dim=-1)
+            q, k, v = self._heads(li, q, k, v, (bs,))
+            q = rope_kv_write(q, k, v, self.cos, self.sin, pos, k_cache[li], v_cache[li])
+            o = decode_attention(q, k_cache[li], v_cache[li], pos, self.scale, kv_len)
+            delta, scales = o_proj.accumulate(*o_proj.quantizer(o.view(bs, -1)), dt)
+            hq, hs, x = fp8_kernels.rms_norm_quantize(delta, *norms[2 * li + 1], residual=x, scales=scales)
+            hq, hs = self.silu_quantize(gate_up.matmul(hq, hs, dt))
+            delta, scales = down.accumulate(hq, hs, dt)
+            if li + 1 == len(self.layers):  # the final norm: the LM head's input stays in the model dtype
+                delta = delta if scales is None else fp8_kernels.rescale(delta, *scales, dt)
+                return self.model.lm_head(rms_norm(delta, *norms[-1], residual=x)[0])
+            hq, hs, x = fp8_kernels.rms_norm_quantize(delta, *norms[2 * li + 2], residual=x, scales=scales)
+        raise AssertionError("a decoder without layers")
 
     @torch.no_grad()
     def refresh_weights(self) -> None:

@@ -4,7 +4,13 @@
 functions they replace, as plain kernel launches.
 
     quantize_rows(x [M, K]) -> (x_q [M, K] e4m3fn, s [M, 1] fp32)     = fp8.quantize_rows
-    silu_mul_quantize(gu [M, 2I]) -> (h_q [M, I], s [M, 1])          = fp8.silu_mul_quantize
+    silu_mul_quantize(gu [M, 2I]) -> (h_q [M, I], s [M, 1])          = fp8.silu_mul_quantize (two kernels over
+                                                                     column chunks: rows of 18944 at 7B)
+    rms_norm_quantize(x, w, eps, residual, scales) -> (h_q, s, x + residual)
+                                                                     = quantize_rows(kernels.rms_norm(..)[0]):
+                                                                     the decode step's norms emit the next
+                                                                     projection's fp8 input (and, `scales`, undo
+                                                                     the "cublas" GEMM's unit scales first)
     quantize_rows_into(w [N, K], q_out [N, K], s_out [N])            the weight refresh: straight into the
                                                                      engine's fp8 buffers, no temporaries
     rescale(acc [M, N] fp32, s_x [M, 1], s_w [N], bias, dtype)        acc * s_x * s_w + bias in `dtype`: the
@@ -22,8 +28,11 @@ makes that decode shape run without a graph (rollout/native_state.py GraphCache)
 of this: one launch per call, the same compiled binary for every batch size (the row length is a runtime
 argument), compiled in the warm-up run before each capture as kernels.py's are.
 
-Each program quantises one row in two passes over it: the absolute maximum, then x / s rounded to e4m3's grid
-(the second pass re-reads the row, from L2 at decode sizes). Rounding: x / s is computed with IEEE division
+quantize_rows: each program quantises one row, the absolute maximum then x / s rounded to e4m3's grid, from
+registers when the row fits ONE_PASS_MAX columns, else in two passes (the second re-reads it, from L2 at decode
+sizes); silu_mul_quantize: chunks of CHUNK columns per program, the row's maximum across them through a second
+kernel (the quantised values are the same bytes; the max is order-free); rms_norm_quantize: one row per program,
+held in registers as kernels.rms_norm's. Rounding: x / s is computed with IEEE division
 (`div_rn`, as torch's), clamped to +-448, then rounded to nearest-even on e4m3's grid in fp32 (adding and
 subtracting 1.5 * 2^(p + 23), p the exponent of the grid step at |v|: 2^(e - 3) for a normal |v| in
 [2^e, 2^(e+1)), 2^-9 below 2^-6) and only then cast, so the cast is exact whatever its own rounding
@@ -36,11 +45,17 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.rollout.kernels import _jit, _pow2, tl, usable
+from relayrl.rollout.kernels import _add_rms_norm, _jit, _pow2, tl, usable
 
 FP8 = torch.float8_e4m3fn
 
-__all__ = ["quantize_rows", "quantize_rows_into", "rescale", "silu_mul_quantize", "usable"]
+__all__ = [
+    "quantize_rows", "quantize_rows_into", "rescale", "rms_norm_quantize", "silu_mul_quantize", "usable",
+]  # fmt: skip
+CHUNK = 1024
+"""Columns per program of the chunked quantiser (silu_mul_quantize: rows of 18944 at 7B)."""
+ONE_PASS_MAX = 4096
+"""quantize_rows reads a row this long or shorter once (held in registers; 3584 at 7B), a longer one twice."""
 
 
 @_jit
@@ -69,31 +84,54 @@ def _load_row(x_ptr, row, cols, m, n_cols, sx, SILU: tl.constexpr):
 
 
 @_jit
+def _row_scale(amax):
+    """A row's scale from its max |x|: amax / 448 (IEEE division, as torch's), 1 for an all-zero row."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
+
+
+@_jit
+def _store_quantized(q_ptr, row, sq, cols, m, v, scale):
+    """Columns `cols` of row `row` (fp32 values v): round_e4m3(clamp(v / scale)) stored as e4m3fn."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+
+
+@_jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, n_cols, sx, sq, SILU: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, n_cols, sx, sq, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_PASS:  # the row fits one block: read once, held in registers
+        cols = tl.arange(0, BLOCK)
         m = cols < n_cols
-        acc = tl.maximum(acc, tl.abs(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU)))
-    amax = tl.max(acc, 0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)  # pyright: ignore[reportOperatorIssue]
-    tl.store(s_ptr + row, scale)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < n_cols
-        v = tl.math.div_rn(_load_row(x_ptr, row, cols, m, n_cols, sx, SILU), scale)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(q_ptr + row * sq + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+        x = _load_row(x_ptr, row, cols, m, n_cols, sx, False)
+        scale = _row_scale(tl.max(tl.abs(x), 0))
+        tl.store(s_ptr + row, scale)
+        _store_quantized(q_ptr, row, sq, cols, m, x, scale)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            acc = tl.maximum(acc, tl.abs(_load_row(x_ptr, row, cols, m, n_cols, sx, False)))
+        scale = _row_scale(tl.max(acc, 0))
+        tl.store(s_ptr + row, scale)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            _store_quantized(
+                q_ptr, row, sq, cols, m, _load_row(x_ptr, row, cols, m, n_cols, sx, False), scale
+            )
 
 
-def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, n_cols: int, silu: bool) -> None:
-    block = min(2048, _pow2(n_cols, 16))
+def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, n_cols: int) -> None:
+    block = _pow2(n_cols, 16)
+    one_pass = block <= ONE_PASS_MAX
+    block = block if one_pass else 2048
     _quantize_rows_kernel[(x.shape[0],)](
-        x, q, s, n_cols, x.stride(0), q.stride(0), SILU=silu, BLOCK=block, num_warps=8 if block >= 2048 else 4
-    )
+        x, q, s, n_cols, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
+        num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -108,19 +146,118 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     s = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        _launch(x, q, s, x.shape[1], silu=False)
+        _launch(x, q, s, x.shape[1])
     return q, s
+
+
+@_jit
+def _chunk_amax_kernel(x_ptr, h_ptr, part_ptr, n_cols, sx, sh, n_chunks, BLOCK: tl.constexpr):
+    """Chunk program_id(1) of row program_id(0): h = silu(gate) * up stored in the model dtype (exact: it is
+    rounded to it already) and max |h| into part[row, chunk]."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    v = _load_row(x_ptr, row, cols, m, n_cols, sx, True)
+    tl.store(h_ptr + row * sh + cols, v.to(h_ptr.dtype.element_ty), mask=m)
+    tl.store(part_ptr + row * n_chunks + chunk, tl.max(tl.abs(v), 0))
+
+
+@_jit
+def _chunk_quantize_kernel(
+    h_ptr, part_ptr, q_ptr, s_ptr, n_cols, sh, sq, n_chunks, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Chunk program_id(1) of row program_id(0) of h quantised with the row's scale (the max of its chunks')."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    parts = tl.arange(0, CHUNKS)
+    scale = _row_scale(
+        tl.max(tl.load(part_ptr + row * n_chunks + parts, mask=parts < n_chunks, other=0.0), 0)
+    )
+    if chunk == 0:
+        tl.store(s_ptr + row, scale)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    _store_quantized(
+        q_ptr, row, sq, cols, m, tl.load(h_ptr + row * sh + cols, mask=m, other=0.0).to(tl.float32), scale
+    )
 
 
 def silu_mul_quantize(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gu [M, 2I] (gate | up) -> quantize_rows(silu(gate) * up) [M, I]: fp8.silu_mul_quantize in one kernel."""
+    """gu [M, 2I] (gate | up) -> quantize_rows(silu(gate) * up) [M, I]: fp8.silu_mul_quantize in two kernels
+    over chunks of CHUNK columns (M x I / CHUNK programs each, not M: a row of 18944 is too long for one
+    program to stream at the card's bandwidth): h = silu(gate) * up and each chunk's max |h|, then each chunk
+    of h quantised with its row's scale (the max of its chunks' maxima: exact, whatever the order)."""
     gu = _rows(gu)
-    inter = gu.shape[1] // 2
-    q = torch.empty((gu.shape[0], inter), dtype=FP8, device=gu.device)
-    s = torch.empty((gu.shape[0], 1), dtype=torch.float32, device=gu.device)
-    if gu.shape[0]:
-        _launch(gu, q, s, inter, silu=True)
+    m, inter = gu.shape[0], gu.shape[1] // 2
+    q = torch.empty((m, inter), dtype=FP8, device=gu.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=gu.device)
+    if m:
+        chunks = -(-inter // CHUNK)
+        h = torch.empty((m, inter), dtype=gu.dtype, device=gu.device)
+        part = torch.empty((m, chunks), dtype=torch.float32, device=gu.device)
+        _chunk_amax_kernel[(m, chunks)](
+            gu, h, part, inter, gu.stride(0), h.stride(0), chunks, BLOCK=CHUNK, num_warps=4
+        )
+        _chunk_quantize_kernel[(m, chunks)](
+            h, part, q, s, inter, h.stride(0), q.stride(0), chunks, BLOCK=CHUNK, CHUNKS=_pow2(chunks, 16), num_warps=4,
+        )  # fmt: skip
     return q, s
+
+
+@_jit
+def _rms_norm_quant_kernel(
+    x_ptr, xs_ptr, ws_ptr, b_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_ptr, n_cols, eps, sx, sr, sq, sres,
+    RESCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+    if RESCALE:  # the fp32 accumulator of the "cublas" GEMM: (acc * s_x) * s_w + bias in the model dtype
+        x = x * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=m, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        x = x.to(res_ptr.dtype.element_ty)
+    y = _add_rms_norm(x, r_ptr, w_ptr, res_ptr, row, cols, m, n_cols, eps, sr, sres, HAS_RES, ROUND)
+    y = y.to(res_ptr.dtype.element_ty).to(tl.float32)  # the normed row in the model dtype, as rms_norm's
+    scale = _row_scale(tl.max(tl.abs(y), 0))
+    tl.store(s_ptr + row, scale)
+    _store_quantized(q_ptr, row, sq, cols, m, y, scale)
+
+
+def rms_norm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.rms_norm and quantize_rows of its output in one kernel: x [M, K] (the delta, in the model dtype;
+    or, with `scales` = (s_x [M, 1], s_w [K], bias [K] or None), the fp32 accumulator of fp8.py's "cublas" GEMM,
+    rescaled first as `rescale` does) -> (h_q [M, K] e4m3fn, s [M, 1] fp32, s_res [M, K]): the same bytes as
+    quantize_rows(rms_norm(d, weight, eps, residual)[0]) with d = x or rescale(x, *scales, residual's dtype),
+    and s_res = d + residual (or x) in the model dtype. The next projection's input comes out quantised: no
+    bf16 normed row is written or read back."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm_quantize: expected contiguous rows [M, K], got {tuple(x.shape)}")
+    if scales is not None and residual is None:
+        raise ValueError("rms_norm_quantize: a rescaled accumulator needs the residual (the model dtype)")
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=FP8, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    res = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else x
+    r = residual if residual is not None else x
+    xs, ws, bias = scales if scales is not None else (x, x, None)
+    if m:
+        _rms_norm_quant_kernel[(m,)](
+            x, xs, ws, x if bias is None else bias, r, weight, q, s, res, n, eps, x.stride(0), r.stride(0),
+            q.stride(0), res.stride(0), RESCALE=scales is not None, HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None, ROUND=res.dtype != torch.float32, BLOCK=_pow2(n),
+            num_warps=8 if n >= 2048 else 4,
+        )  # fmt: skip
+    return q, s, res
 
 
 def quantize_rows_into(w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
@@ -138,7 +275,7 @@ def quantize_rows_into(w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor
             f"{q_out.stride()}), s {tuple(s_out.shape)}: want q of the weight's shape and s [rows], contiguous"
         )
     if w.shape[0]:
-        _launch(w, q_out, s_out, w.shape[1], silu=False)
+        _launch(w, q_out, s_out, w.shape[1])
 
 
 @_jit

@@ -62,14 +62,12 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 # ------------------------------------------------------------------------------------- residual + RMSNorm
 @_jit
-def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, n_cols, eps, sx, sr, so, sres,
-    HAS_RES: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+def _add_rms_norm(
+    x, r_ptr, w_ptr, res_ptr, row, cols, m, n_cols, eps, sr, sres, HAS_RES: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    m = cols < n_cols
-    x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+    """Row `row` of the delta x (loaded, 0 past n_cols) -> RMSNorm(s) * weight in fp32, not yet rounded, with s =
+    x + residual rounded to the model dtype (res_ptr's) and stored at res_ptr (HAS_RES; else s = x). Shared by
+    `_rms_norm_kernel` and fp8_kernels.py's norm + quantiser."""
     if HAS_RES:  # the residual stream in the model dtype, as `x = x + delta` rounds it
         r = tl.load(r_ptr + row * sr + cols, mask=m, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
@@ -79,8 +77,21 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     y = xf * rstd
     if ROUND:  # HF: weight * normed.to(dtype), the product in the model dtype
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * so + cols, (y * w).to(out_ptr.dtype.element_ty), mask=m)
+        y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
+    return y * w
+
+
+@_jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, n_cols, eps, sx, sr, so, sres,
+    HAS_RES: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+    y = _add_rms_norm(x, r_ptr, w_ptr, res_ptr, row, cols, m, n_cols, eps, sr, sres, HAS_RES, ROUND)
+    tl.store(out_ptr + row * so + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def rms_norm(

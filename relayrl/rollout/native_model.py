@@ -183,7 +183,12 @@ class DecoderRunner:
     def _qkv(self, li: int, h: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """Project h [..., hidden] to q [..., H, D], k/v [..., Hkv, D] (with Qwen3's per-head norms); one GEMM
         when the layer's q/k/v are fused (native_fused.py)."""
-        q, k, v = self._project_qkv(li, h)
+        return self._heads(li, *self._project_qkv(li, h), shape)
+
+    def _heads(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        """Layer li's projected q [..., H * D], k/v [..., Hkv * D] as heads (with Qwen3's per-head norms)."""
         q = q.view(*shape, self.n_heads, self.head_dim)
         k = k.view(*shape, self.n_kv, self.head_dim)
         v = v.view(*shape, self.n_kv, self.head_dim)

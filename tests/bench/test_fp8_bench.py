@@ -28,7 +28,8 @@ def test_cpu_smoke_run_writes_both_engines_and_prints_one_line_each(tmp_path, ca
     assert fp8_rollout.main(argv) == 0
     data = json.loads(out.read_text())
     bf16, fp8 = data["engines"]["bf16"], data["engines"]["fp8"]
-    assert fp8["fp8_gemms"] == 8 and fp8["emulated"] and not fp8["quant_kernels"] and fp8["gemm"] == "cutlass"
+    assert fp8["fp8_gemms"] == 8 and fp8["emulated"] and not fp8["quant_kernels"] and not fp8["fused"]
+    assert fp8["gemm"] == {"qkv": "cublas", "o": "cublas", "gate_up": "cutlass", "down": "cublas"}
     assert (
         0 < fp8["mismatch"]["logprob_absdiff_mean"] < 0.05 and bf16["mismatch"]["logprob_absdiff_mean"] < 1e-5
     )
@@ -36,6 +37,12 @@ def test_cpu_smoke_run_writes_both_engines_and_prints_one_line_each(tmp_path, ca
         ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[bf16]") or ln.startswith("[fp8]")
     ]
     assert len(lines) == 2 and all("tok/s" in ln and "mismatch mean" in ln for ln in lines)
+
+
+@pytest.mark.skipif(not fp8_kernels.usable(torch.device("cpu")), reason="needs TRITON_INTERPRET=1 and triton")
+def test_fused_check_row_on_a_small_shape():
+    row = fp8_check.fused_check(m=3, k=64, device="cpu")
+    assert row["equal"] == 1.0 and row["norm_quant_us"] > 0 and row["rescale_norm_then_quant_us"] > 0
 
 
 @pytest.mark.skipif(not fp8_kernels.usable(torch.device("cpu")), reason="needs TRITON_INTERPRET=1 and triton")
@@ -59,17 +66,21 @@ def test_kernel_table_groups_kernels_by_category():
         def key_averages(self):
             return [Evt("_quantize_rows_kernel", 40.0, 8), Evt("void cutlass::device_kernel<GemmUniversal>", 400.0, 8),
                     Evt("_decode_attention_kernel", 60.0, 4), Evt("_rms_norm_kernel", 20.0, 8),
-                    Evt("cudaLaunchKernel", 0.0, 30), Evt("sample_kernel", 10.0, 2)]  # fmt: skip
+                    Evt("cudaLaunchKernel", 0.0, 30), Evt("sample_kernel", 10.0, 2),
+                    Evt("_rms_norm_quant_kernel", 8.0, 4), Evt("_chunk_amax_kernel", 6.0, 4),
+                    Evt("_rescale_kernel", 2.0, 2)]  # fmt: skip
 
     table = fp8_check.kernel_table(Prof(), steps=2)
     assert table["by_category"] == {
         "gemm": 200.0,
         "attention": 30.0,
-        "quant": 20.0,
+        "quant": 23.0,
         "norm": 10.0,
         "other": 5.0,
+        "norm+quant": 4.0,
+        "rescale": 1.0,
     }
-    assert table["total_us"] == 265.0 and table["top"][0][:2] == [
+    assert table["total_us"] == 273.0 and table["top"][0][:2] == [
         "void cutlass::device_kernel<GemmUniversal>",
         200.0,
     ]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from relayrl.rollout import fp8, fp8_kernels
 from relayrl.rollout.fp8 import FP8Linear, FP8Runner, quantize_rows, silu_mul_quantize
+from relayrl.rollout.kernels import rms_norm
 
 needs_kernels = pytest.mark.skipif(
     not fp8_kernels.usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
@@ -48,7 +49,8 @@ def _rows(gen: torch.Generator, m: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantiser_kernel_equals_quantize_rows(dtype):
     gen = torch.Generator().manual_seed(0)
-    for m, k in ((1, 64), (5, 300), (3, 2500)):  # one row; a ragged block; K past one 2048 block
+    # one row; a ragged block; rows read once (<= ONE_PASS_MAX) and, past it, twice over 2048-column blocks
+    for m, k in ((1, 64), (5, 300), (3, 2500), (2, fp8_kernels.ONE_PASS_MAX + 900)):
         x = _rows(gen, m, k).to(DEV, dtype)
         q, s = fp8_kernels.quantize_rows(x)
         want_q, want_s = quantize_rows(x)
@@ -76,10 +78,49 @@ def test_quantiser_kernel_rounds_every_e4m3_value_and_tie_as_torch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_mul_quantize_kernel_equals_the_torch_function(dtype):
     gen = torch.Generator().manual_seed(1)
-    gu = (torch.randn(4, 2 * 700, generator=gen) * 3).to(DEV, dtype)
-    q, s = fp8_kernels.silu_mul_quantize(gu)
-    want_q, want_s = silu_mul_quantize(gu)
-    assert q.shape == (4, 700) and torch.equal(_bytes(q), _bytes(want_q)) and torch.equal(s, want_s)
+    for m, inter in ((4, 700), (3, 2 * fp8_kernels.CHUNK + 300)):  # one chunk; three, the last ragged
+        gu = (torch.randn(m, 2 * inter, generator=gen) * 3).to(DEV, dtype)
+        gu[1, :inter] = 0.0  # an all-zero row of h: scale 1
+        gu[2, inter + inter - 5] = 40.0  # the row's max in its last chunk
+        q, s = fp8_kernels.silu_mul_quantize(gu)
+        want_q, want_s = silu_mul_quantize(gu)
+        assert q.shape == (m, inter) and torch.equal(_bytes(q), _bytes(want_q)) and torch.equal(s, want_s)
+        assert s[1].item() == 1.0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_quantiser_kernel_equals_rms_norm_then_quantize_rows(dtype):
+    """fp8_kernels.rms_norm_quantize against kernels.rms_norm followed by quantize_rows (and, rescaling the
+    "cublas" GEMM's fp32 accumulator, fp8_kernels.rescale first): every fp8 byte, scale and residual EQUAL, with
+    and without a residual and a bias, one row wider than a warp's block (K = 300) and a zero row."""
+    gen = torch.Generator().manual_seed(6)
+    m, k = 5, 300
+    w = (torch.rand(k, generator=gen) + 0.5).to(DEV, dtype)
+    x = _rows(gen, m, k).to(DEV, dtype)
+    res = (torch.randn(m, k, generator=gen)).to(DEV, dtype)
+    acc = torch.randn(m, k, generator=gen).to(DEV) * 300
+    xs, ws = (torch.rand(m, 1, generator=gen) * 1e-2).to(DEV), (torch.rand(k, generator=gen) * 1e-3).to(DEV)
+    for residual in (None, res):
+        q, s, got_res = fp8_kernels.rms_norm_quantize(x, w, 1e-6, residual)
+        h, want_res = rms_norm(x, w, 1e-6, residual)
+        want_q, want_s = quantize_rows(h)
+        assert (
+            torch.equal(_bytes(q), _bytes(want_q))
+            and torch.equal(s, want_s)
+            and torch.equal(got_res, want_res)
+        )
+    for bias in (None, torch.randn(k, generator=gen).to(DEV, dtype)):
+        q, s, got_res = fp8_kernels.rms_norm_quantize(acc, w, 1e-6, res, scales=(xs, ws, bias))
+        h, want_res = rms_norm(fp8_kernels.rescale(acc, xs, ws, bias, dtype), w, 1e-6, res)
+        want_q, want_s = quantize_rows(h)
+        assert (
+            torch.equal(_bytes(q), _bytes(want_q))
+            and torch.equal(s, want_s)
+            and torch.equal(got_res, want_res)
+        )
+    with pytest.raises(ValueError, match="needs the residual"):
+        fp8_kernels.rms_norm_quantize(acc, w, 1e-6, None, scales=(xs, ws, None))
 
 
 @needs_kernels
@@ -210,3 +251,65 @@ def test_fp8_gemm_error_at_7b_widths_is_e4m3_rounding_per_token():
         assert bool((err16 < 0.005).all()), (name, err16)
         ratio = float(err8.mean() / err16.mean())
         assert 8 < ratio < 20, (name, ratio)
+
+
+@needs_kernels
+def test_fused_decode_equals_the_per_projection_path(tiny_model, monkeypatch):
+    """FP8Runner's fused decode (each norm emits the next projection's fp8 input; o and down through the
+    "cublas" GEMM with their scales applied inside the next norm; the final norm in the model dtype for the LM
+    head) against the per-projection path with the same GEMMs (quantiser kernels, rescale kernel): logits and
+    KV caches EQUAL, on the fp32 tiny model through torch._scaled_mm where this CPU build runs it."""
+    monkeypatch.setattr(fp8, "check_device", lambda device: True)
+    monkeypatch.setattr(fp8_kernels, "quantize_rows_into", _refresh_into)  # interpreter: slow on weights
+    runner = FP8Runner(tiny_model.to(DEV).eval(), 64, kernels=True)
+    assert runner.fused and not runner.emulate
+    assert [lin.gemm for lin in runner.fp8_linears()[:4]] == ["cublas", "cublas", "cutlass", "cublas"]
+    gen = torch.Generator().manual_seed(7)
+    bs = 3
+    tok = torch.randint(0, tiny_model.config.vocab_size, (bs,), generator=gen).to(DEV)
+    pos = torch.tensor([0, 5, 17], device=DEV)
+    shape = runner.cache_shape(bs)
+    k0, v0 = torch.randn(shape, generator=gen).to(DEV), torch.randn(shape, generator=gen).to(DEV)
+    out = {}
+    for fused in (True, False):
+        runner.fused = fused
+        kc, vc = k0.clone(), v0.clone()
+        try:
+            with torch.no_grad():
+                logits = runner.decode(tok, pos, kc, vc, 32, torch.arange(bs, device=DEV))
+        except (NotImplementedError, RuntimeError) as e:
+            pytest.skip(f"torch._scaled_mm does not run on this build: {e}")
+        out[fused] = (logits, kc, vc)
+    for got, want in zip(out[True], out[False], strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(out[True][1], k0)  # the step wrote K
+
+
+def _refresh_into(w, q_out, s_out):
+    q, s = quantize_rows(w)
+    q_out.copy_(q)
+    s_out.copy_(s[:, 0])
+
+
+def test_cublas_gemm_runs_decode_sized_batches_only(monkeypatch):
+    """ "cublas" (fp32 accumulator + scales for the caller) up to fp8.CUBLAS_MAX_ROWS rows; more rows (prefill,
+    where cuBLAS + rescale measured slower) take the row-wise GEMM with the scales in its epilogue."""
+    gen = torch.Generator().manual_seed(8)
+    lin = FP8Linear([torch.nn.Linear(64, 32, bias=False)], emulate=False, gemm="cublas")
+    monkeypatch.setattr(fp8, "CUBLAS_MAX_ROWS", 4)
+    small, large = (
+        quantize_rows(torch.randn(4, 64, generator=gen)),
+        quantize_rows(torch.randn(5, 64, generator=gen)),
+    )
+    try:
+        acc, scales = lin.accumulate(*small, torch.float32)
+        out, none = lin.accumulate(*large, torch.float32)
+    except (NotImplementedError, RuntimeError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this build: {e}")
+    assert scales is not None and scales[0] is small[1] and scales[1] is lin.scale and none is None
+    scaled_mm = torch._scaled_mm  # pyright: ignore[reportPrivateImportUsage]
+    want_acc = scaled_mm(small[0], lin.qweight_t, scale_a=lin.one, scale_b=lin.one, out_dtype=torch.float32)
+    want_out = scaled_mm(
+        large[0], lin.qweight_t, scale_a=large[1], scale_b=lin.scale_row, out_dtype=torch.float32
+    )
+    assert torch.equal(acc, want_acc) and torch.equal(out, want_out)
