@@ -15,10 +15,19 @@ each timed after a warm-up run (CUDA synchronised):
 the sampled tokens: mean / max |engine - trainer| log-prob, the share of tokens bit-equal and
 the share of sequences whose ratio exp(sum diff) is outside [0.5, 2]; the same of the update's (grad-enabled)
 forward: `first_step_ratio_min/max`, exp(update forward - engine) over every sampled token (exactly 1 in exact
-mode: the first step's PPO ratio). With --rl-steps S (GPU default 3) it then runs bench/rl_step.py's workload
-(`relayrl rl`'s own loop, GRPO) for S steps in each mode and reports the mean step time after the first and
-its parts, exact over default (the issue's target: <= 1.3x). The exit status is 1 when exact mode is not
-bit-equal. Writes $OUT/exact_mode.json when OUT is set, else bench/results/exact_mode.json (one entry per
+mode: the first step's PPO ratio).
+Correctness against the default mode (`logits`): engine-vs-trainer equality cannot see a bug both sides share,
+so the full-vocabulary logits of exact mode's forward and of the model's own forward on the same inputs are
+compared (max |diff|, KL, each against the fp32 master, P(id 1)). On a GPU, exact mode's generation is timed
+again with one 128-column matmul tile for every weight (`fixed_tiles`: what exact_kernels.mm_tile_n's tiles
+per weight shape save).
+With --rl-steps S (GPU default 3) it then runs bench/rl_step.py's workload (`relayrl rl`'s own loop, GRPO) for
+S steps in each mode on ONE model folder and reports the mean step time after the first and its parts, exact
+over default (the issue's target: <= 1.3x), and the same per generated token: EOS ends samples in that
+workload, so step times compare only at equal generated tokens (`equal_tokens`: within 2%; before this was
+checked, a shared shape table made the second mode's model get the tokenizer's ~100-row vocabulary, and its
+samples ended 2.4x sooner). Compact `[...]` summary lines go to stdout. The exit status is 1 when exact mode
+is not bit-equal. Writes $OUT/exact_mode.json when OUT is set, else bench/results/exact_mode.json (one entry per
 device/shape, updated in place, rewritten after every part so a cut-off run keeps what it measured).
 
     python bench/exact_mode.py --device cuda --shape qwen0.5b --prompts 16     # ~3 min on one H100 / H200
@@ -34,13 +43,15 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from relayrl.models import forward
-from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all
+from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, exact_kernels, generate_all
 from relayrl.rollout import exact as exact_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,28 +184,166 @@ def run_mode(args, master: torch.nn.Module, engine_model: torch.nn.Module, promp
 
 
 def rl_steps(args, row: dict, save) -> None:
-    """bench/rl_step.py's workload (its shape table, `relayrl rl`'s own loop) in each mode; mean step parts."""
+    """bench/rl_step.py's workload (its shape table, `relayrl rl`'s own loop) in each mode, on ONE model folder
+    built once (the same weights and vocabulary in both modes); mean step parts, and the same per generated /
+    trained token, since EOS ends samples here and step time alone compares only equal token counts."""
     sys.path.insert(0, str(ROOT / "bench"))
     import rl_step  # bench/rl_step.py
 
-    steps = {}
-    for mode in ("default", "exact"):
-        t0 = time.perf_counter()
-        res = rl_step.run(args.device, args.shape, args.rl_steps, exact=mode == "exact")
-        steps[mode] = {k: res[k] for k in ("seconds", "per_step", "peak_mem_gib", "gen_tokens_per_s")}
-        steps[mode].update({k: v for k, v in res.items() if k.startswith("mismatch/")})
-        steps[mode]["wall_s"] = round(time.perf_counter() - t0, 1)
-        row["rl_step"] = steps
-        save()
-    row["rl_step"]["exact_over_default"] = {
-        p: steps["exact"]["seconds"][p] / steps["default"]["seconds"][p]
-        for p in ("generation", "update", "step")
-        if steps["default"]["seconds"][p] > 0
-    }
+    steps: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = rl_step.build_model(args.shape, Path(tmp) / "model")
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        for mode in ("default", "exact"):
+            t0 = time.perf_counter()
+            res = rl_step.run(
+                args.device, args.shape, args.rl_steps, exact=mode == "exact", model_dir=str(folder)
+            )
+            s = res["seconds"]
+            tokens = res["gen_tokens_per_step"]
+            steps[mode] = {
+                "vocab_size": vocab,
+                "seconds": s,
+                "gen_tokens_per_step": tokens,
+                "ms_per_1k_gen_tokens": {p: 1e6 * s[p] / tokens for p in ("generation", "step")},
+                "train_tokens_per_s": res["train_tokens_per_s"],
+                "per_step": res["per_step"],
+                "peak_mem_gib": res["peak_mem_gib"],
+                "gen_tokens_per_s": res["gen_tokens_per_s"],
+                **{k: v for k, v in res.items() if k.startswith("mismatch/")},
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+            row["rl_step"] = steps
+            save()
+    d, e = steps["default"], steps["exact"]
+    ratio = e["gen_tokens_per_step"] / d["gen_tokens_per_step"]
+    steps["exact_over_default"] = {
+        **{p: e["seconds"][p] / d["seconds"][p] for p in ("generation", "update", "step") if d["seconds"][p] > 0},
+        **{f"{p}_per_gen_token": e["ms_per_1k_gen_tokens"][p] / d["ms_per_1k_gen_tokens"][p]
+           for p in ("generation", "step")},
+        "train_tokens_per_s": e["train_tokens_per_s"] / d["train_tokens_per_s"],
+        "gen_tokens": ratio,
+    }  # fmt: skip
+    # step time compares the modes only at (nearly) equal generated tokens; else read the per-token ratios
+    steps["equal_tokens"] = abs(ratio - 1) <= 0.02
     save()
 
 
-def main() -> None:
+def logits_check(args, master: torch.nn.Module, engine_model: torch.nn.Module) -> dict:
+    """Exact vs default mode on the SAME inputs (random ids, 4 x 64 tokens): the full-vocabulary logits of the
+    engine's weights through exact mode's forward (ExactRunner: the kernels on CUDA) and through the model's
+    own forward (the function the default engine computes), and both against the fp32 master's forward. Max
+    |logit diff|, KL(default || exact) per position (mean, max), and the mean probability of id 1 (rl_step's
+    char-tokenizer EOS): a bug shared by engine and trainer shows here, never in the mismatch."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    ids = torch.randint(3, vocab, (4, 64), generator=torch.Generator().manual_seed(1)).to(args.device)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    with torch.no_grad():
+        ref = master(ids).logits.float()
+        default = engine_model(ids).logits.float()
+        runner = exact_module.ExactRunner(engine_model, ids.shape[1])
+        exact = runner._head(runner._stack(ids, pos, lambda li, k, v: (k, v), causal=True)).float()
+        ld, le = default.log_softmax(-1), exact.log_softmax(-1)
+        kl = (ld.exp() * (ld - le)).sum(-1)
+        out = {
+            "max_abs_diff": float((exact - default).abs().max()),
+            "kl_mean": float(kl.mean()),
+            "kl_max": float(kl.max()),
+            "default_vs_fp32_max_abs": float((default - ref).abs().max()),
+            "exact_vs_fp32_max_abs": float((exact - ref).abs().max()),
+            "p_id1_default": float(ld[..., 1].exp().mean()),
+            "p_id1_exact": float(le[..., 1].exp().mean()),
+            "exact_kernels": runner.triton,
+        }
+    del ref, default, exact, ld, le
+    return out
+
+
+def gen_fixed_tiles(args, engine_model: torch.nn.Module, prompts) -> dict:
+    """Exact mode's generation with the first GPU version's one 128-column matmul tile for every weight
+    (exact_kernels.MM_TILES "fixed") instead of tiles per weight shape: what the per-shape tiles save."""
+    old = exact_kernels.MM_TILES
+    exact_kernels.MM_TILES = "fixed"
+    try:
+        engine = build_engine(
+            "native", engine_model, None, max_slots=len(prompts) * args.n, max_seq_len=args.max_len,
+            eos_token_id=[], exact=True,
+        )  # fmt: skip
+        reqs = [
+            GenerationRequest(
+                prompt_ids=p,
+                params=SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=i),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        results, secs = phase(args.device, lambda: generate_all(engine, reqs), repeats=2)
+        engine.close()
+    finally:
+        exact_kernels.MM_TILES = old
+    assert results is not None
+    tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+    return {"generation_s": secs, "gen_tokens_per_s": tokens / secs}
+
+
+def guarded(fn) -> dict:
+    """fn()'s result ({} for None), or {"error": ...} when it raised: a later part of the run still runs."""
+    try:
+        return fn() or {}
+    except Exception as e:  # (a partial result beats none on a shared GPU)
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def summary(row: dict) -> list[str]:
+    """Compact stdout lines of what `row` holds so far."""
+    d, e, r = row["default"], row["exact"], row["exact_over_default"]
+    lines = [
+        f"[phases] default/exact s: generation {d['generation_s']:.3f}/{e['generation_s']:.3f} "
+        f"(x{r['generation_s']:.2f}), logprobs {d['logprobs_s']:.3f}/{e['logprobs_s']:.3f} "
+        f"(x{r['logprobs_s']:.2f}), train {d['train_fwd_bwd_s']:.3f}/{e['train_fwd_bwd_s']:.3f} "
+        f"(x{r['train_fwd_bwd_s']:.2f})",
+        f"[mismatch] default mean {d['mismatch_mean']:.2e} max {d['mismatch_max']:.2e}; exact mean "
+        f"{e['mismatch_mean']:.2e} max {e['mismatch_max']:.2e}, first-step ratio [{e['first_step_ratio_min']}, "
+        f"{e['first_step_ratio_max']}]; bit_equal {row['bit_equal']}",
+    ]
+    if "error" in row.get("logits", {}):
+        lines.append(f"[logits] {row['logits']['error']}")
+    elif "logits" in row:
+        lg = row["logits"]
+        lines.append(
+            f"[logits] exact vs default: max|diff| {lg['max_abs_diff']:.3g}, KL mean {lg['kl_mean']:.3g} max "
+            f"{lg['kl_max']:.3g}; vs fp32 master: default {lg['default_vs_fp32_max_abs']:.3g}, exact "
+            f"{lg['exact_vs_fp32_max_abs']:.3g}; P(id 1) default {lg['p_id1_default']:.3g} exact "
+            f"{lg['p_id1_exact']:.3g}"
+        )
+    if "error" in row.get("fixed_tiles", {}):
+        lines.append(f"[tiles] {row['fixed_tiles']['error']}")
+    elif "fixed_tiles" in row:
+        ft = row["fixed_tiles"]
+        lines.append(
+            f"[tiles] exact generation: per-shape tiles {e['generation_s']:.3f} s, fixed 128-column tiles "
+            f"{ft['generation_s']:.3f} s"
+        )
+    rl, nan = row.get("rl_step"), float("nan")
+    if isinstance(rl, dict) and "exact_over_default" in rl:
+        x = rl["exact_over_default"]
+        lines.append(
+            f"[rl_step] vocab {rl['default']['vocab_size']}, gen tokens/step default "
+            f"{rl['default']['gen_tokens_per_step']:.0f} exact {rl['exact']['gen_tokens_per_step']:.0f} "
+            f"(equal: {rl['equal_tokens']}); exact/default: step x{x.get('step', nan):.2f}, generation "
+            f"x{x.get('generation', nan):.2f}, update x{x.get('update', nan):.2f}; per generated token: step "
+            f"x{x['step_per_gen_token']:.2f}, generation x{x['generation_per_gen_token']:.2f}; train tokens/s "
+            f"x{x['train_tokens_per_s']:.2f}"
+        )
+    elif isinstance(rl, dict):
+        done = [m for m in ("default", "exact") if m in rl]
+        lines.append(f"[rl_step] incomplete (modes done: {done}): {rl.get('error', '')}")
+    elif rl is not None:
+        lines.append(f"[rl_step] {rl}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
@@ -216,7 +365,7 @@ def main() -> None:
         help="exact mode's forward: auto (Triton kernels on CUDA) or torch (the CPU ops, on any device: the "
         "earlier GPU implementation, for comparison; results key suffix /torch-ops)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     t_start = time.perf_counter()
     if args.exact_impl == "torch":  # both sides (engine and trainer) read exact.use_kernels
         exact_module.use_kernels = lambda device: False
@@ -270,16 +419,27 @@ def main() -> None:
         ex["mismatch_max"] == 0.0 and ex["first_step_ratio_min"] == ex["first_step_ratio_max"] == 1.0
     )
     save()
-    print(json.dumps(row, indent=2))
+    row["logits"] = guarded(lambda: logits_check(args, master, engine_model))
+    save()
+    print("\n".join(summary(row)), flush=True)
     if args.rl_steps and time.perf_counter() - t_start > 0.55 * args.budget_s:
         row["rl_step"] = f"skipped: {time.perf_counter() - t_start:.0f} s spent of --budget-s {args.budget_s}"
         save()
+        print(summary(row)[-1])
     elif args.rl_steps:
-        del master, engine_model
+        master.cpu()  # (the RL part loads its own model; the engine copy stays for the tile timing below)
         if gpu:
             torch.cuda.empty_cache()
-        rl_steps(args, row, save)
-        print(json.dumps(row["rl_step"], indent=2))
+        failed = guarded(lambda: rl_steps(args, row, save))
+        if failed:
+            row["rl_step"] = {**row.get("rl_step", {}), **failed}
+            save()
+        print(summary(row)[-1])
+    # last (the least important part): exact generation with one 128-column tile for every weight
+    if gpu and args.exact_impl == "auto" and time.perf_counter() - t_start < 0.85 * args.budget_s:
+        row["fixed_tiles"] = guarded(lambda: gen_fixed_tiles(args, engine_model, prompts))
+        save()
+        print(next(line for line in summary(row) if line.startswith("[tiles]")))
     print(f"wrote {out}; exact mode bit-equal: {row['bit_equal']}")
     if not row["bit_equal"]:
         raise SystemExit(1)

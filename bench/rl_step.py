@@ -98,7 +98,8 @@ def build_model(shape: str, folder: Path) -> Path:
 
     tok = build_tiny_tokenizer()
     overrides, dtype, *_ = SHAPES[shape]
-    config = Qwen2Config(
+    overrides = dict(overrides)  # a copy: popping from the table itself made a second call in one process
+    config = Qwen2Config(  # build the shape with the tokenizer's ~100-row vocabulary instead
         vocab_size=overrides.pop("vocab_size", len(tok)),
         max_position_embeddings=2048,
         tie_word_embeddings=True,

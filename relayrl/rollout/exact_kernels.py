@@ -4,14 +4,17 @@
 
 Batch invariance needs only that each output element's reduction order does not depend on how many rows
 the call has or where the row sits. Each kernel gets it by construction, with ONE compiled configuration for
-every call (fixed tiles, no autotuning, no split-K; the row/query counts are `do_not_specialize`, so the
-same binary runs a 1-row decode and a 5,000-row trainer micro-batch):
+every call on a given weight or head shape (tiles fixed by the shape, no autotuning, no split-K; the
+row/query counts are `do_not_specialize`, so the same binary runs a 1-row decode and a 5,000-row trainer
+micro-batch):
 
-    matmul(x [M, K], w [N, K], bias)    x @ w.T (+ bias) as fixed [64 x 128] output tiles, K reduced in
-                                        blocks of 64 from k = 0 upwards (fp32 accumulator, bias added to it,
-                                        one rounding to x's dtype). A row's value does not depend on M or on
-                                        the other rows of its tile (the MMA computes each output element from
-                                        its own row and column).
+    matmul(x [M, K], w [N, K], bias)    x @ w.T (+ bias) as [64 x BN] output tiles, BN = 128, 64 or 32 by
+                                        the weight's row count N only (`mm_tile_n`: enough programs for a
+                                        decode step's single row tile), K reduced in blocks of 64 from k = 0
+                                        upwards (fp32 accumulator, bias added to it, one rounding to x's
+                                        dtype). A row's value does not depend on M or on the other rows of
+                                        its tile (the MMA computes each output element from its own row and
+                                        column).
     attention(q, k, v, q_pos, scale)    each query (one tile row per (query, head) pair of a KV head's group)
                                         over key blocks of 64 anchored at position 0, fp32 online softmax,
                                         probabilities cast to v's dtype before the PV product (flash style).
@@ -52,7 +55,13 @@ except ImportError:  # no triton: exact.py never calls in here (kernels.usable i
     tl: Any = None
 
 MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K = 64, 128, 64
-"""The one matmul tile: 64 rows x 128 columns, K in steps of 64 (a Hopper warpgroup MMA per step)."""
+"""The matmul tile: 64 rows x (up to) 128 columns, K in steps of 64 (a Hopper warpgroup MMA per step)."""
+MM_MIN_PROGRAMS = 64
+"""`mm_tile_n`'s target: column tiles per weight, so a decode step's one row tile still spreads a projection
+over this many programs (an H100 has 132 SMs; a 896-column projection in 128-column tiles ran on 7)."""
+MM_TILES = "shape"
+""""shape": the column tile per weight shape (`mm_tile_n`); "fixed": 128 for every weight (the first GPU
+version; bench/exact_mode.py times both)."""
 ATTN_BLOCK_M, ATTN_BLOCK_N = 64, 64
 """Attention: 64 (query, head) rows per program, 64 keys per online-softmax step (anchored at position 0)."""
 
@@ -106,6 +115,16 @@ def _matmul_kernel(
     )
 
 
+def mm_tile_n(n: int) -> int:
+    """Output columns per program for a weight of n rows: the widest of 128 / 64 / 32 that still gives
+    MM_MIN_PROGRAMS column tiles (else 32). A function of the weight's shape ONLY, never of the row count: a
+    weight meets one configuration (one reduction order) in every call, the engine's 1-row decode and the
+    trainer's 5,000-row micro-batch alike, which is all batch invariance asks."""
+    if MM_TILES == "fixed":
+        return MM_BLOCK_N
+    return next((bn for bn in (128, 64) if _cdiv(n, bn) >= MM_MIN_PROGRAMS), 32)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias [N]) -> [M, N] in x's dtype (w and bias already in it)."""
     x, w = x.contiguous(), w.contiguous()
@@ -115,11 +134,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if m == 0:
         return out
     up = _upcast(x)
-    grid = (_cdiv(m, MM_BLOCK_M), _cdiv(n, MM_BLOCK_N))
+    bn = mm_tile_n(n)
+    grid = (_cdiv(m, MM_BLOCK_M), _cdiv(n, bn))
     _matmul_kernel[grid](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, UPCAST=up, PREC="ieee" if up else "tf32",
-        BM=MM_BLOCK_M, BN=MM_BLOCK_N, BK=MM_BLOCK_K, num_warps=4, num_stages=3,
+        BM=MM_BLOCK_M, BN=bn, BK=MM_BLOCK_K, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
 

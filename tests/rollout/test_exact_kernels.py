@@ -111,12 +111,14 @@ def test_bf16_kernels_are_batch_invariant_on_the_gpu():
     def bf(*shape, seed=0):
         return _rand(*shape, seed=seed).to(torch.bfloat16)
 
-    x, w, b = bf(2000, 896), 0.05 * bf(4864, 896, seed=1), bf(4864, seed=2)
-    full = EK.matmul(x, w, b)
-    ref = x.float() @ w.float().t() + b.float()
-    assert ((full.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3).all()
-    for rows in (slice(5, 6), slice(7, 10), slice(100, 117), slice(64, 128), slice(1000, 1300)):
-        assert torch.equal(EK.matmul(x[rows].clone(), w, b), full[rows])
+    x = bf(2000, 896)
+    for n in (4864, 896):  # 64- and 32-column tiles (mm_tile_n)
+        w, b = 0.05 * bf(n, 896, seed=1), bf(n, seed=2)
+        full = EK.matmul(x, w, b)
+        ref = x.float() @ w.float().t() + b.float()
+        assert ((full.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3).all()
+        for rows in (slice(5, 6), slice(7, 10), slice(100, 117), slice(64, 128), slice(1000, 1300)):
+            assert torch.equal(EK.matmul(x[rows].clone(), w, b), full[rows])
     r, t, h, hkv, d = 3, 300, 14, 2, 64
     q, k, v = bf(r, t, h, d, seed=3), bf(r, hkv, t, d, seed=4), bf(r, hkv, t, d, seed=5)
     pos = torch.arange(t, device=DEV).expand(r, t)
@@ -130,3 +132,12 @@ def test_bf16_kernels_are_batch_invariant_on_the_gpu():
             q[:, p : p + 1].contiguous(), ck, cv, pos[:, p].contiguous()[:, None], d**-0.5
         )
         assert torch.equal(step, prefill[:, p : p + 1])
+
+
+def test_matmul_tile_follows_the_weight_shape_only(monkeypatch):
+    """Column tiles per weight (enough programs for a decode step's one row tile: the 0.5B shape's 896-column
+    projections get 32-column tiles, the MLP's 4,864 64, the head 128); "fixed" restores 128 everywhere.
+    The row count never enters (batch invariance: test_matmul_rows_are_batch_invariant runs 32-column tiles)."""
+    assert [EK.mm_tile_n(n) for n in (128, 896, 4864, 151936)] == [32, 32, 64, 128]
+    monkeypatch.setattr(EK, "MM_TILES", "fixed")
+    assert EK.mm_tile_n(896) == 128
