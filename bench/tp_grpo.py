@@ -198,9 +198,12 @@ def install_meta_build(args: argparse.Namespace, tokenizer: Any, device: torch.d
     initialises only its shards (module doc)."""
     from transformers import Qwen2ForCausalLM
 
-    def build_trainable(model: ModelConfig, _device: torch.device) -> tuple[torch.nn.Module, Any]:
+    def build_trainable(
+        model: ModelConfig, _device: torch.device, *, sharded: bool = False
+    ) -> tuple[torch.nn.Module, Any]:
         """workers/builders.build_trainable without the weights: fp32, sdpa, gradient checkpointing as the
-        config says (models/loading.finish_model)."""
+        config says (models/loading.finish_model). `sharded` (the product's sharded loading) is ignored: the
+        shards are initialised randomly below, there is no folder to read."""
         with torch.device("meta"):
             meta = Qwen2ForCausalLM(qwen2_config(args, tokenizer))
         return finish_model(meta, model, task_type="CAUSAL_LM"), tokenizer
