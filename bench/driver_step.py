@@ -91,6 +91,7 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     tok = build_tiny_tokenizer()
+    pad: int = tok.pad_token_id  # type: ignore[assignment]  (the tiny tokenizer has one)
     folder = Path("/tmp") / "relayrl_driver_step_tok"
     tok.save_pretrained(folder)
     cfg = validate_rl(tiny_cpu_config(str(folder), "/tmp/relayrl_driver_step", reward=str(REWARD)))
@@ -118,7 +119,7 @@ def main() -> None:
             rollout_metrics(ok)
             t["rollout_misc"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            batch = collate(ok, int(tok.pad_token_id))
+            batch = collate(ok, pad)
             t["collate"] = time.perf_counter() - t0
             store = RowStore()
             t0 = time.perf_counter()
