@@ -61,14 +61,14 @@ MAX_BLOCKS = 64
 """Most objects one record's rows are put as (`block_rows`)."""
 
 
-def block_rows(rows: int, max_blocks: int = MAX_BLOCKS) -> int:
+def block_rows(rows: int, max_blocks: int = 0) -> int:
     """Rows per stored object of a record of `rows` rows: one object per row up to `max_blocks` rows, then
     ceil(rows / max_blocks) consecutive rows per object. Every `ray.put` costs the driver a fixed ~50-700 us
     (the object's registration, whatever its size: bench/driver_step.py), so a step of 2,048 rows put row by
     row spent more on the puts than on the bytes. A rank reads contiguous ranges of rows (its data-parallel
     share of each mini-batch), so it fetches at most one partial block at each end of a range: <= 2 blocks,
-    1/32 of the batch, more than its rows."""
-    return max(1, -(-rows // max_blocks))
+    1/32 of the batch, more than its rows. `max_blocks` 0: MAX_BLOCKS."""
+    return max(1, -(-rows // (max_blocks or MAX_BLOCKS)))
 
 
 def _block(record: Any, names: list[str], start: int, stop: int) -> bytes:
