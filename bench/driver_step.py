@@ -7,7 +7,7 @@ digit reward of the RL tests) go through exactly what the controller (relayrl.tr
 does in `dist.mode=ray` with 2 policy ranks, phase by phase, timed on the driver:
 
     rollout_return   the policy ranks' trajectories back to the driver (Ray pickles list[Trajectory])
-    reward           RewardWorker.score on its Ray actor (trajectories there and back, decode, reward_func)
+    reward           RewardWorker.scores on its Ray actor (trajectories there, decode, reward_func, fields back)
     rollout_misc     failure policy, complete groups, rollout/* metrics
     collate          trajectories -> SequenceBatch
     rows_batch       the batch into Ray's object store (relayrl.distributed.launch.rows.RowStore)
@@ -42,7 +42,7 @@ from relayrl.trainers.rl.experience import (
 )
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import Experience, collate
-from relayrl.workers.reward import RewardSpec, RewardWorker
+from relayrl.workers.reward import RewardSpec, RewardWorker, apply_scores
 
 REWARD = Path(__file__).parents[1] / "tests" / "trainers" / "data" / "digit_reward.py"
 
@@ -111,7 +111,7 @@ def main() -> None:
             ]  # two ranks' shares
             t["rollout_return"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            got = ray.get(reward.score.remote(got))
+            got = apply_scores(got, ray.get(reward.scores.remote(got)))  # as RolloutPhase does
             t["reward"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             ok, _ = apply_failure_policy(got, "drop_group")
