@@ -142,7 +142,8 @@ class RolloutConfig:
     engine_slots: int = 0
     """Native engine: sequences decoded together (rows of its preallocated KV cache). More slots batch more
     samples per decode step (faster on a GPU) for KV memory of layers x slots x kv_heads x max_len x head_dim
-    x 2 values. 0: one slot per sample of a step (prompts_per_step x n_samples)."""
+    x 2 values. 0: one slot per sample of this engine's share of a step (prompts_per_step x n_samples split
+    over the engines, 1/8 slack: relayrl.workers.builders.engine_slots); requests beyond the slots queue."""
     prompts_per_step: int = 8
     """Prompts sampled per RL step (the rollout batch); each gets `n_samples` completions."""
     n_samples: int = 4

@@ -33,6 +33,7 @@ from relayrl.agents.loader import load_agent_from_file
 from relayrl.algorithms.objective import PolicyObjective
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
+from relayrl.distributed.group import world
 from relayrl.distributed.sharded_load import load_for_shards
 from relayrl.models.empty import empty_causal_lm
 from relayrl.models.loading import load_causal_lm, load_tokenizer
@@ -127,6 +128,21 @@ def exact_on_policy(algo: AlgoConfig) -> bool:
     return algo.epochs == 1 and algo.mini_batches == 1 and algo.kl_mode != "reward"
 
 
+def engine_slots(rollout: RolloutConfig, engines: int) -> int:
+    """KV slots of one of `engines` engines that share each step's prompts (the ranks of a colocated policy,
+    or the separate engine actors; a tensor-parallel engine counts once): rollout.engine_slots when set, else
+    the samples of this engine's share of a step's prompts, ceil(prompts_per_step / engines) x n_samples, plus
+    1/8 of the share's prompts as slack (shares are balanced by prompt + max_new_tokens tokens, not by count:
+    relayrl.workers.engine.generate_share), at most every prompt of the step. Requests beyond the slots wait
+    in the engine's queue (the native engine admits a request when n slots are free), so fewer slots cost
+    speed, never samples. One slot per sample of the whole step on each of N ranks was N times the KV cache
+    (and CUDA-graph batch sizes) each engine can use."""
+    if rollout.engine_slots:
+        return rollout.engine_slots
+    share = -(-rollout.prompts_per_step // max(1, engines))
+    return min(rollout.prompts_per_step, share + -(-share // 8)) * rollout.n_samples
+
+
 def build_engine_for(
     rollout: RolloutConfig,
     evaluation: EvalConfig,
@@ -142,10 +158,11 @@ def build_engine_for(
     loads its own weights (vllm) loads `source.name_or_path` instead (`model` is unused; the policy streams its
     weights after every step: LocalWeights(stream=True)) in the inference dtype, beside the trainer on its GPU;
     `tp` > 0: a separate engine actor's engine over `tp` GPUs, taking broadcast weights in its workers. Slots:
-    rollout.engine_slots, else one per sample of a step (and at least the eval samples of a prompt). `group`: a
-    TP group: `model` is this rank's shard of a tensor-parallel native engine (rollout/native_tp.py)."""
+    `engine_slots` (at least the eval samples of a prompt). `group`: a TP group: `model` is this rank's shard
+    of a tensor-parallel native engine (rollout/native_tp.py)."""
     caps = engine_capabilities(rollout.engine)
-    slots = rollout.engine_slots or rollout.prompts_per_step * rollout.n_samples
+    tp_size = torch.distributed.get_world_size(group) if group is not None else 1
+    slots = engine_slots(rollout, max(1, world() // tp_size))
     settings = EngineSettings(
         max_seq_len=rollout.max_len,
         max_seqs=max(slots, evaluation.n_samples),

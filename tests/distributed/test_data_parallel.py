@@ -17,6 +17,7 @@ import pytest
 from dp_fixtures import assert_metrics_close as _close
 
 from relayrl.config.presets import tiny_cpu_config
+from relayrl.distributed.launch import rows
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 from relayrl.workers.policy import PolicyWorker
 
@@ -53,10 +54,15 @@ def _rl_cfg(model: Path, out: Path, ranks: int, **ckpt):
 
 
 @pytest.mark.timeout(400)
-def test_rl_two_ranks_equal_one_rank_and_resume_across_rank_counts(ray_cluster, tiny_model_path, tmp_path):
+def test_rl_two_ranks_equal_one_rank_and_resume_across_rank_counts(
+    ray_cluster, tiny_model_path, tmp_path, monkeypatch
+):
     """Policy, reference and critic each on 2 ranks (every role sharded, the engines generating halves of the
     prompts) == everything on 1 rank; the engines' weights equal the gathered trained weights after every
-    step; a 2-rank checkpoint resumes on 1 rank and a 1-rank checkpoint on 2 ranks, continuing exactly."""
+    step; a 2-rank checkpoint resumes on 1 rank and a 1-rank checkpoint on 2 ranks, continuing exactly. The
+    driver stores the 32 rows of a step in blocks of 3 (at most 11 objects), so ranks read shares that start
+    and end inside blocks."""
+    monkeypatch.setattr(rows, "MAX_BLOCKS", 11)
     one = run_rl(_rl_cfg(tiny_model_path, tmp_path / "one", 1))
     trainer = RLTrainer(_rl_cfg(tiny_model_path, tmp_path / "two", 2))
     canaries: list[float] = []

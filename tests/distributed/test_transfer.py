@@ -84,6 +84,22 @@ def test_stored_rows_select_exactly_the_record_s_rows(ray_cluster):
         rows.select([])
 
 
+def test_rows_are_put_in_a_few_blocks_and_a_share_fetches_at_most_two_more(ray_cluster):
+    import ray
+
+    exp = _experience(rows=150, width=9)  # 150 rows: 50 blocks of 3 (block_rows: at most 64 objects)
+    rows = RowStore().put(exp)
+    assert rows.block == 3 and len(ray.get(rows.index)) == 50
+    for pick in ([149], [148, 0, 77], list(range(40, 101)), list(range(150))[::-1]):
+        _assert_same(rows.select(pick), exp.select(pick))
+    before = FETCH["bytes"]
+    rows.select(list(range(40, 101)))  # a contiguous share of 61 rows: blocks 13..33, 63 rows
+    t = exp.tokens
+    stored = (exp.advantages, exp.rewards, exp.ref_logprobs, t.input_ids, t.attention_mask, t.action_mask)
+    per_row = sum(x[0].numpy().nbytes for x in (*stored, t.rollout_logprobs) if x is not None)  # 202 bytes
+    assert FETCH["bytes"] - before == 63 * per_row
+
+
 @pytest.mark.timeout(400)
 def test_one_rl_step_serialises_the_experience_about_once(ray_cluster, tiny_model_path, tmp_path):
     cfg = build_cfg(tiny_model_path, tmp_path / "run", ranks=2, new_tokens=64)

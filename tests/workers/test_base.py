@@ -66,6 +66,28 @@ def test_collate_pads_masks_and_aligns():
     assert not (batch.action_mask & ~batch.attention_mask).any()
 
 
+def test_collate_equals_a_per_row_loop():
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(40):  # random lengths 1..30, tokens, masks and float32-inexact log-probs
+        n = int(torch.randint(1, 31, (1,), generator=g))
+        act = (torch.rand(n, generator=g) > 0.4).tolist()
+        lps = [
+            -float(x) / 3 if a else 0.0 for x, a in zip(torch.rand(n, generator=g).tolist(), act, strict=True)
+        ]
+        trajs.append(_traj(i, torch.randint(1, 90, (n,), generator=g).tolist(), act, lps))
+    batch = collate(trajs, pad_id=PAD)
+    width = max(len(t.token_ids) for t in trajs)
+    for i, t in enumerate(trajs):  # the reference: each row filled from its own lists
+        n = len(t.token_ids)
+        assert torch.equal(batch.input_ids[i], torch.tensor(t.token_ids + [PAD] * (width - n)))
+        assert torch.equal(batch.attention_mask[i], torch.arange(width) < n)
+        assert torch.equal(batch.action_mask[i, 1:n], torch.tensor(t.action_mask[1:]))
+        assert not batch.action_mask[i, 0] and not batch.action_mask[i, n:].any()
+        lp = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+        assert torch.equal(batch.rollout_logprobs[i, :n], lp) and not batch.rollout_logprobs[i, n:].any()
+
+
 def test_collate_forces_column_zero_off_and_one_row():
     # a trajectory claiming its first token as an action: column 0 has no prefix, it never is one
     t = _traj(7, [3, 4, 5], [True, True, True], [-0.1, -0.2, -0.3])

@@ -7,8 +7,10 @@
 - build_frozen: eval mode, no gradients, the inference dtype of `like`, the folder's weights, never adapters.
 - build_policy_objective maps the resolved algo (clip bounds, dual clip 0 -> None, KL estimator only when
   kl_mode is loss, the generation budget as Dr. GRPO's constant); exact_on_policy's truth table.
-- build_engine_for: native engine slots (rollout.engine_slots, else prompts x samples, at least the eval
-  samples), max_len, prefix cache off for single-turn; an own-weights engine (vllm) without a source or on
+- engine_slots: rollout.engine_slots, else the samples of one engine's share of a step's prompts (+1/8 slack,
+  at most the whole step); an engine with fewer slots than a share's samples queues the rest and returns
+  every sample.
+- build_engine_for: native engine slots (engine_slots, at least the eval samples), max_len, prefix cache off for single-turn; an own-weights engine (vllm) without a source or on
   another device is refused before anything loads.
 - build_executor: single -> SingleTurnExecutor bound to the engine with max_len; multi -> the multi-turn task's
   executor or a user file's AgentInstance; a task without one is refused.
@@ -27,6 +29,7 @@ from relayrl.agents.base import AgentExecutorBase
 from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor
 from relayrl.config.components import LoraConfig, ModelConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
+from relayrl.data.records import PromptSample
 from relayrl.models.loading import checkpointing_enabled
 from relayrl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from relayrl.rollout.native import NativeEngine
@@ -38,10 +41,12 @@ from relayrl.workers.builders import (
     build_frozen,
     build_policy_objective,
     build_trainable,
+    engine_slots,
     exact_on_policy,
     inference_dtype,
     setup_process,
 )
+from relayrl.workers.engine import generate_share, sampling_params
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only its type is read: no GPU is needed
@@ -169,6 +174,31 @@ def test_build_engine_for_native_settings(tiny_model, tiny_tokenizer, slots, pro
         assert engine.max_slots == want
         assert engine.max_seq_len == 40
         assert engine.pool.enabled is False  # single-turn: fresh prompts never hit the prefix cache
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("slots", "prompts", "n", "engines", "want"),
+    [(0, 64, 8, 1, 512), (0, 128, 8, 2, 576), (0, 256, 8, 4, 576), (0, 3, 2, 2, 6), (0, 5, 1, 8, 2),
+     (7, 64, 8, 4, 7)],
+)  # fmt: skip
+def test_engine_slots_cover_one_engine_s_share(slots, prompts, n, engines, want):
+    rollout = RolloutConfig(engine_slots=slots, prompts_per_step=prompts, n_samples=n)
+    assert engine_slots(rollout, engines) == want  # 128 over 2: a share of 64 prompts + 8 slack, x 8 samples
+
+
+def test_an_engine_with_fewer_slots_queues_the_rest(tiny_model, tiny_tokenizer):
+    rollout = RolloutConfig(engine_slots=3, prompts_per_step=4, n_samples=2, max_new_tokens=5, max_len=40)
+    engine = build_engine_for(rollout, EvalConfig(n_samples=1), tiny_model, tiny_tokenizer)
+    try:
+        assert isinstance(engine, NativeEngine) and engine.max_slots == 3  # 8 samples, 3 slots
+        executor = build_executor(rollout, engine, tiny_tokenizer)
+        samples = [PromptSample(index=i, prompt=t, prompt_ids=tiny_tokenizer.encode(t)) for i, t in
+                   enumerate(["1+2=", "3+4=", "5+6=", "7+8="])]  # fmt: skip
+        trajs = generate_share(executor, sampling_params(rollout, EvalConfig()), samples, 0, 5)
+        assert [t.sample.index for t in trajs] == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(1 <= sum(t.action_mask) <= 5 for t in trajs)
     finally:
         engine.close()
 

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ from relayrl.config.components import ModelConfig
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.data.records import PromptSample
 from relayrl.models.tiny import EOS, build_tiny_tokenizer, save_tiny_reward_model
-from relayrl.workers.reward import RewardSpec, RewardWorker, reward_spec
+from relayrl.workers.reward import RewardSpec, RewardWorker, Scored, apply_scores, reward_spec
 
 TOK = build_tiny_tokenizer()
 
@@ -105,6 +106,28 @@ def test_reward_func_file_gets_openrlhf_arguments(tmp_path, tiny_model_path):
     assert trajs[0].extra_logs == {"prompt_len": 6.0, "const": 2.0}
     assert trajs[1].extra_logs == {"prompt_len": 4.0, "const": 2.0}
     assert all(t.status == TrajectoryStatus.OK for t in trajs)
+
+
+def test_scores_answer_only_the_set_fields_and_apply_gives_the_scored_trajectories(tmp_path, tiny_model_path):
+    path = _write(
+        tmp_path,
+        "import math\n"
+        "def reward_func(queries, prompts, labels, responses):\n"
+        "    r = [math.nan if x == 'bad' else float(len(x)) for x in responses]\n"
+        "    return {'rewards': r, 'scores': [2 * x for x in r], 'extra_logs': {'n': [1.0 for _ in r]}}\n",
+    )
+    w = RewardWorker(RewardSpec(source=path, tokenizer=str(tiny_model_path)))
+    made = [_traj(0, "1+2=", "3", "3"), _traj(0, "1+2=", "bad", "3"), _traj(1, "2+2=", "4" * 40, "4")]
+    in_place = w.score(pickle.loads(pickle.dumps(made)))  # what `score` leaves on the trajectories
+    sent = pickle.loads(pickle.dumps(made))  # the controller's copies (the Ray actor scores its own)
+    answer = w.scores(pickle.loads(pickle.dumps(made)))
+    assert all(isinstance(a, Scored) for a in answer)
+    assert len(pickle.dumps(answer)) * 2 < len(pickle.dumps(in_place))  # no tokens, no prompt back
+    assert pickle.dumps(apply_scores(sent, answer)) == pickle.dumps(in_place)  # field for field
+    assert [t.status for t in sent] == [TrajectoryStatus.OK, TrajectoryStatus.FAILED, TrajectoryStatus.OK]
+    assert sent[2].reward == 40.0 and sent[2].score == 80.0 and sent[2].extra_logs == {"n": 1.0}
+    with pytest.raises(RuntimeError, match="2 scores for 3"):
+        apply_scores(sent, answer[:2])
 
 
 def test_raising_reward_function_fails_and_counts(tmp_path, tiny_model_path):

@@ -14,7 +14,7 @@ placement.py  which placement group each role sits in, GPUs / CPUs per bundle
 failures.py   which rank failed, died or stalled: one RoleError naming role, rank, host and cause
 oom.py        a CUDA out-of-memory error as one line: role, rank, phase, memory figures, settings that lower it
 watchdog.py   a call that makes no progress for dist.stall_timeout_s: every rank's stacks to the run folder
-rows.py       RowStore / StoredRows: a step's records in Ray's object store row by row; ranks fetch their share
+rows.py       RowStore / StoredRows: a step's records in Ray's object store in blocks of rows; ranks fetch their share
 profile.py    per-rank call timings and torch.profiler splits (RELAYRL_PROFILE_DIR; bench/profile_step.py)
 """
 

@@ -1,7 +1,10 @@
 """Batches to Ray ranks without sending every rank every row: the driver puts a record (SequenceBatch,
-Experience: slotted dataclasses of [B, ...] tensors) into Ray's object store ONE ROW PER OBJECT, once per
-step, and hands the ranks a small `StoredRows` (row lengths, width, object refs); each rank fetches only the
-rows it reads (its share, relayrl.workers.base.my_update_parts / model_ops.my_rows).
+Experience: slotted dataclasses of [B, ...] tensors) into Ray's object store in at most 64 BLOCKS OF
+CONSECUTIVE ROWS (one row per object up to 64 rows; `block_rows`), once per step, and hands the ranks a small
+`StoredRows` (row lengths, width, object refs); each rank fetches only the blocks holding the rows it reads
+(its share, relayrl.workers.base.my_update_parts / model_ops.my_rows: contiguous ranges, so at most one
+partial block more at each end). One object per row made the driver's puts grow with the global batch: ~2,000
+`ray.put` calls a step at 1,024 samples, 0.7 s on a 2-core CPU host (bench/driver_step.py), now 32.
 
     store = RowStore()                     on the driver (Roles owns one in ray mode)
     batch_rows = store.put(batch)          every row of the step's SequenceBatch serialised once ...
@@ -15,11 +18,11 @@ once per step (the object refs and lengths besides), and each rank reads ~1/N of
 (tests/distributed/test_transfer.py counts both).
 
 `select(rows)` returns exactly what the record's own `select(rows)` returns (same rows, trimmed to the
-longest), so the numerics do not depend on the transport. Each row is stored at the batch's full width as ONE
-bytes object: its fields' raw bytes one after another (a copy of the row, bit for bit), the layout (names,
-dtypes, row shapes) kept once in the StoredRows; raw bytes skip pickling, so the store holds the data and
+longest), so the numerics do not depend on the transport. Each block is stored at the batch's full width as ONE
+bytes object: each field's rows' raw bytes, field after field (a copy of the rows, bit for bit), the layout
+(names, dtypes, row shapes) kept once in the StoredRows; raw bytes skip pickling, so the store holds the data and
 little else (a small torch tensor pickles with ~300 bytes of header; a tensor view would pickle its whole
-storage). The rows' object refs travel as ONE object (put once per record), so a call's argument is one ref
+storage). The blocks' object refs travel as ONE object (put once per record), so a call's argument is one ref
 plus the row lengths, not B refs. Ray is imported in the functions (optional dependency).
 
 The one-model recipes (sft, rm, prm, dpo, kto, kd) send each optimizer step's micro-batches (a list of
@@ -50,14 +53,28 @@ import torch
 
 T = TypeVar("T")
 
-FETCH = {"seconds": 0.0, "rows": 0.0, "items": 0.0}
+FETCH = {"seconds": 0.0, "rows": 0.0, "items": 0.0, "bytes": 0.0}
 """This process's running totals of fetches (seconds in `StoredRows.select` and `StoredItems.take`, rows and
-items fetched): the transfer time of relayrl.distributed.launch.profile."""
+items asked for, bytes of row blocks fetched): the transfer time of relayrl.distributed.launch.profile."""
+
+MAX_BLOCKS = 64
+"""Most objects one record's rows are put as (`block_rows`)."""
 
 
-def _row(record: Any, names: list[str], i: int) -> bytes:
-    """Row i of the named tensor fields of `record` (those not None), their raw bytes one after another."""
-    return b"".join(getattr(record, n)[i].numpy().tobytes() for n in names)
+def block_rows(rows: int, max_blocks: int = 0) -> int:
+    """Rows per stored object of a record of `rows` rows: one object per row up to `max_blocks` rows, then
+    ceil(rows / max_blocks) consecutive rows per object. Every `ray.put` costs the driver a fixed ~50-700 us
+    (the object's registration, whatever its size: bench/driver_step.py), so a step of 2,048 rows put row by
+    row spent more on the puts than on the bytes. A rank reads contiguous ranges of rows (its data-parallel
+    share of each mini-batch), so it fetches at most one partial block at each end of a range: <= 2 blocks,
+    1/32 of the batch, more than its rows. `max_blocks` 0: MAX_BLOCKS."""
+    return max(1, -(-rows // (max_blocks or MAX_BLOCKS)))
+
+
+def _block(record: Any, names: list[str], start: int, stop: int) -> bytes:
+    """Rows start..stop-1 of the named tensor fields of `record` (those not None) as one bytes object: each
+    field's rows (C order), field after field."""
+    return b"".join(getattr(record, n)[start:stop].numpy().tobytes() for n in names)
 
 
 def _schema(record: Any, names: list[str]) -> list[tuple[str, np.dtype, tuple[int, ...]] | None]:
@@ -74,11 +91,11 @@ def _schema(record: Any, names: list[str]) -> list[tuple[str, np.dtype, tuple[in
 
 
 class StoredRows(Generic[T]):
-    """A record in Ray's object store, one object per row (see module doc). Satisfies
+    """A record in Ray's object store, in blocks of consecutive rows (see module doc). Satisfies
     relayrl.workers.base.Rows[T]: `lengths`, `width`, `select(rows)`."""
 
     def __init__(self, record: T, nested: dict[str, StoredRows[Any]]) -> None:
-        """Put `record`'s own tensor fields row by row; its dataclass fields are `nested` stores (put
+        """Put `record`'s own tensor fields in blocks of consecutive rows; its dataclass fields are `nested` stores (put
         already)."""
         import ray
 
@@ -93,13 +110,18 @@ class StoredRows(Generic[T]):
         """Each own field's (name, dtype, row shape), or None: the rows are raw bytes in this layout."""
         self.none = [n for n, s in zip(own, self.schema, strict=True) if s is None]
         present = [n for n, s in zip(own, self.schema, strict=True) if s is not None]
+        n = len(self.lengths)
+        self.block = block_rows(n)
+        """Rows per stored object (the last block may hold fewer): `block_rows`."""
         # raw bytes pickle to themselves (no per-array headers): the object store holds the data and little else
-        self.index = ray.put([ray.put(_row(record, present, i)) for i in range(len(self.lengths))])
-        """One object: the list of the rows' object refs (one per row: that row's own fields)."""
+        blocks = [_block(record, present, a, min(a + self.block, n)) for a in range(0, n, self.block)]
+        self.index = ray.put([ray.put(b) for b in blocks])
+        """One object: the list of the blocks' object refs (block k: rows k*block .. (k+1)*block - 1, each
+        field's rows after the previous field's)."""
         self._refs: list[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_refs": None}  # the row refs travel inside `index`, fetched on first use
+        return {**self.__dict__, "_refs": None}  # the block refs travel inside `index`, fetched on first use
 
     def _stacked(self, rows: list[int]) -> T:
         """The record of `rows` at the full width (not yet trimmed)."""
@@ -108,17 +130,27 @@ class StoredRows(Generic[T]):
         if self._refs is None:
             self._refs = ray.get(self.index)
         refs = self._refs
-        got = ray.get([refs[i] for i in rows])
+        size = self.block
+        wanted = sorted({r // size for r in rows})
+        got = ray.get([refs[k] for k in wanted])
+        FETCH["bytes"] += sum(len(g) for g in got)
+        counts = [min(size, len(self.lengths) - k * size) for k in wanted]  # rows of each fetched block
+        starts = dict(zip(wanted, np.cumsum([0, *counts[:-1]]).tolist(), strict=True))
+        at = torch.tensor([starts[r // size] + r % size for r in rows], dtype=torch.long)
         kw: dict[str, Any] = dict.fromkeys(self.none)
-        offset = 0
+        offsets = [0] * len(got)
         for s in self.schema:
             if s is None:
                 continue
             name, dtype, shape = s
             count = int(np.prod(shape, dtype=np.int64))
-            column = [np.frombuffer(g, dtype=dtype, count=count, offset=offset).reshape(shape) for g in got]
-            kw[name] = torch.from_numpy(np.stack(column))
-            offset += count * dtype.itemsize
+            parts = []
+            for j, (g, c) in enumerate(zip(got, counts, strict=True)):
+                parts.append(
+                    np.frombuffer(g, dtype=dtype, count=c * count, offset=offsets[j]).reshape(c, *shape)
+                )
+                offsets[j] += c * count * dtype.itemsize
+            kw[name] = torch.from_numpy(np.concatenate(parts))[at]
         for n, sub in self.nested.items():
             kw[n] = sub._stacked(rows)
         return self.cls(**kw)
@@ -135,7 +167,7 @@ class StoredRows(Generic[T]):
 
 
 class RowStore:
-    """The driver's side: puts records row by row, each record once; a record nested in a later one (the
+    """The driver's side: puts records in blocks of rows, each record once; a record nested in a later one (the
     step's SequenceBatch inside its Experience) is reused, not put again. Remembers the last few records."""
 
     def __init__(self, keep: int = 4) -> None:

@@ -59,7 +59,7 @@ class Roles:
     engines: RoleHandle[EngineWorker] | None = None
     """Separate engine actors (dist.num_engines > 0), else None: the policy's ranks generate."""
     store: RowStore = field(default_factory=RowStore)
-    """Ray mode: the step's records, put row by row (relayrl.distributed.launch.rows)."""
+    """Ray mode: the step's records, put in blocks of rows (relayrl.distributed.launch.rows)."""
 
     def rows(self, record: T) -> Rows[T]:
         """What a worker reads of a SequenceBatch / Experience: the record itself in local mode; on Ray, its

@@ -24,7 +24,7 @@ from relayrl.distributed.launch.base import RoleHandle
 from relayrl.trainers.rl.experience import complete_groups, filter_groups, rollout_metrics
 from relayrl.training.sampler import ResumableSampler
 from relayrl.workers.proxies import Generates
-from relayrl.workers.reward import RewardWorker
+from relayrl.workers.reward import RewardWorker, apply_scores
 
 
 class NothingToTrain(Exception):
@@ -115,7 +115,9 @@ class RolloutPhase:
             prompts = draw_prompts(self.prompts, self.sampler, need, drawn)
             trajs = self.generator.call(Generates.rollout, prompts, rollout_seed(self.seed, step, attempt))
             t0 = time.perf_counter()
-            trajs = self.reward.call(RewardWorker.score, trajs)
+            trajs = apply_scores(
+                trajs, self.reward.call(RewardWorker.scores, trajs)
+            )  # fields, not tokens, back
             add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})
             try:
                 ok, m = apply_failure_policy(trajs, r.failure_policy)

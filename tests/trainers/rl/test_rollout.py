@@ -18,6 +18,7 @@ from relayrl.trainers.rl.rollout import (
     rollout_seed,
 )
 from relayrl.training.sampler import ResumableSampler
+from relayrl.workers.reward import Scored, scored
 
 
 def _prompts(n: int) -> list[PromptSample]:
@@ -55,6 +56,9 @@ class Reward:
         for i, t in enumerate(trajs):
             t.reward = float(i % 2) if t.status == TrajectoryStatus.OK else None
         return trajs
+
+    def scores(self, trajs: list[Trajectory]) -> list[Scored]:
+        return [scored(t) for t in self.score(trajs)]
 
 
 def _phase(gen: Generator, prompts: int = 3, **filter_kw) -> RolloutPhase:
