@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from relayrl.algorithms.kl import KL_CONTROLLERS, KLController
 from relayrl.algorithms.registry import needs_critic, needs_reference
 from relayrl.algorithms.shaping import FixedRewardNorm, RunningRewardNorm
+from relayrl.config.components import ModelConfig
 from relayrl.config.rl import AlgoConfig, ResolvedRL, RewardConfig, RLConfig
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
@@ -108,25 +109,12 @@ def native_tp_actors(cfg: ResolvedRL) -> bool:
     return cfg.dist.engine_tp > 1 and not engine_capabilities(cfg.rollout.engine).own_weights
 
 
-def build_roles(
-    cfg: ResolvedRL,
-    total_steps: int,
-    *,
-    concurrency: dict[str, int] | None = None,
-    overlaps: bool = False,
-    run_dir: Path | None = None,
-) -> Roles:
-    """Start the workers (policy + colocated engine, reward, and reference / critic when needed), each with
-    the component configs it reads. `concurrency` / `overlaps`: the rollout strategy's
-    (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout overlaps updates.
-    `run_dir`: where the stall watchdog writes stacks (<run_dir>/stacks)."""
-    algo = cfg.algo
-    run = {"seed": cfg.train.seed, "device": cfg.train.device}
-    d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
-    policy_spec = PolicySpec(
+def _policy_spec(cfg: ResolvedRL, total_steps: int, overlaps: bool, separate: bool, run: dict) -> PolicySpec:
+    """What the policy ranks read: the model, optimizer, algorithm, rollout, eval, EMA and dist settings."""
+    return PolicySpec(
         model=cfg.model,
         optim=cfg.optim,
-        algo=algo,
+        algo=cfg.algo,
         rollout=cfg.rollout,
         eval=cfg.eval,
         total_steps=total_steps,
@@ -135,10 +123,57 @@ def build_roles(
         step_timeout=cfg.reward.timeout_s,
         dist=cfg.dist,
         async_train=overlaps,
-        separate_engines=d_engines > 0,
+        separate_engines=separate,
         **run,
     )
-    sizes = _sizes(cfg, algo, d_engines)
+
+
+def _frozen_spec(cfg: ResolvedRL, model: ModelConfig, run: dict) -> ReferenceSpec:
+    """A frozen model's ranks (the reference, or the distillation teacher's `model`): log-probs under the
+    sampling temperature, in the algorithm's micro-batch budgets."""
+    return ReferenceSpec(
+        model=model,
+        micro_batch_tokens=cfg.algo.micro_batch_tokens,
+        infer_micro_batch_tokens=cfg.algo.infer_micro_batch_tokens,
+        temperature=cfg.rollout.temperature,
+        dist=cfg.dist,
+        **run,
+    )
+
+
+def _critic_spec(cfg: ResolvedRL, total_steps: int, run: dict) -> CriticSpec:
+    """The critic's ranks: its optimizer (critic.* over optim.*), epochs, mini-batches, budgets, value clip."""
+    algo = cfg.algo
+    return CriticSpec(
+        model=cfg.model,
+        optim=cfg.critic.optimizer(cfg.optim),
+        model_path=cfg.critic.model_path,
+        epochs=cfg.critic.epochs,
+        mini_batches=algo.mini_batches,
+        micro_batch_tokens=algo.micro_batch_tokens,
+        infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
+        value_clip=algo.value_clip,
+        total_steps=total_steps,
+        dist=cfg.dist,
+        **run,
+    )
+
+
+def build_roles(
+    cfg: ResolvedRL,
+    total_steps: int,
+    *,
+    concurrency: dict[str, int] | None = None,
+    overlaps: bool = False,
+    run_dir: Path | None = None,
+) -> Roles:
+    """Start the workers (policy + colocated engine, reward, and reference / teacher / critic when needed),
+    each with the component configs it reads (the `_*_spec` helpers above). `concurrency` / `overlaps`: the
+    rollout strategy's (relayrl.trainers.rl.async_rollout): calls one rank runs at once, and whether rollout
+    overlaps updates. `run_dir`: where the stall watchdog writes stacks (<run_dir>/stacks)."""
+    run = {"seed": cfg.train.seed, "device": cfg.train.device}
+    d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
+    sizes = _sizes(cfg, cfg.algo, d_engines)
     placed = cfg.dist
     if d_engines and native_tp_actors(cfg):  # one shard actor (one GPU) per TP rank of each engine
         sizes["engine"] = d_engines * cfg.dist.engine_tp
@@ -146,47 +181,18 @@ def build_roles(
     launcher = build_launcher(placed, sizes, run_dir)
     launcher.concurrency.update(concurrency or {})
     try:
-        policy = launcher.spawn("policy", PolicyWorker, policy_spec)
+        policy = launcher.spawn(
+            "policy", PolicyWorker, _policy_spec(cfg, total_steps, overlaps, d_engines > 0, run)
+        )
         reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
-        reference = None
+        reference = teacher = critic = None
         if "reference" in sizes:
-            ref_spec = ReferenceSpec(
-                model=cfg.model,
-                micro_batch_tokens=algo.micro_batch_tokens,
-                infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
-                temperature=cfg.rollout.temperature,
-                dist=cfg.dist,
-                **run,
-            )
-            reference = launcher.spawn("reference", ReferenceWorker, ref_spec)
-        teacher = None
+            reference = launcher.spawn("reference", ReferenceWorker, _frozen_spec(cfg, cfg.model, run))
         if "teacher" in sizes:
             teacher_model = replace(cfg.model, name_or_path=cfg.distill.teacher, tokenizer_name_or_path=None)
-            teacher_spec = ReferenceSpec(
-                model=teacher_model,
-                micro_batch_tokens=algo.micro_batch_tokens,
-                infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
-                temperature=cfg.rollout.temperature,
-                dist=cfg.dist,
-                **run,
-            )
-            teacher = launcher.spawn("teacher", ReferenceWorker, teacher_spec)
-        critic = None
+            teacher = launcher.spawn("teacher", ReferenceWorker, _frozen_spec(cfg, teacher_model, run))
         if "critic" in sizes:
-            critic_spec = CriticSpec(
-                model=cfg.model,
-                optim=cfg.critic.optimizer(cfg.optim),
-                model_path=cfg.critic.model_path,
-                epochs=cfg.critic.epochs,
-                mini_batches=algo.mini_batches,
-                micro_batch_tokens=algo.micro_batch_tokens,
-                infer_micro_batch_tokens=algo.infer_micro_batch_tokens,
-                value_clip=algo.value_clip,
-                total_steps=total_steps,
-                dist=cfg.dist,
-                **run,
-            )
-            critic = launcher.spawn("critic", CriticWorker, critic_spec)
+            critic = launcher.spawn("critic", CriticWorker, _critic_spec(cfg, total_steps, run))
         engines = spawn_engines(cfg, launcher, policy, d_engines, run) if d_engines else None
         policy.call(PolicyWorker.info)  # surfaces a worker's construction error here, in both modes
     except BaseException:
