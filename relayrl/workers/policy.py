@@ -184,16 +184,7 @@ class PolicyWorker:
         if empty:
             self.weights.refresh()
         self.objective: PolicyObjective = build_policy_objective(a, spec.rollout.max_new_tokens)
-        # exact mode's batch-invariant forward (rollout/exact.py) attends over padded rows: not sized by `auto`
-        fixed = DEFAULT_TOKENS if self.layout == "exact" else 0
-        self.budgets = TokenBudgets(
-            model=self.model,
-            device=self.device,
-            update=a.micro_batch_tokens or fixed,
-            infer=a.infer_micro_batch_tokens or fixed,
-            precision=self.train.precision,
-            optimizer=self.train.optimizer,
-        )
+        self.budgets = self._token_budgets()
         """Micro-batch token budgets (algo.micro_batch_tokens / infer_micro_batch_tokens; 0: auto)."""
         self.ema: PolicyEma | None = None
         if spec.ema > 0:  # fp32, sharded like the policy under N ranks (relayrl.workers.ema)
@@ -226,6 +217,20 @@ class PolicyWorker:
                 step_timeout=spec.step_timeout,
                 group=self.tp_group,
             )
+
+    def _token_budgets(self) -> TokenBudgets:
+        """The algorithm's micro-batch budgets for this rank; exact mode's batch-invariant forward
+        (rollout/exact.py) attends over padded rows, so it keeps DEFAULT_TOKENS instead of `auto`."""
+        a = self.spec.algo
+        fixed = DEFAULT_TOKENS if self.layout == "exact" else 0
+        return TokenBudgets(
+            model=self.model,
+            device=self.device,
+            update=a.micro_batch_tokens or fixed,
+            infer=a.infer_micro_batch_tokens or fixed,
+            precision=self.train.precision,
+            optimizer=self.train.optimizer,
+        )
 
     # ----------------------------------------------------------------------------------------- rollout
     @merged("concat")
