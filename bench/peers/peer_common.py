@@ -231,7 +231,13 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def stop_ray() -> None:
     """`ray stop --force` (a peer killed mid-run can leave a local Ray cluster that the next side would
-    join); quiet when Ray is not installed or nothing runs."""
+    join); quiet when Ray is not installed or nothing runs. Skipped when RAY_ADDRESS is "local": then each
+    peer command starts its own local Ray instance and two peers may run side by side on one host (one per
+    GPU), where a host-wide `ray stop` would kill the other peer's cluster mid-run (seen 2026-11-27 12:43:
+    verl's raylet died when the OpenRLHF command ended); the peer's driver process exiting stops its own."""
+    if os.environ.get("RAY_ADDRESS") == "local":
+        print("peers: RAY_ADDRESS=local: not running `ray stop --force` (side-by-side Ray instances)", flush=True)
+        return
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         subprocess.run(
             [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, timeout=60

@@ -172,6 +172,10 @@ def run_verl(
         ]
         (out / f"verl-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"HYDRA_FULL_ERROR": "1", "RAY_TMPDIR": str(tmp / "ray")})
+        # verl's rollout is vLLM's HTTP server in a Ray actor: with the in-process engine (0, relayrl's and
+        # OpenRLHF's setting) it stalled after printing its arguments (2026-11-27 10:21); with vLLM's own
+        # engine process (1, vLLM's default) it loaded and captured its CUDA graphs (12:43)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VERL_VLLM_MULTIPROCESSING", "1")
         if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
             env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         return pc.run_logged(
