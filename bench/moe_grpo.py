@@ -330,9 +330,8 @@ def main() -> None:
     if args.device == "cuda":
         device = torch.device("cuda", 0)  # this rank's only visible GPU (tp_grpo pinned it)
         torch.cuda.set_device(device)
-        dist.init_process_group(
-            "cpu:gloo,cuda:nccl", device_id=device, timeout=datetime.timedelta(seconds=300)
-        )
+        # as the product's ranks join (distributed/group.join_group): NCCL for CUDA tensors, gloo for CPU ones
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=300))
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
