@@ -52,6 +52,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +157,9 @@ def _mem_available_gib() -> float:
     return float("inf")
 
 
-def build_cfg(args: argparse.Namespace, tp: int, folder: Path, device: torch.device) -> Any:
-    """The resolved RL config of the run (validate_rl, as `relayrl rl` resolves it)."""
+def build_cfg(args: argparse.Namespace, tp: int, folder: Path, device: torch.device, **rollout: Any) -> Any:
+    """The resolved RL config of the run (validate_rl, as `relayrl rl` resolves it); `rollout`: more
+    RolloutConfig fields (bench/moe_grpo.py: routing_replay)."""
     rows_per_rank = -(-args.prompts * args.samples // dist.get_world_size())
     max_len = args.prompt_len + args.new_tokens
     cfg = RLConfig(
@@ -170,6 +172,7 @@ def build_cfg(args: argparse.Namespace, tp: int, folder: Path, device: torch.dev
             max_new_tokens=args.new_tokens,
             max_len=max_len,
             temperature=1.0,
+            **rollout,
         ),
         # one micro-batch per rank and optimizer step: no unsharded gradient accumulates across micro-batches
         algo=AlgoConfig(micro_batch_tokens=rows_per_rank * max_len),
@@ -193,9 +196,17 @@ def qwen2_config(args: argparse.Namespace, tokenizer: Any) -> Any:
     )
 
 
-def install_meta_build(args: argparse.Namespace, tokenizer: Any, device: torch.device) -> None:
+def install_meta_build(
+    args: argparse.Namespace,
+    tokenizer: Any,
+    device: torch.device,
+    meta_model: Callable[[], torch.nn.Module] | None = None,
+    after_init: Callable[[Any, torch.device], None] | None = None,
+) -> None:
     """The worker builds the policy on the meta device; once FSDP2 has sharded it, each rank materialises and
-    initialises only its shards (module doc)."""
+    initialises only its shards (module doc). `meta_model` builds another model than this script's Qwen2
+    (called under the meta device; bench/moe_grpo.py: a Qwen3-MoE), `after_init(model, device)` re-draws
+    some of the shards after `init_shards`."""
     from transformers import Qwen2ForCausalLM
 
     def build_trainable(
@@ -205,7 +216,7 @@ def install_meta_build(args: argparse.Namespace, tokenizer: Any, device: torch.d
         config says (models/loading.finish_model). `sharded` (the product's sharded loading) is ignored: the
         shards are initialised randomly below, there is no folder to read."""
         with torch.device("meta"):
-            meta = Qwen2ForCausalLM(qwen2_config(args, tokenizer))
+            meta = meta_model() if meta_model is not None else Qwen2ForCausalLM(qwen2_config(args, tokenizer))
         return finish_model(meta, model, task_type="CAUSAL_LM"), tokenizer
 
     shard = SHARD_IF_GROUPED
@@ -214,6 +225,8 @@ def install_meta_build(args: argparse.Namespace, tokenizer: Any, device: torch.d
         grouped = shard(model, d, dev, precision)
         model.to_empty(device=torch.device("cpu") if args.offload else dev)
         init_shards(model, dev)
+        if after_init is not None:
+            after_init(model, dev)
         return grouped
 
     policy_mod.build_trainable = build_trainable
@@ -386,25 +399,29 @@ def one_step(args: argparse.Namespace, cfg: Any, worker: PolicyWorker, step: int
     return out
 
 
-def write(report: dict) -> None:
+def write(report: dict, name: str = "tp_grpo.json") -> None:
+    """`report` as $OUT/`name` (bench/results/ without $OUT), from rank 0."""
     if dist.get_rank() != 0:
         return
     folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tp_grpo.json").write_text(json.dumps(report, indent=2))
+    (folder / name).write_text(json.dumps(report, indent=2))
 
 
-def watchdog(seconds: float, report: dict) -> None:
+def watchdog(seconds: float, report: dict, name: str = "tp_grpo.json") -> None:
     """Past `seconds`, write what was measured and end the process (exit 124): a stuck collective or a
     too-slow configuration never eats the caller's whole time limit."""
 
     def fire() -> None:
         report["timed_out_after_s"] = seconds
         try:  # the main thread may be changing the report right now
-            write(report)
+            write(report, name)
         except RuntimeError:
-            write(json.loads(json.dumps(report, default=str)))
-        print(f"tp_grpo: time limit {seconds:.0f} s reached; partial results written", flush=True)
+            write(json.loads(json.dumps(report, default=str)), name)
+        print(
+            f"{name.removesuffix('.json')}: time limit {seconds:.0f} s reached; partial results written",
+            flush=True,
+        )
         os._exit(124)
 
     timer = threading.Timer(seconds, fire)

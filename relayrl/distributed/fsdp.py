@@ -9,7 +9,9 @@ and the transformers model itself (embeddings, final norm, LM / value head, tied
 The root must be the module whose forward runs: relayrl.models.forward calls the transformers model (not its
 trunk) when the model is sharded, so FSDP's hooks gather and reshard the weights around every forward and
 reduce-scatter the gradients in backward. Under peft the root is the base transformers model (inside the
-PeftModel), so the LoRA adapters are sharded with the layer that holds them.
+PeftModel), so the LoRA adapters are sharded with the layer that holds them. Every parameter is sharded along
+its first dimension (FSDP2's Shard(0)), a mixture-of-experts layer's 3-D expert tensors [experts, ...] included:
+each of N ranks holds experts / N whole experts (bench/moe_grpo.py records the placements).
 
 A model built empty (relayrl.models.empty, on the meta device) is allocated and filled with this rank's rows
 of the checkpoint right after sharding (relayrl.distributed.sharded_load: no rank holds the whole model).

@@ -95,24 +95,54 @@ _ACTIVE: contextvars.ContextVar[_Pass | None] = contextvars.ContextVar("relayrl_
 
 def _block_forward(self: Any, hidden: Tensor) -> Tensor:
     """A sparse block's forward (bound to the block by `install_moe`): route with fp32 logits (replayed when
-    the active pass has routes), run the experts grouped (rollout/native_moe.py)."""
+    the active pass has routes), run the experts grouped (rollout/native_moe.py). Activation checkpointing
+    re-runs this forward during backward, after the pass has ended: it then routes as the forward did (the
+    forward's routing inputs are kept on the block, `_Recompute`), so the replayed experts and the saved
+    tensors match."""
     b, t, h = hidden.shape
     flat = hidden.reshape(-1, h)
     spec: RouterSpec = self._relayrl_spec
     logits = router_logits(flat, self.gate.weight)
-    state, forced, real = _ACTIVE.get(), None, None
+    state, forced, real, collect = _ACTIVE.get(), None, None, False
     if state is not None:
         state.spec = spec
         real = state.real_rows(b, t, flat.device)
         if state.routes is not None and real is not None:
             forced = torch.full((b * t, spec.top_k), -1, dtype=torch.long, device=flat.device)
             forced[real] = state.routes[:, self._relayrl_moe_index].to(flat.device, torch.long)
-        if state.collect:
-            state.logits.append(logits if real is None else logits[real])
+        collect = state.collect
+        self._relayrl_recompute = (
+            _Recompute(b * t, forced, real, collect) if torch.is_grad_enabled() else None
+        )
+    elif torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:  # a checkpointed recompute
+        again: _Recompute | None = getattr(self, "_relayrl_recompute", None)
+        if again is not None:
+            if again.tokens != b * t:
+                raise RuntimeError(
+                    f"mixture-of-experts recompute over {b * t} tokens, the forward had {again.tokens}: "
+                    "activation checkpointing must recompute each forward before the next one runs"
+                )
+            forced, real, collect = again.forced, again.real, again.collect
+    else:
+        self._relayrl_recompute = None
+    if collect:  # (in a recompute only to save the same tensors as the forward; the pass keeps the forward's)
+        kept = logits if real is None else logits[real]
+        if state is not None:
+            state.logits.append(kept)
     weights, idx = select_experts(logits, spec, forced)
     if state is not None:
         state.taken.append((idx if real is None else idx[real]).detach())
     return experts_forward(flat, idx, weights, self.experts).view(b, t, h)
+
+
+@dataclass(slots=True)
+class _Recompute:
+    """A sparse block's routing inputs of its last forward with grad inside a pass, for its recompute."""
+
+    tokens: int
+    forced: Tensor | None
+    real: Tensor | None
+    collect: bool
 
 
 def install_moe(model: torch.nn.Module) -> int:

@@ -131,3 +131,33 @@ def test_token_rows_of_the_varlen_and_padded_layouts():
         pytest.raises(ValueError, match="met a \\[1, 3\\] block input"),
     ):
         p.real_rows(1, 3, cpu)
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_gradient_checkpointing_recomputes_the_forced_routes(tiny_tokenizer, prompts, collect):
+    """Activation checkpointing re-runs each layer's forward during backward, after the pass has ended: the
+    recompute must route as the forward did (replayed routes, the collected router logits' indexing), so the
+    gradients equal those without checkpointing exactly. Forced routes that the router would not pick make a
+    free-routing recompute differ (it raised torch's CheckpointError before)."""
+    seqs = [torch.tensor(p) for p in prompts]
+    n = sum(len(s) for s in seqs)
+    routes = (torch.arange(n * 2 * 2).reshape(n, 2, 2) % 8).to(torch.int16)  # 2 layers, top-2 of 8 experts
+    routes[:, :, 1] = (routes[:, :, 0] + 3) % 8
+    grads = []
+    for checkpointing in (False, True):
+        model = lively_moe("qwen3")
+        install_moe(model)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with moe_pass([len(s) for s in seqs], routes=routes, collect=collect) as p:
+            lp, _ = token_logprobs(model, seqs, "padded")
+        aux = p.aux_loss()
+        loss = lp.sum() if aux is None else lp.sum() + aux
+        assert (aux is not None) == collect
+        loss.backward()
+        assert torch.equal(torch.stack(p.taken, dim=1), routes.long())
+        grads.append({k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
