@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import zlib
 from collections.abc import Callable
@@ -60,7 +61,8 @@ MAX_BYTES = 16 << 20
 """The buffer's largest size: decode batches up to this many bytes of [batch, hidden] take the fast path."""
 ONE_SHOT_MAX_BYTES = 512 << 10
 """auto with more than 2 ranks: one-shot up to this size, two-shot above (each rank reads 1/TP instead of all
-of every peer's data; vLLM's custom all-reduce draws the line here too). 2 ranks: always one-shot."""
+of every peer's data; vLLM's custom all-reduce draws the line here too). 2 ranks (or any size but 4 and 8,
+which have no two-shot kernel): always one-shot."""
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 """The sum over the group of a view of the buffer, as a new tensor."""
@@ -114,6 +116,11 @@ def _two_shot(group_name: str) -> Reduce:
         return lambda t: out_op(t, "sum", group_name, torch.empty_like(t))
     inplace = ops.two_shot_all_reduce_
     return lambda t: inplace(t, "sum", group_name).clone()
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = [*re.findall(r"\d+", torch.__version__), "0", "0"][:2]
+    return int(major), int(minor)
 
 
 def _local_problem(group: Any, device: torch.device, dtype: torch.dtype, impl: str) -> str | None:
@@ -238,13 +245,16 @@ def _build(
         buf.zero_()
         return buf
 
+    def rendezvous() -> object:
+        if _torch_version() < (2, 11) and hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)  # before 2.11 the group's store is registered by hand
+        return symm_mem.rendezvous(buffer, name)  # 2.11 finds the store itself (and deprecates the above)
+
     buffer = _step("symm_mem.empty", alloc, group, device, errors)
-    if buffer is None:
-        return None
-    if _step("symm_mem.rendezvous", lambda: symm_mem.rendezvous(buffer, name), group, device, errors) is None:
+    if buffer is None or _step("symm_mem.rendezvous", rendezvous, group, device, errors) is None:
         return None
     one, two = _one_shot(name), _two_shot(name)
-    if impl == "one_shot" or (impl == "auto" and world == 2):
+    if impl == "one_shot" or (impl == "auto" and world not in (4, 8)):  # 2 ranks, or no two-shot kernel
         fast = FastAllReduce(buffer, one, one, buffer.nbytes, "one_shot")
     elif impl == "two_shot":
         fast = FastAllReduce(buffer, two, two, 0, "two_shot")
@@ -253,7 +263,8 @@ def _build(
 
     def check() -> bool:
         self_test(fast, rank, world, cols)
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":  # (a CPU stand-in in the tests)
+            torch.cuda.synchronize(device)
         return True
 
     return fast if _step("self-test", check, group, device, errors) else None

@@ -8,6 +8,7 @@ NCCL's bit for bit on random [256, 3584] bf16 at TP = 2, eagerly and replayed fr
 
 from __future__ import annotations
 
+import os
 import time
 from typing import cast
 
@@ -108,3 +109,54 @@ def test_symmetric_memory_all_reduce_equals_nccl_bit_for_bit_at_tp2(tmp_path):
             got = res[impl]
             assert got["name"] is not None, f"rank {r}: {impl} fell back to NCCL here (see the log)"
             assert got["eager_equal"] and got["graph_equal"], (r, impl, got)
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_gpu_setup_steps_agree_and_fall_back_on_any_failure(gloo_world_of_one, monkeypatch):
+    """_build's control flow (allocation, rendezvous, self-test, each agreed over the group; the algorithm
+    picked) with the symmetric-memory calls replaced by CPU stand-ins (world of 1: the sum is the input)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from relayrl.rollout import tp_allreduce
+
+    group = gloo_world_of_one
+    monkeypatch.setattr(symm_mem, "empty", lambda n, dtype, device: torch.empty(n, dtype=dtype))
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda buf, name: object())
+    monkeypatch.setattr(tp_allreduce, "_one_shot", lambda name: lambda t: t.clone())
+    monkeypatch.setattr(tp_allreduce, "_two_shot", lambda name: lambda t: t + 0)
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    cpu, f32 = torch.device("cpu"), torch.float32
+
+    def build(impl: str, errors: list[str]):
+        return tp_allreduce._build(group, cpu, f32, 8 * 64, 64, impl, 0, 1, errors)
+
+    errors: list[str] = []
+    fast = build("auto", errors)
+    assert fast is not None and fast.name == "one_shot" and errors == []
+    assert fast.buffer.numel() == 8 * 64
+    assert torch.equal(fast.buffer[:26], torch.arange(26.0) % 13)  # the self-test's last pattern (rank 0)
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"  # never a multicast object
+    two = build("two_shot", errors)
+    assert two is not None and two.name == "two_shot" and two.small is two.large
+
+    def boom(buf, name):
+        raise RuntimeError("no peer access")
+
+    monkeypatch.setattr(symm_mem, "rendezvous", boom)
+    assert build("auto", errors) is None
+    assert errors == ["symm_mem.rendezvous failed on this rank: RuntimeError('no peer access')"]
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda buf, name: object())
+    monkeypatch.setattr(tp_allreduce, "_one_shot", lambda name: lambda t: t * 2)  # a wrong sum
+    errors.clear()
+    assert build("auto", errors) is None
+    assert len(errors) == 1 and errors[0].startswith(
+        "self-test failed on this rank: RuntimeError('self-test: "
+    )
