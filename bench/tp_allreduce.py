@@ -7,7 +7,9 @@
 
 For each TP size: NCCL (dist.all_reduce, what the engine ran before) and each of one_shot, two_shot and auto
 (each set up as the engine sets it up: symmetric buffer, rendezvous, self-test, every rank agreeing, so an
-unavailable one is recorded as such, never a hang in setup): microseconds per call of `calls` back-to-back
+unavailable one is recorded as such, never a hang in setup), and for comparison NCCL's own symmetric kernels
+("nccl_symm": a buffer in an NCCL-allocator MemPool registered as a symmetric window; not used by the
+engine): microseconds per call of `calls` back-to-back
 calls (2 a layer: 56 at 7B), eager ("eager_us": host launch costs included) and as one CUDA graph
 ("graph_us": what the engine's decode replays); whether its sum of random data is bit-equal to NCCL's (TP 2:
 it must be); and graph_ms_saved_per_step = (NCCL - it) x calls. Every rank joins every collective in the same
@@ -89,6 +91,45 @@ def _per_call_us(fn, device: torch.device, group, calls: int, iters: int) -> dic
     return out
 
 
+def nccl_window_bench(
+    group, device: torch.device, dtype: torch.dtype, x, want, calls: int, iters: int
+) -> dict:
+    """For comparison (the engine does not use it): NCCL's own symmetric kernels (NCCL >= 2.27), reached by an
+    in-place dist.all_reduce of a buffer in a torch.cuda.MemPool over NCCL's allocator registered as a symmetric
+    window (ProcessGroupNCCL.register_mem_pool(pool, symm=True) -> ncclCommWindowRegister). Every step agreed;
+    an error is recorded, not raised."""
+    out: dict = {}
+    state: dict = {}
+
+    def step(name: str, fn) -> bool:
+        try:
+            fn()
+        except Exception as err:  # recorded: this torch / NCCL may not have it
+            out.setdefault("error", f"{name}: {err!r}"[:300])
+        return _agreed("error" not in out, group)
+
+    def alloc() -> None:
+        backend = group._get_backend(device)
+        pool = torch.cuda.MemPool(backend.mem_allocator)
+        with torch.cuda.use_mem_pool(pool):
+            state["buf"] = torch.empty_like(x)
+        state["backend"], state["pool"] = backend, pool
+
+    if not step("alloc", alloc) or not step(
+        "register", lambda: state["backend"].register_mem_pool(state["pool"], symm=True)
+    ):
+        out.setdefault("error", "failed on another rank")
+        return out
+    buf = state["buf"]
+    buf.copy_(x)
+    dist.all_reduce(buf, group=group)
+    out["bit_equal_to_nccl"] = bool(torch.equal(buf, want))
+    out.update(_per_call_us(lambda: dist.all_reduce(buf, group=group), device, group, calls, iters))
+    torch.cuda.synchronize(device)
+    step("deregister", lambda: state["backend"].deregister_mem_pool(state["pool"]))
+    return out
+
+
 def allreduce_bench(
     tp: int,
     rows: int,
@@ -130,7 +171,9 @@ def allreduce_bench(
             entry.update(_per_call_us(lambda f=fast, v=view: f.reduce(v), device, group, calls, iters))
             res[impl] = entry
             del fast, view, got
-        for impl in ("one_shot", "two_shot", "auto"):
+        mark(f"tp{tp} nccl_symm")
+        res["nccl_symm"] = nccl_window_bench(group, device, dtype, x, want, calls, iters)
+        for impl in ("one_shot", "two_shot", "auto", "nccl_symm"):
             if "graph_us" in res[impl] and "graph_us" in res["nccl"]:
                 saved = (res["nccl"]["graph_us"] - res[impl]["graph_us"]) * calls / 1000
                 res[impl]["graph_ms_saved_per_step"] = saved

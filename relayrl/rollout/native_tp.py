@@ -18,7 +18,8 @@ read a trainer's modules in place):
 So a decoder block costs two all-reduces ([tokens, hidden] each), and the KV cache of a rank holds its Hkv / TP
 heads. On GPUs the engine sums them through PyTorch's symmetric memory (one-shot / two-shot kernels over
 NVLink peer-to-peer, CUDA-graph captured; tp_allreduce.py) where that works, else, and for tensors larger than
-its buffer, through NCCL (`TPNativeEngine(allreduce=...)`, env RELAYRL_TP_ALLREDUCE). The shard is the HF model itself with smaller Linears, its config saying H / TP and Hkv / TP heads, and
+its buffer, through NCCL (`TPNativeEngine(allreduce=...)`, env RELAYRL_TP_ALLREDUCE). The shard is the HF
+model itself with smaller Linears, its config saying H / TP and Hkv / TP heads, and
 o_proj / down_proj swapped for `RowParallelLinear`: `DecoderRunner` runs it unchanged (it calls a module that
 is not a plain Linear), fused q/k/v and gate/up per shard included (native_fused.py). Parameters keep their HF
 names; `tp_slice(name, full, rank, size)` is the rule every weight transport applies to a full tensor

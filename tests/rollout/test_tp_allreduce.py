@@ -2,9 +2,10 @@
 
 CPU: the choice of implementation, the fallback to NCCL / gloo without any collective off CUDA, the row-parallel
 layer's fast path (its GEMM written into the buffer and summed there; shapes that do not fit take the
-dist.all_reduce path) and the self-test catching a wrong sum, with stand-in reductions; a TP = 2 engine over
-gloo whose row-parallel layers sum through a buffered stand-in is in test_native_tp.py. GPU (2 CUDA devices, `gpu` marker): the symmetric-memory one-shot and two-shot all-reduces equal
-NCCL's bit for bit on random [256, 3584] bf16 at TP = 2, eagerly and replayed from a CUDA graph."""
+dist.all_reduce path), the self-test catching a wrong sum, and the GPU set-up's agreed steps, with stand-in
+reductions (a TP = 2 engine over gloo summing through a buffered stand-in is in test_native_tp.py). GPU (2
+CUDA devices, `gpu` marker): the symmetric-memory one-shot, two-shot and auto all-reduces equal NCCL's bit for
+bit on random [256, 3584] bf16 at TP = 2, eagerly and replayed from a CUDA graph."""
 
 from __future__ import annotations
 
