@@ -45,10 +45,15 @@ Writes $OUT/tp_decode.json (or bench/results/tp_decode.json without $OUT) after 
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # P2P all-reduces only: never NVLink multicast
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
 import argparse
 import datetime
+import hashlib
 import json
-import os
 import statistics
 import sys
 import threading
@@ -60,10 +65,19 @@ import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tp_allreduce import allreduce_bench  # bench/tp_allreduce.py
 
 from relayrl.rollout.base import GenerationRequest, SamplingParams, generate_all
 from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.native_tp import TPNativeEngine, shard_model
+
+IMPLS = {"nccl": "nccl", "custom": "auto", "one_shot": "one_shot", "two_shot": "two_shot"}
+"""--allreduce-impl names -> TPNativeEngine(allreduce=...) (custom: the engine's default, symmetric memory where
+it works)."""
+TOKENS: dict[tuple[int, str], list] = {}
+"""Rank 0: (tp, head) -> the first --allreduce-impl row's tokens (the other impls' rows are compared to it)."""
 
 SHAPES = {
     "qwen2.5-7b": dict(
@@ -121,28 +135,42 @@ def requests(args, new_tokens: int) -> list[GenerationRequest]:
 def timed_round(engine: NativeEngine, reqs: list[GenerationRequest] | None, device: torch.device) -> float:
     """Leader (or a TP = 1 engine): one round of `reqs` (then release the followers); follower: follow it.
     Wall seconds."""
+    return _round(engine, reqs, device)[0]
+
+
+def _round(
+    engine: NativeEngine, reqs: list[GenerationRequest] | None, device: torch.device
+) -> tuple[float, list]:
+    """timed_round's seconds and the leader's sampled token ids per request ([] on a follower)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
+    results = []
     if not isinstance(engine, TPNativeEngine):
         assert reqs is not None
-        generate_all(engine, reqs)
+        results = generate_all(engine, reqs)
     elif engine.is_leader:
         assert reqs is not None
-        generate_all(engine, reqs)
+        results = generate_all(engine, reqs)
         engine.release()
     else:
         engine.follow()
     sync()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, [[c.token_ids for c in r.completions] for r in results]
 
 
 def run_tp(
-    args, tp: int, device: torch.device, dtype: torch.dtype, fused: bool = True, split_head: bool = True
+    args,
+    tp: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    fused: bool = True,
+    split_head: bool = True,
+    impl: str = "custom",
 ) -> dict | None:
     """One row: TP size `tp` over ranks [0, tp) (tp 1: the plain NativeEngine, no collectives); `fused`
     False keeps the projections separate (the shard's parameters left trainable, which fusion skips);
-    `split_head` False: the lm_head replicated (module doc)."""
+    `split_head` False: the lm_head replicated (module doc); `impl`: the all-reduce (IMPLS)."""
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))  # every rank creates it (torch.distributed's rule)
     out = None
@@ -165,19 +193,26 @@ def run_tp(
             eos_token_id=[],
             seed=0,
         )
-        engine = TPNativeEngine(shard, group=group, **opts) if tp > 1 else NativeEngine(shard, **opts)
+        if tp > 1:
+            engine = TPNativeEngine(shard, group=group, allreduce=IMPLS[impl], **opts)
+        else:
+            engine = NativeEngine(shard, **opts)
         startup_s = time.perf_counter() - t0
         full, prefill = requests(args, args.new_tokens), requests(args, 1)
         lead = rank == 0
-        timed_round(engine, full if lead else None, device)  # warm-up: one full-size round
+        _, tokens = _round(engine, full if lead else None, device)  # warm-up: one full-size round
         pre = [timed_round(engine, prefill if lead else None, device) for _ in range(args.rounds)]
         rounds = [timed_round(engine, full if lead else None, device) for _ in range(args.rounds)]
         t, tp_pre = statistics.median(rounds), statistics.median(pre)
         graphs = engine.graphs.graphs if engine.graphs is not None else {}
+        fast = getattr(engine, "fast_all_reduce", None)
         out = {
             "tp": tp,
             "fused": fused,
             "head": head_name(tp, split_head),
+            "allreduce": impl if tp > 1 else "none",
+            "allreduce_used": (fast.name if fast is not None else "nccl") if tp > 1 else "none",
+            **token_check(tp, head_name(tp, split_head), tokens, rank),
             "tok_s": args.batch * args.new_tokens / t,
             "round_s": rounds,
             "prefill_round_s": pre,
@@ -196,6 +231,21 @@ def run_tp(
             torch.cuda.empty_cache()
     dist.barrier()
     return out if rank == 0 else None
+
+
+def token_check(tp: int, head: str, tokens: list, rank: int) -> dict:
+    """Rank 0: a digest of the warm-up round's tokens and, after the first --allreduce-impl row of this
+    (tp, head), the share of samples whose tokens equal that row's (TP 2: 1.0 expected, the sums being
+    bit-equal; TP 4: bf16 rounding may flip a few late tokens)."""
+    if rank != 0:
+        return {}
+    digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+    first = TOKENS.setdefault((tp, head), tokens)
+    if first is tokens:
+        return {"tokens_sha": digest}
+    pairs = [(a, b) for ra, rb in zip(first, tokens, strict=True) for a, b in zip(ra, rb, strict=True)]
+    same = sum(a == b for a, b in pairs) / max(1, len(pairs))
+    return {"tokens_sha": digest, "same_tokens_as_first_impl": same}
 
 
 def head_name(tp: int, split_head: bool) -> str:
@@ -241,7 +291,13 @@ def kernel_breakdown(prof, steps: int) -> dict:
 
 
 def profile_tp(
-    args, tp: int, device: torch.device, dtype: torch.dtype, steps: int = 10, split_head: bool = True
+    args,
+    tp: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    steps: int = 10,
+    split_head: bool = True,
+    impl: str = "custom",
 ) -> dict | None:
     """The TP-`tp` engine's decode step at batch args.batch under torch.profiler (module doc); rank 0's view. (On a CPU: the same path, no kernel times; for the smoke test.)"""
     rank = dist.get_rank()
@@ -251,7 +307,10 @@ def profile_tp(
         shard = build_shard(args.shape, tp, rank, group, device, dtype, split_head)
         opts = dict(max_slots=args.batch, max_seq_len=args.prompt_len + args.new_tokens,
                     max_prefill_tokens=args.prefill_tokens, eos_token_id=[], seed=0)  # fmt: skip
-        engine = TPNativeEngine(shard, group=group, **opts) if tp > 1 else NativeEngine(shard, **opts)
+        if tp > 1:
+            engine = TPNativeEngine(shard, group=group, allreduce=IMPLS[impl], **opts)
+        else:
+            engine = NativeEngine(shard, **opts)
         timed_round(engine, requests(args, args.new_tokens) if rank == 0 else None, device)  # warm-up
         st, bs = engine.state, args.batch
         assert st is not None
@@ -269,8 +328,10 @@ def profile_tp(
             engine.graphs.run(keys[0])
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        fast = getattr(engine, "fast_all_reduce", None)
         result: dict = {"tp": tp, "batch": bs, "kv_len": kv_len, "kernels": bool(engine.runner.kernels),
-                        "head": head_name(tp, split_head)}  # fmt: skip
+                        "head": head_name(tp, split_head), "allreduce": impl,
+                        "allreduce_used": fast.name if fast is not None else "nccl"}  # fmt: skip
         for label, fn in (("eager", eager), ("graph", replay if keys else None)):
             if fn is None:
                 result[label] = "no captured graph for this (batch, kv_len)"
@@ -306,84 +367,20 @@ def profile_tp(
     return out if rank == 0 else None
 
 
-def _per_call_us(fn, device: torch.device, group, calls: int, iters: int) -> dict:
-    """Microseconds per call of `fn`: `calls` calls back to back, eagerly and replayed as one CUDA graph."""
-    out: dict = {}
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize(device)
-    dist.barrier(group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters * calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    out["eager_us"] = 1000 * start.elapsed_time(end) / (iters * calls)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        dist.barrier(group)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        out["graph_us"] = 1000 * start.elapsed_time(end) / (iters * calls)
-    except Exception as err:  # recorded: a capture that fails is itself the result
-        out["graph_error"] = repr(err)[:300]
-    dist.barrier(group)
-    return out
-
-
-def allreduce_bench(args, tp: int, device: torch.device, dtype: torch.dtype, iters: int = 10) -> dict | None:
-    """The decode step's all-reduce alone ([batch, hidden], 2 a layer): NCCL (what RowParallelLinear runs)
-    vs torch's symmetric-memory one-shot / two-shot all-reduce over NVLink, per call, eager and in a CUDA
-    graph: what a cheaper all-reduce would save per decode step (x 2 x layers)."""
-    rank = dist.get_rank()
-    group = dist.new_group(list(range(tp)))
-    out = None
-    if rank < tp:
-        cfg = SHAPES[args.shape]
-        shape, calls = (args.batch, cfg["hidden_size"]), 2 * cfg["num_hidden_layers"]
-        res: dict = {"tp": tp, "shape": list(shape), "calls_per_step": calls}
-        x = torch.full(shape, 1e-3, device=device, dtype=dtype)
-        res["nccl"] = _per_call_us(lambda: dist.all_reduce(x, group=group), device, group, calls, iters)
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            name = group.group_name
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(name)
-            buf = symm_mem.empty(shape, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, name)
-            buf.fill_(1e-3)
-            ops = torch.ops.symm_mem
-            res["symm_one_shot"] = _per_call_us(
-                lambda: ops.one_shot_all_reduce(buf, "sum", name), device, group, calls, iters
-            )
-            res["symm_two_shot"] = _per_call_us(
-                lambda: ops.two_shot_all_reduce_(buf, "sum", name), device, group, calls, iters
-            )
-        except Exception as err:  # recorded: symmetric memory may be unavailable here
-            res["symm_error"] = repr(err)[:300]
-        out = res
-    dist.barrier()
-    return out if rank == 0 else None
-
-
 def print_table(rows: list) -> None:
     base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
-    head = f"{'tp':>3} {'fused':>5} {'head':>14} {'kernels':>7} {'tok/s':>10} {'ms/step':>8} {'x tp1':>6}"
+    head = (
+        f"{'tp':>3} {'fused':>5} {'head':>14} {'allreduce':>10} {'kernels':>7} {'tok/s':>10} {'ms/step':>8}"
+    )
+    head += f" {'x tp1':>6}"
     head += f" {'start s':>8}"
     print(f"{head} {'graphs':>6} {'peak GiB':>8}")
     for r in rows:
         assert r is not None
         speed = r["tok_s"] / base["tok_s"] if base else float("nan")
         print(
-            f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['kernels']!s:>7} {r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
+            f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['allreduce_used']:>10.10} {r['kernels']!s:>7} "
+            f"{r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
             f"{speed:>6.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} {r['peak_gib']:>8.1f}"
         )
 
@@ -441,7 +438,16 @@ def main() -> None:
         help="the profiled engine's lm_head (both: profile each)",
     )
     ap.add_argument(
-        "--allreduce", action="store_true", help="time the all-reduce alone: NCCL vs symm. memory"
+        "--allreduce",
+        action="store_true",
+        help="first, time the all-reduce alone: NCCL vs the symmetric-memory paths (eager and in a graph)",
+    )
+    ap.add_argument("--allreduce-only", action="store_true", help="--allreduce, then no engine rows")
+    ap.add_argument(
+        "--allreduce-impl",
+        default="custom",
+        help="comma list of the TP > 1 rows' all-reduce: nccl, custom (the engine default: symmetric memory "
+        "where it works, else NCCL), one_shot, two_shot; one row (and profile) per name",
     )
     ap.add_argument("--time-limit", type=float, default=230.0, help="seconds before partial results + exit")
     args = ap.parse_args()
@@ -465,26 +471,55 @@ def main() -> None:
         "rows": [],
     }
     watchdog(args.time_limit, result, world_rank)
+    impls = [i.strip() for i in args.allreduce_impl.split(",") if i.strip()]
+    if not impls or any(i not in IMPLS for i in impls):
+        ap.error(f"--allreduce-impl: a comma list of {', '.join(IMPLS)}, got {args.allreduce_impl!r}")
+
+    def mark(stage: str) -> None:
+        result["stage"] = stage
+        write(result, world_rank)
+
+    if (args.allreduce or args.allreduce_only) and device.type == "cuda":  # first: seconds, never starved
+        result["allreduce"] = []
+        for tp in [t for t in sizes if t > 1]:
+            cfg = SHAPES[args.shape]
+            shape = (args.batch, cfg["hidden_size"], 2 * cfg["num_hidden_layers"])
+            result["allreduce"].append(allreduce_bench(tp, *shape, device, dtype, mark))
+            mark(f"allreduce tp{tp} done")
+        if world_rank == 0:
+            print(json.dumps(result["allreduce"], indent=1), flush=True)
+    if args.allreduce_only:
+        dist.destroy_process_group()
+        return
     heads = {"split": [True], "replicated": [False], "both": [True, False]}
-    plan = [(tp, True, s) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])]
-    plan += [(1, False, True)] if 1 in sizes and not args.no_unfused else []
-    for tp, fused, split in plan:  # the unfused TP 1 row: the fused projections' gain
-        result["rows"].append(run_tp(args, tp, device, dtype, fused=fused, split_head=split))
+    plan = [(tp, True, s, i) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])
+            for i in (impls if tp > 1 else impls[:1])]  # fmt: skip
+    plan += [(1, False, True, impls[0])] if 1 in sizes and not args.no_unfused else []
+    for tp, fused, split, impl in plan:  # the unfused TP 1 row: the fused projections' gain
+        mark(f"row tp{tp} fused={fused} {head_name(tp, split)} {impl}")
+        result["rows"].append(run_tp(args, tp, device, dtype, fused=fused, split_head=split, impl=impl))
         write(result, world_rank)
     if world_rank == 0:
         print_table(result["rows"])
     if args.profile and args.profile <= world:
-        for split in heads[args.profile_head]:  # "profile": the first; "profile_replicated": the second
-            key = "profile" if split == heads[args.profile_head][0] else "profile_replicated"
-            result[key] = profile_tp(args, args.profile, device, dtype, split_head=split)
+        # "profile": the first head and impl; "profile_replicated": the second head; "profile_<impl>": the
+        # other impls (first head)
+        runs = [(s, impls[0]) for s in heads[args.profile_head]] + [
+            (heads[args.profile_head][0], i) for i in impls[1:]
+        ]
+        for split, impl in runs:
+            key = (
+                "profile"
+                if (split, impl) == runs[0]
+                else ("profile_replicated" if impl == impls[0] else f"profile_{impl}")
+            )
+            mark(f"{key} tp{args.profile}")
+            result[key] = profile_tp(args, args.profile, device, dtype, split_head=split, impl=impl)
             write(result, world_rank)
             if world_rank == 0:
-                print(json.dumps(result[key], indent=1))
-    if args.allreduce and device.type == "cuda":
-        result["allreduce"] = [allreduce_bench(args, tp, device, dtype) for tp in sizes if tp > 1]
-        write(result, world_rank)
-        if world_rank == 0:
-            print(json.dumps(result["allreduce"], indent=1))
+                print(json.dumps(result[key], indent=1), flush=True)
+    result["stage"] = "done"
+    write(result, world_rank)
     dist.destroy_process_group()
 
 

@@ -16,7 +16,10 @@ read a trainer's modules in place):
     embed_tokens, norms, rotary, q_norm / k_norm (Qwen3, per head_dim)   replicated
 
 So a decoder block costs two all-reduces ([tokens, hidden] each), and the KV cache of a rank holds its Hkv / TP
-heads. The shard is the HF model itself with smaller Linears, its config saying H / TP and Hkv / TP heads, and
+heads. On GPUs the engine sums them through PyTorch's symmetric memory (one-shot / two-shot kernels over
+NVLink peer-to-peer, CUDA-graph captured; tp_allreduce.py) where that works, else, and for tensors larger than
+its buffer, through NCCL (`TPNativeEngine(allreduce=...)`, env RELAYRL_TP_ALLREDUCE). The shard is the HF
+model itself with smaller Linears, its config saying H / TP and Hkv / TP heads, and
 o_proj / down_proj swapped for `RowParallelLinear`: `DecoderRunner` runs it unchanged (it calls a module that
 is not a plain Linear), fused q/k/v and gate/up per shard included (native_fused.py). Parameters keep their HF
 names; `tp_slice(name, full, rank, size)` is the rule every weight transport applies to a full tensor
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import inspect
 import random
 from collections.abc import Iterable
 from typing import Any, ClassVar, cast
@@ -60,6 +64,7 @@ from relayrl.rollout.base import EngineCapabilities, GenerationRequest, Generati
 from relayrl.rollout.driver import Pending
 from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.native_moe import MOE_MODEL_TYPES
+from relayrl.rollout.tp_allreduce import FastAllReduce, resolve_impl, setup_fast_all_reduce
 from relayrl.rollout.vocab_parallel import VocabParallelHead, vocab_bounds
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -118,14 +123,26 @@ def check_shardable(config: Any, size: int) -> None:
 
 class RowParallelLinear(torch.nn.Linear):
     """A row-parallel Linear: this rank's input columns; the partial products summed over `group` by one
-    all-reduce; the (replicated) bias added once, after it."""
+    all-reduce; the (replicated) bias added once, after it. With `fast` (set by TPNativeEngine on GPUs,
+    tp_allreduce.py) a product that fits its buffer is written straight into it and summed there (the same
+    GEMM, a faster all-reduce); anything else goes through NCCL (dist.all_reduce)."""
 
     group: Any = None
     """The TP process group."""
+    fast: FastAllReduce | None = None
+    """The symmetric-memory all-reduce (tp_allreduce.py), or None: NCCL for every call."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = F.linear(input, self.weight)
-        dist.all_reduce(y, group=self.group)
+        fast, n = self.fast, self.out_features
+        if fast is not None and fast.fits(input.numel() // self.in_features * n, input.dtype):
+            x = input.reshape(-1, self.in_features)
+            part = fast.slot(x.shape[0], n)
+            with torch.no_grad():  # an engine's layer (out= takes no autograd; nor does dist.all_reduce)
+                torch.mm(x, self.weight.t(), out=part)
+            y = fast.reduce(part).view(*input.shape[:-1], n)
+        else:
+            y = F.linear(input, self.weight)
+            dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -222,9 +239,32 @@ def _relay(real: Pending, future: concurrent.futures.Future) -> None:
         real.future.set_result(future.result())
 
 
+DEFAULT_SLOTS = int(inspect.signature(NativeEngine.__init__).parameters["max_slots"].default)
+
+
+def attach_all_reduce(
+    model: torch.nn.Module, group: Any, rows: int, allreduce: str | FastAllReduce | None
+) -> FastAllReduce | None:
+    """Give every RowParallelLinear of `model` the all-reduce `allreduce` names (tp_allreduce.IMPLS; None:
+    $RELAYRL_TP_ALLREDUCE or "auto"), built for [<= rows, hidden] before any graph capture, or a ready
+    FastAllReduce (a test's stand-in); returns it (None: NCCL). Collective over `group` on GPUs."""
+    lins = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    fast = allreduce if isinstance(allreduce, FastAllReduce) else None
+    if lins and not isinstance(allreduce, FastAllReduce):
+        w = lins[0].weight
+        fast = setup_fast_all_reduce(
+            group, w.device, w.dtype, rows, lins[0].out_features, resolve_impl(allreduce)
+        )
+    for lin in lins:
+        lin.fast = fast
+    return fast
+
+
 class TPNativeEngine(NativeEngine):
     """The native engine over one TP shard (`shard_model`), in lock step with the other ranks of `group`
-    (module doc). Keywords are NativeEngine's; `seed` (None: drawn by the leader) is agreed by all ranks."""
+    (module doc). Keywords are NativeEngine's plus `allreduce` (`attach_all_reduce`: "auto", the default,
+    sums the row-parallel layers' outputs through symmetric memory on GPUs where it works, else NCCL;
+    tp_allreduce.py); `seed` (None: drawn by the leader) is agreed by all ranks."""
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(fixed_slots=True, tensor_parallel=True)
 
@@ -238,6 +278,9 @@ class TPNativeEngine(NativeEngine):
         if device.type == "cuda":  # NCCL builds its communicator lazily: before any graph capture
             with torch.cuda.device(device):
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
+        rows = opts.get("max_slots") or DEFAULT_SLOTS
+        self.fast_all_reduce = attach_all_reduce(model, group, rows, opts.pop("allreduce", None))
+        """The row-parallel layers' symmetric-memory all-reduce (tp_allreduce.py); None: NCCL."""
         self._tp_device = device
         self._callers: dict[int, Pending] = {}
         """Leader: id -> the caller's pending of each request in flight."""

@@ -48,10 +48,18 @@ def test_tp_grpo_cpu_smoke_steps_and_canary(tmp_path):
 @pytest.mark.slow
 def test_tp_decode_cpu_smoke_rows_and_profile(tmp_path):
     _torchrun("tp_decode.py", ["--shape", "tiny", "--batch", "4", "--prompt-len", "8", "--new-tokens", "16",
-                               "--no-unfused", "--rounds", "1"], tmp_path)  # fmt: skip
+                               "--no-unfused", "--rounds", "1", "--allreduce-impl", "nccl,custom"],
+              tmp_path)  # fmt: skip
     result = json.loads((tmp_path / "tp_decode.json").read_text())
-    assert [r["tp"] for r in result["rows"]] == [1, 2]
+    rows = result["rows"]
+    assert [(r["tp"], r["allreduce"], r["allreduce_used"]) for r in rows] == [
+        (1, "none", "none"),
+        (2, "nccl", "nccl"),
+        (2, "custom", "nccl"),  # no symmetric memory on a CPU: the engine falls back (to gloo here)
+    ]
+    assert rows[2]["same_tokens_as_first_impl"] == 1.0 and rows[2]["tokens_sha"] == rows[1]["tokens_sha"]
     assert result["profile"]["tp"] == 2 and result["profile"]["eager"]["wall_ms_per_step"] > 0
+    assert result["profile_custom"]["allreduce"] == "custom" and result["stage"] == "done"
 
 
 def test_budget_of_the_32b_shape():

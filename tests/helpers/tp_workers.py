@@ -57,16 +57,33 @@ def init(rank: int, world: int, store_path: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
 
 
-def engine_worker(rank: int, world: int, store_path: str, out: str, untied: bool = False) -> None:
+def engine_worker(
+    rank: int, world: int, store_path: str, out: str, untied: bool = False, buffered: bool = False
+) -> None:
     """TP = world over the whole group: the leader generates, the followers follow; rank 0 saves what it got
-    and every rank saves its decode step count (lock step). `untied`: `untied_model` (its own lm_head)."""
+    and every rank saves its decode step count (lock step). `untied`: `untied_model` (its own lm_head).
+    `buffered`: the row-parallel layers sum through a FastAllReduce whose kernel is a gloo stand-in (a copy
+    all-reduced), for [<= max_slots, hidden] products; saves how many sums took that path."""
     from relayrl.rollout.native_tp import TPNativeEngine, shard_model
+    from relayrl.rollout.tp_allreduce import FastAllReduce
 
     init(rank, world, store_path)
     try:
         group = dist.group.WORLD
         shard = shard_model(untied_model() if untied else tiny_model(), rank=rank, size=world, group=group)
-        engine = TPNativeEngine(shard, group=group, **ENGINE)
+        calls = [0]
+
+        def standin(view: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            total = view.clone()
+            dist.all_reduce(total, group=group)
+            return total
+
+        opts: dict[str, Any] = dict(ENGINE)
+        if buffered:
+            rows, hidden = ENGINE["max_slots"], shard.config.hidden_size
+            opts["allreduce"] = FastAllReduce(torch.zeros(rows * hidden), standin, standin, 0, "standin")
+        engine = TPNativeEngine(shard, group=group, **opts)
         got = None
         if rank == 0:
             got = outputs(generate_all(engine, requests()))
@@ -75,7 +92,13 @@ def engine_worker(rank: int, world: int, store_path: str, out: str, untied: bool
             engine.follow()
         rows = int(shard.get_parameter("lm_head.weight").shape[0])
         torch.save(
-            {"outputs": got, "steps": engine.decode_steps, "kv": engine.runner.n_kv, "head_rows": rows},
+            {
+                "outputs": got,
+                "steps": engine.decode_steps,
+                "kv": engine.runner.n_kv,
+                "head_rows": rows,
+                "buffered": calls[0],
+            },
             f"{out}.{rank}",
         )
         engine.close()
@@ -126,5 +149,54 @@ def refresh_worker(rank: int, world: int, store_path: str, out: str) -> None:
         )
         engine.close()
         dist.barrier()  # no rank tears gloo down while a peer is still in a collective
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_gpu_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    """One GPU a rank, NCCL: random [256, 3584] bf16 summed by NCCL and by tp_allreduce's symmetric-memory
+    one-shot, two-shot and auto paths, eagerly and replayed from a CUDA graph; saves which path each set up
+    (None: it fell back to NCCL) and whether its sums equal NCCL's bit for bit."""
+    from relayrl.rollout.tp_allreduce import setup_fast_all_reduce
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # never NVLink multicast
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+    try:
+        group = dist.group.WORLD
+        gen = torch.Generator(device=device).manual_seed(100 + rank)
+        x = torch.randn(256, 3584, generator=gen, device=device).to(torch.bfloat16)
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        res: dict[str, Any] = {}
+        kept = []  # every buffer stays alive: no pool reuse between set-ups
+        for impl in ("one_shot", "two_shot", "auto"):
+            fast = setup_fast_all_reduce(group, device, torch.bfloat16, 256, 3584, impl)
+            res[impl] = entry = {"name": None if fast is None else fast.name}
+            if fast is None:
+                continue
+            kept.append(fast)
+            view = fast.slot(256, 3584)
+            view.copy_(x)
+            entry["eager_equal"] = bool(torch.equal(fast.reduce(view), want))
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+                view.copy_(x)
+                fast.reduce(view)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                view.copy_(x)
+                got = fast.reduce(view)
+            got.zero_()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            entry["graph_equal"] = bool(torch.equal(got, want))
+        torch.save(res, f"{out}.{rank}")
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -78,6 +78,17 @@ def test_tp2_with_an_untied_vocab_parallel_head_samples_what_tp1_samples(tmp_pat
 
 
 @pytest.mark.slow
+def test_tp2_summing_through_a_buffer_samples_what_tp1_samples(tmp_path):
+    """The row-parallel layers' buffered path (rollout/tp_allreduce.py: the GEMM written into a buffer, summed
+    there; a gloo stand-in for the GPU kernel) in the engine's prefill and decode: the same tokens as TP = 1,
+    log-probs within ATOL (fp32)."""
+    want = reference()
+    ranks = run(tp_workers.engine_worker, 2, tmp_path, False, True)
+    assert_same(ranks[0]["outputs"], want)
+    assert ranks[0]["buffered"] == ranks[1]["buffered"] > 0  # both ranks, the same calls
+
+
+@pytest.mark.slow
 def test_tp2_shards_refreshed_from_fsdp_hold_the_trained_weights_and_sample_what_tp1_does(tmp_path):
     """TP = 2 engine shards of an FSDP2 policy over the same 2 ranks, refreshed after an optimizer step."""
     ranks = run(tp_workers.refresh_worker, 2, tmp_path)
