@@ -45,11 +45,10 @@ def _sample_kernel(
     base = x_ptr + row * sx
     offs = tl.arange(0, BLOCK)
     bidx = tl.arange(0, NB)
-    if GREEDY_ONLY:
-        t = 1.0
-    else:
-        t = tl.load(t_ptr + row)
-        t = tl.where(t <= 0, 1.0, t)
+    t = tl.load(t_ptr + row)
+    t = tl.where(
+        t <= 0, 1.0, t
+    )  # (unused when GREEDY_ONLY: no division at all, as the reference's greedy mode)
     bmax = tl.full([NB], float("-inf"), dtype=tl.float32)
     bsum = tl.zeros([NB], dtype=tl.float32)
     best = float("-inf")
@@ -57,7 +56,8 @@ def _sample_kernel(
     for c in range(0, n_blocks):
         cols = c * BLOCK + offs
         x = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        x = tl.math.div_rn(x, t)  # torch's logits / T: an IEEE division
+        if not GREEDY_ONLY:
+            x = tl.math.div_rn(x, t)  # torch's logits / T: an IEEE division
         cm = tl.max(x, 0)
         ci = tl.argmax(x, 0, tie_break_left=True)
         e = tl.exp(x - tl.where(cm == float("-inf"), 0.0, cm))  # an all -inf block has no mass
@@ -82,7 +82,9 @@ def _sample_kernel(
         count = blk * BLOCK + tl.sum(((run <= target) & inside).to(tl.int32), 0)
         count = tl.minimum(count, n - 1)
         tok = tl.where(tl.load(t_ptr + row) <= 0, best_i, count)
-    x_tok = tl.math.div_rn(tl.load(base + tok).to(tl.float32), t)
+    x_tok = tl.load(base + tok).to(tl.float32)
+    if not GREEDY_ONLY:
+        x_tok = tl.math.div_rn(x_tok, t)
     tl.store(tok_ptr + row, tok.to(tl.int64))  # pyright: ignore[reportAttributeAccessIssue]
     tl.store(lp_ptr + row, (x_tok - best) - log_total)
 
@@ -92,7 +94,7 @@ def sample_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B] int64, logprob [B] fp32) of each row of logits [B, V] (any float dtype, unit stride along
     V) with its temperature [B] (<= 0: argmax) and uniform u [B]: the module doc's kernel. `greedy_only`: every
-    row is argmax (temperature and u are not read)."""
+    row is argmax (temperature and u are not used)."""
     b, n = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
