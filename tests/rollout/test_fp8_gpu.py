@@ -11,6 +11,7 @@ forward: mean |diff| < 0.05, with every CUDA graph captured and no torch.compile
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +87,13 @@ def test_scaled_mm_at_7b_widths(fast_accum, gemm):
             assert 0.02 < _rel(got, exact) < 0.05, (k, rows)
 
 
+def _triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _quant_diff(x, q, s, want_q, want_s) -> str:
     """What differs between a kernel's (q, s) and the torch function's: byte count, scale rel diff, the first
     differing entries (input, x / s in fp64, both bytes as e4m3 values)."""
@@ -93,8 +101,13 @@ def _quant_diff(x, q, s, want_q, want_s) -> str:
     bad = (qb != wb).nonzero().tolist()
     rel = float(((s - want_s).abs() / want_s).max())
     rows_s = int((s != want_s).sum())
-    parts = [f"{len(bad)} of {qb.numel()} bytes differ in {len({r for r, _ in bad})} rows; scale differs in "
-             f"{rows_s} rows (max rel diff {rel:.3g})"]  # fmt: skip
+    xor = (qb ^ wb)[qb != wb]
+    kinds = {
+        "sign only (0x80)": int((xor == 0x80).sum()),
+        "one step": int(((qb.int() - wb.int()).abs() == 1).sum()),
+    }
+    parts = [f"{len(bad)} of {qb.numel()} bytes differ in {len({r for r, _ in bad})} rows ({kinds}); scale "
+             f"differs in {rows_s} rows (max rel diff {rel:.3g}); triton {_triton_version()}"]  # fmt: skip
     for r, c in bad[:6]:
         v = float(x[r, c].float()) / float(want_s[r, 0])
         parts.append(f"[{r},{c}] x={float(x[r, c].float())!r} x/s={v!r} kernel 0x{int(qb[r, c]):02x}="

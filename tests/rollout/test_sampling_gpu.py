@@ -43,6 +43,8 @@ def test_fast_sampler_equals_the_reference_on_the_card():
     seeds = torch.arange(B, device="cuda") * 7919 + 13
     draws = differ = 0
     worst_gap = worst_lp = 0.0
+    u = uniform(seeds, torch.zeros_like(seeds))
+    tok = torch.zeros(B, dtype=torch.long, device="cuda")
     for step in range(STEPS):
         if step % 100 == 0 and step:
             logits = _logits(step)  # new distributions every 100 steps
