@@ -104,15 +104,24 @@ def test_the_engine_takes_the_kernel_where_it_is_the_default_and_exact_mode_does
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sampling.sampling_kernels, "sample_rows", spy)
-    monkeypatch.setattr(sampling, "fast_default", lambda logits: True)
     req = [GenerationRequest(prompt_ids=[5, 6, 7], params=SamplingParams(n=2, max_new_tokens=4, seed=1))]
-    for exact in (False, True):
+
+    def run(exact: bool) -> list:
         calls.clear()
         engine = build_engine("native", tiny_model, tiny_tokenizer, max_slots=4, max_seq_len=32,
                               eos_token_id=[], driver="loop", exact=exact)  # fmt: skip
         try:
-            out = generate_all(engine, req)
+            return generate_all(engine, req)[0].completions
         finally:
             engine.close()
-        assert len(out[0].completions[0].token_ids) == 4
-        assert (len(calls) == 0) == exact
+
+    ref = run(False)  # the CPU default: the torch ops
+    assert not calls
+    monkeypatch.setattr(sampling, "fast_default", lambda logits: True)
+    fast = run(False)
+    assert calls  # the kernel sampled every step
+    for a, b in zip(fast, ref, strict=True):  # the same samples (fp32 logits, u far from CDF boundaries here)
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 4
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+    run(True)
+    assert not calls  # exact mode keeps the torch sampler
