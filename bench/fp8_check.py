@@ -228,6 +228,7 @@ CATEGORIES = (
     ("rescale", r"rescale"),
     ("gemm", r"gemm|cutlass|sm90|sm80|xmma|nvjet|cublas|matmul|scaled_mm|Kernel2"),
     ("attention", r"attention|flash|fmha|sdpa"),
+    ("sampler", r"_sample_kernel|scan|softmax|argmax"),  # the old sampler's elementwise kernels stay "other"
     ("norm", r"rms_norm|norm"),
 )
 

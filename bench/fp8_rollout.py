@@ -4,6 +4,7 @@ log-prob mismatch each engine adds against the trainer's bf16 forward, on the sa
     python bench/fp8_rollout.py                                  # Qwen2.5-7B shape, random bf16 weights, one GPU
     python bench/fp8_rollout.py --shape tiny --device cpu --prompts 8 --new-tokens 16 --rounds 1   # CPU smoke run
     python bench/fp8_rollout.py --gemm-check --profile            # + per-GEMM check at 7B widths, step profile
+    python bench/fp8_rollout.py --profile --sampler new,old --sampler-bench   # the sampler's share (below)
 
 Setup (bench/rollout.py's shapes, model builder, workload, timing and mismatch code, bench/rollout_engines.py):
 one random-weight bf16 model of the shape (seed 0), frozen (an engine's own copy: the bf16 engine runs its
@@ -31,6 +32,14 @@ the GPU learning check (bench/fp8_learn.py) measures it on a trained one.
 against the torch ops; the engine's CUDA graph captures, its largest decode step as graph replays and as one
 eager step, torch.profiler's kernel table). One summary line per engine and per GEMM row goes to stdout.
 
+--sampler new,old: each engine once per sampler (sampling.FAST: "new" the Triton kernel, sampling.py's CUDA
+default; "old" the torch ops, sampling.sample_tokens_ref), rows "bf16", "fp8", "bf16/old-sampler", ...; each
+row's `sampler_us` is the GPU time of the sampler its decode graphs captured (bench/sampler.py
+engine_sampler_us, at the largest graph batch) and its profile's "sampler" category the sampler's own kernels
+(the new kernel; the old path's scan / softmax / argmax kernels, its elementwise ones stay under "other").
+--sampler-bench (first): bench/sampler.py's micro-benchmark of sample_tokens alone at [256, 151936], old vs
+new, us per call and token agreement over 102,400 draws (~10 s).
+
 Robustness: every finished piece is written to the JSON at once; --budget-s (default 225 s) stops the run with
 the partial results written (exit 3) before the coordinator's 4-minute limit. Exit 2 when the device cannot run
 fp8 (compute capability < 8.9). Writes $OUT/fp8_rollout.json (OUT unset: bench/results/fp8_rollout.json).
@@ -57,8 +66,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from fp8_check import fused_check, gemm_check, profile_decode, profile_line  # noqa: E402
 from rollout_engines import Workload, build_model, mismatch, native_runner, shape_config, time_rounds  # noqa: E402
+from sampler import engine_sampler_us, micro, micro_line  # noqa: E402
 
-from relayrl.rollout import fp8  # noqa: E402
+from relayrl.rollout import fp8, sampling  # noqa: E402
 from relayrl.rollout.fp8 import FP8Runner, FP8Unsupported, check_device  # noqa: E402
 
 DEFAULT_GEMM = dict(fp8.GEMM)
@@ -80,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--layers", type=int, default=0, help="override the shape's layer count (smoke runs)")
     add("--fused-kernels", choices=("auto", "off"), default="auto",
         help="the native engine's fused decode kernels (rollout.fused_kernels) for both engines")  # fmt: skip
+    add("--sampler", default="new", help="comma list of new (the Triton sampler), old (the torch ops)")
+    add("--sampler-bench", action="store_true", help="bench/sampler.py's micro-benchmark first (GPU)")
     add("--budget-s", type=float, default=225.0, help="stop with partial results after this many seconds")
     add(
         "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"), help="folder or .json path"
@@ -117,8 +129,9 @@ def refresh_ms(engine, device: str, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
-    """Build, time, refresh and compare one engine; returns its row."""
+def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = "new") -> dict:
+    """Build, time, refresh and compare one engine (`sampler`: new / old, module doc); returns its row."""
+    sampling.FAST = sampler == "new"  # read when the engine captures its decode graphs
     opts: dict = {"quantization": "fp8"} if name.startswith("fp8") else {}
     if args.fused_kernels == "off":
         opts["fused_kernels"] = False
@@ -130,7 +143,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
     runner = native_runner(model, [wl], tp=1, opts=opts)
     try:
         engine = runner.impl
-        row: dict = {"startup_s": round(runner.startup_s, 2)}
+        row: dict = {"startup_s": round(runner.startup_s, 2), "sampler": sampler}
         row["fused_kernels"] = bool(getattr(engine.runner, "kernels", False))
         if isinstance(engine.runner, FP8Runner):
             r = engine.runner
@@ -141,6 +154,11 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
         timing, samples = time_rounds(runner, wl, vocab, args.rounds)
         row.update(timing)
         row["refresh_ms"] = round(refresh_ms(engine, args.device), 3)
+        if args.device.startswith("cuda"):
+            try:
+                row["sampler_us"] = engine_sampler_us(engine)
+            except Exception as e:  # a diagnostic, as the profile
+                row["sampler_us"] = f"{type(e).__name__}: {e}"
         if args.profile and args.device.startswith("cuda"):
             try:
                 row["profile"] = profile_decode(engine)
@@ -152,6 +170,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args) -> dict:
             row["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         return row
     finally:
+        sampling.FAST = True
         runner.close()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -200,6 +219,18 @@ def main(argv: list[str] | None = None) -> int:
                 rep.data["fused_check"] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"fused norm+quant check ERROR {rep.data['fused_check']['error']}", flush=True)
             rep.write()
+        if args.sampler_bench and args.device.startswith("cuda"):
+            print(f"[fp8_rollout {time.perf_counter() - t0:.0f}s] sampler micro-benchmark", flush=True)
+            try:  # a diagnostic: its failure is recorded, the run goes on
+                rep.data["sampler_micro"] = micro()
+                print(micro_line(rep.data["sampler_micro"]), flush=True)
+            except Exception as e:
+                rep.data["sampler_micro"] = {
+                    "error": f"{type(e).__name__}: {e}",
+                    "trace": traceback.format_exc(),
+                }
+                print(f"sampler micro-benchmark ERROR {rep.data['sampler_micro']['error']}", flush=True)
+            rep.write()
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model = build_model(args.shape, args.device, dtype, args.layers)
         model.requires_grad_(False)
@@ -207,10 +238,15 @@ def main(argv: list[str] | None = None) -> int:
         wl = Workload("w1", args.prompts, args.prompt_len, 1, args.new_tokens, True, 1)
         rep.data["model_build_s"] = round(time.perf_counter() - t0, 1)
         rep.write()
-        for name in args.engines.split(","):
+        samplers = args.sampler.split(",")
+        if not set(samplers) <= {"new", "old"}:
+            raise SystemExit(f"--sampler {args.sampler!r}: a comma list of new, old")
+        runs = [(e, smp) for smp in samplers for e in args.engines.split(",")]
+        for engine_name, smp in runs:
+            name = engine_name if smp == "new" else f"{engine_name}/old-sampler"
             print(f"[fp8_rollout {time.perf_counter() - t0:.0f}s] {name} engine", flush=True)
             try:
-                rep.data["engines"][name] = run_engine(name, model, wl, vocab, args)
+                rep.data["engines"][name] = run_engine(engine_name, model, wl, vocab, args, smp)
             except TimeoutError:
                 raise
             except Exception as e:  # one engine's failure is a row, the other still runs
@@ -220,7 +256,20 @@ def main(argv: list[str] | None = None) -> int:
                 }
             rep.write()
             print(summary_line(name, rep.data["engines"][name]), flush=True)
-        bf16, fp8 = rep.data["engines"].get("bf16", {}), rep.data["engines"].get("fp8", {})
+        rows = rep.data["engines"]
+        for base in ("bf16", "fp8"):  # the sampler's gain per engine
+            new, old = rows.get(base, {}), rows.get(f"{base}/old-sampler", {})
+            if new.get("decode_ms_per_step") and old.get("decode_ms_per_step"):
+                gain = round(old["decode_ms_per_step"] / new["decode_ms_per_step"], 3)
+                rep.data.setdefault("sampler_gain_decode_step", {})[base] = gain
+                print(f"{base}: decode step old sampler {old['decode_ms_per_step']:.2f} ms -> new "
+                      f"{new['decode_ms_per_step']:.2f} ms ({gain}x)", flush=True)  # fmt: skip
+        old_b, old_f = rows.get("bf16/old-sampler", {}), rows.get("fp8/old-sampler", {})
+        if old_b.get("decode_ms_per_step") and old_f.get("decode_ms_per_step"):
+            rep.data["speedup_decode_step_old_sampler"] = round(
+                old_b["decode_ms_per_step"] / old_f["decode_ms_per_step"], 3
+            )
+        bf16, fp8 = rows.get("bf16", {}), rows.get("fp8", {})
         if "tok_s_median" in bf16 and "tok_s_median" in fp8:
             rep.data["speedup_tok_s"] = round(fp8["tok_s_median"] / bf16["tok_s_median"], 3)
             rep.data["speedup_decode_step"] = (  # a tiny CPU run's decode time can round to 0
@@ -231,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fp8 vs bf16: tok/s {rep.data['speedup_tok_s']}x, decode step {rep.data['speedup_decode_step']}x "
                   "(target >= 1.4x)", flush=True)  # fmt: skip
         for name, row in rep.data["engines"].items():  # the variants, against the same bf16 row
-            if name.startswith("fp8-") and "tok_s_median" in row and "tok_s_median" in bf16:
+            if (
+                name.startswith("fp8-")
+                and "/" not in name
+                and "tok_s_median" in row
+                and "tok_s_median" in bf16
+            ):
                 ratio = round(row["tok_s_median"] / bf16["tok_s_median"], 3)
                 rep.data.setdefault("speedup_tok_s_variants", {})[name] = ratio
                 print(f"{name} vs bf16: tok/s {ratio}x", flush=True)
@@ -244,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
     rep.data["seconds"] = round(time.perf_counter() - t0, 1)
     rep.write()
-    print(json.dumps({k: rep.data.get(k) for k in ("speedup_tok_s", "speedup_decode_step", "seconds")}))
+    keys = ("speedup_tok_s", "speedup_decode_step", "speedup_decode_step_old_sampler", "sampler_gain_decode_step",
+            "seconds")  # fmt: skip
+    print(json.dumps({k: rep.data.get(k) for k in keys}))
     print(f"wrote {rep.path}")
     return 0 if all("error" not in r for r in rep.data["engines"].values()) else 1
 
@@ -265,7 +321,8 @@ def summary_line(name: str, row: dict) -> str:
     return (
         f"[{name}] tok/s {row['tok_s_median']:.0f} | decode {row['decode_ms_per_step']:.2f} ms/step (graph "
         f"replay {prof.get('graph_step_ms')}) | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
-        f" | start-up {row['startup_s']:.1f} s | mismatch mean {mm.get('logprob_absdiff_mean')} p99 "
+        f" | start-up {row['startup_s']:.1f} s | sampler {row.get('sampler')} {row.get('sampler_us')} us/step"
+        f" | mismatch mean {mm.get('logprob_absdiff_mean')} p99 "
         f"{mm.get('logprob_absdiff_p99')} max {mm.get('logprob_absdiff_max')} out-of-range "
         f"{mm.get('seq_ratio_out_frac')}{fp8_bits}"
     )

@@ -263,6 +263,8 @@ def kernel_category(name: str) -> str:
         return "all_reduce"
     if "attention" in n or "attn" in n or "flash" in n:
         return "attention"
+    if n.startswith("_sample_kernel"):  # the one-GPU sampler's Triton kernel (TP = 1; sampling_kernels.py)
+        return "sampler"
     if n.startswith(("_rms_norm", "_silu_mul", "_rope_kv")):
         return "norm_rope_silu"
     if any(g in n for g in GEMM_NAMES):

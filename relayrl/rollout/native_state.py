@@ -10,6 +10,7 @@ rewrites before anyone reads them).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import cast
@@ -17,6 +18,7 @@ from typing import cast
 import torch
 
 from relayrl.rollout.base import SamplingParams
+from relayrl.rollout.exact import ExactRunner
 from relayrl.rollout.native_model import DecoderRunner
 from relayrl.rollout.native_moe import MoEForward
 from relayrl.rollout.sampling import sample_tokens, uniform
@@ -59,8 +61,11 @@ class SlotState:
         runner.routes = self.routes
         head = getattr(runner.model, "lm_head", None)
         self.sample = head.sample_tokens if isinstance(head, VocabParallelHead) else sample_tokens
-        """sampling.sample_tokens; a tensor-parallel shard's vocab-parallel head samples over its logits slice
-        with the other ranks (vocab_parallel.py)."""
+        """sampling.sample_tokens (its Triton kernel on CUDA); a tensor-parallel shard's vocab-parallel head
+        samples over its logits slice with the other ranks (vocab_parallel.py); exact mode keeps the torch ops,
+        whose log_softmax is the trainer's (exact.token_logprobs) bit for bit."""
+        if isinstance(runner, ExactRunner) and not isinstance(head, VocabParallelHead):
+            self.sample = functools.partial(sample_tokens, fast=False)
 
     def snapshot_tensors(self) -> list[torch.Tensor]:
         """The progress tensors a step mutates (besides K/V and token buffers)."""
