@@ -277,6 +277,11 @@ def run_config(config: str, args, model, tok, record, deadline: float) -> dict:
                 k: sides[c].play(args.seed, timed=True)[0] for k, c in (("off", False), ("on", True))
             }
             record(res)
+        if config in args.profile.split(","):
+            res["profile"] = {
+                k: profile_round(sides[c], args, f"{config}/{k}") for k, c in (("off", False), ("on", True))
+            }
+            record(res)
     except Exception as exc:  # recorded; the next config still runs
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["traceback"] = traceback.format_exc()[-3000:]
@@ -288,6 +293,31 @@ def run_config(config: str, args, model, tok, record, deadline: float) -> dict:
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
     return res
+
+
+def profile_round(side: Side, args, name: str) -> dict:
+    """One more round under torch.profiler (all threads' ops, the device's kernels); writes the top ops by device
+    and by host time next to the JSON (multiturn_profile_<name>.txt); returns the totals (or the error: a
+    profiler failure costs this round only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if side.cuda else [])
+        with profile(activities=acts) as prof:
+            row, _ = side.play(args.seed)
+        events = prof.key_averages()
+        path = args.out_path.parent / f"multiturn_profile_{name.replace('/', '_')}.txt"
+        device_key = "self_device_time_total" if side.cuda else "self_cpu_time_total"
+        path.write_text(
+            f"{name}: round {row['seconds']} s under the profiler\n\n"
+            + events.table(sort_by=device_key, row_limit=40)
+            + "\n\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=25)
+        )
+        device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) if side.cuda else 0
+        return dict(seconds=row["seconds"], device_busy_s=round(device_us / 1e6, 4), table=path.name)
+    except Exception as exc:
+        return dict(error=f"{type(exc).__name__}: {exc}")
 
 
 def parse_configs(spec: str, device: str) -> list[str]:
@@ -322,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", default="", help="comma list of workload/dtype/mode, or 'all' (see doc)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine (after one warm-up round)")
     ap.add_argument("--breakdown", action="store_true", help="one more round per engine timing the forwards")
+    ap.add_argument("--profile", default="", help="configs to run one more round each under torch.profiler")
     ap.add_argument(
         "--budget-s", type=float, default=0.0, help="start no config after this many seconds (0: none)"
     )
@@ -350,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         or (Path(out_dir) / "multiturn.json" if out_dir else ROOT / "bench" / "results" / "multiturn.json")
     )
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.out_path = out
     results = json.loads(out.read_text()) if out.is_file() else {}
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     setup = dict(
