@@ -161,11 +161,11 @@ class Side:
     """One engine (cache on or off) of a config, its forward counters and optional timers."""
 
     def __init__(self, model, tok, args, workload: str, exact: bool, cache: bool) -> None:
-        from relayrl.rollout import build_engine
+        from relayrl.rollout.native import NativeEngine
 
         t0 = time.perf_counter()
-        self.engine = build_engine(
-            "native", model, tok, max_slots=slots(args, workload), max_seq_len=seq_len(args, workload),
+        self.engine = NativeEngine(
+            model, tok, max_slots=slots(args, workload), max_seq_len=seq_len(args, workload),
             prefix_cache=cache, exact=exact,
         )  # fmt: skip
         self.build_s = time.perf_counter() - t0
@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
             out.write_text(json.dumps(results, indent=1) + "\n")
 
         t0 = time.perf_counter()
-        res = run_config(config, args, *models[dtype], record, deadline)
+        model, tok = models[dtype]
+        res = run_config(config, args, model, tok, record, deadline)
         print(f"{config}: {time.perf_counter() - t0:.1f} s", flush=True)
         done.append(res)
     report(done, args, card)

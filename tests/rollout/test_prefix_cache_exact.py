@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from relayrl.rollout import GenerationRequest, SamplingParams, build_engine
+from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, prefix_cache
+from relayrl.rollout.native import NativeEngine
 
 
 def _episodes(model, tok, *, cache: bool, exact: bool, episodes: int = 6, turns: int = 3):
@@ -25,6 +26,7 @@ def _episodes(model, tok, *, cache: bool, exact: bool, episodes: int = 6, turns:
         "native", model, tok, max_slots=8, max_seq_len=160, eos_token_id=[], driver="loop",
         prefix_cache=cache, exact=exact,
     )  # fmt: skip
+    assert isinstance(engine, NativeEngine)
     vocab = len(tok)
 
     async def episode(e: int):
@@ -67,3 +69,12 @@ def test_without_exact_mode_bf16_episodes_drift(lively_model, tiny_tokenizer):
     on, _ = _episodes(model, tiny_tokenizer, cache=True, exact=False)
     off, _ = _episodes(copy.deepcopy(model), tiny_tokenizer, cache=False, exact=False)
     assert on != off
+
+
+def test_the_gpu_default_is_the_one_switch(monkeypatch):
+    """Engines built with prefix_cache=None: always on for a CPU model; on CUDA exactly PREFIX_CACHE_ON_CUDA (so
+    flipping that one line turns the cache on for agents on GPUs)."""
+    for value in (False, True):
+        monkeypatch.setattr(prefix_cache, "PREFIX_CACHE_ON_CUDA", value)
+        assert prefix_cache.default_prefix_cache(torch.device("cpu"))
+        assert prefix_cache.default_prefix_cache(torch.device("cuda", 0)) is value
