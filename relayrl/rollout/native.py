@@ -45,7 +45,8 @@ Guarantees
 - Seeded sampling: a sample depends only on (seed, sample index, prompt, params) and its logits, not
   on the batch it ran in or a generator's state (counter-based uniforms, sampling.py). Bitwise equal
   logits across different batch compositions are exact on CPU; on GPU a batched GEMM may round
-  differently at different batch sizes, so reproducibility there is for the same workload.
+  differently at different batch sizes, so reproducibility there is for the same workload. With exact=True
+  (exact.py) samples are bitwise batch-invariant on every device, prefix cache on or off (prefix_cache.py).
 - Unseeded requests get seeds from the engine's `seed` (None: fresh randomness per engine).
 - Log-probs: log_softmax(logits / T) of the sampled token, before top-p/top-k; T = 1 when greedy.
 - Length: at most max_new_tokens per sample and max_seq_len tokens per sequence (prompt included);

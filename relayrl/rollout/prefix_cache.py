@@ -9,6 +9,32 @@ forward, like a burst of fresh prompts, instead of one forward per request or on
 Shapes are rounded (width to SUFFIX_WIDTH_STEP tokens, attended length to KV_STEP in the runner) so a
 multi-turn run reuses a few kernel configurations instead of one per (batch, width, length).
 
+Exactness: does a cached turn give what a full re-prefill would?
+- Exact mode (`NativeEngine(exact=True)`, rollout/exact.py): yes, bit for bit, in every dtype and on every
+  device -- the same trajectories (token ids and log-probs) with the cache on and off. Each token's values are
+  ONE computation fixed by its token, its position and the K/V of the positions before it: every matmul row
+  meets the same kernel whatever the row count (GPU: exact_kernels.matmul, tiles fixed by the weight's shape,
+  no split-K; CPU: GEMMs of exactly row_block rows), attention runs per query over key blocks anchored at
+  position 0 in a fixed order (keys past the query are exact no-ops, so padding, the length bucket and the
+  batch do not matter), norms are per row, rotary per token from an fp32 table, and the sampler works per
+  row (log_softmax, cumulative sum over the vocabulary, a uniform drawn from (seed, position)). By induction
+  over positions, the K/V at position j are the same bits whether a decode step of turn k, this module's
+  suffix prefill of turn k + 1 or an uncached prefill of the whole conversation wrote them, so every later
+  logit, token and log-prob is too. The CPU test (tests/rollout/test_prefix_cache_exact.py) runs this through
+  the engine on multi-turn episodes (fp32 and bf16, ==, no tolerance) on the torch ops; on a GPU the Triton
+  kernels have the same invariances (tests/rollout/test_exact_kernels.py checks them under Triton's
+  interpreter; bench/exact_mode.py measured engine == trainer bit for bit on an H200, the same property
+  between a prefill + decode and one full-sequence forward), and bench/multiturn.py's `*/exact` configs
+  count identical trajectories on the GPU itself.
+- Default mode: the same model and sampling, not the same bits. On a GPU a token's K/V written by a decode
+  step (a GEMM of M = batch rows) and by a prefill (M = padded prompt tokens) come from kernels that round
+  differently (cuBLAS picks tiles and split-K by shape), and masked attention over the cache reduces in
+  another order than a causal prefill; each is ~1 ulp, but one flipped sampled token changes the rest of an
+  episode (H200, 2026-11-27: 92/128 identical in fp32, 0/384 in bf16). That is the same kind of difference
+  as running a prompt in another batch, which the default engine does not promise to be bitwise stable
+  either (native.py, Guarantees). On a CPU (MKL) fp32 token ids happen to agree on the guess task, log-probs
+  within 1e-5 (tests/rollout/test_prefix_cache.py), not bit for bit; bf16 drifts.
+
 `PREFIX_CACHE_ON_CUDA` is the switch for engines built with `prefix_cache=None` (agents' engines) on a GPU.
 """
 
@@ -21,9 +47,14 @@ import torch
 from relayrl.rollout.native_model import DecoderRunner
 
 PREFIX_CACHE_ON_CUDA = False
-"""Whether `prefix_cache=None` turns the cache on for a model on CUDA (on a CPU it is always on). Off: on an
-H100 (2026-11-26) the earlier implementation ran bench/multiturn.py at 0.49x of no cache. Flip to True only once
-`python bench/multiturn.py --device cuda --shape qwen0.5b --rounds 3` shows a median speed-up >= 1.3x."""
+"""Whether `prefix_cache=None` turns the cache on for a model on CUDA (on a CPU it is always on). Off: an
+H100 (2026-11-26) ran bench/multiturn.py at 0.49x of no cache with the earlier per-request suffix prefill; an
+H200 (2026-11-27) at 1.13x (bf16) with the batched one. Flip to True when ONE GPU run of
+`python bench/multiturn.py --device cuda --shape qwen0.5b --configs all` (3 timed rounds, medians) shows all
+of: guess/fp32/exact >= 1.3x with every trajectory identical (the target); every */exact config identical
+(ids and log-probs); guess/bf16/default >= 1.0x (never slower on the cache's worst case: short turns) and
+long/bf16/default >= 1.3x (an agent's shape; bf16 default mode is what agents' engines run). The bench prints
+and stores this verdict (`flip_verdict`)."""
 
 SUFFIX_WIDTH_STEP = 16
 """Suffix batches are right-padded to a multiple of this many tokens."""
