@@ -66,7 +66,10 @@ def _round_e4m3(v):
     step = tl.maximum(exp, -6) - 3  # e4m3: 3 mantissa bits; subnormal step 2^-9 below 2^-6
     magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(step + 23)
     r = (a + magic) - magic
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit (-0.0 stays -0.0)
+    # v's sign bit copied onto r (r >= 0): not `-r`, which Triton compiles as 0 - r and so turns a negative
+    # value that rounds to zero into +0.0 where torch's cast keeps -0.0 (seen on an H200, 2026-11-27)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @_jit

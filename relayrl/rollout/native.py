@@ -160,8 +160,8 @@ class NativeEngine(ThreadedEngine):
         the rounds, "thread" | "loop" (default: thread on CUDA, the callers' event loops on CPU; driver.py);
         `prefix_cache`: keep a finished sample's K/V in its slot and reuse it for a later n=1 request that
         starts with at least `min_prefix_tokens` of the same tokens (the next turn of a multi-turn episode);
-        None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (off until a GPU run of
-        bench/multiturn.py shows the batched suffix prefill pays); `compact`: move live samples into the
+        None: on for a CPU model, on CUDA as prefix_cache.PREFIX_CACHE_ON_CUDA says (on since an H200 run of
+        bench/multiturn.py showed the batched suffix prefill pays: 1.06-1.56x); `compact`: move live samples into the
         lowest slots when that shrinks the decode batch (slots of finished samples stop being computed);
         `exact`: exact.py's batch-invariant forward (log-probs = the trainer's); `quantization` "fp8": fp8.py;
         `fused_kernels`: decode through rollout/kernels.py's Triton kernels (None: on CUDA when triton imports);

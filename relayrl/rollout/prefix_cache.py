@@ -46,14 +46,17 @@ import torch
 
 from relayrl.rollout.native_model import DecoderRunner
 
-PREFIX_CACHE_ON_CUDA = False
-"""Whether `prefix_cache=None` turns the cache on for a model on CUDA (on a CPU it is always on). Off: an
-H100 (2026-11-26) ran bench/multiturn.py at 0.49x of no cache with the earlier per-request suffix prefill; an
-H200 (2026-11-27) at 1.13x (bf16) with the batched one. Flip to True when ONE GPU run of
+PREFIX_CACHE_ON_CUDA = True
+"""Whether `prefix_cache=None` turns the cache on for a model on CUDA (on a CPU it is always on). On since the
+H200 run of 2026-11-27 13:00 UTC (docs/benchmarks.md) met the condition below: guess/fp32/exact 1.40x with
+384/384 trajectories identical (ids and log-probs), long/fp32/exact 64/64 identical (1.54x, one round),
+guess/bf16/default 1.06x, long/bf16/default 1.56x. Before: an H100 (2026-11-26) ran bench/multiturn.py at 0.49x
+of no cache with the earlier per-request suffix prefill; an H200 (2026-11-27 morning) at 1.13x (bf16) with the
+batched one. The condition (turn it off again if a GPU run of
 `python bench/multiturn.py --device cuda --shape qwen0.5b --configs all` (3 timed rounds, medians) shows all
 of: guess/fp32/exact >= 1.3x with every trajectory identical (the target); every */exact config identical
 (ids and log-probs); guess/bf16/default >= 1.0x (never slower on the cache's worst case: short turns) and
-long/bf16/default >= 1.3x (an agent's shape; bf16 default mode is what agents' engines run). The bench prints
+long/bf16/default >= 1.3x (an agent's shape; bf16 default mode is what agents' engines run): the bench prints
 and stores this verdict (`flip_verdict`)."""
 
 SUFFIX_WIDTH_STEP = 16
