@@ -24,7 +24,7 @@ dl() { "$py" -m pip download -q --no-deps "${plat[@]}" -d "$work/bin" "$@"; }
 
 dl verl==0.9.1 transferqueue==0.1.11 hydra-core==1.3.8 omegaconf==2.3.0 codetiming==1.4.0 torchdata==0.11.0 \
    tensordict==0.10.0 pyvers==0.1.0 importlib-metadata==10.2.0 orjson==3.13.0 datasets==5.2.0 \
-   multiprocess==0.70.19 hjson==3.1.0 jsonlines==4.0.0 loralib==0.1.2 optree==0.20.0
+   multiprocess==0.70.19 hjson==3.1.0 jsonlines==4.0.0 loralib==0.1.2 optree==0.20.0 ninja==1.13.2
 # openrlhf's only wheel is tagged cp311 (its files are pure Python): fetched as it is, re-tagged below
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
    --platform manylinux1_x86_64 -d "$work/bin" openrlhf==0.11.0
@@ -95,7 +95,7 @@ EOF
 common=(datasets-* multiprocess-* torchdata-* pylatexenc-* flash_attn_pyparts-*)
 verl_only=(verl-* transferqueue-* hydra_core-* omegaconf-* antlr4_python3_runtime-* codetiming-* tensordict-*
            pyvers-* importlib_metadata-* orjson-*)
-orl_only=(openrlhf-* deepspeed-* hjson-* jsonlines-* loralib-* optree-*)
+orl_only=(openrlhf-* deepspeed-* hjson-* jsonlines-* loralib-* optree-* ninja-*)  # ninja: FusedAdam JIT build
 cd "$work/bin"
 for w in "${common[@]}" "${verl_only[@]}"; do cp $w "$out/verl/"; done
 for w in "${common[@]}" "${orl_only[@]}"; do cp $w "$out/openrlhf/"; done

@@ -33,8 +33,11 @@ image (PyPI has the sdist only; building it needs the CUDA toolkit and hours): a
 SDPA (--ds.attn_implementation sdpa) on padded micro-batches. OpenRLHF imports flash_attn.bert_padding at
 module level (openrlhf/models/ring_attn_utils.py), so the carried wheels hold flash-attn's pure-Python parts
 (bert_padding, utils.distributed, ops.triton.cross_entropy; see bench/peers/build_wheels.sh), no CUDA kernels.
-DeepSpeed builds its fused GPU Adam just in time (needs nvcc); without nvcc, --torch-adam auto switches to
-DeepSpeed's torch AdamW (its "torch_adam" optimizer parameter, via bench/peers/ds_torch_adam/sitecustomize.py).
+DeepSpeed builds its fused GPU Adam just in time (needs nvcc and ninja, carried as a wheel; TORCH_CUDA_ARCH_LIST
+is set to the card's capability, "9.0", because DeepSpeed 0.19.5 derived "9.0a" on an H200 and failed to parse
+it); without nvcc, --torch-adam auto switches to DeepSpeed's torch AdamW (its "torch_adam" optimizer parameter,
+via bench/peers/ds_torch_adam/sitecustomize.py) and drops --ds.enable_sleep, whose offload_states accepts
+FusedAdam only (both failures seen on an H200 on 2026-11-27; docs/benchmarks.md).
 DeepCompile (--ds.deepcompile) is off: its compile time alone would exceed this benchmark's time budget.
 Async training is off (both sides run synchronous, on-policy steps).
 
@@ -194,6 +197,18 @@ def has_nvcc() -> bool:
     return bool(shutil.which("nvcc")) or os.access(os.path.join(cuda_home, "bin", "nvcc"), os.X_OK)
 
 
+def cuda_arch() -> str:
+    """The card's compute capability as DeepSpeed's JIT builder parses it ("9.0"). Unset, DeepSpeed 0.19.5
+    derived "9.0a" on an H200 and died parsing it (ValueError: invalid literal for int() with base 10: '0a',
+    2026-11-27 12:43), so FusedAdam never built."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"
+
+
 def run_openrlhf(
     peer_model: Path,
     gpus: int,
@@ -213,8 +228,11 @@ def run_openrlhf(
             "openrlhf.cli.train_ppo_ray",
             *arguments(peer_model, data, gpus, shape, steps, tmp),
         ]
+        if torch_adam:  # DeepSpeed's offload_states (--ds.enable_sleep) asserts FusedAdam (2026-11-27 12:58)
+            cmd.remove("--ds.enable_sleep")
         (out / f"openrlhf-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"RAY_TMPDIR": str(tmp / "ray")})
+        env.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch())
         if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
             env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         if torch_adam:  # DeepSpeed's torch AdamW instead of its JIT-built FusedAdam (see ds_torch_adam/)
@@ -260,7 +278,11 @@ def main() -> None:
         "steps": args.steps,
         "batch": f"{pc.PROMPTS}x{pc.SAMPLES}, <= {pc.NEW_TOKENS} new tokens",
         "versions": pc.versions(("torch", "transformers", "vllm", "ray", "openrlhf", "deepspeed")),
-        "deepspeed_optimizer": "torch.optim.AdamW (torch_adam)" if torch_adam else "FusedAdam (JIT-built)",
+        "deepspeed_optimizer": (
+            "torch.optim.AdamW (torch_adam; --ds.enable_sleep dropped: DeepSpeed offloads FusedAdam only)"
+            if torch_adam
+            else "FusedAdam (JIT-built for TORCH_CUDA_ARCH_LIST)"
+        ),
     }
     pc.write_result(name, row)
     with tempfile.TemporaryDirectory(prefix="peers_model_") as t:
