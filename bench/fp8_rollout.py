@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from decode_phases import ClockSampler, phases_line, replay_table, run_probed  # noqa: E402
 from fp8_check import fused_check, gemm_check, profile_decode, profile_line  # noqa: E402
 from rollout_engines import Workload, build_model, mismatch, native_runner, shape_config, time_rounds  # noqa: E402
 from sampler import engine_sampler_us, micro, micro_line  # noqa: E402
@@ -92,6 +93,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the native engine's fused decode kernels (rollout.fused_kernels) for both engines")  # fmt: skip
     add("--sampler", default="new", help="comma list of new (the Triton sampler), old (the torch ops)")
     add("--sampler-bench", action="store_true", help="bench/sampler.py's micro-benchmark first (GPU)")
+    add("--phases", type=int, default=0,
+        help="probed rounds per engine after the timed ones: the in-round decode step's parts (decode_phases.py)")  # fmt: skip
     add("--budget-s", type=float, default=225.0, help="stop with partial results after this many seconds")
     add(
         "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"), help="folder or .json path"
@@ -141,6 +144,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
     if name in ("fp8-cublas", "fp8-unfused"):
         fp8.GEMM = dict.fromkeys(DEFAULT_GEMM, "cublas" if name == "fp8-cublas" else "cutlass")
     runner = native_runner(model, [wl], tp=1, opts=opts)
+    clocks = None
     try:
         engine = runner.impl
         row: dict = {"startup_s": round(runner.startup_s, 2), "sampler": sampler}
@@ -151,8 +155,15 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
                 fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quant_kernels=r.quant_kernels,
                 fast_accum=r.fast_accum, gemm=dict(fp8.GEMM), fused=r.fused,
             )  # fmt: skip
+        clocks = ClockSampler().start() if args.phases and args.device.startswith("cuda") else None
         timing, samples = time_rounds(runner, wl, vocab, args.rounds)
         row.update(timing)
+        if args.phases:
+            try:  # a diagnostic, as the profile: its failure is recorded, the row stands
+                probe_rounds(name, runner, wl, vocab, args.phases, row, clocks)
+            except Exception as e:
+                row["phases"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+                print(f"phases [{name}] ERROR {row['phases']['error']}", flush=True)
         row["refresh_ms"] = round(refresh_ms(engine, args.device), 3)
         if args.device.startswith("cuda"):
             try:
@@ -171,9 +182,29 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
         return row
     finally:
         sampling.FAST = True
+        if clocks is not None:
+            clocks.stop()  # a failed round leaves no nvidia-smi behind
         runner.close()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def probe_rounds(name: str, runner, wl: Workload, vocab: int, rounds: int, row: dict, clocks) -> None:
+    """`rounds` more rounds under bench/decode_phases.PhaseProbe (row["phases"]: each round's split), the graph
+    replay table and the clocks sampled since before the timed rounds; row["decode_ms_per_step_inround"]: the
+    median in-round decode step (prefill end -> last step end, per step; no prefill-only round subtracted)."""
+    engine, reports = runner.impl, []
+    try:
+        for i in range(rounds):
+            reqs = wl.requests(vocab, 1000 + i)
+            rep, _ = run_probed(engine, lambda reqs=reqs: runner.generate(reqs))
+            reports.append(rep)
+        table = replay_table(engine) if engine.device.type == "cuda" else {}
+    finally:
+        clk = clocks.stop() if clocks is not None else None
+    row["phases"] = dict(rounds=reports, replay_table=table, clocks=clk)
+    row["decode_ms_per_step_inround"] = round(statistics.median(r["decode_ms_per_step"] for r in reports), 4)
+    print(phases_line(name, reports, table, clk), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"fp8 vs bf16: tok/s {rep.data['speedup_tok_s']}x, decode step {rep.data['speedup_decode_step']}x "
                   "(target >= 1.4x)", flush=True)  # fmt: skip
+        if bf16.get("decode_ms_per_step_inround") and fp8.get("decode_ms_per_step_inround"):
+            rep.data["speedup_decode_step_inround"] = round(
+                bf16["decode_ms_per_step_inround"] / fp8["decode_ms_per_step_inround"], 3
+            )
+            print(f"fp8 vs bf16: in-round decode step {rep.data['speedup_decode_step_inround']}x", flush=True)
         for name, row in rep.data["engines"].items():  # the variants, against the same bf16 row
             if (
                 name.startswith("fp8-")
@@ -298,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
     rep.data["seconds"] = round(time.perf_counter() - t0, 1)
     rep.write()
-    keys = ("speedup_tok_s", "speedup_decode_step", "speedup_decode_step_old_sampler", "sampler_gain_decode_step",
-            "seconds")  # fmt: skip
+    keys = ("speedup_tok_s", "speedup_decode_step", "speedup_decode_step_inround", "speedup_decode_step_old_sampler",
+            "sampler_gain_decode_step", "seconds")  # fmt: skip
     print(json.dumps({k: rep.data.get(k) for k in keys}))
     print(f"wrote {rep.path}")
     return 0 if all("error" not in r for r in rep.data["engines"].values()) else 1
@@ -320,7 +356,7 @@ def summary_line(name: str, row: dict) -> str:
     prof = row.get("profile", {})
     return (
         f"[{name}] tok/s {row['tok_s_median']:.0f} | decode {row['decode_ms_per_step']:.2f} ms/step (graph "
-        f"replay {prof.get('graph_step_ms')}) | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
+        f"replay {prof.get('graph_step_ms')}, in-round {row.get('decode_ms_per_step_inround')}) | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
         f" | start-up {row['startup_s']:.1f} s | sampler {row.get('sampler')} {row.get('sampler_us')} us/step"
         f" | mismatch mean {mm.get('logprob_absdiff_mean')} p99 "
         f"{mm.get('logprob_absdiff_p99')} max {mm.get('logprob_absdiff_max')} out-of-range "

@@ -1,0 +1,77 @@
+# pyright: reportMissingImports=false
+# (bench/ is put on sys.path at run time, below)
+"""bench/decode_phases.py on the CPU: the probe's round decomposition on a real engine round (its counts, its
+identity, the engine's samples unchanged and its methods restored), and the nvidia-smi summary parser."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import decode_phases  # noqa: E402
+
+from relayrl.rollout import GenerationRequest, SamplingParams, build_engine, generate_all  # noqa: E402
+from relayrl.rollout.native import NativeEngine  # noqa: E402
+
+
+def _requests(new: int) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            prompt_ids=[3 + i, 5, 7, 9 + i],
+            params=SamplingParams(n=1, temperature=1.0, max_new_tokens=new, seed=i),
+        )
+        for i in range(6)
+    ]
+
+
+def test_probe_splits_a_round_into_its_steps_and_leaves_the_engine_as_it_was(tiny_model, tiny_tokenizer):
+    engine = build_engine(
+        "native", tiny_model.eval(), tiny_tokenizer, max_slots=8, max_seq_len=64, eos_token_id=[], driver="loop",
+        prefix_cache=False, sync_every=4,
+    )  # fmt: skip
+    assert isinstance(engine, NativeEngine)
+    try:
+        plain = generate_all(engine, _requests(11))
+        rep, probed = decode_phases.run_probed(engine, lambda: generate_all(engine, _requests(11)))
+        # 11 tokens: 1 from the prefill + 10 decode steps, synced every 4 steps -> retires after 4, 8, 10
+        assert rep["steps"] == 10 and rep["syncs"] == 3 and rep["prefills"] == 1
+        assert sum(rep["steps_by_kv"].values()) == 10 and set(rep["steps_by_kv"]) == {"16"}  # 4 + 11 < 16
+        # in-round step = replay + gaps (on a CPU the host stamps are the timeline: an identity, to rounding)
+        parts = rep["replay_ms_per_step"] + rep["gap_in_batch_ms_per_step"] + rep["gap_at_sync_ms_per_step"]
+        assert abs(rep["decode_ms_per_step"] - parts) <= 3e-4
+        assert rep["decode_ms_per_step"] > 0 and rep["prefill_ms"] > 0 and rep["tail_ms"] >= 0
+        assert rep["head_ms"] + rep["prefill_ms"] + 10 * rep["decode_ms_per_step"] + rep["tail_ms"] <= (
+            rep["wall_ms"] + 1e-3
+        )
+        host = rep["host_ms"]
+        assert host["retire_wait"] == 0.0 and host["enqueue"] > 0 and host["admit"] > 0
+        # the probe wraps the instance only, and only while it is open; samples are unchanged by it
+        assert not {"_admit", "_decode_once", "_retire"} & set(vars(engine))
+        assert [c.token_ids for r in probed for c in r.completions] == [  # pyright: ignore[reportAttributeAccessIssue]
+            c.token_ids for r in plain for c in r.completions
+        ]
+    finally:
+        engine.close()
+
+
+def test_clock_summary_keeps_this_gpus_rows_and_reports_ranges():
+    out = "\n".join(
+        [
+            "GPU-a, 1980, 650.5, 60, 0x0000000000000000",
+            "GPU-b, 1500, 300.0, 40, 0x0000000000000004",
+            "GPU-a, 1755, 700.1, 66, 0x0000000000000004",
+            "GPU-a, 1830, 690.0, 64, 0x0000000000000004",
+            "garbage line",
+        ]
+    )
+    got = decode_phases.summarize_clocks(out, "GPU-a")
+    assert got["samples"] == 3 and got["matched"] and got["gpus"] == ["GPU-a"]
+    assert got["sm_mhz_min_med_max"] == [1755.0, 1830.0, 1980.0]
+    assert got["power_w_min_med_max"] == [650.5, 690.0, 700.1]
+    assert got["throttle_reasons"] == ["0x0000000000000000", "0x0000000000000004"]
+    every = decode_phases.summarize_clocks(out, "GPU-unknown")  # no row of ours: all rows, said so
+    assert every["samples"] == 4 and not every["matched"] and every["gpus"] == ["GPU-a", "GPU-b"]
+    assert "error" in decode_phases.summarize_clocks("", "GPU-a", "Failed to initialize NVML")
