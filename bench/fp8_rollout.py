@@ -95,6 +95,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--sampler-bench", action="store_true", help="bench/sampler.py's micro-benchmark first (GPU)")
     add("--phases", type=int, default=0,
         help="probed rounds per engine after the timed ones: the in-round decode step's parts (decode_phases.py)")  # fmt: skip
+    add("--phases-sync-every", type=int, default=0,
+        help="with --phases: one more probed round with the engine's sync_every set to this (default 16)")  # fmt: skip
     add("--budget-s", type=float, default=225.0, help="stop with partial results after this many seconds")
     add(
         "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"), help="folder or .json path"
@@ -160,7 +162,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
         row.update(timing)
         if args.phases:
             try:  # a diagnostic, as the profile: its failure is recorded, the row stands
-                probe_rounds(name, runner, wl, vocab, args.phases, row, clocks)
+                probe_rounds(name, runner, wl, vocab, args, row, clocks)
             except Exception as e:
                 row["phases"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
                 print(f"phases [{name}] ERROR {row['phases']['error']}", flush=True)
@@ -189,22 +191,42 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
             torch.cuda.empty_cache()
 
 
-def probe_rounds(name: str, runner, wl: Workload, vocab: int, rounds: int, row: dict, clocks) -> None:
-    """`rounds` more rounds under bench/decode_phases.PhaseProbe (row["phases"]: each round's split), the graph
-    replay table and the clocks sampled since before the timed rounds; row["decode_ms_per_step_inround"]: the
-    median in-round decode step (prefill end -> last step end, per step; no prefill-only round subtracted)."""
-    engine, reports = runner.impl, []
+def probe_rounds(name: str, runner, wl: Workload, vocab: int, args, row: dict, clocks) -> None:
+    """--phases more rounds under bench/decode_phases.PhaseProbe (row["phases"]["rounds"]: each round's split,
+    with `old_formula_ms_per_step`, the round's (wall - the prefill-only round) / steps as time_rounds computes
+    it), then with --phases-sync-every one round at that sync interval ("rounds_sync_every"), the graph
+    replay table and the clocks sampled since before the timed rounds; row["decode_ms_per_step_inround"]:
+    the median in-round decode step (prefill end -> last step end, per step; no prefill-only round in it)."""
+    engine, reports, resync = runner.impl, [], []
+    default_sync = engine.sync_every
+
+    def probed(i: int) -> dict:
+        reqs = wl.requests(vocab, 1000 + i)
+        rep, _ = run_probed(engine, lambda: runner.generate(reqs))
+        rep["old_formula_ms_per_step"] = round(
+            max(0.0, rep["wall_ms"] - row["prefill_s"] * 1e3) / max(1, wl.longest - 1), 4
+        )
+        return rep
+
     try:
-        for i in range(rounds):
-            reqs = wl.requests(vocab, 1000 + i)
-            rep, _ = run_probed(engine, lambda reqs=reqs: runner.generate(reqs))
-            reports.append(rep)
+        reports = [probed(i) for i in range(args.phases)]
+        if args.phases_sync_every:
+            engine.sync_every = (
+                args.phases_sync_every
+            )  # read at every round (NativeEngine._steps_before_sync)
+            resync = [dict(probed(args.phases), sync_every=args.phases_sync_every)]
         table = replay_table(engine) if engine.device.type == "cuda" else {}
     finally:
+        engine.sync_every = default_sync
         clk = clocks.stop() if clocks is not None else None
-    row["phases"] = dict(rounds=reports, replay_table=table, clocks=clk)
+    row["phases"] = dict(rounds=reports, rounds_sync_every=resync, replay_table=table, clocks=clk)
     row["decode_ms_per_step_inround"] = round(statistics.median(r["decode_ms_per_step"] for r in reports), 4)
     print(phases_line(name, reports, table, clk), flush=True)
+    print(f"phases [{name}] prefill in-round {reports[0]['prefill_ms']:.1f} ms vs the prefill-only round "
+          f"{row['prefill_s'] * 1e3:.1f} ms; this round by time_rounds' formula {reports[0]['old_formula_ms_per_step']}"
+          " ms/step", flush=True)  # fmt: skip
+    if resync:
+        print(phases_line(f"{name} sync_every={args.phases_sync_every}", resync), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
