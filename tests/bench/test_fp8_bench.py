@@ -42,7 +42,7 @@ def test_cpu_smoke_run_writes_both_engines_and_prints_one_line_each(tmp_path, ca
     assert len(lines) == 2 and all(
         "tok/s" in ln and "mismatch mean" in ln and "in-round" in ln for ln in lines
     )
-    assert sum(ln.startswith("phases [") for ln in printed) == 2
+    assert sum(ln.startswith("phases [") for ln in printed) == 4  # the split, the prefill comparison
 
 
 @pytest.mark.skipif(not fp8_kernels.usable(torch.device("cpu")), reason="needs TRITON_INTERPRET=1 and triton")
