@@ -215,7 +215,10 @@ def probe_rounds(name: str, runner, wl: Workload, vocab: int, args, row: dict, c
                 args.phases_sync_every
             )  # read at every round (NativeEngine._steps_before_sync)
             resync = [dict(probed(args.phases), sync_every=args.phases_sync_every)]
-        table = replay_table(engine) if engine.device.type == "cuda" else {}
+        try:  # the rounds above stand if the table fails
+            table = replay_table(engine) if engine.device.type == "cuda" else {}
+        except Exception as e:
+            table = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
     finally:
         engine.sync_every = default_sync
         clk = clocks.stop() if clocks is not None else None

@@ -75,3 +75,43 @@ def test_clock_summary_keeps_this_gpus_rows_and_reports_ranges():
     every = decode_phases.summarize_clocks(out, "GPU-unknown")  # no row of ours: all rows, said so
     assert every["samples"] == 4 and not every["matched"] and every["gpus"] == ["GPU-a", "GPU-b"]
     assert "error" in decode_phases.summarize_clocks("", "GPU-a", "Failed to initialize NVML")
+
+
+def test_replay_table_times_each_kv_buckets_graph_alone_and_queued(monkeypatch):
+    """The table's bookkeeping with stand-ins for the CUDA pieces (a fake clock advanced 2 ms by every replay;
+    events stamp it): alone = queued = 2 ms for every bucket of the largest batch, a failed capture named."""
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = clock[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    class Graph:
+        def replay(self) -> None:
+            clock[0] += 2.0
+
+    class Graphs:
+        graphs = {(8, 16, "sample"): Graph(), (8, 32, "sample"): None, (4, 16, "sample"): Graph()}
+
+        def ensure(self, key) -> None:
+            assert key in self.graphs
+
+    class Engine:
+        graphs, graph_batch_sizes, kv_buckets = Graphs(), (4, 8), (16, 32)
+
+    monkeypatch.setattr(decode_phases.torch.cuda, "Event", Event)
+    monkeypatch.setattr(decode_phases.torch.cuda, "synchronize", lambda: None)
+    table = decode_phases.replay_table(Engine(), queued=4, reps=3)
+    assert table["batch"] == 8 and set(table["by_kv"]) == {"16", "32"}
+    row = table["by_kv"]["16"]
+    assert row["alone_ms"] == 2.0 and row["queued_ms"] == 2.0 and row["host_us_per_replay"] >= 0
+    assert "error" in table["by_kv"]["32"]
