@@ -5,6 +5,7 @@ log-prob mismatch each engine adds against the trainer's bf16 forward, on the sa
     python bench/fp8_rollout.py --shape tiny --device cpu --prompts 8 --new-tokens 16 --rounds 1   # CPU smoke run
     python bench/fp8_rollout.py --gemm-check --profile            # + per-GEMM check at 7B widths, step profile
     python bench/fp8_rollout.py --profile --sampler new,old --sampler-bench   # the sampler's share (below)
+    python bench/fp8_rollout.py --profile --phases 2 --phases-sync-every 64   # where a decode step's time goes
 
 Setup (bench/rollout.py's shapes, model builder, workload, timing and mismatch code, bench/rollout_engines.py):
 one random-weight bf16 model of the shape (seed 0), frozen (an engine's own copy: the bf16 engine runs its
@@ -39,6 +40,14 @@ engine_sampler_us, at the largest graph batch) and its profile's "sampler" categ
 (the new kernel; the old path's scan / softmax / argmax kernels, its elementwise ones stay under "other").
 --sampler-bench (first): bench/sampler.py's micro-benchmark of sample_tokens alone at [256, 151936], old vs
 new, us per call and token agreement over 102,400 draws (~10 s).
+
+--phases N (per engine, after its timed rounds): N more rounds under bench/decode_phases.PhaseProbe, which
+splits each round on the GPU's clock: head, prefill, the in-round decode step (prefill end -> last step end, per
+step: `decode_ms_per_step_inround`, no prefill-only round subtracted) = the mean replay of a step in the round
+(per kv bucket) + GPU idle between queued steps + GPU idle across the host's syncs; the host's time per replay
+launch, retire wait and work; the tail. Then each kv bucket's graph of the largest batch replayed alone (as
+`graph_step_ms`) and 16 queued, and the SM clock / power sampled by nvidia-smi since before the timed rounds.
+--phases-sync-every K: one more probed round with the engine syncing every K steps instead of 16.
 
 Robustness: every finished piece is written to the JSON at once; --budget-s (default 225 s) stops the run with
 the partial results written (exit 3) before the coordinator's 4-minute limit. Exit 2 when the device cannot run
@@ -379,9 +388,12 @@ def summary_line(name: str, row: dict) -> str:
         else ""
     )
     prof = row.get("profile", {})
+    last_kv = list(row.get("phases", {}).get("replay_table", {}).get("by_kv", {}).values())[-1:]
+    queued = last_kv[0].get("queued_ms") if last_kv else None  # the same graph as graph_step_ms, 16 queued
     return (
         f"[{name}] tok/s {row['tok_s_median']:.0f} | decode {row['decode_ms_per_step']:.2f} ms/step (graph "
-        f"replay {prof.get('graph_step_ms')}, in-round {row.get('decode_ms_per_step_inround')}) | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
+        f"replay {prof.get('graph_step_ms')}, queued {queued}, in-round {row.get('decode_ms_per_step_inround')})"
+        f" | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
         f" | start-up {row['startup_s']:.1f} s | sampler {row.get('sampler')} {row.get('sampler_us')} us/step"
         f" | mismatch mean {mm.get('logprob_absdiff_mean')} p99 "
         f"{mm.get('logprob_absdiff_p99')} max {mm.get('logprob_absdiff_max')} out-of-range "
