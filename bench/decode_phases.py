@@ -286,7 +286,7 @@ class ClockSampler:
         for fields in (*(f"{self.BASE},{r}" for r in self.REASONS), self.BASE):
             cmd = [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
             try:
-                if subprocess.run(cmd, capture_output=True, timeout=15).returncode == 0:
+                if subprocess.run(cmd, capture_output=True, timeout=5).returncode == 0:
                     return fields
             except (OSError, subprocess.SubprocessError):
                 continue
@@ -301,7 +301,7 @@ class ClockSampler:
         if fields is None:
             self.error = "nvidia-smi --query-gpu failed for every field set"
             return self
-        cmd = [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits", f"-lms={self.period_ms}"]
+        cmd = [exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"]
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError as e:
@@ -324,6 +324,14 @@ class ClockSampler:
         return self.summary
 
 
+def _num(text: str) -> float:
+    """A number of nvidia-smi's csv, NaN where it printed none ("[N/A]", "[Not Supported]")."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def summarize_clocks(out: str, uuid: str, err: str = "") -> dict:
     """nvidia-smi's csv lines (uuid, SM MHz, W, C[, reasons]) -> min / median / max of each number and the
     throttle masks seen, for the rows of `uuid` (all rows when none is that GPU's)."""
@@ -332,18 +340,17 @@ def summarize_clocks(out: str, uuid: str, err: str = "") -> dict:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < 4:
             continue
-        try:
-            rows.append((parts[0], float(parts[1]), float(parts[2]), float(parts[3]), ",".join(parts[4:])))
-        except ValueError:
+        if not parts[0].startswith("GPU-"):
             continue
+        rows.append((parts[0], _num(parts[1]), _num(parts[2]), _num(parts[3]), ",".join(parts[4:])))
     mine = [row for row in rows if row[0] == uuid]
     rows = mine or rows
     if not rows:
         return {"error": f"no samples (nvidia-smi said: {err.strip()[:200] or out.strip()[:200]!r})"}
 
-    def stats(i: int) -> list[float]:
-        vals = [float(row[i]) for row in rows]
-        return [min(vals), statistics.median(vals), max(vals)]
+    def stats(i: int) -> list[float] | None:
+        vals = [float(row[i]) for row in rows if row[i] == row[i]]  # NaN (the card reports "[N/A]") left out
+        return [min(vals), statistics.median(vals), max(vals)] if vals else None
 
     return dict(
         samples=len(rows), gpus=sorted({row[0] for row in rows}), matched=bool(mine),

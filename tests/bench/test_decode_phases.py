@@ -65,6 +65,7 @@ def test_clock_summary_keeps_this_gpus_rows_and_reports_ranges():
             "GPU-a, 1755, 700.1, 66, 0x0000000000000004",
             "GPU-a, 1830, 690.0, 64, 0x0000000000000004",
             "garbage line",
+            "GPU-c, 1400, [N/A], 50, [N/A]",
         ]
     )
     got = decode_phases.summarize_clocks(out, "GPU-a")
@@ -73,8 +74,10 @@ def test_clock_summary_keeps_this_gpus_rows_and_reports_ranges():
     assert got["power_w_min_med_max"] == [650.5, 690.0, 700.1]
     assert got["throttle_reasons"] == ["0x0000000000000000", "0x0000000000000004"]
     every = decode_phases.summarize_clocks(out, "GPU-unknown")  # no row of ours: all rows, said so
-    assert every["samples"] == 4 and not every["matched"] and every["gpus"] == ["GPU-a", "GPU-b"]
+    assert every["samples"] == 5 and not every["matched"] and every["gpus"] == ["GPU-a", "GPU-b", "GPU-c"]
     assert "error" in decode_phases.summarize_clocks("", "GPU-a", "Failed to initialize NVML")
+    na = decode_phases.summarize_clocks("GPU-c, 1400, [N/A], 50, [N/A]", "GPU-c")  # no power reading
+    assert na["sm_mhz_min_med_max"] == [1400.0] * 3 and na["power_w_min_med_max"] is None
 
 
 def test_replay_table_times_each_kv_buckets_graph_alone_and_queued(monkeypatch):
