@@ -5,7 +5,9 @@ identity, the engine's samples unchanged and its methods restored), and the nvid
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -118,3 +120,27 @@ def test_replay_table_times_each_kv_buckets_graph_alone_and_queued(monkeypatch):
     row = table["by_kv"]["16"]
     assert row["alone_ms"] == 2.0 and row["queued_ms"] == 2.0 and row["host_us_per_replay"] >= 0
     assert "error" in table["by_kv"]["32"]
+
+
+def test_clock_sampler_runs_nvidia_smi_in_the_background_and_summarises(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi (one process, as the real one): the field probe, the looping query, stop()."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!" + sys.executable + "\n"
+        "import sys, time\n"
+        "if not any(a.startswith('--loop-ms') for a in sys.argv):\n"
+        "    sys.exit(0 if 'clocks_event_reasons' in ' '.join(sys.argv) else 6)\n"
+        "while True:\n"
+        "    print('GPU-x, 1980, 500.0, 55, 0x0', flush=True)\n"
+        "    time.sleep(0.01)\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(decode_phases.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode_phases, "_my_uuid", lambda: "GPU-x")
+    sampler = decode_phases.ClockSampler(period_ms=10).start()
+    assert sampler.proc is not None and "clocks_event_reasons.active" in " ".join(sampler.proc.args)
+    time.sleep(0.3)
+    got = sampler.stop()
+    assert got["matched"] and got["samples"] >= 1 and got["sm_mhz_min_med_max"] == [1980.0] * 3
+    assert sampler.stop() is got  # idempotent
