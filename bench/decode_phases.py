@@ -26,7 +26,8 @@ them, the compute being synchronous):
     head_ms                     origin -> first prefill starts on the device (asyncio, validation, coalescing)
     prefill_ms                  first prefill start -> last prefill end (device)
     decode_ms_per_step          last prefill end -> last step end, / steps: the in-round decode step
-    replay_ms_per_step          mean device span of one step (start event -> end event), and per kv bucket
+    replay_ms_per_step          mean device span of one step (start event -> end event), and per kv bucket;
+                                it holds a launch's latency when the device had to wait for that launch
     gap_in_batch_ms_per_step    device idle between two steps with no sync between them (host-bound launches)
     gap_at_sync_ms_per_step     device idle across a sync (retire, the next round's bookkeeping, first launch;
                                 and between the prefill's end and the first step)
