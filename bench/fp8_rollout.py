@@ -5,6 +5,7 @@ log-prob mismatch each engine adds against the trainer's bf16 forward, on the sa
     python bench/fp8_rollout.py --shape tiny --device cpu --prompts 8 --new-tokens 16 --rounds 1   # CPU smoke run
     python bench/fp8_rollout.py --gemm-check --profile            # + per-GEMM check at 7B widths, step profile
     python bench/fp8_rollout.py --profile --sampler new,old --sampler-bench   # the sampler's share (below)
+    python bench/fp8_rollout.py --profile --phases 2 --phases-sync-every 64   # where a decode step's time goes
 
 Setup (bench/rollout.py's shapes, model builder, workload, timing and mismatch code, bench/rollout_engines.py):
 one random-weight bf16 model of the shape (seed 0), frozen (an engine's own copy: the bf16 engine runs its
@@ -40,6 +41,14 @@ engine_sampler_us, at the largest graph batch) and its profile's "sampler" categ
 --sampler-bench (first): bench/sampler.py's micro-benchmark of sample_tokens alone at [256, 151936], old vs
 new, us per call and token agreement over 102,400 draws (~10 s).
 
+--phases N (per engine, after its timed rounds): N more rounds under bench/decode_phases.PhaseProbe, which
+splits each round on the GPU's clock: head, prefill, the in-round decode step (prefill end -> last step end, per
+step: `decode_ms_per_step_inround`, no prefill-only round subtracted) = the mean replay of a step in the round
+(per kv bucket) + GPU idle between queued steps + GPU idle across the host's syncs; the host's time per replay
+launch, retire wait and work; the tail. Then each kv bucket's graph of the largest batch replayed alone (as
+`graph_step_ms`) and 16 queued, and the SM clock / power sampled by nvidia-smi since before the timed rounds.
+--phases-sync-every K: one more probed round with the engine syncing every K steps instead of 16.
+
 Robustness: every finished piece is written to the JSON at once; --budget-s (default 225 s) stops the run with
 the partial results written (exit 3) before the coordinator's 4-minute limit. Exit 2 when the device cannot run
 fp8 (compute capability < 8.9). Writes $OUT/fp8_rollout.json (OUT unset: bench/results/fp8_rollout.json).
@@ -64,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from decode_phases import ClockSampler, phases_line, replay_table, run_probed  # noqa: E402
 from fp8_check import fused_check, gemm_check, profile_decode, profile_line  # noqa: E402
 from rollout_engines import Workload, build_model, mismatch, native_runner, shape_config, time_rounds  # noqa: E402
 from sampler import engine_sampler_us, micro, micro_line  # noqa: E402
@@ -92,6 +102,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the native engine's fused decode kernels (rollout.fused_kernels) for both engines")  # fmt: skip
     add("--sampler", default="new", help="comma list of new (the Triton sampler), old (the torch ops)")
     add("--sampler-bench", action="store_true", help="bench/sampler.py's micro-benchmark first (GPU)")
+    add("--phases", type=int, default=0,
+        help="probed rounds per engine after the timed ones: the in-round decode step's parts (decode_phases.py)")  # fmt: skip
+    add("--phases-sync-every", type=int, default=0,
+        help="with --phases: one more probed round with the engine's sync_every set to this (default 16)")  # fmt: skip
     add("--budget-s", type=float, default=225.0, help="stop with partial results after this many seconds")
     add(
         "--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"), help="folder or .json path"
@@ -141,6 +155,7 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
     if name in ("fp8-cublas", "fp8-unfused"):
         fp8.GEMM = dict.fromkeys(DEFAULT_GEMM, "cublas" if name == "fp8-cublas" else "cutlass")
     runner = native_runner(model, [wl], tp=1, opts=opts)
+    clocks = None
     try:
         engine = runner.impl
         row: dict = {"startup_s": round(runner.startup_s, 2), "sampler": sampler}
@@ -151,8 +166,15 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
                 fp8_gemms=r.quantized, skipped=r.skipped, emulated=r.emulate, quant_kernels=r.quant_kernels,
                 fast_accum=r.fast_accum, gemm=dict(fp8.GEMM), fused=r.fused,
             )  # fmt: skip
+        clocks = ClockSampler().start() if args.phases and args.device.startswith("cuda") else None
         timing, samples = time_rounds(runner, wl, vocab, args.rounds)
         row.update(timing)
+        if args.phases:
+            try:  # a diagnostic, as the profile: its failure is recorded, the row stands
+                probe_rounds(name, runner, wl, vocab, args, row, clocks)
+            except Exception as e:
+                row["phases"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+                print(f"phases [{name}] ERROR {row['phases']['error']}", flush=True)
         row["refresh_ms"] = round(refresh_ms(engine, args.device), 3)
         if args.device.startswith("cuda"):
             try:
@@ -171,9 +193,52 @@ def run_engine(name: str, model, wl: Workload, vocab: int, args, sampler: str = 
         return row
     finally:
         sampling.FAST = True
+        if clocks is not None:
+            clocks.stop()  # a failed round leaves no nvidia-smi behind
         runner.close()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def probe_rounds(name: str, runner, wl: Workload, vocab: int, args, row: dict, clocks) -> None:
+    """--phases more rounds under bench/decode_phases.PhaseProbe (row["phases"]["rounds"]: each round's split,
+    with `old_formula_ms_per_step`, the round's (wall - the prefill-only round) / steps as time_rounds computes
+    it), then with --phases-sync-every one round at that sync interval ("rounds_sync_every"), the graph
+    replay table and the clocks sampled since before the timed rounds; row["decode_ms_per_step_inround"]:
+    the median in-round decode step (prefill end -> last step end, per step; no prefill-only round in it)."""
+    engine, reports, resync = runner.impl, [], []
+    default_sync = engine.sync_every
+
+    def probed(i: int) -> dict:
+        reqs = wl.requests(vocab, 1000 + i)
+        rep, _ = run_probed(engine, lambda: runner.generate(reqs))
+        rep["old_formula_ms_per_step"] = round(
+            max(0.0, rep["wall_ms"] - row["prefill_s"] * 1e3) / max(1, wl.longest - 1), 4
+        )
+        return rep
+
+    try:
+        reports = [probed(i) for i in range(args.phases)]
+        if args.phases_sync_every:
+            engine.sync_every = (
+                args.phases_sync_every
+            )  # read at every round (NativeEngine._steps_before_sync)
+            resync = [dict(probed(args.phases), sync_every=args.phases_sync_every)]
+        try:  # the rounds above stand if the table fails
+            table = replay_table(engine) if engine.device.type == "cuda" else {}
+        except Exception as e:
+            table = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    finally:
+        engine.sync_every = default_sync
+        clk = clocks.stop() if clocks is not None else None
+    row["phases"] = dict(rounds=reports, rounds_sync_every=resync, replay_table=table, clocks=clk)
+    row["decode_ms_per_step_inround"] = round(statistics.median(r["decode_ms_per_step"] for r in reports), 4)
+    print(phases_line(name, reports, table, clk), flush=True)
+    print(f"phases [{name}] prefill in-round {reports[0]['prefill_ms']:.1f} ms vs the prefill-only round "
+          f"{row['prefill_s'] * 1e3:.1f} ms; this round by time_rounds' formula {reports[0]['old_formula_ms_per_step']}"
+          " ms/step", flush=True)  # fmt: skip
+    if resync:
+        print(phases_line(f"{name} sync_every={args.phases_sync_every}", resync), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"fp8 vs bf16: tok/s {rep.data['speedup_tok_s']}x, decode step {rep.data['speedup_decode_step']}x "
                   "(target >= 1.4x)", flush=True)  # fmt: skip
+        if bf16.get("decode_ms_per_step_inround") and fp8.get("decode_ms_per_step_inround"):
+            rep.data["speedup_decode_step_inround"] = round(
+                bf16["decode_ms_per_step_inround"] / fp8["decode_ms_per_step_inround"], 3
+            )
+            print(f"fp8 vs bf16: in-round decode step {rep.data['speedup_decode_step_inround']}x", flush=True)
         for name, row in rep.data["engines"].items():  # the variants, against the same bf16 row
             if (
                 name.startswith("fp8-")
@@ -298,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
     rep.data["seconds"] = round(time.perf_counter() - t0, 1)
     rep.write()
-    keys = ("speedup_tok_s", "speedup_decode_step", "speedup_decode_step_old_sampler", "sampler_gain_decode_step",
-            "seconds")  # fmt: skip
+    keys = ("speedup_tok_s", "speedup_decode_step", "speedup_decode_step_inround", "speedup_decode_step_old_sampler",
+            "sampler_gain_decode_step", "seconds")  # fmt: skip
     print(json.dumps({k: rep.data.get(k) for k in keys}))
     print(f"wrote {rep.path}")
     return 0 if all("error" not in r for r in rep.data["engines"].values()) else 1
@@ -318,9 +388,12 @@ def summary_line(name: str, row: dict) -> str:
         else ""
     )
     prof = row.get("profile", {})
+    last_kv = list(row.get("phases", {}).get("replay_table", {}).get("by_kv", {}).values())[-1:]
+    queued = last_kv[0].get("queued_ms") if last_kv else None  # the same graph as graph_step_ms, 16 queued
     return (
         f"[{name}] tok/s {row['tok_s_median']:.0f} | decode {row['decode_ms_per_step']:.2f} ms/step (graph "
-        f"replay {prof.get('graph_step_ms')}) | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
+        f"replay {prof.get('graph_step_ms')}, queued {queued}, in-round {row.get('decode_ms_per_step_inround')})"
+        f" | prefill {row['prefill_s']:.3f} s | refresh {row['refresh_ms']:.1f} ms"
         f" | start-up {row['startup_s']:.1f} s | sampler {row.get('sampler')} {row.get('sampler_us')} us/step"
         f" | mismatch mean {mm.get('logprob_absdiff_mean')} p99 "
         f"{mm.get('logprob_absdiff_p99')} max {mm.get('logprob_absdiff_max')} out-of-range "

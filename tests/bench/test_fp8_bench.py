@@ -24,7 +24,7 @@ from relayrl.rollout import fp8_kernels  # noqa: E402
 def test_cpu_smoke_run_writes_both_engines_and_prints_one_line_each(tmp_path, capsys):
     out = tmp_path / "f.json"
     argv = ["--shape", "tiny", "--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--rounds", "1",
-            "--profile", "--out", str(out)]  # fmt: skip
+            "--profile", "--phases", "1", "--out", str(out)]  # fmt: skip
     assert fp8_rollout.main(argv) == 0
     data = json.loads(out.read_text())
     bf16, fp8 = data["engines"]["bf16"], data["engines"]["fp8"]
@@ -33,10 +33,16 @@ def test_cpu_smoke_run_writes_both_engines_and_prints_one_line_each(tmp_path, ca
     assert (
         0 < fp8["mismatch"]["logprob_absdiff_mean"] < 0.05 and bf16["mismatch"]["logprob_absdiff_mean"] < 1e-5
     )
-    lines = [
-        ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[bf16]") or ln.startswith("[fp8]")
-    ]
-    assert len(lines) == 2 and all("tok/s" in ln and "mismatch mean" in ln for ln in lines)
+    for row in (bf16, fp8):  # --phases 1: one probed round each (3 decode steps), its in-round step reported
+        (probed,) = row["phases"]["rounds"]
+        assert probed["steps"] == 3 and row["decode_ms_per_step_inround"] == probed["decode_ms_per_step"] > 0
+    assert data["speedup_decode_step_inround"] > 0
+    printed = capsys.readouterr().out.splitlines()
+    lines = [ln for ln in printed if ln.startswith("[bf16]") or ln.startswith("[fp8]")]
+    assert len(lines) == 2 and all(
+        "tok/s" in ln and "mismatch mean" in ln and "in-round" in ln for ln in lines
+    )
+    assert sum(ln.startswith("phases [") for ln in printed) == 4  # the split, the prefill comparison
 
 
 @pytest.mark.skipif(not fp8_kernels.usable(torch.device("cpu")), reason="needs TRITON_INTERPRET=1 and triton")
