@@ -26,6 +26,8 @@ first call (the warm-up before each capture). On a CPU it runs in Triton's inter
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from relayrl.rollout.kernels import _jit, _pow2, tl
@@ -37,18 +39,11 @@ MAX_BLOCKS = 1024
 
 
 @_jit
-def _sample_kernel(
-    x_ptr, t_ptr, u_ptr, tok_ptr, lp_ptr, n, sx, n_blocks,
-    GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * sx
+def _row_blocks(base, n, n_blocks, t, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Pass 1 over one row (module doc): per block its max and sum of exp(x - block max) ([NB] each, unused
+    blocks -inf / 0), and the row's first maximum and its index."""
     offs = tl.arange(0, BLOCK)
     bidx = tl.arange(0, NB)
-    t = tl.load(t_ptr + row)
-    t = tl.where(
-        t <= 0, 1.0, t
-    )  # (unused when GREEDY_ONLY: no division at all, as the reference's greedy mode)
     bmax = tl.full([NB], float("-inf"), dtype=tl.float32)
     bsum = tl.zeros([NB], dtype=tl.float32)
     best = float("-inf")
@@ -66,6 +61,38 @@ def _sample_kernel(
         upd = cm > best  # pyright: ignore[reportOperatorIssue]
         best_i = tl.where(upd, c * BLOCK + ci, best_i)
         best = tl.where(upd, cm, best)
+    return bmax, bsum, best, best_i
+
+
+@_jit
+def _block_search(base, n, n_blocks, ends, target, t, shift, limit, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """The search (module doc): the number of j with running sum of exp(x / t - shift) <= target, clamped to
+    n - 1, from the block ends [NB] (running sums at each block's end) and one re-read block; entries at and
+    past `limit` are not read (limit n: all; 0: none, the result then meaningless)."""
+    offs = tl.arange(0, BLOCK)
+    bidx = tl.arange(0, NB)
+    blk = tl.minimum(tl.sum(((ends <= target) & (bidx < n_blocks)).to(tl.int32), 0), n_blocks - 1)
+    before = tl.sum(tl.where(bidx == blk - 1, ends, 0.0), 0)
+    cols = blk * BLOCK + offs
+    inside = cols < n
+    x = tl.load(base + cols, mask=cols < limit, other=float("-inf")).to(tl.float32)
+    run = before + tl.cumsum(tl.exp(tl.math.div_rn(x, t) - shift), 0)
+    count = blk * BLOCK + tl.sum(((run <= target) & inside).to(tl.int32), 0)
+    return tl.minimum(count, n - 1)
+
+
+@_jit
+def _sample_kernel(
+    x_ptr, t_ptr, u_ptr, tok_ptr, lp_ptr, n, sx, n_blocks,
+    GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * sx
+    t = tl.load(t_ptr + row)
+    t = tl.where(
+        t <= 0, 1.0, t
+    )  # (unused when GREEDY_ONLY: no division at all, as the reference's greedy mode)
+    bmax, bsum, best, best_i = _row_blocks(base, n, n_blocks, t, GREEDY_ONLY, BLOCK, NB)
     mass = bsum * tl.exp(bmax - best)  # unused blocks: 0 * exp(-inf) = 0
     ends = tl.cumsum(mass, 0)
     total = tl.max(ends, 0)  # the last end (the ends do not decrease)
@@ -73,14 +100,7 @@ def _sample_kernel(
     tok = best_i
     if not GREEDY_ONLY:
         target = tl.load(u_ptr + row) * total
-        blk = tl.minimum(tl.sum(((ends <= target) & (bidx < n_blocks)).to(tl.int32), 0), n_blocks - 1)
-        before = tl.sum(tl.where(bidx == blk - 1, ends, 0.0), 0)
-        cols = blk * BLOCK + offs
-        inside = cols < n
-        x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        run = before + tl.cumsum(tl.exp(tl.math.div_rn(x, t) - best), 0)
-        count = blk * BLOCK + tl.sum(((run <= target) & inside).to(tl.int32), 0)
-        count = tl.minimum(count, n - 1)
+        count = _block_search(base, n, n_blocks, ends, target, t, best, n, BLOCK, NB)
         tok = tl.where(tl.load(t_ptr + row) <= 0, best_i, count)
     x_tok = tl.load(base + tok).to(tl.float32)
     if not GREEDY_ONLY:
@@ -111,3 +131,125 @@ def sample_rows(
             GREEDY_ONLY=greedy_only, BLOCK=BLOCK, NB=_pow2(n_blocks, 16), num_warps=8,
         )  # fmt: skip
     return tok, lp
+
+
+# ------------------------------------------------------------------ the vocabulary-parallel sampler's passes
+@_jit
+def _shard_stats_kernel(
+    x_ptr, t_ptr, stats_ptr, ends_ptr, arg_ptr, n, sx, n_blocks, b, rank,
+    SIZE: tl.constexpr, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 over this rank's slice of a row: the block ends and the first argmax kept here, (max, sum of
+    exp(x - max)) written to this rank's entry of stats [SIZE, B, 2] and zeros to the others' (the all-reduce
+    that follows is then an all-gather)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(t_ptr + row)
+    t = tl.where(t <= 0, 1.0, t)
+    bmax, bsum, best, best_i = _row_blocks(x_ptr + row * sx, n, n_blocks, t, GREEDY_ONLY, BLOCK, NB)
+    shift = tl.where(best == float("-inf"), 0.0, best)  # a slice of -inf only: no mass, not NaN
+    ends = tl.cumsum(bsum * tl.exp(bmax - shift), 0)
+    if not GREEDY_ONLY:
+        tl.store(ends_ptr + row * NB + tl.arange(0, NB), ends)
+    tl.store(arg_ptr + row, best_i)
+    for r in tl.static_range(SIZE):
+        mine = rank == r
+        tl.store(stats_ptr + (r * b + row) * 2, tl.where(mine, best, 0.0))
+        tl.store(stats_ptr + (r * b + row) * 2 + 1, tl.where(mine, tl.max(ends, 0), 0.0))
+
+
+@_jit
+def _shard_pick_kernel(
+    x_ptr, t_ptr, u_ptr, stats_ptr, ends_ptr, arg_ptr, out_ptr, n, sx, n_blocks, b, rank, lo,
+    SIZE: tl.constexpr, SP: tl.constexpr, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """After the stats' all-reduce: every rank combines the ranks' (max, sum) in rank (= vocabulary) order, as
+    vocab_parallel.sample_split does; the winning rank searches its slice and writes (global token, log-prob)
+    to out [2, B], the others zeros (the all-reduce that follows hands every rank the winner's)."""
+    row = tl.program_id(0).to(tl.int64)
+    top = float("-inf")
+    for r in tl.static_range(SIZE):
+        top = tl.maximum(top, tl.load(stats_ptr + (r * b + row) * 2))
+    ridx = tl.arange(0, SP)
+    rank_ends = tl.full([SP], float("inf"), dtype=tl.float32)  # the ranks' running ends (padding: never <=)
+    total = 0.0
+    first = -1  # the first rank holding the max (greedy rows: torch.argmax's first maximum)
+    last = -1  # the last rank with mass
+    mine_end = 0.0
+    mine_mass = 0.0
+    mine_scale = 0.0
+    for r in tl.static_range(SIZE):
+        m_r = tl.load(stats_ptr + (r * b + row) * 2)
+        scale = tl.exp(m_r - top)
+        mass = tl.load(stats_ptr + (r * b + row) * 2 + 1) * scale
+        total = total + mass  # rank r's running end: the cumsum over the ranks, in rank order
+        rank_ends = tl.where(ridx == r, total, rank_ends)
+        first = tl.where((first < 0) & (m_r == top), r, first)
+        last = tl.where(mass > 0, r, last)
+        mine_end = tl.where(rank == r, total, mine_end)
+        mine_mass = tl.where(rank == r, mass, mine_mass)
+        mine_scale = tl.where(rank == r, scale, mine_scale)
+    win = first
+    t_raw = tl.load(t_ptr + row)
+    t = tl.where(t_raw <= 0, 1.0, t_raw)
+    base = x_ptr + row * sx
+    tok = tl.load(arg_ptr + row)
+    if not GREEDY_ONLY:
+        target = tl.load(u_ptr + row) * total
+        below = tl.sum((rank_ends <= target).to(tl.int32), 0)  # the first rank whose end passes the target
+        w = tl.minimum(below, tl.where(last < 0, SIZE - 1, last))  # (past the total by rounding: the last)
+        win = tl.where(t_raw <= 0, first, w)
+        bidx = tl.arange(0, NB)
+        ends = tl.load(ends_ptr + row * NB + bidx, mask=bidx < n_blocks, other=0.0)
+        local = tl.math.div_rn(target - (mine_end - mine_mass), mine_scale)  # in this slice's own units
+        shift = tl.load(stats_ptr + (rank * b + row) * 2)
+        limit = tl.where((win == rank) & (t_raw > 0), n, 0)  # only the winner re-reads its block
+        count = _block_search(base, n, n_blocks, ends, local, t, shift, limit, BLOCK, NB)
+        tok = tl.where(t_raw <= 0, tok, count)
+    mine = win == rank
+    x_tok = tl.load(base + tok).to(tl.float32)  # (tok is in [0, n) on every rank; only the winner's is kept)
+    if not GREEDY_ONLY:
+        x_tok = tl.math.div_rn(x_tok, t)
+    lp = (x_tok - top) - tl.log(total)
+    tl.store(out_ptr + row, tl.where(mine, (tok + lo).to(tl.float32), 0.0))
+    tl.store(out_ptr + b + row, tl.where(mine, lp, 0.0))
+
+
+def sample_shard(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    u: torch.Tensor,
+    greedy_only: bool,
+    *,
+    lo: int,
+    rank: int,
+    size: int,
+    reduce: Callable[[torch.Tensor], None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vocab_parallel.sample_split through the two kernels above (module doc): this rank's logits slice
+    [B, n] (vocabulary rows [lo, lo + n), unit stride along n), every rank of the group calling it with the
+    same temperature / u [B]; `reduce` sums a tensor in place over the group (called twice, by every rank,
+    even for B = 0). Returns (token [B] int64, logprob [B] fp32), the same on every rank."""
+    b, n = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n_blocks = -(-n // BLOCK)
+    if n_blocks > MAX_BLOCKS:
+        raise ValueError(f"sampling kernel: vocabulary slice {n} > {MAX_BLOCKS * BLOCK} entries")
+    nb = _pow2(n_blocks, 16)
+    dev = logits.device
+    stats = torch.empty((size, b, 2), dtype=torch.float32, device=dev)
+    out = torch.empty((2, b), dtype=torch.float32, device=dev)
+    ends = torch.empty((b, nb), dtype=torch.float32, device=dev)
+    arg = torch.empty(b, dtype=torch.int32, device=dev)
+    temp = temperature.to(torch.float32).contiguous()
+    uu = u.to(torch.float32).contiguous()
+    common = dict(SIZE=size, GREEDY_ONLY=greedy_only, BLOCK=BLOCK, NB=nb, num_warps=8)
+    if b:
+        _shard_stats_kernel[(b,)](logits, temp, stats, ends, arg, n, logits.stride(0), n_blocks, b, rank,
+                                  **common)  # fmt: skip
+    reduce(stats)  # every rank's (max, sum)
+    if b:
+        _shard_pick_kernel[(b,)](logits, temp, uu, stats, ends, arg, out, n, logits.stride(0), n_blocks, b,
+                                 rank, lo, SP=_pow2(size, 2), **common)  # fmt: skip
+    reduce(out)  # the winner's (token, log-prob)
+    return out[0].long(), out[1]

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relayrl.rollout.sampling import sample_tokens
+from relayrl.rollout import sampling, sampling_kernels
 
 Reduce = Callable[[torch.Tensor], None]
 """An in-place sum over the TP group (dist.all_reduce)."""
@@ -96,10 +96,18 @@ def sample_split(
     rank: int,
     size: int,
     reduce: Reduce,
+    fast: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from this rank's logits slice [B, n] (vocabulary rows [lo, lo + n)), every
     rank of the group calling it with its own slice and the same temperature / u [B]; returns (token [B]
-    int64, logprob [B] fp32), the same on every rank (module doc). `greedy_only`: every row has T = 0."""
+    int64, logprob [B] fp32), the same on every rank (module doc). `greedy_only`: every row has T = 0.
+    `fast`: the per-rank passes as sampling_kernels.sample_shard's two Triton kernels (None:
+    sampling.fast_default, on CUDA; True on a CPU needs TRITON_INTERPRET=1), False: the torch ops below (the
+    reference). Every rank of the group must pass the same choice (the collectives must match)."""
+    if sampling.fast_default(logits) if fast is None else fast:
+        return sampling_kernels.sample_shard(
+            logits, temperature, u, greedy_only, lo=lo, rank=rank, size=size, reduce=reduce
+        )
     b = logits.shape[0]
     greedy = temperature <= 0
     t_eff = torch.where(greedy, 1.0, temperature)
@@ -178,11 +186,14 @@ class VocabParallelHead(torch.nn.Linear):
         top_k: torch.Tensor,
         u: torch.Tensor,
         mode: str,
+        *,
+        fast: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """sampling.sample_tokens over the vocabulary split across the group (module doc)."""
+        """sampling.sample_tokens over the vocabulary split across the group (module doc); `fast` as in
+        `sample_split` (and sampling.sample_tokens for the gathered logits of "truncate" steps)."""
         if mode == "truncate":
-            return sample_tokens(self.gather(logits), temperature, top_p, top_k, u, mode)
+            return sampling.sample_tokens(self.gather(logits), temperature, top_p, top_k, u, mode, fast=fast)
         if mode not in ("greedy", "sample"):
             raise ValueError(f"sampling mode must be greedy, sample or truncate, got {mode!r}")
         return sample_split(logits, temperature, u, mode == "greedy", lo=self.lo, rank=self.rank,
-                            size=self.size, reduce=self._reduce)  # fmt: skip
+                            size=self.size, reduce=self._reduce, fast=fast)  # fmt: skip
