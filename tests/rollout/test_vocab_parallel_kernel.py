@@ -1,13 +1,14 @@
 """The vocabulary-parallel sampler's Triton passes (sampling_kernels.sample_shard, vocab_parallel.sample_split's
 CUDA default) against its torch ops (sample_split(fast=False)) and the one-GPU sampler (sampling.sample_tokens_ref
 on the whole row), on a CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; skipped
-without triton). Ranks: 2, 3 and 4 simulated in threads that take turns (the interpreter is not thread-safe: a
-rank runs only while the others wait inside an all-reduce), and real gloo groups of 2 and 4 processes.
+without triton). Ranks: 2 and 4 simulated in threads that take turns (the interpreter is not thread-safe: a
+rank runs only while the others wait inside an all-reduce), and real gloo groups of 2 and 4 processes
+(marked slow: ~15 s and ~60 s on 2 cores).
 
 Bounds (the TP = 1 kernel's, sampling.py's module doc): tokens equal to both references except where u lies
 within BOUNDARY of the fp64 CDF boundary between the two tokens (each side groups its fp32 sums differently:
 per rank and per block of 4096 here, per rank and per block of 1024 in the torch split, one running sum in the
-one-GPU reference), at most 1 such row per 64 draws; log-probs of equal tokens within 1e-5; greedy rows the
+one-GPU reference), at most 1 such row per 32 draws; log-probs of equal tokens within 1e-5; greedy rows the
 argmax (the first maximum across ranks). Vocabulary 20,003: at TP 2 each rank's slice spans three 4096-entry
 blocks (the last a short tail), at TP 4 two, so the cross-block search and the masked tail run on every rank.
 GPU twin: test_vocab_parallel_kernel_gpu.py."""
@@ -20,10 +21,13 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+import tp_workers
 import vocab_kernel_ranks
 from vocab_kernel_ranks import BOUNDARY, boundary_rows
 
+from relayrl.rollout.base import generate_all
 from relayrl.rollout.kernels import usable
+from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.sampling import sample_tokens_ref
 from relayrl.rollout.vocab_parallel import sample_split, vocab_bounds
 
@@ -93,15 +97,15 @@ def check(logits, temp, u, tok, lp, ref_tok, ref_lp, max_differ: int) -> None:
     assert torch.equal(tok[greedy], logits[greedy].float().argmax(-1))
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("size", [2, 4])
 def test_kernel_split_samples_what_the_torch_split_and_one_gpu_sample(size):
-    logits, temp, u = vocab_kernel_ranks.case(64, 20_003, seed=size)
+    logits, temp, u = vocab_kernel_ranks.case(32, 20_003, seed=size)
     b = logits.shape[0]
     ones, zeros = torch.ones(b), torch.zeros(b, dtype=torch.long)
     ref_tok, ref_lp = sample_tokens_ref(logits, temp, ones, zeros, u, "sample")
     kern = turn_run(logits, temp, u, size, greedy_only=False, fast=True)
     split_tok, split_lp = turn_run(logits, temp, u, size, greedy_only=False, fast=False)[0]
-    assert len(set(ref_tok[temp > 0].tolist())) > 20  # really sampling
+    assert len(set(ref_tok[temp > 0].tolist())) > 15  # really sampling
     for tok, lp in kern:  # every rank holds the same result
         assert torch.equal(tok, kern[0][0]) and torch.equal(lp, kern[0][1])
     tok, lp = kern[0]
@@ -135,12 +139,15 @@ def test_kernel_split_edge_rows_ties_one_rank_of_minus_inf_and_mass_on_one_rank(
         assert tok[0] == 100 and tok[3] == 8999
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_kernel_split_over_gloo_samples_what_the_torch_split_samples(world, tmp_path):
     """Real gloo groups (dist.all_reduce, the engine's transport on a CPU): every rank gets the torch split's
     tokens (bf16 logits, sampled and greedy) and log-probs within LP_TOL."""
     out = str(tmp_path / "out")
-    mp.spawn(vocab_kernel_ranks.gloo_worker, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True)
+    mp.spawn(
+        vocab_kernel_ranks.gloo_worker, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True
+    )
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     logits, temp, u = vocab_kernel_ranks.case(*vocab_kernel_ranks.GLOO_CASE, seed=world)
     for r in ranks:
@@ -150,3 +157,26 @@ def test_kernel_split_over_gloo_samples_what_the_torch_split_samples(world, tmp_
             assert torch.equal(k_tok, ranks[0][mode]["kernel"][0])
             t = temp if mode == "sample" else torch.zeros_like(temp)
             check(logits, t, u, k_tok, k_lp, t_tok, t_lp, max_differ=1 if mode == "sample" else 0)
+
+
+@pytest.mark.slow
+def test_a_tp2_engine_sampling_through_the_kernels_samples_what_tp1_samples(tmp_path):
+    """The engine path (native_state -> VocabParallelHead.sample_tokens -> sample_split -> the kernels, forced
+    on in the ranks) over gloo: the TP = 1 engine's tokens (greedy, seeded, top-p / top-k: fp32, vocabulary
+    101) and log-probs within LP_TOL."""
+    engine = NativeEngine(tp_workers.tiny_model(), **tp_workers.ENGINE)
+    try:
+        want = tp_workers.outputs(generate_all(engine, tp_workers.requests()))
+    finally:
+        engine.close()
+    out = str(tmp_path / "out")
+    mp.spawn(
+        vocab_kernel_ranks.engine_kernel_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True
+    )
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    assert ranks[0]["kernel_calls"] == ranks[1]["kernel_calls"] > 0  # every rank, every greedy / sample step
+    got = ranks[0]["outputs"]
+    for g_req, w_req in zip(got, want, strict=True):
+        for (g_tok, g_lp), (w_tok, w_lp) in zip(g_req, w_req, strict=True):
+            assert g_tok == w_tok
+            torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=LP_TOL, rtol=0)
