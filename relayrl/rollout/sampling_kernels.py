@@ -22,6 +22,25 @@ reference's one fp32 cumsum, so a token can differ only where u * total lands wi
 relative of the total) of a CDF boundary, and log-probs agree to ~1e-6 (tests/rollout/test_sampling_fast.py
 states the bounds). Static shapes, no host sync: captured in the engine's CUDA graphs; it compiles on the
 first call (the warm-up before each capture). On a CPU it runs in Triton's interpreter (the tests).
+
+The vocabulary-parallel sampler (vocab_parallel.sample_split, TP > 1: each rank holds the logits of a
+contiguous slice [lo, lo + n) of the vocabulary) through the same two steps, `sample_shard`:
+  `_shard_stats_kernel` (pass 1 over the rank's slice, `_row_blocks` as above): the slice's max m_r, its
+      sum s_r = sum exp(x - m_r) (per block, then over blocks) and its first argmax; the block ends stay in
+      a [B, blocks] scratch; (m_r, s_r) go into the rank's row of stats [TP, B, 2], zeros into the others';
+  one all-reduce (sum) of stats: every rank holds every rank's (m_r, s_r), bit for bit the same;
+  `_shard_pick_kernel`: every rank combines them as sample_split's torch ops do, in rank (= vocabulary)
+      order: M = max m_r, rank masses s_r exp(m_r - M), their running ends, Z, target = u Z; the winner is
+      the first rank whose end passes the target (clamped to the last rank with mass; greedy rows: the first
+      rank holding M, torch.argmax's rule); the winner alone re-reads one block (`_block_search`, its target
+      (target - its start) / exp(m_r - M) in its own units) and writes (lo + token, x_tok - M - log Z) into
+      out [2, B], the other ranks zeros;
+  a second all-reduce of out: every rank holds the token and its log-prob.
+So a step reads each rank's slice once plus one block, in 2 kernels and 2 all-reduces of [TP, B, 2] and
+[2, B] fp32 (the torch ops: ~15 kernels, several full-width fp32 passes). Tolerance as for the one-GPU
+kernel: the sums are grouped per rank and per block of 4096 (the torch split: per rank and per block of 1024;
+the one-GPU reference: one running sum), so a token differs only where u lands within fp32 rounding of a CDF
+boundary, log-probs agree to ~1e-6 (tests/rollout/test_vocab_parallel_kernel.py, its GPU twin *_gpu.py).
 """
 
 from __future__ import annotations
@@ -151,7 +170,7 @@ def _shard_stats_kernel(
     if not GREEDY_ONLY:
         tl.store(ends_ptr + row * NB + tl.arange(0, NB), ends)
     tl.store(arg_ptr + row, best_i)
-    for r in tl.static_range(SIZE):
+    for r in tl.static_range(SIZE):  # pyright: ignore[reportGeneralTypeIssues]
         mine = rank == r
         tl.store(stats_ptr + (r * b + row) * 2, tl.where(mine, best, 0.0))
         tl.store(stats_ptr + (r * b + row) * 2 + 1, tl.where(mine, tl.max(ends, 0), 0.0))
@@ -167,7 +186,7 @@ def _shard_pick_kernel(
     to out [2, B], the others zeros (the all-reduce that follows hands every rank the winner's)."""
     row = tl.program_id(0).to(tl.int64)
     top = float("-inf")
-    for r in tl.static_range(SIZE):
+    for r in tl.static_range(SIZE):  # pyright: ignore[reportGeneralTypeIssues]
         top = tl.maximum(top, tl.load(stats_ptr + (r * b + row) * 2))
     ridx = tl.arange(0, SP)
     rank_ends = tl.full([SP], float("inf"), dtype=tl.float32)  # the ranks' running ends (padding: never <=)
@@ -177,7 +196,7 @@ def _shard_pick_kernel(
     mine_end = 0.0
     mine_mass = 0.0
     mine_scale = 0.0
-    for r in tl.static_range(SIZE):
+    for r in tl.static_range(SIZE):  # pyright: ignore[reportGeneralTypeIssues]
         m_r = tl.load(stats_ptr + (r * b + row) * 2)
         scale = tl.exp(m_r - top)
         mass = tl.load(stats_ptr + (r * b + row) * 2 + 1) * scale

@@ -27,6 +27,11 @@ one-GPU sampling; independent of the TP size up to that rounding. Nothing is gat
 floats per step; the per-rank passes (scale, max, argmax, exp, block sums) cover 1/TP of the vocabulary, with
 no full-width scan, and the lm_head GEMM is divided by TP.
 
+Two implementations of the per-rank passes: the torch ops of `sample_split` (the reference, the CPU path and
+`fast=False`) and, on CUDA by default (sampling.fast_default), sampling_kernels.sample_shard: the same rule,
+the same two all-reduces, in two Triton kernels that read the slice once plus one 4096-entry block (the torch
+ops took ~0.35-0.4 ms of a 7B TP 2 decode step at batch 256); tokens equal up to the same fp32-rounding cases.
+
 Top-p / top-k (mode "truncate"): the ranks all-gather the logits ([B, V] on every rank) and run
 sampling.sample_tokens on them, so truncation keeps its one-GPU semantics exactly; only steps in that mode
 pay the gather. Stop ids, lengths and flags are handled by the caller (native_state.SlotState.advance) on
