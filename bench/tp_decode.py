@@ -412,8 +412,21 @@ def _profile_tp(args, tp, device, dtype, steps, split_head, impl, sampler) -> di
     return out if rank == 0 else None
 
 
+def attempt(fn, *args, **kwargs) -> dict | None:
+    """fn's result, or {"error": ...} when it raises (every rank runs the same code, so a failure such as a
+    kernel that does not compile is met by every rank alike, and the next row still runs)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # recorded in the JSON and printed
+        print(f"rank {dist.get_rank()}: {getattr(fn, '__name__', fn)} failed: {e!r}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": repr(e)[:2000], "kwargs": {k: str(v) for k, v in kwargs.items()}}
+
+
 def print_table(rows: list) -> None:
-    base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
+    rows = [r for r in rows if r and "error" not in r]
+    base = next((r for r in rows if r["tp"] == 1 and r["fused"]), None)
     head = (
         f"{'tp':>3} {'fused':>5} {'head':>14} {'allreduce':>10} {'sampler':>7} {'kernels':>7} {'tok/s':>10} "
         f"{'ms/step':>8}"
@@ -555,7 +568,7 @@ def main() -> None:
     for tp, fused, split, impl, smp in plan:  # the unfused TP 1 row: the fused projections' gain
         mark(f"row tp{tp} fused={fused} {head_name(tp, split)} {impl} sampler={smp}")
         result["rows"].append(
-            run_tp(args, tp, device, dtype, fused=fused, split_head=split, impl=impl, sampler=smp)
+            attempt(run_tp, args, tp, device, dtype, fused=fused, split_head=split, impl=impl, sampler=smp)
         )
         write(result, world_rank)
     if world_rank == 0:
@@ -572,8 +585,8 @@ def main() -> None:
         ]
         for key, split, impl, smp in runs:
             mark(f"{key} tp{args.profile}")
-            result[key] = profile_tp(
-                args, args.profile, device, dtype, split_head=split, impl=impl, sampler=smp
+            result[key] = attempt(
+                profile_tp, args, args.profile, device, dtype, split_head=split, impl=impl, sampler=smp
             )
             write(result, world_rank)
             if world_rank == 0:
