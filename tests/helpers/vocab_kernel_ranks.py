@@ -110,9 +110,9 @@ def gpu_worker(
     cpu: bool = False,
 ) -> None:
     """One GPU a rank, NCCL: the kernel and torch paths of sample_split over [256, 152064] bf16 logits split
-    over the ranks, STEPS_GPU uniforms (new logits every 50 steps); rank 0 checks both against the fp64 inverse
-    CDF of the whole row; then the kernel path captured in a CUDA graph (its all-reduces inside) replayed with
-    new uniforms, and each path's graph-replay time. Saves a dict of counts and times. `cpu`: a dry run of the
+    over the ranks, STEPS_GPU uniforms (new logits every 50 steps), both checked against the fp64 inverse CDF
+    of the whole row; then each path captured in a CUDA graph (its all-reduces inside) and replayed with new
+    uniforms (compared with eager), and each path's graph-replay time. Saves a dict of counts and times. `cpu`: a dry run of the
     same code over gloo (Triton's interpreter, no graphs; a small `shape` (rows, vocabulary, steps))."""
     bsz, vocab, steps = shape
     if cpu:
@@ -188,7 +188,9 @@ def gpu_worker(
                     run(local, temp, u_buf, False, fast)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(
+                graph, capture_error_mode="thread_local"
+            ):  # as the engine (NCCL's watchdog)
                 g_tok, g_lp = run(local, temp, u_buf, False, fast)
             equal = True
             for step in (1, 2, 3):
