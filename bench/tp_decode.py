@@ -23,7 +23,7 @@ One full warm-up round, then --rounds timed rounds (median reported). Per TP siz
     peak_gib         peak GPU memory of rank 0
     kernels          decode ran rollout/kernels.py's fused Triton kernels (on by default on CUDA)
     sampler          TP > 1 with the vocab-parallel head: "kernel" (vocab_parallel.sample_split's per-rank passes as
-                     sampling_kernels.sample_shard's two Triton kernels, the default on CUDA) or "torch" (its
+                     sampling_kernels.sample_shard's Triton kernels, the default on CUDA) or "torch" (its
                      torch ops: the sampler before the kernels); --tp-sampler kernel,torch gives one row (and one
                      profile) each. TP 1 always runs the one-GPU Triton sampler ("kernel").
     head             TP > 1: "vocab_parallel" (lm_head rows split, ranks sample together without gathering the
@@ -37,10 +37,11 @@ gain (--no-unfused skips it).
 through the samples (kv bucket covering prompt + new_tokens / 2), under torch.profiler: GPU kernel time per
 step split into all-reduce (NCCL, the sampler's two small ones included), GEMM, attention, the fused norm /
 rotary / SiLU kernels, the sampler's Triton kernels ("sampler": TP 1's one kernel, the vocab-parallel sampler's
-two) and the rest ("other": embedding, copies, and with --tp-sampler torch the torch sampler's ops), for the step run eagerly (every kernel visible) and as the CUDA graph the
-engine replays; plus each one's wall time per step. Written as "profile" in the JSON (--profile-head both: the
-vocab-parallel head's, then the replicated head's as "profile_replicated"; the other --allreduce-impl names as
-"profile_<impl>", the other --tp-sampler names as "profile_sampler_<name>").
+three) and the rest ("other": embedding, copies, and with --tp-sampler torch the torch sampler's ops), for
+the step run eagerly (every kernel visible) and as the CUDA graph the engine replays; plus each one's wall
+time per step. Written as "profile" in the JSON (--profile-head both: the vocab-parallel head's, then the
+replicated head's as "profile_replicated"; the other --allreduce-impl names as "profile_<impl>", the other
+--tp-sampler names as "profile_sampler_<name>").
 
 --allreduce (GPUs, last): the decode step's all-reduce alone ([batch, hidden] bf16, 2 a layer), per call,
 eagerly and inside a CUDA graph: NCCL (what the engine runs) vs torch's symmetric-memory one-shot / two-shot
@@ -299,8 +300,9 @@ def kernel_category(name: str) -> str:
         return "all_reduce"
     if "attention" in n or "attn" in n or "flash" in n:
         return "attention"
-    if n.startswith(("_sample_kernel", "_shard_stats_kernel", "_shard_pick_kernel")):
-        return "sampler"  # sampling_kernels.py: the one-GPU sampler (TP 1), the vocab-parallel one's 2 passes
+    # sampling_kernels.py: the one-GPU sampler (TP 1), the vocab-parallel one's 3 kernels
+    if n.startswith(("_sample_kernel", "_shard_block_kernel", "_shard_stats_kernel", "_shard_pick_kernel")):
+        return "sampler"
     if n.startswith(("_rms_norm", "_silu_mul", "_rope_kv")):
         return "norm_rope_silu"
     if any(g in n for g in GEMM_NAMES):

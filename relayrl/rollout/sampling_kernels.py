@@ -25,9 +25,11 @@ first call (the warm-up before each capture). On a CPU it runs in Triton's inter
 
 The vocabulary-parallel sampler (vocab_parallel.sample_split, TP > 1: each rank holds the logits of a
 contiguous slice [lo, lo + n) of the vocabulary) through the same two steps, `sample_shard`:
-  `_shard_stats_kernel` (pass 1 over the rank's slice, `_row_blocks` as above): the slice's max m_r, its
-      sum s_r = sum exp(x - m_r) (per block, then over blocks) and its first argmax; the block ends stay in
-      a [B, blocks] scratch; (m_r, s_r) go into the rank's row of stats [TP, B, 2], zeros into the others';
+  `_shard_block_kernel`: pass 1 over the rank's slice, one program per (row, block) (`_block_stat`, the
+      one-GPU kernel's block step; one program per row leaves the GPU's memory idle at B = 256);
+  `_shard_stats_kernel`, one program per row: the blocks combined as above (the same values: the slice's
+      max m_r, its first argmax, the block ends, s_r = sum exp(x - m_r)); the block ends and the argmax stay
+      in scratch; (m_r, s_r) go into the rank's row of stats [TP, B, 2], zeros into the others';
   one all-reduce (sum) of stats: every rank holds every rank's (m_r, s_r), bit for bit the same;
   `_shard_pick_kernel`: every rank combines them as sample_split's torch ops do, in rank (= vocabulary)
       order: M = max m_r, rank masses s_r exp(m_r - M), their running ends, Z, target = u Z; the winner is
@@ -36,7 +38,7 @@ contiguous slice [lo, lo + n) of the vocabulary) through the same two steps, `sa
       (target - its start) / exp(m_r - M) in its own units) and writes (lo + token, x_tok - M - log Z) into
       out [2, B], the other ranks zeros;
   a second all-reduce of out: every rank holds the token and its log-prob.
-So a step reads each rank's slice once plus one block, in 2 kernels and 2 all-reduces of [TP, B, 2] and
+So a step reads each rank's slice once plus one block, in 3 kernels and 2 all-reduces of [TP, B, 2] and
 [2, B] fp32 (the torch ops: ~15 kernels, several full-width fp32 passes). Tolerance as for the one-GPU
 kernel: the sums are grouped per rank and per block of 4096 (the torch split: per rank and per block of 1024;
 the one-GPU reference: one running sum), so a token differs only where u lands within fp32 rounding of a CDF
@@ -58,27 +60,33 @@ MAX_BLOCKS = 1024
 
 
 @_jit
+def _block_stat(base, n, c, t, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr):
+    """Block c of a row: its max, the index (in the row) of its first maximum, and sum exp(x - max)."""
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    if not GREEDY_ONLY:
+        x = tl.math.div_rn(x, t)  # torch's logits / T: an IEEE division
+    cm = tl.max(x, 0)
+    ci = tl.argmax(x, 0, tie_break_left=True)
+    e = tl.exp(x - tl.where(cm == float("-inf"), 0.0, cm))  # an all -inf block has no mass
+    return cm, c * BLOCK + ci, tl.sum(e, 0)
+
+
+@_jit
 def _row_blocks(base, n, n_blocks, t, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
     """Pass 1 over one row (module doc): per block its max and sum of exp(x - block max) ([NB] each, unused
     blocks -inf / 0), and the row's first maximum and its index."""
-    offs = tl.arange(0, BLOCK)
     bidx = tl.arange(0, NB)
     bmax = tl.full([NB], float("-inf"), dtype=tl.float32)
     bsum = tl.zeros([NB], dtype=tl.float32)
     best = float("-inf")
     best_i = 0
     for c in range(0, n_blocks):
-        cols = c * BLOCK + offs
-        x = tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        if not GREEDY_ONLY:
-            x = tl.math.div_rn(x, t)  # torch's logits / T: an IEEE division
-        cm = tl.max(x, 0)
-        ci = tl.argmax(x, 0, tie_break_left=True)
-        e = tl.exp(x - tl.where(cm == float("-inf"), 0.0, cm))  # an all -inf block has no mass
+        cm, ci, cs = _block_stat(base, n, c, t, GREEDY_ONLY, BLOCK)
         bmax = tl.where(bidx == c, cm, bmax)
-        bsum = tl.where(bidx == c, tl.sum(e, 0), bsum)
+        bsum = tl.where(bidx == c, cs, bsum)
         upd = cm > best  # pyright: ignore[reportOperatorIssue]
-        best_i = tl.where(upd, c * BLOCK + ci, best_i)
+        best_i = tl.where(upd, ci, best_i)
         best = tl.where(upd, cm, best)
     return bmax, bsum, best, best_i
 
@@ -154,21 +162,42 @@ def sample_rows(
 
 # ------------------------------------------------------------------ the vocabulary-parallel sampler's passes
 @_jit
-def _shard_stats_kernel(
-    x_ptr, t_ptr, stats_ptr, ends_ptr, arg_ptr, n, sx, n_blocks, b, rank,
-    SIZE: tl.constexpr, GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+def _shard_block_kernel(
+    x_ptr, t_ptr, bmax_ptr, bsum_ptr, barg_ptr, n, sx,
+    GREEDY_ONLY: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1 over this rank's slice of a row: the block ends and the first argmax kept here, (max, sum of
-    exp(x - max)) written to this rank's entry of stats [SIZE, B, 2] and zeros to the others' (the all-reduce
-    that follows is then an all-gather)."""
+    """Pass 1, one program per (row, block) of this rank's slice (a row alone in one program left the GPU's
+    memory idle: B = 256 programs): the block's `_block_stat` into [B, NB] scratch."""
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     t = tl.load(t_ptr + row)
     t = tl.where(t <= 0, 1.0, t)
-    bmax, bsum, best, best_i = _row_blocks(x_ptr + row * sx, n, n_blocks, t, GREEDY_ONLY, BLOCK, NB)
+    cm, ci, cs = _block_stat(x_ptr + row * sx, n, c, t, GREEDY_ONLY, BLOCK)
+    tl.store(bmax_ptr + row * NB + c, cm)
+    tl.store(bsum_ptr + row * NB + c, cs)
+    tl.store(barg_ptr + row * NB + c, ci)
+
+
+@_jit
+def _shard_stats_kernel(
+    bmax_ptr, bsum_ptr, barg_ptr, stats_ptr, ends_ptr, arg_ptr, n_blocks, b, rank,
+    SIZE: tl.constexpr, GREEDY_ONLY: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """The slice's blocks combined as `_row_blocks` + `_sample_kernel` combine them (the same values): the
+    block ends and the first argmax kept here, (max, sum of exp(x - max)) written to this rank's entry of
+    stats [SIZE, B, 2] and zeros to the others' (the all-reduce that follows is then an all-gather)."""
+    row = tl.program_id(0).to(tl.int64)
+    bidx = tl.arange(0, NB)
+    valid = bidx < n_blocks
+    bmax = tl.load(bmax_ptr + row * NB + bidx, mask=valid, other=float("-inf"))
+    bsum = tl.load(bsum_ptr + row * NB + bidx, mask=valid, other=0.0)
+    best = tl.max(bmax, 0)
+    first = tl.min(tl.where(valid & (bmax == best), bidx, NB), 0)  # the first block holding the max
+    best_i = tl.sum(tl.where(bidx == first, tl.load(barg_ptr + row * NB + bidx, mask=valid, other=0), 0), 0)
     shift = tl.where(best == float("-inf"), 0.0, best)  # a slice of -inf only: no mass, not NaN
     ends = tl.cumsum(bsum * tl.exp(bmax - shift), 0)
     if not GREEDY_ONLY:
-        tl.store(ends_ptr + row * NB + tl.arange(0, NB), ends)
+        tl.store(ends_ptr + row * NB + bidx, ends)
     tl.store(arg_ptr + row, best_i)
     for r in tl.static_range(SIZE):  # pyright: ignore[reportGeneralTypeIssues]
         mine = rank == r
@@ -258,17 +287,20 @@ def sample_shard(
     dev = logits.device
     stats = torch.empty((size, b, 2), dtype=torch.float32, device=dev)
     out = torch.empty((2, b), dtype=torch.float32, device=dev)
-    ends = torch.empty((b, nb), dtype=torch.float32, device=dev)
+    bmax, bsum, ends = torch.empty((3, b, nb), dtype=torch.float32, device=dev)
+    barg = torch.empty((b, nb), dtype=torch.int32, device=dev)
     arg = torch.empty(b, dtype=torch.int32, device=dev)
     temp = temperature.to(torch.float32).contiguous()
     uu = u.to(torch.float32).contiguous()
-    common = dict(SIZE=size, GREEDY_ONLY=greedy_only, BLOCK=BLOCK, NB=nb, num_warps=8)
     if b:
-        _shard_stats_kernel[(b,)](logits, temp, stats, ends, arg, n, logits.stride(0), n_blocks, b, rank,
-                                  **common)  # fmt: skip
+        _shard_block_kernel[(b, n_blocks)](logits, temp, bmax, bsum, barg, n, logits.stride(0),
+                                           GREEDY_ONLY=greedy_only, BLOCK=BLOCK, NB=nb, num_warps=4)  # fmt: skip
+        _shard_stats_kernel[(b,)](bmax, bsum, barg, stats, ends, arg, n_blocks, b, rank, SIZE=size,
+                                  GREEDY_ONLY=greedy_only, NB=nb, num_warps=1)  # fmt: skip
     reduce(stats)  # every rank's (max, sum)
     if b:
         _shard_pick_kernel[(b,)](logits, temp, uu, stats, ends, arg, out, n, logits.stride(0), n_blocks, b,
-                                 rank, lo, SP=_pow2(size, 2), **common)  # fmt: skip
+                                 rank, lo, SIZE=size, SP=_pow2(size, 2), GREEDY_ONLY=greedy_only, BLOCK=BLOCK,
+                                 NB=nb, num_warps=8)  # fmt: skip
     reduce(out)  # the winner's (token, log-prob)
     return out[0].long(), out[1]

@@ -29,7 +29,7 @@ no full-width scan, and the lm_head GEMM is divided by TP.
 
 Two implementations of the per-rank passes: the torch ops of `sample_split` (the reference, the CPU path and
 `fast=False`) and, on CUDA by default (sampling.fast_default), sampling_kernels.sample_shard: the same rule,
-the same two all-reduces, in two Triton kernels that read the slice once plus one 4096-entry block (the torch
+the same two all-reduces, in three Triton kernels that read the slice once plus one 4096-entry block (the torch
 ops took ~0.35-0.4 ms of a 7B TP 2 decode step at batch 256); tokens equal up to the same fp32-rounding cases.
 
 Top-p / top-k (mode "truncate"): the ranks all-gather the logits ([B, V] on every rank) and run
@@ -106,7 +106,7 @@ def sample_split(
     """Sample one token per row from this rank's logits slice [B, n] (vocabulary rows [lo, lo + n)), every
     rank of the group calling it with its own slice and the same temperature / u [B]; returns (token [B]
     int64, logprob [B] fp32), the same on every rank (module doc). `greedy_only`: every row has T = 0.
-    `fast`: the per-rank passes as sampling_kernels.sample_shard's two Triton kernels (None:
+    `fast`: the per-rank passes as sampling_kernels.sample_shard's Triton kernels (None:
     sampling.fast_default, on CUDA; True on a CPU needs TRITON_INTERPRET=1), False: the torch ops below (the
     reference). Every rank of the group must pass the same choice (the collectives must match)."""
     if sampling.fast_default(logits) if fast is None else fast:

@@ -119,7 +119,7 @@ def test_kernel_split_samples_what_the_torch_split_and_one_gpu_sample(size):
 
 
 def test_kernel_split_edge_rows_ties_one_rank_of_minus_inf_and_mass_on_one_rank():
-    """Greedy ties across ranks go to the first maximum (torch.argmax); a rank whose whole slice is -inf has no
+    """Greedy ties across ranks and across blocks go to the first maximum (torch.argmax); a rank whose whole slice is -inf has no
     mass (not NaN) and is never drawn; a row whose mass sits on one entry of the last rank draws it."""
     b, v = 6, 9_000  # TP 2: slices of 4500 (a block and a tail)
     logits, temp, u = vocab_kernel_ranks.case(b, v, seed=9, dtype=torch.float32)
@@ -128,15 +128,16 @@ def test_kernel_split_edge_rows_ties_one_rank_of_minus_inf_and_mass_on_one_rank(
     logits[1, 4500:] = float("-inf")  # rank 1's whole slice
     logits[2, :4500] = float("-inf")  # rank 0's whole slice
     logits[3, 8999] = 60.0  # all the mass on the last entry
-    temp[:4] = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    logits[4, [10, 4200]] = 50.0  # a tie across two blocks of rank 0
+    temp[:5] = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0])
     ones, zeros = torch.ones(b), torch.zeros(b, dtype=torch.long)
     ref_tok, ref_lp = sample_tokens_ref(logits, temp, ones, zeros, u, "sample")
     for tok, lp in turn_run(logits, temp, u, 2, greedy_only=False, fast=True):
-        assert tok[0] == 100 and tok[1] < 4500 and tok[2] >= 4500 and tok[3] == 8999
+        assert tok[0] == 100 and tok[1] < 4500 and tok[2] >= 4500 and tok[3] == 8999 and tok[4] == 10
         assert torch.isfinite(lp).all()
         check(logits, temp, u, tok, lp, ref_tok, ref_lp, max_differ=0)
     for tok, _ in turn_run(logits, torch.zeros(b), u, 2, greedy_only=True, fast=True):
-        assert tok[0] == 100 and tok[3] == 8999
+        assert tok[0] == 100 and tok[3] == 8999 and tok[4] == 10
 
 
 @pytest.mark.slow
