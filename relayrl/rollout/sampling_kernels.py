@@ -273,7 +273,7 @@ def sample_shard(
     size: int,
     reduce: Callable[[torch.Tensor], None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vocab_parallel.sample_split through the two kernels above (module doc): this rank's logits slice
+    """vocab_parallel.sample_split through the three kernels above (module doc): this rank's logits slice
     [B, n] (vocabulary rows [lo, lo + n), unit stride along n), every rank of the group calling it with the
     same temperature / u [B]; `reduce` sums a tensor in place over the group (called twice, by every rank,
     even for B = 0). Returns (token [B] int64, logprob [B] fp32), the same on every rank."""
