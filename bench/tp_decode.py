@@ -22,6 +22,10 @@ One full warm-up round, then --rounds timed rounds (median reported). Per TP siz
     graphs / eager   CUDA graphs captured / keys whose capture failed (run eagerly)
     peak_gib         peak GPU memory of rank 0
     kernels          decode ran rollout/kernels.py's fused Triton kernels (on by default on CUDA)
+    sampler          TP > 1 with the vocab-parallel head: "kernel" (vocab_parallel.sample_split's per-rank passes as
+                     sampling_kernels.sample_shard's Triton kernels, the default on CUDA) or "torch" (its
+                     torch ops: the sampler before the kernels); --tp-sampler kernel,torch gives one row (and one
+                     profile) each. TP 1 always runs the one-GPU Triton sampler ("kernel").
     head             TP > 1: "vocab_parallel" (lm_head rows split, ranks sample together without gathering the
                      logits: rollout/vocab_parallel.py; the default) or "replicated" (every rank computes the
                      full logits and samples alone: the engine before the split); --head picks, "both" runs
@@ -31,10 +35,13 @@ gain (--no-unfused skips it).
 
 --profile TP (default 2; 0: off): after the rows, the TP-TP engine's decode step at batch --batch, half way
 through the samples (kv bucket covering prompt + new_tokens / 2), under torch.profiler: GPU kernel time per
-step split into all-reduce (NCCL), GEMM, attention, the fused norm / rotary / SiLU kernels and the rest
-(sampling, embedding, copies), for the step run eagerly (every kernel visible) and as the CUDA graph the
-engine replays; plus each one's wall time per step. Written as "profile" in the JSON (--profile-head both: the
-vocab-parallel head's, then the replicated head's as "profile_replicated").
+step split into all-reduce (NCCL, the sampler's two small ones included), GEMM, attention, the fused norm /
+rotary / SiLU kernels, the sampler's Triton kernels ("sampler": TP 1's one kernel, the vocab-parallel sampler's
+three) and the rest ("other": embedding, copies, and with --tp-sampler torch the torch sampler's ops), for
+the step run eagerly (every kernel visible) and as the CUDA graph the engine replays; plus each one's wall
+time per step. Written as "profile" in the JSON (--profile-head both: the vocab-parallel head's, then the
+replicated head's as "profile_replicated"; the other --allreduce-impl names as "profile_<impl>", the other
+--tp-sampler names as "profile_sampler_<name>").
 
 --allreduce (GPUs, last): the decode step's all-reduce alone ([batch, hidden] bf16, 2 a layer), per call,
 eagerly and inside a CUDA graph: NCCL (what the engine runs) vs torch's symmetric-memory one-shot / two-shot
@@ -51,6 +58,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # P2P all-reduce
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -69,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tp_allreduce import allreduce_bench  # bench/tp_allreduce.py
 
+from relayrl.rollout import sampling
 from relayrl.rollout.base import GenerationRequest, SamplingParams, generate_all
 from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.native_tp import TPNativeEngine, shard_model
@@ -76,8 +85,23 @@ from relayrl.rollout.native_tp import TPNativeEngine, shard_model
 IMPLS = {"nccl": "nccl", "custom": "auto", "one_shot": "one_shot", "two_shot": "two_shot"}
 """--allreduce-impl names -> TPNativeEngine(allreduce=...) (custom: the engine's default, symmetric memory where
 it works)."""
+SAMPLERS = ("kernel", "torch")
+"""--tp-sampler names: the vocab-parallel sampler's Triton kernels (sampling.FAST True) or its torch ops."""
 TOKENS: dict[tuple[int, str], list] = {}
-"""Rank 0: (tp, head) -> the first --allreduce-impl row's tokens (the other impls' rows are compared to it)."""
+"""Rank 0: (tp, head) -> the first row's tokens of that TP size and head (the rows of the other --allreduce-impl
+and --tp-sampler names are compared to it)."""
+
+
+@contextlib.contextmanager
+def sampler_choice(name: str):
+    """sampling.FAST for an engine's life (its CUDA graphs capture the choice): "kernel" True, "torch" False."""
+    saved = sampling.FAST
+    sampling.FAST = name == "kernel"
+    try:
+        yield
+    finally:
+        sampling.FAST = saved
+
 
 SHAPES = {
     "qwen2.5-7b": dict(
@@ -167,10 +191,17 @@ def run_tp(
     fused: bool = True,
     split_head: bool = True,
     impl: str = "custom",
+    sampler: str = "kernel",
 ) -> dict | None:
     """One row: TP size `tp` over ranks [0, tp) (tp 1: the plain NativeEngine, no collectives); `fused`
     False keeps the projections separate (the shard's parameters left trainable, which fusion skips);
-    `split_head` False: the lm_head replicated (module doc); `impl`: the all-reduce (IMPLS)."""
+    `split_head` False: the lm_head replicated (module doc); `impl`: the all-reduce (IMPLS); `sampler`: the
+    vocab-parallel sampler (SAMPLERS)."""
+    with sampler_choice(sampler):
+        return _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler)
+
+
+def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict | None:
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))  # every rank creates it (torch.distributed's rule)
     out = None
@@ -211,6 +242,7 @@ def run_tp(
             "fused": fused,
             "head": head_name(tp, split_head),
             "allreduce": impl if tp > 1 else "none",
+            "sampler": sampler,
             "allreduce_used": (fast.name if fast is not None else "nccl") if tp > 1 else "none",
             **token_check(tp, head_name(tp, split_head), tokens, rank),
             "tok_s": args.batch * args.new_tokens / t,
@@ -234,9 +266,14 @@ def run_tp(
 
 
 def token_check(tp: int, head: str, tokens: list, rank: int) -> dict:
-    """Rank 0: a digest of the warm-up round's tokens and, after the first --allreduce-impl row of this
-    (tp, head), the share of samples whose tokens equal that row's (TP 2: 1.0 expected, the sums being
-    bit-equal; TP 4: bf16 rounding may flip a few late tokens)."""
+    """Rank 0: a digest of the warm-up round's tokens and, after the first row of this (tp, head) (the rows of
+    the other --allreduce-impl / --tp-sampler names), the share of samples whose whole token sequence equals
+    that row's. Another all-reduce: TP 2 1.0 expected (the sums are bit-equal); TP 4: bf16 rounding may flip a
+    few late tokens. Another sampler: NOT a correctness check: the kernel and torch samplers group their fp32
+    sums differently, so a draw whose u lies within rounding (~1e-6) of a CDF boundary may differ (about 1% of
+    draws on the near-flat rows of random weights: test_sampling_gpu.py), and a 256-token sample then differs
+    from there on; most samples are expected to differ somewhere (tests/rollout/test_vocab_parallel_kernel*.py
+    check the samplers against each other and against fp64)."""
     if rank != 0:
         return {}
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
@@ -256,14 +293,15 @@ GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "
 
 
 def kernel_category(name: str) -> str:
-    """all_reduce / gemm / attention / norm_rope_silu (kernels.py's fused elementwise kernels) / other
-    (sampling, embedding, copies), from a GPU kernel's name."""
+    """all_reduce / gemm / attention / norm_rope_silu (kernels.py's fused elementwise kernels) / sampler (the
+    Triton samplers) / other (the torch sampler's ops, embedding, copies), from a GPU kernel's name."""
     n = name.lower()
     if "nccl" in n or "all_reduce" in n or "allreduce" in n:
         return "all_reduce"
     if "attention" in n or "attn" in n or "flash" in n:
         return "attention"
-    if n.startswith("_sample_kernel"):  # the one-GPU sampler's Triton kernel (TP = 1; sampling_kernels.py)
+    # sampling_kernels.py: the one-GPU sampler (TP 1), the vocab-parallel one's 3 kernels
+    if n.startswith(("_sample_kernel", "_shard_block_kernel", "_shard_stats_kernel", "_shard_pick_kernel")):
         return "sampler"
     if n.startswith(("_rms_norm", "_silu_mul", "_rope_kv")):
         return "norm_rope_silu"
@@ -300,7 +338,14 @@ def profile_tp(
     steps: int = 10,
     split_head: bool = True,
     impl: str = "custom",
+    sampler: str = "kernel",
 ) -> dict | None:
+    """`_profile_tp` with sampling.FAST set for `sampler` (SAMPLERS)."""
+    with sampler_choice(sampler):
+        return _profile_tp(args, tp, device, dtype, steps, split_head, impl, sampler)
+
+
+def _profile_tp(args, tp, device, dtype, steps, split_head, impl, sampler) -> dict | None:
     """The TP-`tp` engine's decode step at batch args.batch under torch.profiler (module doc); rank 0's view. (On a CPU: the same path, no kernel times; for the smoke test.)"""
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))
@@ -332,7 +377,7 @@ def profile_tp(
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         fast = getattr(engine, "fast_all_reduce", None)
         result: dict = {"tp": tp, "batch": bs, "kv_len": kv_len, "kernels": bool(engine.runner.kernels),
-                        "head": head_name(tp, split_head), "allreduce": impl,
+                        "head": head_name(tp, split_head), "allreduce": impl, "sampler": sampler,
                         "allreduce_used": fast.name if fast is not None else "nccl"}  # fmt: skip
         for label, fn in (("eager", eager), ("graph", replay if keys else None)):
             if fn is None:
@@ -369,10 +414,24 @@ def profile_tp(
     return out if rank == 0 else None
 
 
+def attempt(fn, *args, **kwargs) -> dict | None:
+    """fn's result, or {"error": ...} when it raises (every rank runs the same code, so a failure such as a
+    kernel that does not compile is met by every rank alike, and the next row still runs)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # recorded in the JSON and printed
+        print(f"rank {dist.get_rank()}: {getattr(fn, '__name__', fn)} failed: {e!r}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": repr(e)[:2000], "kwargs": {k: str(v) for k, v in kwargs.items()}}
+
+
 def print_table(rows: list) -> None:
-    base = next((r for r in rows if r and r["tp"] == 1 and r["fused"]), None)
+    rows = [r for r in rows if r and "error" not in r]
+    base = next((r for r in rows if r["tp"] == 1 and r["fused"]), None)
     head = (
-        f"{'tp':>3} {'fused':>5} {'head':>14} {'allreduce':>10} {'kernels':>7} {'tok/s':>10} {'ms/step':>8}"
+        f"{'tp':>3} {'fused':>5} {'head':>14} {'allreduce':>10} {'sampler':>7} {'kernels':>7} {'tok/s':>10} "
+        f"{'ms/step':>8}"
     )
     head += f" {'x tp1':>6}"
     head += f" {'start s':>8}"
@@ -381,7 +440,8 @@ def print_table(rows: list) -> None:
         assert r is not None
         speed = r["tok_s"] / base["tok_s"] if base else float("nan")
         print(
-            f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['allreduce_used']:>10.10} {r['kernels']!s:>7} "
+            f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['allreduce_used']:>10.10} {r['sampler']:>7} "
+            f"{r['kernels']!s:>7} "
             f"{r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
             f"{speed:>6.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} {r['peak_gib']:>8.1f}"
         )
@@ -451,6 +511,12 @@ def main() -> None:
         help="comma list of the TP > 1 rows' all-reduce: nccl, custom (the engine default: symmetric memory "
         "where it works, else NCCL), one_shot, two_shot; one row (and profile) per name",
     )
+    ap.add_argument(
+        "--tp-sampler",
+        default="kernel",
+        help="comma list of the TP > 1 vocab-parallel rows' sampler: kernel (Triton, the default on CUDA), "
+        "torch (its torch ops); one row (and profile) per name",
+    )
     ap.add_argument("--time-limit", type=float, default=230.0, help="seconds before partial results + exit")
     args = ap.parse_args()
     world_rank = int(os.environ.get("RANK", "0"))
@@ -476,6 +542,9 @@ def main() -> None:
     impls = [i.strip() for i in args.allreduce_impl.split(",") if i.strip()]
     if not impls or any(i not in IMPLS for i in impls):
         ap.error(f"--allreduce-impl: a comma list of {', '.join(IMPLS)}, got {args.allreduce_impl!r}")
+    samplers = [i.strip() for i in args.tp_sampler.split(",") if i.strip()]
+    if not samplers or any(i not in SAMPLERS for i in samplers):
+        ap.error(f"--tp-sampler: a comma list of {', '.join(SAMPLERS)}, got {args.tp_sampler!r}")
 
     def mark(stage: str) -> None:
         result["stage"] = stage
@@ -494,29 +563,33 @@ def main() -> None:
         dist.destroy_process_group()
         return
     heads = {"split": [True], "replicated": [False], "both": [True, False]}
-    plan = [(tp, True, s, i) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])
-            for i in (impls if tp > 1 else impls[:1])]  # fmt: skip
-    plan += [(1, False, True, impls[0])] if 1 in sizes and not args.no_unfused else []
-    for tp, fused, split, impl in plan:  # the unfused TP 1 row: the fused projections' gain
-        mark(f"row tp{tp} fused={fused} {head_name(tp, split)} {impl}")
-        result["rows"].append(run_tp(args, tp, device, dtype, fused=fused, split_head=split, impl=impl))
+    plan = [(tp, True, s, i, m) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])
+            for i in (impls if tp > 1 else impls[:1])
+            for m in (samplers if tp > 1 and s else ["kernel"])]  # fmt: skip
+    plan += [(1, False, True, impls[0], "kernel")] if 1 in sizes and not args.no_unfused else []
+    for tp, fused, split, impl, smp in plan:  # the unfused TP 1 row: the fused projections' gain
+        mark(f"row tp{tp} fused={fused} {head_name(tp, split)} {impl} sampler={smp}")
+        result["rows"].append(
+            attempt(run_tp, args, tp, device, dtype, fused=fused, split_head=split, impl=impl, sampler=smp)
+        )
         write(result, world_rank)
     if world_rank == 0:
         print_table(result["rows"])
     if args.profile and args.profile <= world:
-        # "profile": the first head and impl; "profile_replicated": the second head; "profile_<impl>": the
-        # other impls (first head)
-        runs = [(s, impls[0]) for s in heads[args.profile_head]] + [
-            (heads[args.profile_head][0], i) for i in impls[1:]
+        # "profile": the first head, impl and sampler; "profile_replicated": the second head;
+        # "profile_<impl>": the other impls, "profile_sampler_<name>": the other samplers (first head)
+        first = heads[args.profile_head][0]
+        runs = [("profile", first, impls[0], samplers[0])]
+        runs += [("profile_replicated", s, impls[0], "kernel") for s in heads[args.profile_head][1:]]
+        runs += [(f"profile_{i}", first, i, samplers[0]) for i in impls[1:]]
+        runs += [
+            (f"profile_sampler_{m}", first, impls[0], m) for m in samplers[1:] if args.profile > 1 and first
         ]
-        for split, impl in runs:
-            key = (
-                "profile"
-                if (split, impl) == runs[0]
-                else ("profile_replicated" if impl == impls[0] else f"profile_{impl}")
-            )
+        for key, split, impl, smp in runs:
             mark(f"{key} tp{args.profile}")
-            result[key] = profile_tp(args, args.profile, device, dtype, split_head=split, impl=impl)
+            result[key] = attempt(
+                profile_tp, args, args.profile, device, dtype, split_head=split, impl=impl, sampler=smp
+            )
             write(result, world_rank)
             if world_rank == 0:
                 print(json.dumps(result[key], indent=1), flush=True)

@@ -62,10 +62,10 @@ class SlotState:
         head = getattr(runner.model, "lm_head", None)
         self.sample = head.sample_tokens if isinstance(head, VocabParallelHead) else sample_tokens
         """sampling.sample_tokens (its Triton kernel on CUDA); a tensor-parallel shard's vocab-parallel head
-        samples over its logits slice with the other ranks (vocab_parallel.py); exact mode keeps the torch ops,
-        whose log_softmax is the trainer's (exact.token_logprobs) bit for bit."""
-        if isinstance(runner, ExactRunner) and not isinstance(head, VocabParallelHead):
-            self.sample = functools.partial(sample_tokens, fast=False)
+        samples over its logits slice with the other ranks (vocab_parallel.py, its Triton passes on CUDA);
+        exact mode keeps the torch ops, whose log_softmax is the trainer's (exact.token_logprobs) bit for bit."""
+        if isinstance(runner, ExactRunner):
+            self.sample = functools.partial(self.sample, fast=False)
 
     def snapshot_tensors(self) -> list[torch.Tensor]:
         """The progress tensors a step mutates (besides K/V and token buffers)."""

@@ -113,8 +113,9 @@ def sample_tokens_ref(
 
 
 FAST = True
-"""sample_tokens' default on CUDA: the Triton kernel (False: the torch ops everywhere; the benchmarks' "old"
-sampler, set before an engine is built, since its CUDA graphs capture the choice)."""
+"""sample_tokens' default on CUDA: the Triton kernel, and vocab_parallel.sample_split's (False: the torch ops
+everywhere; the benchmarks' "old" sampler, set before an engine is built, since its CUDA graphs capture the
+choice)."""
 
 
 def fast_default(logits: torch.Tensor) -> bool:
