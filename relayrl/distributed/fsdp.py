@@ -220,7 +220,7 @@ def _gather_bucket(
     for name, t in sharded:
         offsets[name] = total
         total += _padded_rows(t) * _row_numel(t)
-    flat = torch.zeros(total, dtype=out_dtype, device=device)
+    flat = torch.empty(total, dtype=out_dtype, device=device)  # the padding is gathered but never read
     for name, t in sharded:
         local = t.to_local()
         rows = _rows(t, rank)
@@ -249,7 +249,7 @@ def _gather_bucket(
 def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:
     """The bucket's one collective: `out` = the ranks' `local` buffers end to end, in group-rank order."""
     dist = torch.distributed
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name, where torch has it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
     gather(out, local, group=group)
 
 
