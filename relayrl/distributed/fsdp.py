@@ -2,7 +2,8 @@
 
     model = shard_model(model, ShardSpec(device=dev, compute_dtype=torch.bfloat16, offload=False))
     is_sharded(model)                    True once `shard_model` ran (the model's weights are DTensors)
-    full_tensors(model)                  (name, full tensor) per parameter, gathered one at a time
+    full_tensors(model)                  (name, full tensor) per parameter, gathered in buckets of BUCKET_BYTES
+                                         (one all-gather per bucket; bucket_bytes=0: one per parameter)
 
 Layout: every decoder layer (the classes in the transformers model's `_no_split_modules`) is one FSDP unit,
 and the transformers model itself (embeddings, final norm, LM / value head, tied or not) is the root unit.
@@ -93,31 +94,163 @@ def is_sharded(model: Any) -> bool:
     return isinstance(hf_model(model), FSDPModule)
 
 
+BUCKET_BYTES = 256 * 2**20
+"""Bytes of full (gathered) tensors that `full_tensors` gathers in one collective: consecutive parameters'
+local shards are packed into one flat buffer until their full sizes reach this (a bigger parameter goes
+alone). A refresh then costs a handful of all-gathers instead of one per parameter (290 for a Qwen2.5-0.5B):
+the per-collective latency, not the bytes, dominated it. Peak extra memory is about two buckets (the
+gathered buffer and the tensors rebuilt from it)."""
+
+
 @torch.no_grad()
 def full_tensors(
-    model: Any, dtype: torch.dtype | None = None, names: set[str] | None = None
+    model: Any,
+    dtype: torch.dtype | None = None,
+    names: set[str] | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of every parameter (or of those in `names`), all-gathered one at a time (bounded
-    extra memory: one parameter), cast to `dtype` BEFORE the gather (a bf16 gather moves half the bytes of
-    fp32). Every rank must iterate the whole sequence with the same `names` (each item is a collective)."""
+    """(name, full tensor) of every parameter (or of those in `names`), in `named_parameters` order, each
+    local shard cast to `dtype` BEFORE the gather (a bf16 gather moves half the bytes of fp32) and moved to
+    the mesh's device (a CPU-offloaded shard travels to the GPU: NCCL needs it).
+
+    Consecutive sharded parameters are packed into buckets of up to `bucket_bytes` full bytes, each gathered
+    by ONE all-gather over the mesh's group, then every parameter is rebuilt from the ranks' rows (Shard(0),
+    uneven shards padded to the largest rank's rows for the gather and sliced back). Lazy: a bucket is
+    gathered when the caller reaches its first item; extra memory stays about two buckets (the gathered
+    buffer and the rebuilt tensors) if the caller drops each tensor. `bucket_bytes=0` gathers one parameter
+    at a time (DTensor.full_tensor; the reference; extra memory one parameter). Every rank must iterate the
+    whole sequence with the same `names` and `bucket_bytes` (each bucket is a collective). Non-sharded
+    parameters are yielded as they are (cast to `dtype`)."""
     from torch.distributed.tensor import DTensor
 
+    pending: list[tuple[str, Any]] = []  # (name, parameter data) of the bucket being filled, in order
+    size = 0
     for name, p in model.named_parameters():
         if names is not None and name not in names:
             continue
         t = p.data
-        if isinstance(t, DTensor):
-            local = t.to_local()
-            target = _mesh_device(t)
-            if local.device != target or (dtype is not None and local.dtype != dtype):
-                # cast before the gather; a CPU-offloaded shard travels to the GPU first (NCCL needs it)
-                local = local.to(device=target, dtype=dtype or local.dtype)
-                t = DTensor.from_local(
-                    local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-                )
-            yield name, t.full_tensor()
+        if isinstance(t, DTensor) and bucket_bytes > 0 and _bucketable(t):
+            full = _padded_rows(t) * t.device_mesh.size() * _row_numel(t) * _itemsize(t, dtype)
+            if pending and (size + full > bucket_bytes or not _same_bucket(pending, t, dtype)):
+                yield from _gather_bucket(pending, dtype)
+                pending, size = [], 0
+            pending.append((name, t))
+            size += full
+        elif isinstance(t, DTensor):
+            yield from _gather_bucket(pending, dtype)
+            pending, size = [], 0
+            yield name, _full_tensor(t, dtype)
+        elif pending:
+            pending.append((name, t))  # yielded in its place, after the bucket's earlier items
         else:
             yield name, (t if dtype is None else t.to(dtype))
+    yield from _gather_bucket(pending, dtype)
+
+
+def _full_tensor(t: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    """One DTensor's full tensor by its own all-gather (the per-parameter path)."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local()
+    target = _mesh_device(t)
+    if local.device != target or (dtype is not None and local.dtype != dtype):
+        local = local.to(device=target, dtype=dtype or local.dtype)
+        t = DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return t.full_tensor()
+
+
+def _bucketable(t: Any) -> bool:
+    """A DTensor sharded along dim 0 over a 1-D mesh (what shard_model makes); others go alone."""
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),) and t.dim() >= 1
+
+
+def _padded_rows(t: Any) -> int:
+    """Rows of the largest rank's piece: Shard(0) splits dim 0 like torch.chunk (ceil(rows / ranks) each,
+    the last ranks fewer, possibly 0)."""
+    world = t.device_mesh.size()
+    return -(-t.shape[0] // world)
+
+
+def _rows(t: Any, rank: int) -> int:
+    """Rows of dim 0 that `rank` of the mesh holds (torch.chunk's split)."""
+    c = _padded_rows(t)
+    return max(0, min(c, t.shape[0] - rank * c))
+
+
+def _row_numel(t: Any) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def _itemsize(t: Any, dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype or t.dtype).element_size()
+
+
+def _same_bucket(pending: list[tuple[str, Any]], t: Any, dtype: torch.dtype | None) -> bool:
+    """Whether `t` can join the bucket (same mesh, same gathered dtype as its first DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    first = next(x for _, x in pending if isinstance(x, DTensor))
+    return first.device_mesh == t.device_mesh and (dtype or first.dtype) == (dtype or t.dtype)
+
+
+def _gather_bucket(
+    pending: list[tuple[str, Any]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gather a bucket with one all-gather and yield its items in order (see `full_tensors`)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [(n, t) for n, t in pending if isinstance(t, DTensor)]
+    if not sharded:
+        for name, t in pending:
+            yield name, (t if dtype is None else t.to(dtype))
+        return
+    mesh = sharded[0][1].device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    device = _mesh_device(sharded[0][1])
+    out_dtype = dtype or sharded[0][1].dtype
+    offsets: dict[str, int] = {}
+    total = 0
+    for name, t in sharded:
+        offsets[name] = total
+        total += _padded_rows(t) * _row_numel(t)
+    flat = torch.empty(total, dtype=out_dtype, device=device)  # the padding is gathered but never read
+    for name, t in sharded:
+        local = t.to_local()
+        rows = _rows(t, rank)
+        if tuple(local.shape) != (rows, *t.shape[1:]):
+            raise RuntimeError(
+                f"full_tensors: rank {rank}'s shard of {name} is {tuple(local.shape)}, expected {rows} rows of "
+                f"{tuple(t.shape)} (Shard(0) split like torch.chunk); gather it with bucket_bytes=0"
+            )
+        n = rows * _row_numel(t)
+        flat[offsets[name] : offsets[name] + n].copy_(local.reshape(-1))  # the cast happens here
+    gathered = torch.empty(world * total, dtype=out_dtype, device=device)
+    _all_gather(gathered, flat, mesh.get_group())
+    del flat
+    for name, t in pending:
+        if not isinstance(t, DTensor):
+            yield name, (t if dtype is None else t.to(dtype))
+            continue
+        row = _row_numel(t)
+        pieces = [
+            gathered[r * total + offsets[name] : r * total + offsets[name] + _rows(t, r) * row]
+            for r in range(world)
+        ]
+        yield name, torch.cat(pieces).view(t.shape)
+
+
+def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+    """The bucket's one collective: `out` = the ranks' `local` buffers end to end, in group-rank order."""
+    dist = torch.distributed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
+    gather(out, local, group=group)
 
 
 def _mesh_device(t: Any) -> torch.device:

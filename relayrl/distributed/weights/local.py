@@ -27,7 +27,7 @@ The cases, decided once at construction:
   `engine.load_weights`: every parameter as `named_parameters()` names it (tied weights once: the tied
   lm_head is skipped, vLLM's loaders tie it back); a LoRA model's adapters merged into the base weights
   (W + scale * B @ A in fp32, by peft's own `get_delta_weight`, names without peft's prefixes); a sharded
-  source (gather) as full tensors, one parameter all-gathered at a time (`fsdp.full_tensors`, a collective:
+  source (gather) as full tensors, all-gathered in buckets (`fsdp.full_tensors`, a collective per bucket:
   every rank iterates the whole sequence). Not supported (ValueError at construction): a LoRA model that is
   also sharded, a 4-bit (QLoRA) base, and adapter variants such as DoRA.
 Only parameters that train (requires_grad) are refreshed, or streamed (non-LoRA): frozen ones (a LoRA run's

@@ -9,10 +9,10 @@ rollout/native_tp.py), refreshed from the trainer's (FSDP2-sharded or plain) par
 
 Construction copies only this rank's slice of each parameter (`native_tp.shard_model`, from the module as
 loaded, before it is sharded), straight into `dtype` on `device`. `refresh` walks the trained parameters in
-order and all-gathers ONE parameter at a time over the trainer's FSDP group (`fsdp.full_tensors`, cast to
-`dtype` before the gather), copies this rank's `tp_slice` of it into the shard's parameter and drops the rest:
-at no time does any rank hold more than the largest single parameter beyond its shard (at 7B the embedding,
-1.1 GB bf16), never a full unsharded model. The shard's q/k/v and gate/up parameters are views of its fused
+order and all-gathers them over the trainer's FSDP group in buckets (`fsdp.full_tensors`: one collective per
+`fsdp.BUCKET_BYTES`, cast to `dtype` before the gather), copies this rank's `tp_slice` of each into the shard's
+parameter and drops the rest: at no time does any rank hold more than about two buckets (or the largest single
+parameter, at 7B the embedding, 1.1 GB bf16) beyond its shard, never a full unsharded model. The shard's q/k/v and gate/up parameters are views of its fused
 buffers (rollout/native_fused.py), so the copy refreshes the fused GEMMs too and the canary covers them.
 
 Every rank of the trainer's group calls `refresh` and `max_abs_diff` (collectives), whatever its TP group.
@@ -83,8 +83,8 @@ class TensorParallelWeights:
         return "tensor-parallel"
 
     def _slices(self, names: set[str] | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(this rank's slice of the trainer's tensor in `dtype`, the shard's parameter), one parameter
-        gathered at a time (a collective over the trainer's group)."""
+        """(this rank's slice of the trainer's tensor in `dtype`, the shard's parameter), gathered in buckets
+        (a collective over the trainer's group per bucket)."""
         targets = {n: p.data for n, p in self.model.named_parameters()}
         for name, full in full_tensors(self.source, self.dtype, names):
             yield tp_slice(name, full, self.rank, self.size), targets[name]
