@@ -68,7 +68,7 @@ class Counter:
         DTensor.full_tensor = self._full  # pyright: ignore[reportAttributeAccessIssue]
 
 
-def run(model: Any, dtype: torch.dtype | None, names: set[str] | None, bucket: int) -> dict[str, Any]:
+def run(model: Any, dtype: torch.dtype | None, names: set[str] | None, bucket: int | None) -> dict[str, Any]:
     with Counter() as c:
         items = [(n, t.clone()) for n, t in full_tensors(model, dtype, names, bucket_bytes=bucket)]
     return {"items": items, "gathers": c.gathers, "full_tensor": c.full_tensor}
