@@ -7,7 +7,7 @@ refreshes from the fp32 masters after every optimizer step), else its own copy r
 (dist.num_engines) the policy keeps a full replica and its rank 0 broadcasts it (distributed/weights/broadcast).
 With dist.engine_tp > 1 (colocated, native) each block of engine_tp consecutive ranks runs ONE tensor-parallel
 engine (rollout/native_tp.py): every rank holds 1/TP of the weights (TensorParallelWeights, refreshed from the
-FSDP shards one parameter at a time), the block's first rank generates the block's share of the prompts and the
+FSDP shards by fsdp.full_tensors), the block's first rank generates the block's share of the prompts and the
 others follow its rounds (their `rollout` returns nothing).
 
 Methods (called by the controller through a RoleHandle, in-process or on a Ray actor):
@@ -156,7 +156,7 @@ class PolicyWorker:
 
         def gather_replica(layout: str) -> None:
             """The engine's full replica (or its TP shard), copied before the model is sharded."""
-            if engine_tp > 1:  # 1/TP of the weights, refreshed one gathered parameter at a time
+            if engine_tp > 1:  # 1/TP of the weights, refreshed from gathered parameters
                 self.tp_group = tp_groups(engine_tp)
                 self.weights = TensorParallelWeights(
                     self.model, dtype=engine_dtype, group=self.tp_group, device=engine_device or self.device

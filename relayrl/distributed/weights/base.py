@@ -27,7 +27,7 @@ One file per transport:
     vllm.py       VLLMReceiver: each vLLM worker process of a separate engine enters the group itself and
                   loads the broadcast through vLLM's loader (the functions run inside the workers)
     tensor_parallel.py  TensorParallelWeights, same process: each rank's engine holds a TP shard
-                  (rollout/native_tp.py); `refresh` all-gathers one parameter at a time from the FSDP shards
+                  (rollout/native_tp.py); `refresh` all-gathers the FSDP shards (fsdp.full_tensors: in buckets on GPUs)
                   and keeps this rank's slice (`tp_slice`: column-parallel weights split their rows,
                   row-parallel ones their columns). TensorParallelReceiver: a separate TP native engine's
                   shard actor in broadcast.py's group (rank 1 + engine x tp + shard, as `weight_ranks`
