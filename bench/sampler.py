@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +28,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+from fp8_check import graph_step_ms  # noqa: E402
 
 from relayrl.rollout.sampling import sample_tokens, sample_tokens_ref, uniform  # noqa: E402
 
@@ -46,18 +49,8 @@ def _inputs(batch: int, vocab: int, device: str, seed: int = 0):
 
 
 def gpu_us(run: Callable[[], object], reps: int = 20) -> float:
-    """Median GPU microseconds of `run` (CUDA events), after 3 warm-up calls."""
-    for _ in range(3):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    """Median GPU microseconds of `run` (CUDA events), after 3 warm-up calls (fp8_check.graph_step_ms)."""
+    return graph_step_ms(run, reps) * 1e3
 
 
 def graph_us(fn: Sampler, args: tuple) -> float:
