@@ -28,9 +28,10 @@ Phases (each written to the JSON as soon as it is done, so a timeout keeps what 
              (--router-gain 2, --head-gain 8): HF's 0.02 init leaves both near-uniform (no route or
              token is ever close to decided), unlike a trained model.
   native     tokens/s of the native engine: --prompts random prompts of --prompt-len tokens, --new-tokens
-             each, EOS ignored, temperature 1; one warm-up round, then a timed round.
-  vllm       the same workload through vLLM (if it imports; else skipped with the reason), dummy weights of
-             the same config, in a subprocess with what is left of --budget-s.
+             each, EOS ignored, temperature 1; as bench/rollout.py's fair protocol: one full-size warm-up
+             round, then --rounds timed rounds with fresh prompts; tokens/s is their median (min, max kept).
+  vllm       the same workload and rounds through vLLM (if it imports; else skipped with the reason), dummy
+             weights of the same config, in a subprocess with what is left of --budget-s.
 Writes $OUT/moe.json (or bench/results/moe.json).
 """
 
@@ -43,6 +44,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -254,6 +256,21 @@ def moe_kernels_off():
         MK.supports = supports
 
 
+def timed_rounds(run_round, args) -> dict[str, Any]:
+    """The fair protocol: `run_round(new_tokens, seed) -> (tokens, seconds)` once at full size as the warm-up,
+    then args.rounds times with fresh prompts (seeds 2, 3, ...); tokens/s is the median round's."""
+    warm_tokens, warm_s = run_round(args.new_tokens, 1)
+    rounds = [run_round(args.new_tokens, 2 + i) for i in range(max(1, args.rounds))]
+    rates = sorted(t / s for t, s in rounds)
+    median = statistics.median(rates)
+    secs = statistics.median(s for _, s in rounds)
+    return dict(
+        warmup_s=warm_s, warmup_tokens=warm_tokens, round_seconds=[s for _, s in rounds], seconds=secs,
+        tokens=rounds[0][0], tokens_per_s=median, tokens_per_s_min=rates[0], tokens_per_s_max=rates[-1],
+        ms_per_token_step=secs / args.new_tokens * 1e3,
+    )  # fmt: skip
+
+
 def native_throughput(model, args, slots: int, variant: str = "on") -> dict[str, Any]:
     t0 = time.perf_counter()
     off = moe_kernels_off() if variant == "off" else contextlib.nullcontext()
@@ -267,19 +284,20 @@ def native_throughput(model, args, slots: int, variant: str = "on") -> dict[str,
     runner: Any = getattr(engine, "runner", None)
     moe = [f for f in getattr(runner, "mlps", []) if isinstance(f, NM.MoEForward)]
     vocab = model.config.vocab_size
-    generate_all(engine, requests(args.prompts, args.prompt_len, 16, vocab, seed=1))  # warm-up
-    reqs = requests(args.prompts, args.prompt_len, args.new_tokens, vocab, seed=2)
-    sync()
-    t0 = time.perf_counter()
-    res = generate_all(engine, reqs)
-    sync()
-    secs = time.perf_counter() - t0
+
+    def run(new: int, seed: int) -> tuple[int, float]:
+        reqs = requests(args.prompts, args.prompt_len, new, vocab, seed=seed)
+        sync()
+        t0 = time.perf_counter()
+        res = generate_all(engine, reqs)
+        sync()
+        return sum(len(c.token_ids) for r in res for c in r.completions), time.perf_counter() - t0
+
+    timed = timed_rounds(run, args)
     engine.close()
-    tokens = sum(len(c.token_ids) for r in res for c in r.completions)
     return dict(
         variant=variant, fused_kernels=bool(getattr(runner, "kernels", False)),
-        moe_kernel_layers=sum(f.kernels for f in moe), startup_s=startup, seconds=secs, tokens=tokens,
-        tokens_per_s=tokens / secs, ms_per_token_step=secs / args.new_tokens * 1e3,
+        moe_kernel_layers=sum(f.kernels for f in moe), startup_s=startup, **timed,
     )  # fmt: skip
 
 
@@ -309,13 +327,10 @@ def vllm_throughput(args) -> dict[str, Any]:
         )
         return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
 
-    run(16, 1)
-    tokens, secs = run(args.new_tokens, 2)
+    timed = timed_rounds(run, args)
     import vllm  # pyright: ignore[reportMissingImports]
 
-    return dict(
-        version=vllm.__version__, startup_s=startup, seconds=secs, tokens=tokens, tokens_per_s=tokens / secs
-    )
+    return dict(version=vllm.__version__, startup_s=startup, **timed)
 
 
 def run_vllm_subprocess(args, budget: float) -> dict[str, Any]:
@@ -325,7 +340,8 @@ def run_vllm_subprocess(args, budget: float) -> dict[str, Any]:
         return dict(skipped=f"only {budget:.0f} s of the budget left")
     out = Path(tempfile.mkdtemp()) / "vllm.json"
     cmd = [sys.executable, __file__, "--vllm-only", str(out), "--shape", args.shape, "--layers", str(args.layers),
-           "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]  # fmt: skip
+           "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--rounds", str(args.rounds)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, timeout=budget, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
@@ -343,6 +359,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--shape", default="qwen3-30b-a3b" if cuda else "tiny", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=16 if cuda else 2)
     p.add_argument("--prompts", type=int, default=64, help="throughput: concurrent prompts (one sample each)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds after a full-size warm-up")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256 if cuda else 32)
     p.add_argument("--mm-prompts", type=int, default=64 if cuda else 16, help="mismatch: sampled sequences")

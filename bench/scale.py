@@ -427,6 +427,13 @@ def main() -> None:
     p.add_argument("--case-model", default="", help=argparse.SUPPRESS)
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.kind == "sft" and args.budget <= 0:
+        # RL reads 0 as "size micro-batches automatically"; SFT's train.max_tokens_per_micro_batch 0 means no
+        # token budget, i.e. micro_batch_size (1 here) samples a micro-batch: a 10x slower step that looks valid.
+        raise SystemExit(
+            f"--budget {args.budget}: SFT needs a token budget per micro-batch (e.g. the default 16384); 0 is "
+            "automatic sizing for rl only, and for sft would train one sample per micro-batch"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/scale.py needs CUDA GPUs (or --device cpu for a smoke run)")
     algos = args.algo.split(",")
