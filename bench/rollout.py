@@ -1,7 +1,9 @@
 """Rollout throughput, engine against engine on the same requests, warmed and timed fairly.
 
     python bench/rollout.py --shapes 0.5b,7b --engines native,vllm-default,vllm-tuned --workloads w1,w2,w3
-    python bench/rollout.py --shapes 32b --tp 4 --engines native,vllm-tuned          # 32B over 4 GPUs
+    python bench/rollout.py --shapes 32b --tp 4 --engines vllm-tuned                 # vLLM's 32B over 4 GPUs
+    torchrun --standalone --nproc_per_node=4 bench/tp_decode.py --shape qwen2.5-32b --tp 2 4 --profile 4 --rounds 3
+                                                                                     # the native engine's TP rows
     python bench/rollout.py --shapes 7b --profile                                    # where a decode step goes
     python bench/rollout.py --shapes tiny --device cpu --engines native,hf --rounds 2 \
         --prompts 16 --new-tokens 32 --n-prompts 4 --n 4 --n-new-tokens 32 --w3-prompts 16 --w3-max-new 32
@@ -27,7 +29,9 @@ Workloads (prompts of --prompt-len 128 random tokens):
 Engines (bench/rollout_engines.py): native, hf (transformers.generate, CPU reference), vllm-default (vLLM's
 own `LLM(...)` defaults), vllm-tuned (settings from vLLM's tuning guide, listed there and in the JSON).
 Shapes: Qwen2.5 0.5b, 7b, 32b (random bf16 weights on CUDA, fp32 on CPU) and tiny. `--tp N` passes N to
-the native engine (tp_size; skipped if this engine has no such option) and to vLLM (tensor_parallel_size).
+vLLM (tensor_parallel_size); the native engine's tensor parallelism is a group of ranks (TPNativeEngine under
+torchrun), so its TP rows come from bench/tp_decode.py (the same warm-up, median rounds and floors; w1's
+shape) and a native row here with --tp > 1 is skipped with that reason.
 On CUDA each (shape, engine) runs in its own process (the card to itself; a crash or OOM is reported as an
 error row); vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set). Prints a table and writes
 JSON to --out (a folder: a file named after the shapes, engines and workloads; or a .json path).

@@ -221,7 +221,8 @@ def native_runner(model, wls: list[Workload], *, tp: int, opts: dict[str, Any]) 
     if tp > 1:
         if "tp_size" not in inspect.signature(NativeEngine.__init__).parameters:
             raise NotImplementedError(
-                "this branch's native engine has no tp_size option (tensor parallelism)"
+                "the native engine's tensor parallelism is a group of ranks (TPNativeEngine under torchrun): "
+                "run `torchrun --nproc_per_node=N bench/tp_decode.py --tp N` for its TP rows"
             )
         opts["tp_size"] = tp
     settings = dict(

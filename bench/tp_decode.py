@@ -3,10 +3,12 @@
     torchrun --standalone --nproc_per_node=4 bench/tp_decode.py                    # 7B shape, TP 1, 2, 4
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2 --head both  # split vs replicated head
+    torchrun --standalone --nproc_per_node=4 bench/tp_decode.py --shape qwen2.5-32b --tp 2 4 --profile 4 --rounds 3
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --shape tiny --device cpu   # smoke test
 
 Model: random bf16 weights of Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate
-18944, vocab 152064, untied), built straight into each rank's TP shard (a meta-device model sharded by
+18944, vocab 152064, untied; --shape qwen2.5-32b: hidden 5120, 64 layers, 40 heads, 8 KV heads, intermediate
+27648), built straight into each rank's TP shard (a meta-device model sharded by
 rollout/native_tp.shard_model, filled with N(0, 0.02), norms 1; the same generator on every rank, so the
 replicated weights agree). For each TP size, ranks [0, tp) form the engine (rank 0 the leader, the others
 follow its rounds); the other ranks wait.
@@ -16,6 +18,8 @@ ignored (every sample runs the full length), so the decode batch is --batch slot
 One full warm-up round, then --rounds timed rounds (median reported). Per TP size:
     tok_s            generated tokens / wall time of a round (prefill included)
     ms_per_step      (round - a prefill-only round [--new-tokens 1]) / (new_tokens - 1) decode steps
+    floor_ms         the step's floor per rank: max(compute, bandwidth) of bench/rollout_profile.floors_ms at the
+                     round's mean context (data-sheet peaks; absent off CUDA), with compute_ / bandwidth_floor_ms
     startup_s        engine construction (KV cache, CUDA graph capture; NCCL communicator); TP 1 runs the
                      plain NativeEngine over a 1-way "shard" (the same weights, no collectives)
     shard_s          building the shard's weights on the GPU (not a checkpoint load: random init)
@@ -75,6 +79,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rollout_engines import param_counts  # bench/rollout_engines.py
+from rollout_profile import card_peaks, floors_ms  # bench/rollout_profile.py
 from tp_allreduce import allreduce_bench  # bench/tp_allreduce.py
 
 from relayrl.rollout import sampling
@@ -110,6 +116,15 @@ SHAPES = {
         num_attention_heads=28,
         num_key_value_heads=4,
         intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-32b": dict(  # 65.5 GB of bf16 weights: TP 2 and up on 80 GB cards
+        hidden_size=5120,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        intermediate_size=27648,
         vocab_size=152064,
         tie_word_embeddings=False,
     ),
@@ -249,6 +264,7 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict |
             "round_s": rounds,
             "prefill_round_s": pre,
             "ms_per_step": 1000 * (t - tp_pre) / max(1, args.new_tokens - 1),
+            **step_floors(args, tp, device),
             "startup_s": startup_s,
             "shard_s": shard_s,
             "graphs": sum(g is not None for g in graphs.values()),
@@ -263,6 +279,16 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict |
             torch.cuda.empty_cache()
     dist.barrier()
     return out if rank == 0 else None
+
+
+def step_floors(args, tp: int, device: torch.device) -> dict:
+    """The decode step's compute and bandwidth floors (ms) for one rank of a TP-`tp` engine at --batch slots and
+    the round's mean context (prompt + new / 2): bench/rollout_profile.floors_ms, the card's data-sheet peaks
+    (empty off CUDA or on an unknown card)."""
+    config = Qwen2Config(**SHAPES[args.shape])
+    peaks = card_peaks(device.type)
+    ctx = args.prompt_len + args.new_tokens / 2
+    return floors_ms(config, param_counts(config), peaks, batch=args.batch, ctx=ctx, tp=tp)
 
 
 def token_check(tp: int, head: str, tokens: list, rank: int) -> dict:
@@ -433,17 +459,19 @@ def print_table(rows: list) -> None:
         f"{'tp':>3} {'fused':>5} {'head':>14} {'allreduce':>10} {'sampler':>7} {'kernels':>7} {'tok/s':>10} "
         f"{'ms/step':>8}"
     )
-    head += f" {'x tp1':>6}"
+    head += f" {'x tp1':>6} {'floor':>6} {'x floor':>7}"
     head += f" {'start s':>8}"
     print(f"{head} {'graphs':>6} {'peak GiB':>8}")
     for r in rows:
         assert r is not None
         speed = r["tok_s"] / base["tok_s"] if base else float("nan")
+        floor = r.get("floor_ms", float("nan"))
         print(
             f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['allreduce_used']:>10.10} {r['sampler']:>7} "
             f"{r['kernels']!s:>7} "
             f"{r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
-            f"{speed:>6.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} {r['peak_gib']:>8.1f}"
+            f"{speed:>6.2f} {floor:>6.2f} {r['ms_per_step'] / floor:>7.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} "
+            f"{r['peak_gib']:>8.1f}"
         )
 
 

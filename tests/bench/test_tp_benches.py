@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import tp_decode  # noqa: E402
 from tp_decode import kernel_category  # noqa: E402
 from tp_grpo import budget, param_counts, shape_of  # noqa: E402
 
@@ -90,3 +92,18 @@ def test_kernel_categories():
     assert kernel_category("_rms_norm_kernel") == "norm_rope_silu"
     assert kernel_category("_rope_kv_kernel") == "norm_rope_silu"
     assert kernel_category("void at::native::vectorized_elementwise_kernel<4, exp>") == "other"
+
+
+def test_tp_decode_floors_of_the_32b_shape_per_rank(monkeypatch):
+    """The 32B row's floors: every decode GEMM's weights read once per step (2 bytes each) and 2 x params x batch
+    FLOPs, split over the TP ranks; H200 data-sheet peaks (989 TFLOP/s, 4.8 TB/s) injected."""
+    monkeypatch.setattr(tp_decode, "card_peaks", lambda device: {"tflops": 989.0, "tbs": 4.8})
+    args = argparse.Namespace(shape="qwen2.5-32b", batch=256, prompt_len=128, new_tokens=256)
+    one, four = (tp_decode.step_floors(args, tp, torch.device("cpu")) for tp in (1, 4))
+    # decode GEMM parameters by hand: per layer q/o 2 x 5120^2, k/v 2 x 5120 x 1024, MLP 3 x 5120 x 27648; the head
+    matmul = 64 * (2 * 5120**2 + 2 * 5120 * 1024 + 3 * 5120 * 27648) + 5120 * 152064
+    assert one["compute_floor_ms"] == pytest.approx(2 * matmul * 256 / 989e12 * 1e3, rel=1e-12)
+    # KV read: slots x mean context x (K, V) x layers x KV heads x d x 2 bytes
+    kv = 256 * (128 + 128) * 2 * 64 * 8 * 128 * 2
+    assert one["bandwidth_floor_ms"] == pytest.approx((2 * matmul + kv) / 4.8e12 * 1e3, rel=1e-12)
+    assert four["floor_ms"] == pytest.approx(one["floor_ms"] / 4, rel=1e-12)
