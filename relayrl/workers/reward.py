@@ -15,7 +15,8 @@ Where it runs (`runs_in_process`, `score_trajectories`). Sources that are plain 
 reach (task:, a reward_func file, agent) are scored in the controller's process in every dist.mode: as a Ray
 actor, the round trip pickled every trajectory there (token ids, log-probs, versions) and unpickled it in the
 actor, a cost that grew with the global batch, i.e. with the number of GPUs at a fixed per-GPU batch
-(bench/reward_phase.py: 2,048 trajectories, 0.21 s on a 2-core CPU through the actor, 0.07 s in process).
+(bench/reward_phase.py, 2,048 trajectories on a 2-core CPU: 0.18 s through the actor, 0.04 s in process;
+docs/distributed.md).
 Reward models (rm:, prm:) and remote servers keep their Ray actor (their own process, tokenizer and
 threads); what travels there is `payload` (no log-probs, versions or routes, which no source reads) and
 what comes back is `Scored`, the few fields a source sets.
