@@ -106,7 +106,12 @@ def test_in_process_and_actor_paths_score_exactly_as_the_old_path(tmp_path, tiny
 
     assert _fields(local) == _fields(old) and _fields(remote) == _fields(old)
     if body == MIXED:  # the values themselves, so that the three paths cannot agree on nothing
-        assert [t.reward for t in old] == [float(len("1+2=3<|im_end|>")), None, float(len("2+2=4<|im_end|>")), None]
+        assert [t.reward for t in old] == [
+            float(len("1+2=3<|im_end|>")),
+            None,
+            float(len("2+2=4<|im_end|>")),
+            None,
+        ]
         assert [t.failure_kind for t in old] == [None, "nan", None, "timeout"]
         assert old[0].extra_logs == {"n": 1.0, "const": 3.0, "odd": 1.0}
         assert old[2].extra_logs == {"turns": 1.0, "n": 1.0, "const": 3.0}  # inf left out
@@ -174,13 +179,13 @@ def test_spawn_reward_places_an_actor_only_for_model_and_remote_sources(tiny_mod
 def test_decode_all_is_one_decode_per_trajectory():
     ids = [_traj(i, "7+8=", r).token_ids for i, r in enumerate(["15", " a b\n", "", "x y"])]
     ids += [[*TOK.encode(IM_START), *TOK.encode("user\nhi"), TOK.eos_token_id, TOK.pad_token_id]]
-    want = [TOK.decode(x, skip_special_tokens=False) for x in ids]
+    want = [str(TOK.decode(x, skip_special_tokens=False)) for x in ids]
     assert plain_fast_decode(TOK) and decode_all(TOK, ids) == want
     assert IM_START in want[-1] and "<|im_end|>" in want[0]  # special tokens kept
 
     class Wrapped:  # not a fast tokenizer: one decode each, through its own `decode`
         def decode(self, x: list[int], skip_special_tokens: bool = False) -> str:
-            return "|" + TOK.decode(x, skip_special_tokens=skip_special_tokens)
+            return "|" + str(TOK.decode(x, skip_special_tokens=skip_special_tokens))
 
     assert not plain_fast_decode(Wrapped()) and decode_all(Wrapped(), ids) == ["|" + w for w in want]
     TOK.clean_up_tokenization_spaces = True  # a tokenizer that cleans up spaces: its own decode
