@@ -5,8 +5,9 @@
     trajs, metrics = sample(step)      # raises NothingToTrain when every sample failed or every group was filtered
 
 One call: draw the step's prompts (resumable sampler) -> generator.rollout (n samples per prompt) ->
-reward (workers.reward.score_trajectories) -> failure policy (relayrl.agents.failures) -> whole groups only -> dynamic filtering, refilled
-from new prompts up to filter.max_refills times. Seeds derive from (train.seed, step, attempt) and each
+rewards (relayrl.workers.reward.score_trajectories: in this process or on the reward actor) -> failure
+policy (relayrl.agents.failures) -> whole groups only -> dynamic filtering, refilled from new prompts up to
+filter.max_refills times. Seeds derive from (train.seed, step, attempt) and each
 prompt's index, so a resumed run samples exactly what an uninterrupted one would have. Metrics: rollout/*
 (counts, failures, lengths, rewards), filter/* (fractions of every group generated this step), timing/reward.
 """
