@@ -9,15 +9,22 @@ Source spec (`reward.source`, see RewardConfig): task:<name>, a reward_func .py 
 prm:<path> (a process reward model, with reward.prm_outcome / prm_step_separator),
 or "agent" (the multi-turn agent already set its rewards: nothing to do); the grammar is
 relayrl.agents.rewards.spec's. The spec in force is resolved by `reward_spec` before any work starts; a
-`task:` source gets its task from relayrl.tasks here (the reward layer below does not import tasks). As a Ray
-actor `score` returns the scored list (pickled back: every token list again); the RL step calls `scores`,
-whose answer is the few fields a source sets (`Scored`), so only the trajectories' way there carries tokens.
+`task:` source gets its task from relayrl.tasks here (the reward layer below does not import tasks).
+
+Where it runs (`runs_in_process`, `score_trajectories`). Sources that are plain Python in the controller's
+reach (task:, a reward_func file, agent) are scored in the controller's process in every dist.mode: as a Ray
+actor, the round trip pickled every trajectory there (token ids, log-probs, versions) and unpickled it in the
+actor, a cost that grew with the global batch, i.e. with the number of GPUs at a fixed per-GPU batch
+(bench/reward_phase.py, 2,048 trajectories on a 2-core CPU: 0.16 s through the actor, 0.04 s in process;
+docs/distributed.md). Reward models (rm:, prm:) and remote servers keep their Ray actor (their own process,
+tokenizer and threads); what travels there is `payload` (no log-probs, versions or routes, which no source
+reads) and what comes back is `Scored`, the few fields a source sets.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relayrl.agents.base import Trajectory, TrajectoryStatus
@@ -28,7 +35,10 @@ from relayrl.agents.rewards import (
     parse_reward_spec,
     resolve_reward_spec,
 )
+from relayrl.agents.rewards.spec import SourceKind
 from relayrl.config.rl import RLConfig
+from relayrl.distributed.launch.base import RoleHandle
+from relayrl.distributed.launch.local import LocalRole
 from relayrl.models.loading import load_tokenizer
 from relayrl.tasks import get_task
 from relayrl.workers.builders import setup_process
@@ -68,6 +78,17 @@ def reward_spec(cfg: RLConfig) -> RewardSpec:
         prm_step_separator=cfg.reward.prm_step_separator,
         seed=cfg.train.seed + 2,
     )
+
+
+IN_PROCESS: tuple[SourceKind, ...] = ("task", "file", "agent")
+"""Source kinds scored in the controller's process in every dist.mode (see module doc): a task's reward and a
+reward_func file are Python the controller can run (a file's function on a daemon thread, as in an actor),
+the agent's rewards need nothing. rm / prm (a model) and remote (HTTP clients) keep their actor."""
+
+
+def runs_in_process(rs: RewardSpec) -> bool:
+    """Whether the reward role of `rs` is built in the controller's process even when dist.mode is ray."""
+    return parse_reward_spec(rs.source).kind in IN_PROCESS
 
 
 def build_source(rs: RewardSpec) -> RewardSource:
@@ -123,6 +144,22 @@ def apply_scores(trajs: list[Trajectory], scores: list[Scored]) -> list[Trajecto
         t.reward, t.score, t.dense_rewards, t.extra_logs = s.reward, s.score, s.dense_rewards, s.extra_logs
         t.status, t.error, t.failure_kind = s.status, s.error, s.failure_kind
     return trajs
+
+
+def payload(t: Trajectory) -> Trajectory:
+    """What of `t` travels to a reward actor: every field a source reads (sample, token ids, action mask,
+    response text, images, status, extra_logs), not the per-token log-probs, versions and routes, which none
+    reads (3/4 of a trajectory's pickled bytes at ~110 response tokens)."""
+    return replace(t, rollout_logprobs=[], versions=[], routes=None)
+
+
+def score_trajectories(role: RoleHandle[RewardWorker], trajs: list[Trajectory]) -> list[Trajectory]:
+    """Score `trajs` in place through the reward role and return them: an in-process worker scores the
+    trajectories themselves; an actor gets their `payload` and answers `Scored`, copied back (apply_scores).
+    Same rewards, scores, failure marks and extra_logs either way."""
+    if isinstance(role, LocalRole):
+        return role.call(RewardWorker.score, trajs)
+    return apply_scores(trajs, role.call(RewardWorker.scores, [payload(t) for t in trajs]))
 
 
 class RewardWorker:

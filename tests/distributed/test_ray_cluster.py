@@ -36,7 +36,7 @@ model, out, reward, address = sys.argv[1:]
 cfg = tiny_cpu_config(model, out, steps=1, reward=reward)
 cfg = replace(cfg, dist=replace(cfg.dist, mode="ray", ray_address=address, policy_num_gpus_per_node=2, timeout_s=120))
 trainer = RLTrainer(cfg)
-nodes = sorted(set(trainer.roles.policy.nodes) | set(trainer.roles.reward.nodes))
+nodes = sorted(set(trainer.roles.policy.nodes))  # the reward (a reward_func file) runs in this process
 result = trainer.fit()
 import ray
 alive = len([n for n in ray.nodes() if n["Alive"]])
@@ -96,6 +96,6 @@ def test_rl_on_a_two_node_cluster_started_with_ray_start(two_nodes, tiny_model_p
     assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
     got = json.loads(line[len("RESULT ") :])
     assert got["exit"] == 0, got["message"]
-    assert len(got["nodes"]) == 2, got  # the policy group packs one node, the reward actor lands on the other
+    assert len(got["nodes"]) == 2, got  # two policy ranks of one CPU each: one per node
     assert got["still_connected"] and got["alive"] == 2  # a cluster we joined is left running
     assert (run / "final/model.safetensors").is_file()

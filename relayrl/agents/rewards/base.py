@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
 from relayrl.agents.base import Trajectory, TrajectoryStatus
 from relayrl.agents.failures import FailureLog, ScalarError, check_scalar, mark_failed
 
@@ -119,5 +121,26 @@ def queries_of(trajs: Sequence[Trajectory], tokenizer: Any = None) -> list[str]:
     """OpenRLHF's `queries`: the full text, prompt + response. With a tokenizer it is the decode of all
     token ids with special tokens kept (exactly what OpenRLHF sends); else prompt text + response text."""
     if tokenizer is not None:
-        return [tokenizer.decode(t.token_ids, skip_special_tokens=False) for t in trajs]
+        return decode_all(tokenizer, [t.token_ids for t in trajs])
     return [t.sample.prompt + t.response_text for t in trajs]
+
+
+def plain_fast_decode(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode(ids)` is exactly its Rust backend's `decode(ids)`: a fast tokenizer whose
+    class keeps the library's decode and that cleans up no tokenization spaces."""
+    cls = type(tokenizer)
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
+
+
+def decode_all(tokenizer: Any, ids: Sequence[list[int]]) -> list[str]:
+    """`[tokenizer.decode(x, skip_special_tokens=False) for x in ids]`, the same strings: one call into the
+    Rust backend when that is exactly the same decode (`plain_fast_decode`; 2x faster on 2,048 x ~150
+    tokens, bench/reward_phase.py), else one decode per list."""
+    if plain_fast_decode(tokenizer):
+        return tokenizer.backend_tokenizer.decode_batch(list(ids), skip_special_tokens=False)
+    return [tokenizer.decode(x, skip_special_tokens=False) for x in ids]

@@ -67,7 +67,7 @@ from relayrl.workers.critic import CriticWorker
 from relayrl.workers.policy import PolicyWorker
 from relayrl.workers.proxies import Generates, WorkerFolder
 from relayrl.workers.reference import ReferenceWorker
-from relayrl.workers.reward import RewardWorker
+from relayrl.workers.reward import score_trajectories
 
 MAX_SKIPPED_STEPS = 3
 """Consecutive steps with nothing to train (all failed / all filtered) before the run stops with exit 1."""
@@ -257,7 +257,7 @@ class RLTrainer:
         gen, reward = self.roles.generator, self.roles.reward
         return evaluate(
             lambda prompts, seed, ev: gen.call(Generates.rollout, prompts, seed, ev),
-            lambda trajs: reward.call(RewardWorker.score, trajs),
+            lambda trajs: score_trajectories(reward, trajs),
             self.prompts.eval,
             seed=self.cfg.train.seed,
             eval=self.cfg.eval,

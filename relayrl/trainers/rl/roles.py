@@ -2,7 +2,9 @@
 
     roles = build_roles(cfg, total_steps, concurrency=rollouts.concurrency)
         roles.policy     RoleHandle[PolicyWorker]     trains; generates too unless engines are separate
-        roles.reward     RoleHandle[RewardWorker]     scores trajectories
+        roles.reward     RoleHandle[RewardWorker]     scores trajectories (in this process for task: / reward_func
+                                                      file / agent sources in every mode; an actor for rm, prm
+                                                      and remote ones on Ray: relayrl.workers.reward)
         roles.reference  RoleHandle[ReferenceWorker]  when the KL mode needs reference log-probs, else None
         roles.teacher    RoleHandle[ReferenceWorker]  on-policy distillation's teacher (distill.teacher), else None
         roles.critic     RoleHandle[CriticWorker]     when the advantage estimator needs values, else None
@@ -30,6 +32,7 @@ from relayrl.config.components import ModelConfig
 from relayrl.config.rl import AlgoConfig, ResolvedRL, RewardConfig, RLConfig
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
+from relayrl.distributed.launch.local import LocalRole
 from relayrl.distributed.launch.rows import RowStore
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
 from relayrl.models.value_head import reward_stats
@@ -40,7 +43,7 @@ from relayrl.workers.engine import EngineSpec, EngineWorker
 from relayrl.workers.policy import PolicySpec, PolicyWorker
 from relayrl.workers.proxies import Generates
 from relayrl.workers.reference import ReferenceSpec, ReferenceWorker
-from relayrl.workers.reward import RewardWorker, reward_spec
+from relayrl.workers.reward import RewardSpec, RewardWorker, reward_spec, runs_in_process
 
 T = TypeVar("T")
 
@@ -88,10 +91,11 @@ class Roles:
             self.launcher.shutdown()
 
 
-def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int) -> dict[str, int]:
-    """role -> ranks: policy and reward always; reference / critic when the algorithm needs them."""
+def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int, reward_actor: bool) -> dict[str, int]:
+    """role -> ranks: policy always; reward when it is an actor; reference / critic when the algorithm needs
+    them."""
     d = cfg.dist
-    sizes = {"policy": d.ranks("policy"), "reward": 1}
+    sizes = {"policy": d.ranks("policy")} | ({"reward": 1} if reward_actor else {})
     if needs_reference(algo.kl_mode):
         sizes["reference"] = d.ranks("ref")
     if needs_critic(algo.advantage):
@@ -173,7 +177,8 @@ def build_roles(
     overlaps updates. `run_dir`: where the stall watchdog writes stacks (<run_dir>/stacks)."""
     run = {"seed": cfg.train.seed, "device": cfg.train.device}
     d_engines = cfg.dist.num_engines if cfg.dist.mode == "ray" else 0
-    sizes = _sizes(cfg, cfg.algo, d_engines)
+    rs = reward_spec(cfg)
+    sizes = _sizes(cfg, cfg.algo, d_engines, reward_actor=not runs_in_process(rs))
     placed = cfg.dist
     if d_engines and native_tp_actors(cfg):  # one shard actor (one GPU) per TP rank of each engine
         sizes["engine"] = d_engines * cfg.dist.engine_tp
@@ -184,7 +189,7 @@ def build_roles(
         policy = launcher.spawn(
             "policy", PolicyWorker, _policy_spec(cfg, total_steps, overlaps, d_engines > 0, run)
         )
-        reward = launcher.spawn("reward", RewardWorker, reward_spec(cfg))
+        reward = spawn_reward(launcher, rs)
         reference = teacher = critic = None
         if "reference" in sizes:
             reference = launcher.spawn("reference", ReferenceWorker, _frozen_spec(cfg, cfg.model, run))
@@ -207,6 +212,15 @@ def build_roles(
         critic=critic,
         engines=engines,
     )
+
+
+def spawn_reward(launcher: Launcher, rs: RewardSpec) -> RoleHandle[RewardWorker]:
+    """The reward role: a worker in this process for in-process sources (task:, reward_func files, agent:
+    no actor round trip pickling every trajectory, relayrl.workers.reward), else the launcher's (a Ray actor
+    for rm / prm / remote sources)."""
+    if launcher.mode == "ray" and runs_in_process(rs):
+        return LocalRole("reward", RewardWorker(rs))
+    return launcher.spawn("reward", RewardWorker, rs)
 
 
 def spawn_engines(

@@ -5,8 +5,9 @@
     trajs, metrics = sample(step)      # raises NothingToTrain when every sample failed or every group was filtered
 
 One call: draw the step's prompts (resumable sampler) -> generator.rollout (n samples per prompt) ->
-reward.score -> failure policy (relayrl.agents.failures) -> whole groups only -> dynamic filtering, refilled
-from new prompts up to filter.max_refills times. Seeds derive from (train.seed, step, attempt) and each
+rewards (relayrl.workers.reward.score_trajectories: in this process or on the reward actor) -> failure
+policy (relayrl.agents.failures) -> whole groups only -> dynamic filtering, refilled from new prompts up to
+filter.max_refills times. Seeds derive from (train.seed, step, attempt) and each
 prompt's index, so a resumed run samples exactly what an uninterrupted one would have. Metrics: rollout/*
 (counts, failures, lengths, rewards), filter/* (fractions of every group generated this step), timing/reward.
 """
@@ -24,7 +25,7 @@ from relayrl.distributed.launch.base import RoleHandle
 from relayrl.trainers.rl.experience import complete_groups, filter_groups, rollout_metrics
 from relayrl.training.sampler import ResumableSampler
 from relayrl.workers.proxies import Generates
-from relayrl.workers.reward import RewardWorker, apply_scores
+from relayrl.workers.reward import RewardWorker, score_trajectories
 
 
 class NothingToTrain(Exception):
@@ -115,9 +116,7 @@ class RolloutPhase:
             prompts = draw_prompts(self.prompts, self.sampler, need, drawn)
             trajs = self.generator.call(Generates.rollout, prompts, rollout_seed(self.seed, step, attempt))
             t0 = time.perf_counter()
-            trajs = apply_scores(
-                trajs, self.reward.call(RewardWorker.scores, trajs)
-            )  # fields, not tokens, back
+            trajs = score_trajectories(self.reward, trajs)  # in place; an actor gets no log-probs
             add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})
             try:
                 ok, m = apply_failure_policy(trajs, r.failure_policy)
