@@ -188,6 +188,10 @@ class RowStore:
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
         self._recent: list[tuple[Any, StoredRows[Any]]] = []
+        self.seconds = 0.0
+        """Running total of the driver's seconds in `put` (serialising rows and `ray.put`; `take_metrics`)."""
+        self.objects = 0
+        """Running total of objects put (blocks and indexes)."""
 
     def put(self, record: T) -> StoredRows[T]:
         for r, stored in self._recent:
@@ -198,9 +202,20 @@ class RowStore:
             for f in fields(record)  # type: ignore[arg-type]  (a dataclass instance: checked by StoredRows)
             if is_dataclass(getattr(record, f.name))
         }
+        t0 = time.perf_counter()
         stored = StoredRows(record, nested)
+        self.seconds += time.perf_counter() - t0
+        self.objects += 1 + -(-len(stored.lengths) // stored.block)  # the blocks and their index
         self._recent = [(record, stored), *self._recent][: self.keep]
         return stored
+
+    def take_metrics(self) -> dict[str, float]:
+        """timing/rows_put (the driver's seconds in `put` since the last call: a step's batch, in its
+        experience phase, and its experience's own fields, in its update phase) and perf/rows_put_objects;
+        resets both totals."""
+        out = {"timing/rows_put": self.seconds, "perf/rows_put_objects": float(self.objects)}
+        self.seconds, self.objects = 0.0, 0
+        return out
 
 
 # ------------------------------------------------------------------------------------------- micro-batches
