@@ -20,7 +20,7 @@ PY="${PYTHON:-python}"
 echo "part 0 (CPU, beside part 1): the driver's own work at 1,024 and 2,048 samples" >&2
 (
     timeout -k 5 48 "$PY" bench/driver_step.py --batches 1024,2048 --response 108 --max-response 256 \
-        --repeats 1 --out "$OUT/driver_step.json" > "$OUT/driver_step.log" 2>&1
+        --repeats 2 --out "$OUT/driver_step.json" > "$OUT/driver_step.log" 2>&1
     echo "part 0 exit $?" >&2
 ) &
 part0=$!
