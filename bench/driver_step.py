@@ -18,18 +18,23 @@ does in `dist.mode=ray` with 2 policy ranks, phase by phase, timed on the driver
 
 --max-response caps the response lengths (the GPU scale runs' 256 new tokens: 276-token rows);
 --min-block-bytes sets relayrl.distributed.launch.rows.MIN_BLOCK_BYTES (0: the 64-block rule alone, as before
-it existed). Prints one line per batch and writes the seconds as JSON (--out). No GPU, no model; ~1 minute.
+it existed); --threads the driver's torch CPU threads (default: what run_rl sets on a GPU host, min(torch's
+default, 64); the JSON's "host" records them and the CPUs this process may use: more threads than CPUs
+oversubscribes every small tensor op of the driver). Prints one line per batch and writes the seconds as JSON (--out). No GPU, no model; ~1 minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from relayrl.agents.base import Trajectory
 from relayrl.agents.failures import apply_failure_policy
@@ -95,10 +100,18 @@ def main() -> None:
     p.add_argument("--max-response", type=int, default=0, help="cap on response lengths (0: none)")
     p.add_argument("--min-block-bytes", type=int, default=-1, help="rows.MIN_BLOCK_BYTES (-1: the default)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: as run_rl on a GPU, min(default, 64))"
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     import ray
 
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or max(1, min(default_threads, 64)))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    host = {"torch_default_threads": default_threads, "threads": torch.get_num_threads(), "usable_cpus": cpus}
+    print("threads", host, flush=True)
     if args.min_block_bytes >= 0:
         rows.MIN_BLOCK_BYTES = args.min_block_bytes
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -110,7 +123,7 @@ def main() -> None:
     reward: Any = ray.remote(RewardWorker).remote(RewardSpec(source=str(REWARD), tokenizer=str(folder)))
 
     echo: Any = ray.remote(Echo).remote()
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, Any] = {"host": host}
     for b in [int(x) for x in args.batches.split(",")]:
         trajs = trajectories(b, args.samples, args.prompt, args.response, tok, args.max_response)
         halves = [ray.put(trajs[: b // 2]), ray.put(trajs[b // 2 :])]

@@ -7,8 +7,9 @@
 #                          canary (must be 0.0), refresh_bitwise_equal (must be true)
 #   scale/scale_syncexp.json   bench/scale.py rl --weak at 1, 2, 4 GPUs: timing/* per phase, incl. sync,
 #                          engine_refresh, experience and timing/rows_put (the driver's row-store puts)
-#   driver_step.json       the driver's own per-step work on this host's CPU (no GPU; run beside part 1):
-#                          trajectories back, reward, collate, row-store puts, advantages (1,024 / 2,048 rows)
+#   driver_step_threads{0,1}.json   the driver's own per-step work on this host's CPU at 2,048 samples (no GPU;
+#                          run beside part 1): trajectories back, reward, collate, row-store puts, advantages,
+#                          with run_rl's torch threads (0) and with 1; "host" = threads and usable CPUs
 #   *.log                  each part's output
 # Usage: OUT=/some/dir bash bench/sync_experience_gpu.sh
 set -u
@@ -17,11 +18,14 @@ mkdir -p "$OUT/scale"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python}"
-echo "part 0 (CPU, beside part 1): the driver's own work at 1,024 and 2,048 samples" >&2
+echo "part 0 (CPU, beside part 1): the driver's own work at 2,048 samples, run_rl's threads and 1 thread" >&2
 (
-    timeout -k 5 48 "$PY" bench/driver_step.py --batches 1024,2048 --response 108 --max-response 256 \
-        --repeats 2 --out "$OUT/driver_step.json" > "$OUT/driver_step.log" 2>&1
-    echo "part 0 exit $?" >&2
+    for threads in 0 1; do
+        timeout -k 3 30 "$PY" bench/driver_step.py --batches 2048 --response 108 --max-response 256 \
+            --repeats 2 --threads "$threads" --out "$OUT/driver_step_threads$threads.json" \
+            > "$OUT/driver_step_threads$threads.log" 2>&1
+        echo "part 0 (threads $threads) exit $?" >&2
+    done
 ) &
 part0=$!
 echo "part 1: refresh gather, 2 ranks" >&2
