@@ -1,6 +1,7 @@
 """The RL driver's own per-step work at growing global batches, without a model (CPU, Ray).
 
     PYTHONPATH=. python bench/driver_step.py --batches 512,1024,2048 [--prompt 20 --response 40] [--out x.json]
+    PYTHONPATH=. python bench/driver_step.py --response 108 --max-response 256 --min-block-bytes 0   # 64 blocks
 
 Synthetic trajectories (groups of --samples, `--prompt` prompt tokens, `--response` response tokens, the
 digit reward of the RL tests) go through exactly what the controller (relayrl.trainers.rl.loop, rollout.py)
@@ -15,23 +16,31 @@ does in `dist.mode=ray` with 2 policy ranks, phase by phase, timed on the driver
     rows_exp         the experience's own fields into the object store
     rank_fetch       one rank's share of the experience read back (in the driver process: an upper bound)
 
-Prints one line per batch and writes the seconds as JSON (--out). No GPU, no model; ~1 minute.
+--max-response caps the response lengths (the GPU scale runs' 256 new tokens: 276-token rows);
+--min-block-bytes sets relayrl.distributed.launch.rows.MIN_BLOCK_BYTES (0: the 64-block rule alone, as before
+it existed); --threads the driver's torch CPU threads (default: what run_rl sets on a GPU host, min(torch's
+default, 64); the JSON's "host" records them and the CPUs this process may use: more threads than CPUs
+oversubscribes every small tensor op of the driver). Prints one line per batch and writes the seconds as JSON (--out). No GPU, no model; ~1 minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from relayrl.agents.base import Trajectory
 from relayrl.agents.failures import apply_failure_policy
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.data.records import PromptSample
+from relayrl.distributed.launch import rows
 from relayrl.distributed.launch.rows import RowStore
 from relayrl.models.tiny import build_tiny_tokenizer
 from relayrl.trainers.rl.experience import (
@@ -47,8 +56,11 @@ from relayrl.workers.reward import RewardSpec, RewardWorker, apply_scores
 REWARD = Path(__file__).parents[1] / "tests" / "trainers" / "data" / "digit_reward.py"
 
 
-def trajectories(batch: int, samples: int, prompt: int, response: int, tokenizer) -> list[Trajectory]:
-    """`batch` synthetic trajectories in groups of `samples` (response lengths vary around `response`)."""
+def trajectories(
+    batch: int, samples: int, prompt: int, response: int, tokenizer, max_response: int = 0
+) -> list[Trajectory]:
+    """`batch` synthetic trajectories in groups of `samples` (response lengths vary around `response`, at
+    most `max_response` when > 0)."""
     rng = random.Random(0)
     vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
     out = []
@@ -57,6 +69,7 @@ def trajectories(batch: int, samples: int, prompt: int, response: int, tokenizer
         sample = PromptSample(index=p, prompt=tokenizer.decode(ids), prompt_ids=ids, label="")
         for _ in range(samples):
             n = max(1, int(rng.expovariate(1 / response)))
+            n = min(n, max_response) if max_response > 0 else n
             resp = [rng.choice(vocab) for _ in range(n)]
             out.append(
                 Trajectory(
@@ -84,11 +97,23 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt", type=int, default=20)
     p.add_argument("--response", type=int, default=40)
+    p.add_argument("--max-response", type=int, default=0, help="cap on response lengths (0: none)")
+    p.add_argument("--min-block-bytes", type=int, default=-1, help="rows.MIN_BLOCK_BYTES (-1: the default)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (0: as run_rl on a GPU, min(default, 64))"
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     import ray
 
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or max(1, min(default_threads, 64)))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    host = {"torch_default_threads": default_threads, "threads": torch.get_num_threads(), "usable_cpus": cpus}
+    print("threads", host, flush=True)
+    if args.min_block_bytes >= 0:
+        rows.MIN_BLOCK_BYTES = args.min_block_bytes
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     tok = build_tiny_tokenizer()
     pad: int = tok.pad_token_id  # type: ignore[assignment]  (the tiny tokenizer has one)
@@ -98,9 +123,9 @@ def main() -> None:
     reward: Any = ray.remote(RewardWorker).remote(RewardSpec(source=str(REWARD), tokenizer=str(folder)))
 
     echo: Any = ray.remote(Echo).remote()
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, Any] = {"host": host}
     for b in [int(x) for x in args.batches.split(",")]:
-        trajs = trajectories(b, args.samples, args.prompt, args.response, tok)
+        trajs = trajectories(b, args.samples, args.prompt, args.response, tok, args.max_response)
         halves = [ray.put(trajs[: b // 2]), ray.put(trajs[b // 2 :])]
         best: dict[str, float] = {}
         for _ in range(args.repeats):

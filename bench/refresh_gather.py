@@ -2,7 +2,10 @@
 refresh, and the weight canary, pull after every RL step): relayrl/distributed/fsdp.full_tensors one parameter
 at a time (bucket_bytes=0, one all-gather each) against bucketed (fsdp.BUCKET_BYTES: one all-gather per
 bucket), and FSDP's own per-unit gather (fsdp.unit_tensors: what the native colocated engine's refresh uses).
-One process per GPU (torchrun):
+The colocated engine's whole refresh (relayrl.distributed.weights.local.LocalWeights.refresh: the gather plus
+the copy into the engine's bf16 replica) is timed too, per unit (bucket_bytes=0, the refresh before
+2026-11-27) and by default (bucketed on a CUDA mesh), after which the weight canary must read 0 and the two
+replicas must be equal bit for bit. One process per GPU (torchrun):
 
     torchrun --standalone --nproc_per_node=2 bench/refresh_gather.py --shape qwen0.5b-char    # 2 GPUs
     torchrun --standalone --nproc_per_node=2 bench/refresh_gather.py --shape tiny --device cpu   # smoke test
@@ -34,6 +37,7 @@ from scale import SHAPES
 
 from relayrl.distributed import fsdp
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, shard_model, unit_tensors
+from relayrl.distributed.weights.local import LocalWeights
 
 
 def _build(shape: str, device: torch.device) -> Any:
@@ -82,6 +86,27 @@ def _pass(model: Any, mode: str, device: torch.device) -> tuple[float, int]:
     return float(seconds), calls[0] if mode != "unit" else len(fsdp._units(model))
 
 
+def _refresh_pass(lw: LocalWeights, device: torch.device) -> tuple[float, int]:
+    """Seconds (slowest rank) and all-gathers of one engine refresh (gather + copy into the replica)."""
+    calls = [0]
+    orig_gather = fsdp._all_gather
+
+    def gather(*a: Any) -> None:
+        calls[0] += 1
+        orig_gather(*a)
+
+    fsdp._all_gather = gather
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
+        lw.refresh()  # device-synchronised
+        seconds = torch.tensor([time.perf_counter() - t0], device=device)
+    finally:
+        fsdp._all_gather = orig_gather
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds), calls[0] if lw.bucket_bytes != 0 else len(fsdp._units(lw.source))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen0.5b-char", choices=sorted(SHAPES))
@@ -114,7 +139,12 @@ def main() -> None:
         os._exit(124)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    model = shard_model(_build(args.shape, device), ShardSpec(device=device, compute_dtype=torch.bfloat16))
+    model = _build(args.shape, device)
+    replicas = {  # the engine's bf16 replica, made before sharding as the policy worker does
+        "refresh_unit": LocalWeights(model, dtype=torch.bfloat16, gather=True, bucket_bytes=0),
+        "refresh_default": LocalWeights(model, dtype=torch.bfloat16, gather=True),
+    }
+    model = shard_model(model, ShardSpec(device=device, compute_dtype=torch.bfloat16))
     report["parameters"] = sum(1 for _ in model.parameters())
     report["bucket_bytes"] = fsdp.BUCKET_BYTES
     for mode in ("per_parameter", "bucketed", "unit"):
@@ -125,6 +155,21 @@ def main() -> None:
         if rank == 0:
             print(mode, report["modes"][mode], flush=True)
         write()
+    for mode, lw in replicas.items():
+        with torch.no_grad():  # the shards move (as after an optimizer step): a stale replica shows
+            for q in model.parameters():
+                q.mul_(1.001)
+        _refresh_pass(lw, device)  # warm-up
+        runs = [_refresh_pass(lw, device) for _ in range(args.reps)]
+        report["modes"][mode] = {"seconds": [s for s, _ in runs], "min_s": min(s for s, _ in runs),
+                                 "collectives": runs[0][1], "canary": lw.max_abs_diff()}  # fmt: skip
+        if rank == 0:
+            print(mode, report["modes"][mode], flush=True)
+        write()
+    unit, default = (dict(replicas[m].model.named_parameters()) for m in ("refresh_unit", "refresh_default"))
+    replicas["refresh_unit"].refresh()  # both now from the same shards
+    report["refresh_bitwise_equal"] = all(torch.equal(unit[n], default[n]) for n in unit)
+    write()
     a = full_tensors(model, torch.bfloat16, bucket_bytes=0)
     b = full_tensors(model, torch.bfloat16)
     report["bitwise_equal"] = all(

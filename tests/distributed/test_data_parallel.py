@@ -63,6 +63,7 @@ def test_rl_two_ranks_equal_one_rank_and_resume_across_rank_counts(
     driver stores the 32 rows of a step in blocks of 3 (at most 11 objects), so ranks read shares that start
     and end inside blocks."""
     monkeypatch.setattr(rows, "MAX_BLOCKS", 11)
+    monkeypatch.setattr(rows, "MIN_BLOCK_BYTES", 0)  # the step's few KB would be one block
     one = run_rl(_rl_cfg(tiny_model_path, tmp_path / "one", 1))
     trainer = RLTrainer(_rl_cfg(tiny_model_path, tmp_path / "two", 2))
     canaries: list[float] = []

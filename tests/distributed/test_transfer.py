@@ -84,9 +84,12 @@ def test_stored_rows_select_exactly_the_record_s_rows(ray_cluster):
         rows.select([])
 
 
-def test_rows_are_put_in_a_few_blocks_and_a_share_fetches_at_most_two_more(ray_cluster):
+def test_rows_are_put_in_a_few_blocks_and_a_share_fetches_at_most_two_more(ray_cluster, monkeypatch):
     import ray
 
+    from relayrl.distributed.launch import rows as row_store
+
+    monkeypatch.setattr(row_store, "MIN_BLOCK_BYTES", 0)  # these 30 KB would be one block
     exp = _experience(rows=150, width=9)  # 150 rows: 50 blocks of 3 (block_rows: at most 64 objects)
     rows = RowStore().put(exp)
     assert rows.block == 3 and len(ray.get(rows.index)) == 50

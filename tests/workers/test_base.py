@@ -88,6 +88,26 @@ def test_collate_equals_a_per_row_loop():
         assert torch.equal(batch.rollout_logprobs[i, :n], lp) and not batch.rollout_logprobs[i, n:].any()
 
 
+def test_collate_rounds_log_probs_to_float32_like_torch_tensor():
+    """collate reads the lists with np.fromiter; every float32 bit equals torch.tensor's rounding of the same
+    Python floats (ties, subnormals, underflow, the largest float32 and what rounds past it, -0.0)."""
+    edge = [
+        1 / 3,
+        -2 / 3,
+        1 + 2**-24,
+        1 + 3 * 2**-24,
+        1e-40,
+        -1e-46,
+        3.4028234663852886e38,
+        3.4028235e38,
+        -0.0,
+    ]
+    lps = [0.0, *edge]
+    batch = collate([_traj(0, list(range(1, len(lps) + 1)), [False] + [True] * len(edge), lps)], pad_id=PAD)
+    want = torch.tensor(lps, dtype=torch.float32)
+    assert torch.equal(batch.rollout_logprobs[0].view(torch.int32), want.view(torch.int32))
+
+
 def test_collate_forces_column_zero_off_and_one_row():
     # a trajectory claiming its first token as an action: column 0 has no prefix, it never is one
     t = _traj(7, [3, 4, 5], [True, True, True], [-0.1, -0.2, -0.3])

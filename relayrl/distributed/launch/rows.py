@@ -1,10 +1,11 @@
 """Batches to Ray ranks without sending every rank every row: the driver puts a record (SequenceBatch,
 Experience: slotted dataclasses of [B, ...] tensors) into Ray's object store in at most 64 BLOCKS OF
-CONSECUTIVE ROWS (one row per object up to 64 rows; `block_rows`), once per step, and hands the ranks a small
-`StoredRows` (row lengths, width, object refs); each rank fetches only the blocks holding the rows it reads
-(its share, relayrl.workers.base.my_update_parts / model_ops.my_rows: contiguous ranges, so at most one
-partial block more at each end). One object per row made the driver's puts grow with the global batch: ~2,000
-`ray.put` calls a step at 1,024 samples, 0.7 s on a 2-core CPU host (bench/driver_step.py), now 32.
+CONSECUTIVE ROWS (one row per object up to 64 rows, at least 1 MiB of rows per object; `block_rows`), once per
+step, and hands the ranks a small `StoredRows` (row lengths, width, object refs); each rank fetches only the
+blocks holding the rows it reads (its share, relayrl.workers.base.my_update_parts / model_ops.my_rows:
+contiguous ranges, so at most one partial block more at each end). One object per row made the driver's puts grow with the global batch: ~2,000
+`ray.put` calls a step at 1,024 samples, 0.7 s on a 2-core CPU host (bench/driver_step.py), then 130 (64
+blocks a record), now about one per MiB of rows (`MIN_BLOCK_BYTES`: 4 blocks at 276-token rows).
 
     store = RowStore()                     on the driver (Roles owns one in ray mode)
     batch_rows = store.put(batch)          every row of the step's SequenceBatch serialised once ...
@@ -60,15 +61,26 @@ items asked for, bytes of row blocks fetched): the transfer time of relayrl.dist
 MAX_BLOCKS = 64
 """Most objects one record's rows are put as (`block_rows`)."""
 
+MIN_BLOCK_BYTES = 2**20
+"""Fewest bytes of rows per stored object (`block_rows`; 0: no floor): a record of B bytes is put as at most
+max(1, B // MIN_BLOCK_BYTES) objects. The fixed cost of a `ray.put` (~0.45 ms on a 2-core CPU host, whatever
+the size) outweighs copying 1 MiB: the 4 MB batch of a 1,024-sample step (276 tokens wide) took 29 ms as 64
+objects and 3.4 ms as 4 (bench/driver_step.py --min-block-bytes 0 against the default)."""
 
-def block_rows(rows: int, max_blocks: int = 0) -> int:
-    """Rows per stored object of a record of `rows` rows: one object per row up to `max_blocks` rows, then
-    ceil(rows / max_blocks) consecutive rows per object. Every `ray.put` costs the driver a fixed ~50-700 us
-    (the object's registration, whatever its size: bench/driver_step.py), so a step of 2,048 rows put row by
-    row spent more on the puts than on the bytes. A rank reads contiguous ranges of rows (its data-parallel
-    share of each mini-batch), so it fetches at most one partial block at each end of a range: <= 2 blocks,
-    1/32 of the batch, more than its rows. `max_blocks` 0: MAX_BLOCKS."""
-    return max(1, -(-rows // (max_blocks or MAX_BLOCKS)))
+
+def block_rows(rows: int, max_blocks: int = 0, row_bytes: int = 0) -> int:
+    """Rows per stored object of a record of `rows` rows of `row_bytes` bytes each: one object per row up to
+    `max_blocks` rows, then ceil(rows / max_blocks) consecutive rows per object, and no fewer than
+    MIN_BLOCK_BYTES of rows per object. Every `ray.put` costs the driver a fixed ~50-700 us (the object's
+    registration, whatever its size: bench/driver_step.py), so a step of 2,048 rows put row by row spent more
+    on the puts than on the bytes. A rank reads contiguous ranges of rows (its data-parallel share of each
+    mini-batch), so it fetches at most one partial block at each end of a range: <= 2 blocks, 1/32 of the
+    batch (or 2 MiB, when blocks are at their floor), more than its rows. `max_blocks` 0: MAX_BLOCKS;
+    `row_bytes` 0: no byte floor."""
+    blocks = max_blocks or MAX_BLOCKS
+    if MIN_BLOCK_BYTES > 0 and row_bytes > 0:
+        blocks = min(blocks, max(1, rows * row_bytes // MIN_BLOCK_BYTES))
+    return max(1, -(-rows // blocks))
 
 
 def _block(record: Any, names: list[str], start: int, stop: int) -> bytes:
@@ -111,7 +123,10 @@ class StoredRows(Generic[T]):
         self.none = [n for n, s in zip(own, self.schema, strict=True) if s is None]
         present = [n for n, s in zip(own, self.schema, strict=True) if s is not None]
         n = len(self.lengths)
-        self.block = block_rows(n)
+        row_bytes = sum(
+            int(np.prod(x[2], dtype=np.int64)) * x[1].itemsize for x in self.schema if x is not None
+        )
+        self.block = block_rows(n, row_bytes=row_bytes)
         """Rows per stored object (the last block may hold fewer): `block_rows`."""
         # raw bytes pickle to themselves (no per-array headers): the object store holds the data and little else
         blocks = [_block(record, present, a, min(a + self.block, n)) for a in range(0, n, self.block)]
@@ -173,6 +188,10 @@ class RowStore:
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
         self._recent: list[tuple[Any, StoredRows[Any]]] = []
+        self.seconds = 0.0
+        """Running total of the driver's seconds in `put` (serialising rows and `ray.put`; `take_metrics`)."""
+        self.objects = 0
+        """Running total of objects put (blocks and indexes)."""
 
     def put(self, record: T) -> StoredRows[T]:
         for r, stored in self._recent:
@@ -183,9 +202,20 @@ class RowStore:
             for f in fields(record)  # type: ignore[arg-type]  (a dataclass instance: checked by StoredRows)
             if is_dataclass(getattr(record, f.name))
         }
+        t0 = time.perf_counter()
         stored = StoredRows(record, nested)
+        self.seconds += time.perf_counter() - t0
+        self.objects += 1 + -(-len(stored.lengths) // stored.block)  # the blocks and their index
         self._recent = [(record, stored), *self._recent][: self.keep]
         return stored
+
+    def take_metrics(self) -> dict[str, float]:
+        """timing/rows_put (the driver's seconds in `put` since the last call: a step's batch, in its
+        experience phase, and its experience's own fields, in its update phase) and perf/rows_put_objects;
+        resets both totals."""
+        out = {"timing/rows_put": self.seconds, "perf/rows_put_objects": float(self.objects)}
+        self.seconds, self.objects = 0.0, 0
+        return out
 
 
 # ------------------------------------------------------------------------------------------- micro-batches

@@ -17,10 +17,15 @@ The cases, decided once at construction:
   trip, no serialisation, storage addresses unchanged, so CUDA graphs captured over them stay valid).
 - gather (the trainer is sharded with FSDP2 over its ranks, relayrl.distributed.fsdp): `model` is a full
   replica made BEFORE the trainer is sharded (so every rank's engine holds the whole model in `dtype`);
-  `refresh` gathers the shards one FSDP unit (decoder layer) at a time with FSDP's own all-gather, in the
-  mixed-precision param dtype (bf16 on a GPU: half the bytes of fp32), and copies each parameter into the
-  replica's buffer: one layer in flight at a time (bounded extra memory), on the device, every rank at once
-  (a collective: all ranks call `refresh` and `max_abs_diff` together).
+  `refresh` gathers the shards and copies each parameter into the replica's buffer, on the device, every
+  rank at once (a collective: all ranks call `refresh` and `max_abs_diff` together). On a CUDA mesh the
+  shards are cast to `dtype` and gathered in buckets (`fsdp.full_tensors`, BUCKET_BYTES each: 3 all-gathers
+  for a Qwen2.5-0.5B, 0.024 s on 2 H200s, against 25 per-unit all-gathers, 0.044-0.066 s,
+  bench/refresh_gather.py; extra memory about two buckets or two of the largest parameter); on a CPU (gloo)
+  one FSDP unit (decoder layer) at a time with FSDP's own all-gather in the mixed-precision param dtype
+  (`fsdp.unit_tensors`: fewer packing copies, which cost more than gloo's calls there). `bucket_bytes`
+  chooses explicitly (0: per unit). Both give the same bits: the fp32 shard cast to `dtype` (the unit path
+  gathers in the param dtype, which equals `dtype` on a GPU and fp32 on a CPU, then casts in `copy_`).
 - stream (`stream=True`: the engine holds its own weights, vllm): nothing is copied here and no memory is
   spent; `model` is the source module itself (the vllm builder ignores it) and `refresh` is a no-op.
   `engine_tensors()` yields (HF name, tensor in `dtype`) of the trainer's CURRENT weights, lazily, for
@@ -44,7 +49,7 @@ from typing import Any
 
 import torch
 
-from relayrl.distributed.fsdp import full_tensors, unit_tensors
+from relayrl.distributed.fsdp import compute_device, full_tensors, unit_tensors
 from relayrl.models.forward import hf_model
 from relayrl.rollout.base import RolloutEngine, paused
 from relayrl.rollout.native_tp import real_rotary
@@ -63,13 +68,16 @@ class LocalWeights:
         device: torch.device | None = None,
         own_copy: bool = False,
         stream: bool = False,
+        bucket_bytes: int | None = None,
     ) -> None:
         """`own_copy`: hold a copy even when dtype and device match (async training: the engine must not see
         optimizer steps until `refresh`); `stream`: the engine holds its own weights (vllm), see
-        `engine_tensors`."""
+        `engine_tensors`; `bucket_bytes` (gather): how `refresh` gathers the shards, None: by the mesh's
+        device (module doc), 0: one FSDP unit at a time, > 0: buckets of that many full bytes."""
         self.source = source
         self.dtype = dtype
         self.gather = gather
+        self.bucket_bytes = bucket_bytes
         self.stream = stream
         self.trained = {n for n, p in source.named_parameters() if p.requires_grad}
         if stream:
@@ -124,7 +132,7 @@ class LocalWeights:
         t0 = time.perf_counter()
         targets = self._targets()
         if self.gather:
-            for name, full in unit_tensors(self.source, self.trained):
+            for name, full in self._gathered():
                 targets[name].copy_(full)
         else:
             src = dict(self.source.named_parameters())
@@ -134,6 +142,17 @@ class LocalWeights:
         if first is not None and first.is_cuda:
             torch.cuda.synchronize(first.device)
         return time.perf_counter() - t0
+
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of the trained parameters of the sharded source, as `refresh` gathers them
+        (module doc: buckets on a CUDA mesh, one FSDP unit at a time on a CPU, or as `bucket_bytes` says)."""
+        size = self.bucket_bytes
+        if size is None:
+            device = compute_device(self.source)
+            size = 0 if device is None or device.type != "cuda" else None  # None: full_tensors' CUDA buckets
+        if size == 0:
+            return unit_tensors(self.source, self.trained)
+        return full_tensors(self.source, self.dtype, self.trained, bucket_bytes=size)
 
     def engine_tensors(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """What `engine.load_weights` gets after `refresh`: None (the engine's module was updated in place),

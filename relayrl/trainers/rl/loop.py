@@ -171,7 +171,7 @@ class RLTrainer:
             metrics.update(self.update(exp, metrics.get("rollout/kl", 0.0)))
         with timer("sync"):
             metrics.update(self.sync())
-        metrics.update(timer.metrics())
+        metrics.update(timer.metrics() | self.roles.transfer_metrics())  # Ray: + timing/rows_put
         tokens = float(exp.tokens.attention_mask.sum())
         metrics["perf/train_tokens_per_s"] = tokens / max(1e-9, timer.seconds["update"])
         gen_s = metrics.get(

@@ -12,6 +12,7 @@
         roles.generator  the engines, else the policy (RoleHandle[Generates])
     roles.rows(batch_or_experience)    what the workers read: the record itself (local), or its rows in Ray's object
                                        store, each put once per step; each rank fetches only its share
+    roles.transfer_metrics()           Ray: the driver's seconds and objects put in the row store since the last call
     roles.sync_weights(version); roles.close()
     kl_ctl = build_kl_controller(cfg.algo); norm = build_reward_norm(cfg.reward)
 
@@ -72,6 +73,11 @@ class Roles:
         if self.launcher.mode != "ray":
             return record  # type: ignore[return-value]  (SequenceBatch and Experience are Rows of themselves)
         return self.store.put(record)
+
+    def transfer_metrics(self) -> dict[str, float]:
+        """Ray mode: the row store's puts since the last call (RowStore.take_metrics: timing/rows_put,
+        perf/rows_put_objects); local mode: none."""
+        return self.store.take_metrics() if self.launcher.mode == "ray" else {}
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """The policy's new weights to whoever generates, as `version`; the policy's sync metrics."""
