@@ -200,3 +200,63 @@ def allreduce_gpu_worker(rank: int, world: int, store_path: str, out: str) -> No
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+COUNT_ENGINE = {"max_slots": 8, "max_seq_len": 64, "sync_every": 4, "prefix_cache": False}
+
+
+def count_requests() -> list[GenerationRequest]:
+    """Plain seeded sampling (mode "sample": the vocab-parallel sampler's two all-reduces a step, no gather)
+    of different lengths: samples finish in different rounds."""
+    return [
+        GenerationRequest(
+            prompt_ids=[3 + i, 9, 13 + 2 * i],
+            params=SamplingParams(temperature=1.0, seed=i, max_new_tokens=6 + 3 * i),
+        )
+        for i in range(4)
+    ]
+
+
+def count_rounds(engine: Any, run_round: Any) -> dict:
+    """One round of `run_round()` under bench/tp_phases.RoundCounter: its report (bench/ put on sys.path here:
+    the children import this module by name)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from tp_phases import RoundCounter
+
+    with RoundCounter(engine) as counter:
+        got = run_round()
+    rep = counter.report()
+    rep["outputs"] = got
+    rep["control_device"] = str(getattr(engine, "control_device", "none"))
+    rep["control_messages"] = getattr(engine, "control_messages", 0)
+    rep["decode_steps"] = engine.decode_steps
+    return rep
+
+
+def count_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    """TP = world engine (COUNT_ENGINE) generating `count_requests` under a RoundCounter on every rank: saves
+    each rank's counts (collectives and host reads by phase)."""
+    from relayrl.rollout.native_tp import TPNativeEngine, shard_model
+
+    init(rank, world, store_path)
+    try:
+        group = dist.group.WORLD
+        shard = shard_model(tiny_model(), rank=rank, size=world, group=group)
+        engine = TPNativeEngine(shard, group=group, **COUNT_ENGINE)
+
+        def run_round() -> Any:
+            if rank == 0:
+                got = outputs(generate_all(engine, count_requests()))
+                engine.release()
+                return got
+            engine.follow()
+            return None
+
+        torch.save(count_rounds(engine, run_round), f"{out}.{rank}")
+        engine.close()
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective
+    finally:
+        dist.destroy_process_group()
