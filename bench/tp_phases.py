@@ -248,9 +248,7 @@ def summary(per_rank: list[list[dict]]) -> dict:
             lags += [(f - t) * 1e3 for t, f in zip(lead["first_launch"], mine, strict=False)]
     return dict(
         ranks=ranks,
-        launch_lag_ms=dict(
-            median=med(lags), max=round(max(lags), 4) if lags else None, rounds=len(lags)
-        ),
+        launch_lag_ms=dict(median=med(lags), max=round(max(lags), 4) if lags else None, rounds=len(lags)),
     )
 
 
