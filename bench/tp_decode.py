@@ -253,6 +253,7 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler, control) 
             max_prefill_tokens=args.prefill_tokens,
             eos_token_id=[],
             seed=0,
+            sync_every=args.sync_every,
         )
         if tp > 1:
             engine = TPNativeEngine(shard, group=group, allreduce=IMPLS[impl], control=control, **opts)
@@ -553,6 +554,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
+    ap.add_argument(
+        "--sync-every", type=int, default=16, help="decode steps between host syncs (the engines' default 16)"
+    )
     ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
     ap.add_argument(
         "--head",
