@@ -222,8 +222,9 @@ def tp_rounds(engine: Any, run_round: Callable[[], object], n: int, device: torc
 
 
 def summary(per_rank: list[list[dict]]) -> dict:
-    """Every rank's `tp_rounds` reports (rank order, rank 0 the leader) -> medians per rank and the followers'
-    launch lag behind the leader per round (ms; module doc)."""
+    """Every rank's `tp_rounds` reports (rank order, rank 0 the leader) -> medians per rank (the counter's and
+    decode_phases.PhaseProbe's: `probe_host_ms` is its host split of a whole round, retire_wait the host
+    waiting for the device) and the followers' launch lag behind the leader per round (ms; module doc)."""
 
     def med(values: list[float]) -> float | None:
         return round(statistics.median(values), 4) if values else None
@@ -240,6 +241,10 @@ def summary(per_rank: list[list[dict]]) -> dict:
             collectives_outside_graph_per_round=med([r["collectives_outside_graph_per_round"] for r in reps]),
             host_us_per_step=med([r["host_us_per_step"] for r in reps]),
             host_ms_per_round={p: med([r["host_ms_per_round"][p] for r in reps]) for p in PHASES},
+            probe_host_ms={k: med([g["host_ms"][k] for g in gpu]) for k in (gpu[0]["host_ms"] if gpu else {})},
+            steps_by_kv=gpu[0]["steps_by_kv"] if gpu else {},
+            replay_ms_by_kv={k: med([g["replay_ms_by_kv"][k] for g in gpu if k in g["replay_ms_by_kv"]])
+                             for k in (gpu[0]["replay_ms_by_kv"] if gpu else {})},
         ))  # fmt: skip
     lags = []
     for k, lead in enumerate(per_rank[0]):
