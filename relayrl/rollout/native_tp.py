@@ -56,7 +56,9 @@ backend (gloo; a `cpu:gloo,cuda:nccl` group, as distributed/group.py creates) wh
 start costs a follower no device sync and the leader no device copy or NCCL launch: before that, each round's
 `broadcast_object_list` over NCCL ran two NCCL broadcasts, two host-to-device copies and, on each follower,
 two device syncs (`.item()`, `.cpu()`) while the leader's GPU waited for the follower's first replay at the
-first all-reduce. A group with no CPU backend (NCCL only) sends them through its device, as before.
+first all-reduce. A group with no CPU backend (NCCL only) sends them through its device, as before. Cancelled
+callers and finished shadows are queued by their futures' callbacks (no pass over every in-flight request a
+round).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ import copy
 import inspect
 import pickle
 import random
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar, cast
 
@@ -239,6 +242,14 @@ def real_rotary(model: Any, device: torch.device | str | None) -> None:
             model.model.rotary_emb = type(rot)(config=model.config)
 
 
+def _drain(queue: deque[int]) -> list[int]:
+    """Pop everything `queue` holds now (other threads may append meanwhile: those wait for the next call)."""
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
+
+
 def _relay(real: Pending, future: concurrent.futures.Future) -> None:
     """Copy a finished shadow's outcome to the caller's future."""
     if real.future.done():
@@ -331,6 +342,11 @@ class TPNativeEngine(NativeEngine):
         self._shadows: dict[int, Pending] = {}
         """id -> the pending the rounds run on (never cancelled by a caller; see module doc)."""
         self._next_id = 0
+        self._cancelled_ids: deque[int] = deque()
+        """Leader: ids of callers' requests cancelled since the last round message (their futures' callbacks, in
+        the cancelling thread; no scan of every request a round)."""
+        self._done_ids: deque[int] = deque()
+        """ids of shadows finished since the last round's end (their futures' callbacks)."""
         self._follow_msg: tuple[list[GenerationRequest], list[int]] = ([], [])
         super().__init__(model, tokenizer, seed=seed, **opts)
         self.tp_size = dist.get_world_size(group)
@@ -396,7 +412,7 @@ class TPNativeEngine(NativeEngine):
     # ---- the round, on every rank ---------------------------------------------------------------------
     def _round(self, new: list[Pending]) -> None:
         if self.is_leader:
-            cancelled = [i for i, real in self._callers.items() if real.cancelled]
+            cancelled = _drain(self._cancelled_ids)
             requests = [p.request for p in new]
             self._send(ROUND, requests, cancelled)
         else:
@@ -408,17 +424,19 @@ class TPNativeEngine(NativeEngine):
                 shadow.future.cancel()
         shadows = []
         for k, request in enumerate(requests):
-            shadow = Pending(request=request)
-            self._shadows[self._next_id] = shadow
+            i, shadow = self._next_id, Pending(request=request)
+            self._shadows[i] = shadow
+            shadow.future.add_done_callback(lambda f, i=i: self._done_ids.append(i))
             if self.is_leader:
                 real = new[k]
-                self._callers[self._next_id] = real
+                self._callers[i] = real
                 shadow.future.add_done_callback(lambda f, real=real: _relay(real, f))
+                real.future.add_done_callback(lambda f, i=i: f.cancelled() and self._cancelled_ids.append(i))
             self._next_id += 1
             shadows.append(shadow)
         super()._round(shadows)
-        for i in [i for i, s in self._shadows.items() if s.future.done()]:
-            del self._shadows[i]
+        for i in _drain(self._done_ids):
+            self._shadows.pop(i, None)
             self._callers.pop(i, None)
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:

@@ -3,6 +3,8 @@ the children, which test modules under --import-mode=importlib are not)."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import os
 from typing import Any
 
@@ -51,10 +53,12 @@ def outputs(results) -> list[list[tuple[list[int], list[float]]]]:
     return [[(c.token_ids, c.logprobs) for c in r.completions] for r in results]
 
 
-def init(rank: int, world: int, store_path: str) -> None:
+def init(rank: int, world: int, store_path: str, timeout_s: float | None = None) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    store = dist.FileStore(store_path, world)
+    extra: dict[str, Any] = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, **extra)
 
 
 def engine_worker(
@@ -236,12 +240,34 @@ def count_rounds(engine: Any, run_round: Any) -> dict:
     return rep
 
 
+CANCEL_AFTER_STEPS = 4
+"""`cancel_round`: the leader cancels the last (longest) request once the engine ran this many decode steps."""
+
+
+def cancel_round(engine: Any, reqs: list[GenerationRequest]) -> list:
+    """Generate `reqs` on the loop driver, cancelling the last request's task once the engine ran
+    CANCEL_AFTER_STEPS more decode steps (between two rounds: the driver yields to the loop there); outputs, None
+    where cancelled."""
+
+    async def main() -> list:
+        start = engine.decode_steps
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+        while engine.decode_steps < start + CANCEL_AFTER_STEPS:
+            await asyncio.sleep(0)
+        tasks[-1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return [None if isinstance(r, BaseException) else outputs([r])[0] for r in done]
+
+    return asyncio.run(main())
+
+
 def count_worker(rank: int, world: int, store_path: str, out: str) -> None:
     """TP = world engine (COUNT_ENGINE) generating `count_requests` under a RoundCounter on every rank: saves
-    each rank's counts (collectives and host reads by phase)."""
+    each rank's counts (collectives and host reads by phase); then the same requests again with the leader
+    cancelling one mid-way (`cancel_round`): its outputs, each rank's decode steps and round messages."""
     from relayrl.rollout.native_tp import TPNativeEngine, shard_model
 
-    init(rank, world, store_path)
+    init(rank, world, store_path, timeout_s=60)  # ranks out of step fail in a minute instead of hanging
     try:
         group = dist.group.WORLD
         shard = shard_model(tiny_model(), rank=rank, size=world, group=group)
@@ -255,7 +281,18 @@ def count_worker(rank: int, world: int, store_path: str, out: str) -> None:
             engine.follow()
             return None
 
-        torch.save(count_rounds(engine, run_round), f"{out}.{rank}")
+        report = count_rounds(engine, run_round)
+        steps, messages = engine.decode_steps, engine.control_messages
+        got = None
+        if rank == 0:
+            got = cancel_round(engine, count_requests())
+            engine.release()
+        else:
+            engine.follow()
+        report["cancel"] = dict(outputs=got, steps=engine.decode_steps - steps,
+                                messages=engine.control_messages - messages,
+                                left=(len(engine._shadows), len(engine._callers), engine.pool.available()))  # fmt: skip
+        torch.save(report, f"{out}.{rank}")
         engine.close()
         dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     finally:

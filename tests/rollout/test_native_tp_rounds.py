@@ -8,7 +8,8 @@ outside the decode steps and prefills (finished slots, stop tokens, batch size a
 at run time: they follow from the identical tokens); and no more host reads of engine tensors than a one-GPU
 engine makes on the same workload (its retire's, one a round plus the finished rows'). Before, every round
 was a `broadcast_object_list` (two broadcasts; on GPUs two NCCL launches and, on each follower, two device
-syncs)."""
+syncs). A request cancelled mid-way reaches every rank through that message (the leader collects cancelled
+ids from its callers' futures' callbacks instead of scanning every request a round)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,15 @@ def test_a_tp2_round_costs_one_cpu_broadcast_and_no_extra_host_reads(tmp_path):
         for phase in ("step", "admit", "retire", "round", "outside"):  # control reads are of CPU tensors
             assert rep["cpu_reads"][phase] == base["cpu_reads"][phase], (phase, rep["cpu_reads"], base)
         assert sum(rep["syncs"].values()) == 0  # (no CUDA tensor on a CPU run)
+    # the longest request cancelled mid-way: the followers drop it in the same round (out of step they would
+    # deadlock), the others sample what they sampled uncancelled (per-sample seeds), and the round ends earlier
+    lead, follow = ranks[0]["cancel"], ranks[1]["cancel"]
+    assert lead["steps"] == follow["steps"] and lead["messages"] == follow["messages"]
+    assert (
+        lead["steps"] < base["steps"]
+    )  # the longest sample no longer runs: the cancellation reached every rank
+    got = lead["outputs"]
+    assert got[-1] is None and [[tok for tok, _ in g] for g in got[:-1]] == tokens[:-1]
+    assert (
+        lead["left"] == follow["left"] == (0, 0, tp_workers.COUNT_ENGINE["max_slots"])
+    )  # all forgotten, freed
