@@ -5,6 +5,8 @@
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2 --head both  # split vs replicated head
     torchrun --standalone --nproc_per_node=4 bench/tp_decode.py --shape qwen2.5-32b --tp 2 4 --profile 4 --rounds 3
     torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --shape tiny --device cpu   # smoke test
+    torchrun --standalone --nproc_per_node=2 bench/tp_decode.py --tp 1 2 --no-unfused --rounds 3 --profile 0 \
+        --phases 3 --control auto,device,auto          # where a TP round's time goes, CPU vs NCCL round messages
 
 Model: random bf16 weights of Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate
 18944, vocab 152064, untied; --shape qwen2.5-32b: hidden 5120, 64 layers, 40 heads, 8 KV heads, intermediate
@@ -15,9 +17,17 @@ follow its rounds); the other ranks wait.
 
 Workload: --batch prompts of --prompt-len random tokens -> --new-tokens tokens each at temperature 1, EOS
 ignored (every sample runs the full length), so the decode batch is --batch slots for --new-tokens steps.
-One full warm-up round, then --rounds timed rounds (median reported). Per TP size:
+One full warm-up round and one prefill-only one, then --rounds timed rounds (median reported). Per TP size:
     tok_s            generated tokens / wall time of a round (prefill included)
-    ms_per_step      (round - a prefill-only round [--new-tokens 1]) / (new_tokens - 1) decode steps
+    ms_per_step      (round - a prefill-only round [--new-tokens 1]) / (new_tokens - 1) decode steps (medians)
+    ms_per_step_min  the same from the fastest round of each (a one-time cost in one of two rounds moves the
+                     median, which is their mean, but not this)
+    control          TP > 1: where the round messages travel (--control; TPNativeEngine(control=...))
+    phases           --phases N: N more rounds probed on every rank (bench/tp_phases.py): the in-round step
+                     = graph replay + gaps in a batch + gaps at syncs (GPU events), per round the collectives
+                     outside the graphs, the device syncs and the host ms by phase, and how long after the
+                     leader each follower launched each round's first step; then each rank's graphs alone /
+                     queued (decode_phases.replay_table)
     floor_ms         the step's floor per rank: max(compute, bandwidth) of bench/rollout_profile.floors_ms at the
                      round's mean context (data-sheet peaks; absent off CUDA), with compute_ / bandwidth_floor_ms
     startup_s        engine construction (KV cache, CUDA graph capture; NCCL communicator); TP 1 runs the
@@ -79,15 +89,19 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_phases import replay_table  # bench/decode_phases.py
 from rollout_engines import param_counts  # bench/rollout_engines.py
 from rollout_profile import card_peaks, floors_ms  # bench/rollout_profile.py
 from tp_allreduce import allreduce_bench  # bench/tp_allreduce.py
+from tp_phases import phases_text, summary, tp_rounds  # bench/tp_phases.py
 
 from relayrl.rollout import sampling
 from relayrl.rollout.base import GenerationRequest, SamplingParams, generate_all
 from relayrl.rollout.native import NativeEngine
 from relayrl.rollout.native_tp import TPNativeEngine, shard_model
 
+CONTROLS = ("auto", "cpu", "device")
+"""--control names (TPNativeEngine(control=...)): where a TP engine's round messages travel."""
 IMPLS = {"nccl": "nccl", "custom": "auto", "one_shot": "one_shot", "two_shot": "two_shot"}
 """--allreduce-impl names -> TPNativeEngine(allreduce=...) (custom: the engine's default, symmetric memory where
 it works)."""
@@ -207,16 +221,17 @@ def run_tp(
     split_head: bool = True,
     impl: str = "custom",
     sampler: str = "kernel",
+    control: str = "auto",
 ) -> dict | None:
     """One row: TP size `tp` over ranks [0, tp) (tp 1: the plain NativeEngine, no collectives); `fused`
     False keeps the projections separate (the shard's parameters left trainable, which fusion skips);
     `split_head` False: the lm_head replicated (module doc); `impl`: the all-reduce (IMPLS); `sampler`: the
-    vocab-parallel sampler (SAMPLERS)."""
+    vocab-parallel sampler (SAMPLERS); `control`: where the round messages travel (CONTROLS)."""
     with sampler_choice(sampler):
-        return _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler)
+        return _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler, control)
 
 
-def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict | None:
+def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler, control) -> dict | None:
     rank = dist.get_rank()
     group = dist.new_group(list(range(tp)))  # every rank creates it (torch.distributed's rule)
     out = None
@@ -238,18 +253,23 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict |
             max_prefill_tokens=args.prefill_tokens,
             eos_token_id=[],
             seed=0,
+            sync_every=args.sync_every,
         )
         if tp > 1:
-            engine = TPNativeEngine(shard, group=group, allreduce=IMPLS[impl], **opts)
+            engine = TPNativeEngine(shard, group=group, allreduce=IMPLS[impl], control=control, **opts)
         else:
             engine = NativeEngine(shard, **opts)
         startup_s = time.perf_counter() - t0
         full, prefill = requests(args, args.new_tokens), requests(args, 1)
         lead = rank == 0
         _, tokens = _round(engine, full if lead else None, device)  # warm-up: one full-size round
+        # and one prefill-only round: its prompts hit the prefix cache (their K/V parked by the full round),
+        # whose suffix prefill compiles on first use (a 1.2 s first "prefill round" at TP 1 otherwise)
+        timed_round(engine, prefill if lead else None, device)
         pre = [timed_round(engine, prefill if lead else None, device) for _ in range(args.rounds)]
         rounds = [timed_round(engine, full if lead else None, device) for _ in range(args.rounds)]
         t, tp_pre = statistics.median(rounds), statistics.median(pre)
+        phases = phases_of(args, engine, group, full if lead else None, device) if args.phases else None
         graphs = engine.graphs.graphs if engine.graphs is not None else {}
         fast = getattr(engine, "fast_all_reduce", None)
         out = {
@@ -258,12 +278,14 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict |
             "head": head_name(tp, split_head),
             "allreduce": impl if tp > 1 else "none",
             "sampler": sampler,
+            "control": str(getattr(engine, "control_device", "none")),
             "allreduce_used": (fast.name if fast is not None else "nccl") if tp > 1 else "none",
             **token_check(tp, head_name(tp, split_head), tokens, rank),
             "tok_s": args.batch * args.new_tokens / t,
             "round_s": rounds,
             "prefill_round_s": pre,
             "ms_per_step": 1000 * (t - tp_pre) / max(1, args.new_tokens - 1),
+            "ms_per_step_min": 1000 * (min(rounds) - min(pre)) / max(1, args.new_tokens - 1),
             **step_floors(args, tp, device),
             "startup_s": startup_s,
             "shard_s": shard_s,
@@ -272,6 +294,7 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict |
             "fused_layers": engine.runner.fused_layers,
             "kernels": bool(engine.runner.kernels),
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+            **({"phases": phases} if phases is not None else {}),
         }
         engine.close()
         del engine, shard
@@ -279,6 +302,24 @@ def _run_tp(args, tp, device, dtype, fused, split_head, impl, sampler) -> dict |
             torch.cuda.empty_cache()
     dist.barrier()
     return out if rank == 0 else None
+
+
+def phases_of(args, engine, group, reqs: list[GenerationRequest] | None, device: torch.device) -> dict | None:
+    """--phases N: N more rounds of `reqs` on every rank of the engine under bench/tp_phases (per rank: each
+    round's collectives and host reads by phase, host ms per phase, the GPU's split of the in-round step, each
+    round's first launch), then decode_phases.replay_table on every rank at once (its graphs' all-reduces pair
+    up); rank 0 gets every rank's reports and their summary (None elsewhere) and prints it."""
+    reps = tp_rounds(engine, lambda: _round(engine, reqs, device), args.phases, device)
+    table = replay_table(engine) if device.type == "cuda" else {}
+    per_rank: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, {"rounds": reps, "replay_table": table}, group=group)
+    if dist.get_rank(group) != 0:
+        return None
+    summ = summary([r["rounds"] for r in per_rank])
+    name = f"tp{dist.get_world_size(group)} control={getattr(engine, 'control_device', 'none')}"
+    print(phases_text(name, summ), flush=True)
+    print(f"tp-phases [{name}] graphs alone / queued ms by kv (rank 0): {table.get('by_kv')}", flush=True)
+    return {"summary": summ, "per_rank": per_rank}
 
 
 def step_floors(args, tp: int, device: torch.device) -> dict:
@@ -457,7 +498,7 @@ def print_table(rows: list) -> None:
     base = next((r for r in rows if r["tp"] == 1 and r["fused"]), None)
     head = (
         f"{'tp':>3} {'fused':>5} {'head':>14} {'allreduce':>10} {'sampler':>7} {'kernels':>7} {'tok/s':>10} "
-        f"{'ms/step':>8}"
+        f"{'ms/step':>8} {'min':>6} {'control':>7}"
     )
     head += f" {'x tp1':>6} {'floor':>6} {'x floor':>7}"
     head += f" {'start s':>8}"
@@ -469,7 +510,7 @@ def print_table(rows: list) -> None:
         print(
             f"{r['tp']:>3} {r['fused']!s:>5} {r['head']:>14} {r['allreduce_used']:>10.10} {r['sampler']:>7} "
             f"{r['kernels']!s:>7} "
-            f"{r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} "
+            f"{r['tok_s']:>10.0f} {r['ms_per_step']:>8.2f} {r['ms_per_step_min']:>6.2f} {r['control']:>7.7} "
             f"{speed:>6.2f} {floor:>6.2f} {r['ms_per_step'] / floor:>7.2f} {r['startup_s']:>8.2f} {r['graphs']:>6} "
             f"{r['peak_gib']:>8.1f}"
         )
@@ -513,6 +554,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds (median)")
+    ap.add_argument(
+        "--sync-every", type=int, default=16, help="decode steps between host syncs (the engines' default 16)"
+    )
     ap.add_argument("--no-unfused", action="store_true", help="skip the TP 1 row with unfused projections")
     ap.add_argument(
         "--head",
@@ -545,13 +589,28 @@ def main() -> None:
         help="comma list of the TP > 1 vocab-parallel rows' sampler: kernel (Triton, the default on CUDA), "
         "torch (its torch ops); one row (and profile) per name",
     )
+    ap.add_argument(
+        "--control",
+        default="auto",
+        help="comma list of the TP > 1 rows' round-message path (TPNativeEngine(control=...)): auto (the "
+        "group's CPU backend, gloo), device (NCCL, the path before); one row per name, in order (a name may "
+        "repeat: the first TP > 1 row of a process pays one-time costs)",
+    )
+    ap.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        help="probed rounds per row after its timed ones: the in-round step's parts on every rank, the "
+        "collectives and device syncs outside the graphs per round, the followers' launch lag (tp_phases.py)",
+    )
     ap.add_argument("--time-limit", type=float, default=230.0, help="seconds before partial results + exit")
     args = ap.parse_args()
     world_rank = int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        # gloo for CPU tensors (the TP engines' round messages), NCCL for CUDA ones: distributed/group.py's groups
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
         dtype = torch.bfloat16
     else:
         device, dtype = torch.device("cpu"), torch.float32
@@ -573,6 +632,9 @@ def main() -> None:
     samplers = [i.strip() for i in args.tp_sampler.split(",") if i.strip()]
     if not samplers or any(i not in SAMPLERS for i in samplers):
         ap.error(f"--tp-sampler: a comma list of {', '.join(SAMPLERS)}, got {args.tp_sampler!r}")
+    controls = [i.strip() for i in args.control.split(",") if i.strip()]
+    if not controls or any(i not in CONTROLS for i in controls):
+        ap.error(f"--control: a comma list of {', '.join(CONTROLS)}, got {args.control!r}")
 
     def mark(stage: str) -> None:
         result["stage"] = stage
@@ -591,15 +653,15 @@ def main() -> None:
         dist.destroy_process_group()
         return
     heads = {"split": [True], "replicated": [False], "both": [True, False]}
-    plan = [(tp, True, s, i, m) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])
+    plan = [(tp, True, s, i, m, c) for tp in sizes for s in (heads[args.head] if tp > 1 else [True])
             for i in (impls if tp > 1 else impls[:1])
-            for m in (samplers if tp > 1 and s else ["kernel"])]  # fmt: skip
-    plan += [(1, False, True, impls[0], "kernel")] if 1 in sizes and not args.no_unfused else []
-    for tp, fused, split, impl, smp in plan:  # the unfused TP 1 row: the fused projections' gain
-        mark(f"row tp{tp} fused={fused} {head_name(tp, split)} {impl} sampler={smp}")
-        result["rows"].append(
-            attempt(run_tp, args, tp, device, dtype, fused=fused, split_head=split, impl=impl, sampler=smp)
-        )
+            for m in (samplers if tp > 1 and s else ["kernel"])
+            for c in (controls if tp > 1 else controls[:1])]  # fmt: skip
+    plan += [(1, False, True, impls[0], "kernel", "auto")] if 1 in sizes and not args.no_unfused else []
+    for tp, fused, split, impl, smp, ctl in plan:  # the unfused TP 1 row: the fused projections' gain
+        mark(f"row tp{tp} fused={fused} {head_name(tp, split)} {impl} sampler={smp} control={ctl}")
+        opts = dict(fused=fused, split_head=split, impl=impl, sampler=smp, control=ctl)
+        result["rows"].append(attempt(run_tp, args, tp, device, dtype, **opts))
         write(result, world_rank)
     if world_rank == 0:
         print_table(result["rows"])

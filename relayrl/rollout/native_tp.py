@@ -45,6 +45,20 @@ Cancellation is snapshotted by the leader per round (its rounds run on copies of
 no caller can cancel mid-round). Every other engine call (load_weights, sleep, wake_up, close) is made by
 every rank itself, between rounds (a colocated policy's ranks all call them in `sync`). `release()` (leader)
 ends the followers' `follow()`.
+
+Round messages (`control_device`): the only traffic outside the forward passes is ONE broadcast a round
+(every `sync_every` decode steps, as the one-GPU engine's host sync): a fixed [2] int64 header (round or
+stop, payload bytes), followed by a second broadcast of the pickled (new requests, cancelled ids) only in
+rounds that carry any. Nothing else is agreed between ranks at run time: finished slots, stop tokens, the
+decode batch and the kv bucket follow from the tokens, which the vocab-parallel sampler makes identical on
+every rank, and from host bookkeeping every rank does alike. The messages travel over the group's CPU
+backend (gloo; a `cpu:gloo,cuda:nccl` group, as distributed/group.py creates) where it has one, so a round
+start costs a follower no device sync and the leader no device copy or NCCL launch: before that, each round's
+`broadcast_object_list` over NCCL ran two NCCL broadcasts, two host-to-device copies and, on each follower,
+two device syncs (`.item()`, `.cpu()`) while the leader's GPU waited for the follower's first replay at the
+first all-reduce. A group with no CPU backend (NCCL only) sends them through its device, as before. Cancelled
+callers and finished shadows are queued by their futures' callbacks (no pass over every in-flight request a
+round).
 """
 
 from __future__ import annotations
@@ -52,7 +66,9 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import inspect
+import pickle
 import random
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar, cast
 
@@ -226,6 +242,14 @@ def real_rotary(model: Any, device: torch.device | str | None) -> None:
             model.model.rotary_emb = type(rot)(config=model.config)
 
 
+def _drain(queue: deque[int]) -> list[int]:
+    """Pop everything `queue` holds now (other threads may append meanwhile: those wait for the next call)."""
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
+
+
 def _relay(real: Pending, future: concurrent.futures.Future) -> None:
     """Copy a finished shadow's outcome to the caller's future."""
     if real.future.done():
@@ -237,6 +261,30 @@ def _relay(real: Pending, future: concurrent.futures.Future) -> None:
         real.fail(exc)
     else:
         real.future.set_result(future.result())
+
+
+CONTROLS = ("auto", "cpu", "device")
+"""TPNativeEngine(control=...): where round messages travel (`control_device`)."""
+HEADER = 2
+"""A round message's header: [kind, payload bytes]."""
+ROUND, STOP = 0, 1
+"""Header kinds: run a round / end `follow()`."""
+
+
+def control_device(group: Any, device: torch.device, control: str = "auto") -> torch.device:
+    """The device of the round messages over `group` (module doc): "auto" the CPU when the group has a CPU
+    backend (gloo; dist.get_backend_config lists "cpu:") or the engine runs on the CPU, else `device`; "cpu"
+    requires a CPU backend; "device": `device` (NCCL on GPUs: the path before CPU messages)."""
+    if control not in CONTROLS:
+        raise ValueError(f"TPNativeEngine(control={control!r}): one of {', '.join(CONTROLS)}")
+    config = str(dist.get_backend_config(group)).lower()
+    has_cpu = device.type == "cpu" or any(part.strip().startswith("cpu:") for part in config.split(","))
+    if control == "cpu" and not has_cpu:
+        raise ValueError(
+            f"TPNativeEngine(control='cpu'): the TP group's backend {config!r} has no CPU backend; create the "
+            "group with backend 'cpu:gloo,cuda:nccl' (as distributed/group.py does) or pass control='auto'"
+        )
+    return torch.device("cpu") if has_cpu and control != "device" else device
 
 
 DEFAULT_SLOTS = int(inspect.signature(NativeEngine.__init__).parameters["max_slots"].default)
@@ -264,7 +312,8 @@ class TPNativeEngine(NativeEngine):
     """The native engine over one TP shard (`shard_model`), in lock step with the other ranks of `group`
     (module doc). Keywords are NativeEngine's plus `allreduce` (`attach_all_reduce`: "auto", the default,
     sums the row-parallel layers' outputs through symmetric memory on GPUs where it works, else NCCL;
-    tp_allreduce.py); `seed` (None: drawn by the leader) is agreed by all ranks."""
+    tp_allreduce.py) and `control` (`control_device`: "auto", the default, sends the round messages over
+    the group's CPU backend where it has one); `seed` (None: drawn by the leader) is agreed by all ranks."""
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(fixed_slots=True, tensor_parallel=True)
 
@@ -273,29 +322,64 @@ class TPNativeEngine(NativeEngine):
         self.leader = dist.get_global_rank(group, 0)
         self.is_leader = dist.get_rank(group) == 0
         device = next(model.parameters()).device
+        self.control_device = control_device(group, device, opts.pop("control", "auto"))
+        """Where the round messages travel (`control_device`): the CPU (the group's gloo backend) unless the
+        group has none or control="device"."""
+        self._header = torch.zeros(HEADER, dtype=torch.long, device=self.control_device)
+        self.control_messages = 0
+        """Broadcasts of round messages this rank took part in (a round: 1; 2 when it carries requests or
+        cancellations)."""
         seed = opts.pop("seed", None)
-        seed = self._bcast(("seed", random.getrandbits(31) if seed is None else seed), device)[1]
+        seed = self._bcast_object(("seed", random.getrandbits(31) if seed is None else seed))[1]
         if device.type == "cuda":  # NCCL builds its communicator lazily: before any graph capture
             with torch.cuda.device(device):
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
         rows = opts.get("max_slots") or DEFAULT_SLOTS
         self.fast_all_reduce = attach_all_reduce(model, group, rows, opts.pop("allreduce", None))
         """The row-parallel layers' symmetric-memory all-reduce (tp_allreduce.py); None: NCCL."""
-        self._tp_device = device
         self._callers: dict[int, Pending] = {}
         """Leader: id -> the caller's pending of each request in flight."""
         self._shadows: dict[int, Pending] = {}
         """id -> the pending the rounds run on (never cancelled by a caller; see module doc)."""
         self._next_id = 0
+        self._cancelled_ids: deque[int] = deque()
+        """Leader: ids of callers' requests cancelled since the last round message (their futures' callbacks, in
+        the cancelling thread; no scan of every request a round)."""
+        self._done_ids: deque[int] = deque()
+        """ids of shadows finished since the last round's end (their futures' callbacks)."""
         self._follow_msg: tuple[list[GenerationRequest], list[int]] = ([], [])
         super().__init__(model, tokenizer, seed=seed, **opts)
         self.tp_size = dist.get_world_size(group)
 
-    def _bcast(self, msg: Any, device: torch.device | None = None) -> Any:
+    def _bcast_object(self, msg: Any) -> Any:
+        """The leader's `msg` on every rank (broadcast_object_list over the control device; construction)."""
         box = [msg if self.is_leader else None]
-        dev = device or self._tp_device
-        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=dev)
+        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=self.control_device)
         return box[0]
+
+    def _send(self, kind: int, requests: list[GenerationRequest], cancelled: list[int]) -> None:
+        """Leader: one round message (module doc, "Round messages")."""
+        payload = pickle.dumps((requests, cancelled)) if requests or cancelled else b""
+        self._header.copy_(torch.tensor([kind, len(payload)]))
+        dist.broadcast(self._header, src=self.leader, group=self.group)
+        self.control_messages += 1
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.control_device)
+            dist.broadcast(data, src=self.leader, group=self.group)
+            self.control_messages += 1
+
+    def _receive(self) -> tuple[int, list[GenerationRequest], list[int]]:
+        """Follower: the leader's next round message (kind, new requests, cancelled ids)."""
+        dist.broadcast(self._header, src=self.leader, group=self.group)
+        self.control_messages += 1
+        kind, size = self._header.tolist()  # on the CPU: no device sync
+        if not size:
+            return kind, [], []
+        data = torch.empty(size, dtype=torch.uint8, device=self.control_device)
+        dist.broadcast(data, src=self.leader, group=self.group)
+        self.control_messages += 1
+        requests, cancelled = pickle.loads(data.cpu().numpy().tobytes())
+        return kind, requests, cancelled
 
     # ---- leader ---------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -308,7 +392,7 @@ class TPNativeEngine(NativeEngine):
     def release(self) -> None:
         """Leader: end the followers' `follow()` (call when this rollout's requests are all done)."""
         with self._round_lock:
-            self._bcast(("stop",))
+            self._send(STOP, [], [])
 
     # ---- follower -------------------------------------------------------------------------------------
     def follow(self) -> int:
@@ -317,10 +401,10 @@ class TPNativeEngine(NativeEngine):
             raise RuntimeError("follow() runs on TP ranks > 0; the leader calls release() instead")
         rounds = 0
         while True:
-            msg = self._bcast(None)
-            if msg[0] == "stop":
+            kind, requests, cancelled = self._receive()
+            if kind == STOP:
                 return rounds
-            self._follow_msg = (msg[1], msg[2])
+            self._follow_msg = (requests, cancelled)
             with self._round_lock, torch.no_grad():
                 self._step([])
             rounds += 1
@@ -328,9 +412,9 @@ class TPNativeEngine(NativeEngine):
     # ---- the round, on every rank ---------------------------------------------------------------------
     def _round(self, new: list[Pending]) -> None:
         if self.is_leader:
-            cancelled = [i for i, real in self._callers.items() if real.cancelled]
+            cancelled = _drain(self._cancelled_ids)
             requests = [p.request for p in new]
-            self._bcast(("round", requests, cancelled))
+            self._send(ROUND, requests, cancelled)
         else:
             requests, cancelled = self._follow_msg
         for i in cancelled:
@@ -340,17 +424,19 @@ class TPNativeEngine(NativeEngine):
                 shadow.future.cancel()
         shadows = []
         for k, request in enumerate(requests):
-            shadow = Pending(request=request)
-            self._shadows[self._next_id] = shadow
+            i, shadow = self._next_id, Pending(request=request)
+            self._shadows[i] = shadow
+            shadow.future.add_done_callback(lambda f, i=i: self._done_ids.append(i))
             if self.is_leader:
                 real = new[k]
-                self._callers[self._next_id] = real
+                self._callers[i] = real
                 shadow.future.add_done_callback(lambda f, real=real: _relay(real, f))
+                real.future.add_done_callback(lambda f, i=i: f.cancelled() and self._cancelled_ids.append(i))
             self._next_id += 1
             shadows.append(shadow)
         super()._round(shadows)
-        for i in [i for i, s in self._shadows.items() if s.future.done()]:
-            del self._shadows[i]
+        for i in _drain(self._done_ids):
+            self._shadows.pop(i, None)
             self._callers.pop(i, None)
 
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | None) -> None:

@@ -50,7 +50,7 @@ def test_tp_grpo_cpu_smoke_steps_and_canary(tmp_path):
 @pytest.mark.slow
 def test_tp_decode_cpu_smoke_rows_and_profile(tmp_path):
     _torchrun("tp_decode.py", ["--shape", "tiny", "--batch", "4", "--prompt-len", "8", "--new-tokens", "16",
-                               "--no-unfused", "--rounds", "1", "--allreduce-impl", "nccl,custom"],
+                               "--no-unfused", "--rounds", "1", "--allreduce-impl", "nccl,custom", "--phases", "1"],
               tmp_path)  # fmt: skip
     result = json.loads((tmp_path / "tp_decode.json").read_text())
     rows = result["rows"]
@@ -60,6 +60,14 @@ def test_tp_decode_cpu_smoke_rows_and_profile(tmp_path):
         (2, "custom", "nccl"),  # no symmetric memory on a CPU: the engine falls back (to gloo here)
     ]
     assert rows[2]["same_tokens_as_first_impl"] == 1.0 and rows[2]["tokens_sha"] == rows[1]["tokens_sha"]
+    # --phases: one probed round of 15 steps; a TP 2 round's only traffic outside the steps is the header, the
+    # requests and the stop, over gloo (bench/tp_phases.py; tests/rollout/test_native_tp_rounds.py)
+    assert rows[0]["phases"]["summary"]["ranks"][0]["collectives_outside_graph_per_round"] == 0.0
+    for row in rows[1:]:
+        assert row["control"] == "cpu"
+        for rank in row["phases"]["summary"]["ranks"]:
+            assert rank["collectives_outside_graph_per_round"] == 3.0 and rank["syncs_per_round"] == 0.0
+        assert row["phases"]["per_rank"][1]["rounds"][0]["collectives"]["control"] == {"broadcast@cpu": 3}
     assert result["profile"]["tp"] == 2 and result["profile"]["eager"]["wall_ms_per_step"] > 0
     assert result["profile_custom"]["allreduce"] == "custom" and result["stage"] == "done"
 

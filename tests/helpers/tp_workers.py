@@ -3,6 +3,8 @@ the children, which test modules under --import-mode=importlib are not)."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import os
 from typing import Any
 
@@ -51,10 +53,12 @@ def outputs(results) -> list[list[tuple[list[int], list[float]]]]:
     return [[(c.token_ids, c.logprobs) for c in r.completions] for r in results]
 
 
-def init(rank: int, world: int, store_path: str) -> None:
+def init(rank: int, world: int, store_path: str, timeout_s: float | None = None) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    store = dist.FileStore(store_path, world)
+    extra: dict[str, Any] = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, **extra)
 
 
 def engine_worker(
@@ -198,5 +202,98 @@ def allreduce_gpu_worker(rank: int, world: int, store_path: str, out: str) -> No
             entry["graph_equal"] = bool(torch.equal(got, want))
         torch.save(res, f"{out}.{rank}")
         dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+COUNT_ENGINE = {"max_slots": 8, "max_seq_len": 64, "sync_every": 4, "prefix_cache": False}
+
+
+def count_requests() -> list[GenerationRequest]:
+    """Plain seeded sampling (mode "sample": the vocab-parallel sampler's two all-reduces a step, no gather)
+    of different lengths: samples finish in different rounds."""
+    return [
+        GenerationRequest(
+            prompt_ids=[3 + i, 9, 13 + 2 * i],
+            params=SamplingParams(temperature=1.0, seed=i, max_new_tokens=6 + 3 * i),
+        )
+        for i in range(4)
+    ]
+
+
+def count_rounds(engine: Any, run_round: Any) -> dict:
+    """One round of `run_round()` under bench/tp_phases.RoundCounter: its report (bench/ put on sys.path here:
+    the children import this module by name)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from tp_phases import RoundCounter
+
+    with RoundCounter(engine) as counter:
+        got = run_round()
+    rep = counter.report()
+    rep["outputs"] = got
+    rep["control_device"] = str(getattr(engine, "control_device", "none"))
+    rep["control_messages"] = getattr(engine, "control_messages", 0)
+    rep["decode_steps"] = engine.decode_steps
+    return rep
+
+
+CANCEL_AFTER_STEPS = 4
+"""`cancel_round`: the leader cancels the last (longest) request once the engine ran this many decode steps."""
+
+
+def cancel_round(engine: Any, reqs: list[GenerationRequest]) -> list:
+    """Generate `reqs` on the loop driver, cancelling the last request's task once the engine ran
+    CANCEL_AFTER_STEPS more decode steps (between two rounds: the driver yields to the loop there); outputs, None
+    where cancelled."""
+
+    async def main() -> list:
+        start = engine.decode_steps
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+        while engine.decode_steps < start + CANCEL_AFTER_STEPS:
+            await asyncio.sleep(0)
+        tasks[-1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return [None if isinstance(r, BaseException) else outputs([r])[0] for r in done]
+
+    return asyncio.run(main())
+
+
+def count_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    """TP = world engine (COUNT_ENGINE) generating `count_requests` under a RoundCounter on every rank: saves
+    each rank's counts (collectives and host reads by phase); then the same requests again with the leader
+    cancelling one mid-way (`cancel_round`): its outputs, each rank's decode steps and round messages."""
+    from relayrl.rollout.native_tp import TPNativeEngine, shard_model
+
+    init(rank, world, store_path, timeout_s=60)  # ranks out of step fail in a minute instead of hanging
+    try:
+        group = dist.group.WORLD
+        shard = shard_model(tiny_model(), rank=rank, size=world, group=group)
+        engine = TPNativeEngine(shard, group=group, **COUNT_ENGINE)
+
+        def run_round() -> Any:
+            if rank == 0:
+                got = outputs(generate_all(engine, count_requests()))
+                engine.release()
+                return got
+            engine.follow()
+            return None
+
+        report = count_rounds(engine, run_round)
+        steps, messages = engine.decode_steps, engine.control_messages
+        got = None
+        if rank == 0:
+            got = cancel_round(engine, count_requests())
+            engine.release()
+        else:
+            engine.follow()
+        report["cancel"] = dict(outputs=got, steps=engine.decode_steps - steps,
+                                messages=engine.control_messages - messages,
+                                left=(len(engine._shadows), len(engine._callers), engine.pool.available()))  # fmt: skip
+        torch.save(report, f"{out}.{rank}")
+        engine.close()
+        dist.barrier()  # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
