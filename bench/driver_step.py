@@ -19,7 +19,7 @@ does in `dist.mode=ray` with 2 policy ranks, phase by phase, timed on the driver
 --max-response caps the response lengths (the GPU scale runs' 256 new tokens: 276-token rows);
 --min-block-bytes sets relayrl.distributed.launch.rows.MIN_BLOCK_BYTES (0: the 64-block rule alone, as before
 it existed); --threads the driver's torch CPU threads (default: what run_rl sets on a GPU host, min(torch's
-default, 64); the JSON's "host" records them and the CPUs this process may use: more threads than CPUs
+default, relayrl.trainers.rl.loop.DRIVER_THREADS_GPU = 8); the JSON's "host" records them and the CPUs this process may use: more threads than CPUs
 oversubscribes every small tensor op of the driver). Prints one line per batch and writes the seconds as JSON (--out). No GPU, no model; ~1 minute.
 """
 
@@ -49,6 +49,7 @@ from relayrl.trainers.rl.experience import (
     step_advantages,
     trajectory_rewards,
 )
+from relayrl.trainers.rl.loop import DRIVER_THREADS_GPU
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import Experience, collate
 from relayrl.workers.reward import RewardSpec, RewardWorker, apply_scores
@@ -101,14 +102,14 @@ def main() -> None:
     p.add_argument("--min-block-bytes", type=int, default=-1, help="rows.MIN_BLOCK_BYTES (-1: the default)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
-        "--threads", type=int, default=0, help="torch CPU threads (0: as run_rl on a GPU, min(default, 64))"
+        "--threads", type=int, default=0, help="torch CPU threads (0: as run_rl on a GPU, min(default, 8))"
     )
     p.add_argument("--out", default="")
     args = p.parse_args()
     import ray
 
     default_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or max(1, min(default_threads, 64)))
+    torch.set_num_threads(args.threads or max(1, min(default_threads, DRIVER_THREADS_GPU)))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     host = {"torch_default_threads": default_threads, "threads": torch.get_num_threads(), "usable_cpus": cpus}
     print("threads", host, flush=True)

@@ -7,9 +7,9 @@
 #                          canary (must be 0.0), refresh_bitwise_equal (must be true)
 #   scale/scale_syncexp.json   bench/scale.py rl --weak at 1, 2, 4 GPUs: timing/* per phase, incl. sync,
 #                          engine_refresh, experience and timing/rows_put (the driver's row-store puts)
-#   driver_step_threads{0,1}.json   the driver's own per-step work on this host's CPU at 2,048 samples (no GPU;
+#   driver_step_threads{0,64,1}.json   the driver's own per-step work on this host's CPU at 2,048 samples (no GPU;
 #                          run beside part 1): trajectories back, reward, collate, row-store puts, advantages,
-#                          with run_rl's torch threads (0) and with 1; "host" = threads and usable CPUs
+#                          with run_rl's torch threads (0: at most 8 since 16:00), 64 (before) and 1; "host" = threads and usable CPUs
 #   *.log                  each part's output
 # Usage: OUT=/some/dir bash bench/sync_experience_gpu.sh
 set -u
@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python}"
 echo "part 0 (CPU, beside part 1): the driver's own work at 2,048 samples, run_rl's threads and 1 thread" >&2
 (
-    for threads in 0 1; do
+    for threads in 0 64 1; do
         timeout -k 3 30 "$PY" bench/driver_step.py --batches 2048 --response 108 --max-response 256 \
             --repeats 2 --threads "$threads" --out "$OUT/driver_step_threads$threads.json" \
             > "$OUT/driver_step_threads$threads.log" 2>&1

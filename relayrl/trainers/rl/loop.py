@@ -454,9 +454,24 @@ class RLTrainer:
         return True
 
 
+DRIVER_THREADS_GPU = 8
+"""The driver's torch CPU threads on a GPU run (at most). Its CPU tensor work (collating trajectories, shaping
+rewards, advantages) is many small ops, which a 64-thread pool slows: on one H200 host (64 cores) the 1-GPU
+weak-scaling row's experience pass took 0.335 s at 512 samples with up to 64 threads, while the recipe's GRPO runs
+(OMP_NUM_THREADS=8) took 0.02 s for the same pass at 512 samples (2026-11-27, docs/distributed.md). With
+dist.offload the optimizer steps on the CPU (in this process in local mode), so those runs keep up to 64."""
+
+
+def driver_threads(cfg: RLConfig) -> int:
+    """torch CPU threads for the controller process: 2 on a CPU run (its ranks share the cores), at most
+    DRIVER_THREADS_GPU on a GPU run, at most 64 with dist.offload; never more than torch's default."""
+    cap = 2 if cfg.train.device == "cpu" else (64 if cfg.dist.offload else DRIVER_THREADS_GPU)
+    return max(1, min(torch.get_num_threads(), cap))
+
+
 def run_rl(cfg: RLConfig) -> RLResult:
     """Programmatic entry: build and run; errors while building propagate (the CLI turns them into exit 1)."""
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2 if cfg.train.device == "cpu" else 64)))
+    torch.set_num_threads(driver_threads(cfg))
     return RLTrainer(cfg).fit()
 
 
