@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import re
+import selectors
 import shutil
 import signal
 import statistics
@@ -236,17 +237,34 @@ def run_logged(
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
             start_new_session=True,
         )
         assert proc.stdout is not None
         _RUNNING.append(proc)
         deadline = t0 + timeout_s
-        import selectors
 
+        def handle(line: str) -> bool:
+            """Log one output line; True once the steps asked for were seen."""
+            nonlocal tail, last
+            fh.write(line + "\n")
+            fh.flush()
+            tail = [*tail, line.rstrip()][-60:]
+            parsed = step_line(line)
+            if parsed is None:
+                return False
+            now = time.perf_counter()
+            parsed["line_gap"] = now - last
+            last = now
+            steps.append(parsed)
+            log(f"step {len(steps)}: " + ", ".join(f"{k}={v:.3f}" for k, v in parsed.items()))
+            return bool(stop_after and len(steps) >= stop_after)
+
+        # raw reads split into lines here: a line already read into a file object's buffer would wait
+        # unseen for the next output (select sees only the pipe), e.g. the last step line before a stall
+        fd = proc.stdout.fileno()
         sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(fd, selectors.EVENT_READ)
+        pending, eof = b"", False
         while True:
             if _STOP:
                 status = f"stopped ({_STOP[0]})"
@@ -254,28 +272,26 @@ def run_logged(
             if time.perf_counter() > deadline:
                 status = f"timeout after {timeout_s:.0f}s"
                 break
-            if not sel.select(timeout=1.0):
+            if eof or not sel.select(timeout=1.0):
                 if proc.poll() is not None:
                     break
+                if eof:
+                    time.sleep(0.2)
                 continue
-            line = proc.stdout.readline()
-            if not line:
-                if proc.poll() is not None:
-                    break
-                continue
-            fh.write(line)
-            fh.flush()
-            tail = ([*tail, line.rstrip()])[-60:]
-            parsed = step_line(line)
-            if parsed is not None:
-                now = time.perf_counter()
-                parsed["line_gap"] = now - last
-                last = now
-                steps.append(parsed)
-                log(f"step {len(steps)}: " + ", ".join(f"{k}={v:.3f}" for k, v in parsed.items()))
-                if stop_after and len(steps) >= stop_after:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                eof = True
+                sel.unregister(fd)
+                if pending and handle(pending.decode(errors="replace")):
                     status = "ok (stopped after the steps asked for)"
                     break
+                pending = b""
+                continue
+            *lines, pending = (pending + chunk).split(b"\n")
+            if any(handle(raw.decode(errors="replace")) for raw in lines):
+                status = "ok (stopped after the steps asked for)"
+                break
+        sel.close()
         rc = proc.poll()
         if rc is None:
             kill_group(proc)
@@ -285,6 +301,8 @@ def run_logged(
         with contextlib.suppress(ValueError):
             _RUNNING.remove(proc)
     wall = time.perf_counter() - t0
+    if _STOP and status == "ok":  # the SIGTERM handler killed the child: not the child's own failure
+        status = f"stopped ({_STOP[0]})"
     if status == "ok" and rc != 0:
         status = f"exit code {rc}"
     if status != "ok" and not status.startswith("ok"):

@@ -73,6 +73,7 @@ EST_S = {
 BUILD_S = {"0.5b": 15, "7b": 60}
 GRACE_S = 20.0  # a peer script's budget ends this long before the driver's SIGTERM
 RESERVE_S = 15.0  # kept at the end for the table
+MIN_UNIT_S = 30.0  # the least a unit of jobs is given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,10 +234,10 @@ class Driver:
         """Start the unit's jobs on free GPUs (waiting for one when all are taken), all bounded by the unit's
         share of the time left."""
         est = unit_est(unit, self.gpus)
-        deadline = time.perf_counter() + max(30.0, self.left() * est / (est + later))
+        deadline = time.perf_counter() + max(MIN_UNIT_S, self.left() * est / (est + later))
         free = list(range(self.gpus))
         threads: list[tuple[threading.Thread, list[int]]] = []
-        for job in sorted(unit, key=lambda j: -j.gpus):
+        for job in sorted(unit, key=lambda j: (-j.gpus, -j.est)):  # longest first, as unit_est
             while len(free) < job.gpus:
                 time.sleep(0.5)
                 for t, ids in [x for x in threads if not x[0].is_alive()]:
@@ -246,7 +247,7 @@ class Driver:
             job.devices = ",".join(map(str, ids))
             timeout = deadline - time.perf_counter()
             t = threading.Thread(
-                target=self.run_job, args=(job, max(10.0, timeout), min(len(unit), self.gpus))
+                target=self.run_job, args=(job, max(MIN_UNIT_S / 3, timeout), min(len(unit), self.gpus))
             )
             t.start()
             threads.append((t, ids))
@@ -281,7 +282,7 @@ class Driver:
         self.prepare()
         ests = [unit_est(u, self.gpus) for u in self.units]
         for i, unit in enumerate(self.units):
-            if self.left() < 30:
+            if self.left() < MIN_UNIT_S:
                 pc.log(f"budget spent: not started: {', '.join(j.name for j in unit)}")
                 for j in unit:
                     j.result = {"status": "not started (budget spent)", "offload": j.offload}
