@@ -4,6 +4,7 @@ the same command (bench/peers/README.md has the plan of GPU calls).
     python bench/peers/run_cells.py --cells verl:7b:1,openrlhf:7b:1 --budget 580
     python bench/peers/run_cells.py --cells verl:0.5b:4 --budget 580
     python bench/peers/run_cells.py --cells verl:7b:1,openrlhf:7b:1 --dry-run     # the plan, nothing runs
+    python bench/peers/run_cells.py --cells verl:7b:1,openrlhf:0.5b:4 --prepare-only   # model folders + ops
 
 A cell is peer:shape:gpus (peer verl or openrlhf, shape 0.5b or 7b, gpus 1 or more). Every side runs
 `--steps` steps (4) and drops the first `--warmup` (1): the median of 3 timed steps, warmed alike.
@@ -168,9 +169,11 @@ class Driver:
         self.end = time.perf_counter() + args.budget
         self.torch_adam = args.torch_adam == "yes"
         self.prebuilt: dict[str, str] = {}
+        self.builder: threading.Thread | None = None
         self.models: dict[str, Path] = {}
         self.units = plan(cells, gpus_available, self.offload)
         self.lock = threading.Lock()
+        self.ops_lock = threading.Lock()
         self.table: list[dict[str, Any]] = []
 
     def offload(self, shape: str, gpus: int) -> str:
@@ -208,7 +211,10 @@ class Driver:
         )
 
     # ---------------------------------------------------------------------------------------- running
-    def run_job(self, job: Job, timeout_s: float, concurrent: int) -> None:
+    def run_job(self, job: Job, deadline: float, concurrent: int) -> None:
+        if job.side == "openrlhf":
+            self.ops_built()  # its optimizer follows the DeepSpeed ops' build (its GPU waits meanwhile)
+        timeout_s = max(MIN_UNIT_S / 3, deadline - time.perf_counter())
         model_dir = self.models[job.shape]
         cmd = self.command(job, model_dir, timeout_s)
         pc.log(f"{job.name} on GPU(s) {job.devices}: timeout {timeout_s:.0f}s, offload {job.offload}")
@@ -245,10 +251,7 @@ class Driver:
                     threads.remove((t, ids))
             ids, free = free[: job.gpus], free[job.gpus :]
             job.devices = ",".join(map(str, ids))
-            timeout = deadline - time.perf_counter()
-            t = threading.Thread(
-                target=self.run_job, args=(job, max(MIN_UNIT_S / 3, timeout), min(len(unit), self.gpus))
-            )
+            t = threading.Thread(target=self.run_job, args=(job, deadline, min(len(unit), self.gpus)))
             t.start()
             threads.append((t, ids))
         for t, _ in threads:
@@ -256,26 +259,29 @@ class Driver:
         kill_gpu_leftovers()
 
     def prepare(self) -> None:
-        """Model folders (one child per shape, in turn) and, with an OpenRLHF cell and --torch-adam auto, the
-        DeepSpeed ops built meanwhile."""
-        builder = None
+        """The model folders (one child per shape, in turn); with an OpenRLHF cell and --torch-adam auto, the
+        DeepSpeed ops build meanwhile in a thread that only the OpenRLHF jobs wait for (ops_built)."""
         if self.args.torch_adam == "auto" and any(c.peer == "openrlhf" for c in self.cells):
-            import openrlhf_grpo
+            import openrlhf_grpo  # pyright: ignore[reportMissingImports]
 
             def prebuild() -> None:
                 self.prebuilt = openrlhf_grpo.prebuild_ops(min(300.0, max(30.0, self.left() / 3)))
 
-            builder = threading.Thread(target=prebuild)
-            builder.start()
+            self.builder = threading.Thread(target=prebuild)
+            self.builder.start()
         for shape in sorted({c.shape for c in self.cells}):
             self.models[shape] = Path(self.args.models) / shape
-            self.models[shape].mkdir(parents=True, exist_ok=True)
             pc.models_in(self.models[shape], shape)
-        if builder is not None:
-            builder.join()
+
+    def ops_built(self) -> None:
+        with self.ops_lock:
+            if self.builder is None:
+                return
+            self.builder.join()
+            self.builder = None
             self.torch_adam = self.prebuilt.get("fused_adam") != "ok"
             pc.log(
-                f"DeepSpeed ops: {self.prebuilt}; OpenRLHF uses {'torch AdamW' if self.torch_adam else 'FusedAdam'}"
+                f"DeepSpeed ops: {self.prebuilt}; OpenRLHF: {'torch AdamW' if self.torch_adam else 'FusedAdam'}"
             )
 
     def run(self) -> list[dict[str, Any]]:
@@ -288,6 +294,7 @@ class Driver:
                     j.result = {"status": "not started (budget spent)", "offload": j.offload}
                 continue
             self.run_unit(unit, sum(ests[i + 1 :]))
+        self.ops_built()
         self.write_table()
         print_table(self.table)
         return self.table
@@ -420,6 +427,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--gpu-gib", type=float, default=0, help="a card's memory for --offload auto (nvidia-smi)"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    parser.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="build the cells' model folders (and DeepSpeed's ops) into --models for later commands, then stop",
+    )
     args = parser.parse_args(argv)
     if args.steps - args.warmup < 3:
         raise SystemExit(f"--steps {args.steps} --warmup {args.warmup}: fewer than 3 timed steps")
@@ -440,6 +452,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             unit_est(u, gpus) for u in driver.units
         )
         print(f"estimated wall time: {total:.0f} s (budget {args.budget:.0f} s)")
+        return []
+    if args.prepare_only:
+        driver.prepare()
+        driver.ops_built()
+        pc.log(
+            f"prepared: {sorted(driver.models)} in {args.models}; DeepSpeed ops {driver.prebuilt or 'not built'}"
+        )
         return []
     return driver.run()
 

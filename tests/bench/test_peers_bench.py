@@ -15,11 +15,11 @@ import pytest
 PEERS = Path(__file__).resolve().parents[2] / "bench" / "peers"
 sys.path.insert(0, str(PEERS))
 
-import openrlhf_grpo  # noqa: E402
-import peer_common as pc  # noqa: E402
-import run_cells  # noqa: E402
-import verl_grpo  # noqa: E402
-import verl_reward  # noqa: E402
+import openrlhf_grpo  # noqa: E402  # pyright: ignore[reportMissingImports]
+import peer_common as pc  # noqa: E402  # pyright: ignore[reportMissingImports]
+import run_cells  # noqa: E402  # pyright: ignore[reportMissingImports]
+import verl_grpo  # noqa: E402  # pyright: ignore[reportMissingImports]
+import verl_reward  # noqa: E402  # pyright: ignore[reportMissingImports]
 
 VERL_LINE = (
     "(TaskRunner pid=123) step:3 - actor/pg_loss:0.01 - response_length/mean:101.5 - timing_s/gen:2.5 - "
@@ -295,3 +295,46 @@ def test_a_peer_script_killed_by_sigterm_keeps_the_steps_it_logged(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["stopped"] and r["res"]["status"] == "stopped (SIGTERM)"
     assert [s["step"] for s in r["res"]["steps"]] == [0.5, 1.5]
+
+
+@pytest.mark.parametrize("fused", ["ok", "ValueError: invalid literal for int() with base 10: '0a'"])
+def test_openrlhf_jobs_wait_for_the_deepspeed_ops_and_pick_the_optimizer(tmp_path, monkeypatch, fused):
+    """--torch-adam auto: FusedAdam (and --ds.enable_sleep) when it built, DeepSpeed's torch AdamW when not;
+    the model folder is built meanwhile and reused from --models."""
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(run_cells, "RESERVE_S", 1.0)
+    monkeypatch.setattr(run_cells, "MIN_UNIT_S", 3.0)
+    monkeypatch.setattr(run_cells, "kill_gpu_leftovers", lambda: None)
+    monkeypatch.setattr(
+        openrlhf_grpo, "prebuild_ops", lambda t: time.sleep(0.5) or {"fused_adam": fused, "cpu_adam": "ok"}
+    )
+    (tmp_path / "models" / "0.5b").mkdir(parents=True)
+    (tmp_path / "models" / "0.5b" / ".complete").write_text("0.5b\n")
+    seen: list[list[str]] = []
+    real = run_cells.Driver.command
+
+    def command(self, job, model_dir, t):
+        seen.append(real(self, job, model_dir, t))
+        return [sys.executable, "-c", STUB.replace("time.sleep(600)", "pass"), job.name]
+
+    monkeypatch.setattr(run_cells.Driver, "command", command)
+    run_cells.main(
+        [
+            "--cells",
+            "openrlhf:0.5b:1",
+            "--budget",
+            "6",
+            "--gpus-available",
+            "2",
+            "--gpu-gib",
+            "80",
+            "--models",
+            str(tmp_path / "models"),
+        ]
+    )
+    orl = next(c for c in seen if "openrlhf_grpo.py" in c[1])
+    assert orl[orl.index("--torch-adam") + 1] == ("no" if fused == "ok" else "yes")
+    assert orl[orl.index("--model-dir") + 1] == str(tmp_path / "models" / "0.5b")
+    saved = json.loads((tmp_path / "out" / "cells.json").read_text())
+    assert saved["openrlhf_optimizer"] == ("FusedAdam" if fused == "ok" else "torch AdamW")
+    assert saved["deepspeed_ops"]["fused_adam"] == fused
