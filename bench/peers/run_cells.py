@@ -26,8 +26,9 @@ Schedule:
 Budget: each job's timeout is its share of the time left, in proportion to its estimate (EST_S); the peer's
 script gets that as --budget, so it stops its own child and writes its row in time; 20 s later the driver
 sends SIGTERM (the script kills its children at once and writes the steps logged so far), then SIGKILL.
-After each multi-GPU job and after the 1-GPU phase, processes still holding GPU memory (a peer's engine left
-behind by a killed run: this command is the only GPU user of the machine) are killed by pid and logged.
+At the start and after each unit of jobs, processes still holding GPU memory that a job of this script
+started (their environment holds RELAYRL_PEERS_CELLS: e.g. a peer's engine orphaned by a killed run) are
+killed by pid and logged; no other process is touched.
 
 Output ($OUT): each job's files (`<peer>-<shape>-<gpus>gpu.{json,log,cmd}`, `relayrl-<shape>-<gpus>gpu.{json,
 log}`, `<job>.driver.log`), and cells.json (rewritten after every job) + cells.md: per cell the peer's and
@@ -207,7 +208,12 @@ class Driver:
     def env(self, job: Job, concurrent: int) -> dict[str, str]:
         threads = max(1, (os.cpu_count() or 2) // max(1, concurrent))
         return pc.peer_env(
-            {"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": str(threads)}
+            {
+                "CUDA_VISIBLE_DEVICES": job.devices,
+                "RAY_ADDRESS": "local",
+                "OMP_NUM_THREADS": str(threads),
+                MARKER: str(os.getpid()),
+            }
         )
 
     # ---------------------------------------------------------------------------------------- running
@@ -285,6 +291,7 @@ class Driver:
             )
 
     def run(self) -> list[dict[str, Any]]:
+        kill_gpu_leftovers()  # an earlier command's
         self.prepare()
         ests = [unit_est(u, self.gpus) for u in self.units]
         for i, unit in enumerate(self.units):
@@ -378,9 +385,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("\n" + markdown(rows), flush=True)
 
 
+MARKER = "RELAYRL_PEERS_CELLS"  # in every job's environment, so in every process its jobs start
+
+
 def kill_gpu_leftovers() -> None:
-    """Kill, by pid, the processes still holding GPU memory once every job of a unit ended (only this
-    command's children use the machine's GPUs: a peer's engine process orphaned by a killed run)."""
+    """Kill, by pid, processes still holding GPU memory that a job of this driver (or of an earlier one)
+    started: those whose environment holds MARKER (a peer's engine orphaned by a killed run would take the
+    next job's memory). Any other process on the GPUs is left alone."""
     try:
         r = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
@@ -390,14 +401,21 @@ def kill_gpu_leftovers() -> None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return
-    pids = [int(x) for x in r.stdout.split() if x.strip().isdigit() and int(x) != os.getpid()]
-    for pid in pids:
-        pc.log(f"killing pid {pid}, left holding GPU memory")
+    killed = 0
+    for pid in {int(x) for x in r.stdout.split() if x.strip().isdigit()} - {os.getpid()}:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not any(e.startswith(MARKER.encode() + b"=") for e in environ):
+            continue
+        pc.log(f"killing pid {pid}: a job's process left holding GPU memory")
         try:
             os.kill(pid, signal.SIGKILL)
+            killed += 1
         except (ProcessLookupError, PermissionError):
             continue
-    if pids:
+    if killed:
         time.sleep(5)
 
 

@@ -4,6 +4,7 @@ step counting, partial results) and the summary. The peers themselves run only o
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -264,6 +265,7 @@ def test_driver_runs_cells_in_parallel_kills_at_the_budget_and_writes_the_table(
     }
     assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs.values()) == ["0", "1", "2"]
     assert all(e["RAY_ADDRESS"] == "local" for e in envs.values())
+    assert all(e["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 2) // 3)) for e in envs.values())
     verl, orl = rows
     assert verl["cell"] == "verl-7b-1gpu" and verl["peer_step_s"] == 6.0 and verl["relayrl_step_s"] == 1.5
     assert verl["ratio"] == 4.0 and verl["offload"] == "full" and verl["versions"] == {"verl": "0.9.1"}
@@ -338,3 +340,22 @@ def test_openrlhf_jobs_wait_for_the_deepspeed_ops_and_pick_the_optimizer(tmp_pat
     saved = json.loads((tmp_path / "out" / "cells.json").read_text())
     assert saved["openrlhf_optimizer"] == ("FusedAdam" if fused == "ok" else "torch AdamW")
     assert saved["deepspeed_ops"]["fused_adam"] == fused
+
+
+def test_gpu_leftovers_killed_only_when_a_job_started_them(monkeypatch):
+    """Of two processes nvidia-smi lists, only the one carrying the driver's marker (set in every job's
+    environment, so inherited by engines a job leaves behind) is killed."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleep, env={**os.environ, run_cells.MARKER: "123"})
+    other = subprocess.Popen(sleep)
+    try:
+        listing = subprocess.CompletedProcess([], 0, stdout=f"{ours.pid}\n{other.pid}\n", stderr="")
+        monkeypatch.setattr(run_cells.subprocess, "run", lambda *a, **k: listing)
+        monkeypatch.setattr(run_cells.time, "sleep", lambda s: None)
+        run_cells.kill_gpu_leftovers()
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
