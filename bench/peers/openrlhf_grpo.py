@@ -294,7 +294,7 @@ def run_openrlhf(
         ]
         (out / f"openrlhf-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"RAY_TMPDIR": str(tmp / "ray")})
-        env.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch())
+        env.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch() or "9.0")  # H100 / H200 when unknown
         if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
             env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         if torch_adam:  # DeepSpeed's torch AdamW instead of its JIT-built FusedAdam (see ds_torch_adam/)
