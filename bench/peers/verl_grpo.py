@@ -29,6 +29,10 @@ set as its Performance Tuning Guide (docs/perf/perf_tuning.rst, "Last updated: 0
   would need ~104 GB on the GPU: verl's engine loads every state back, workers/engine/fsdp/transformer_impl.py
   `to`) sets fsdp_config.offload_policy=True instead (verl's "Only for FSDP2: offload param/grad/optimizer
   during train", FSDP2's CPUOffloadPolicy: the optimizer step runs on the CPU), as relayrl's dist.offload.
+Held equal beyond the guide: torch's fused AdamW kernel, relayrl's optimizer (optim.override_optimizer_config
+{fused: True}, passed to torch.optim.AdamW; verl's default is torch's per-tensor loop, which at 7B under
+offload_policy would run the CPU step over 6.5B parameters ~11x slower, bench measurement in
+relayrl/training/optim.py).
 Not as the guide says, and why: use_remove_padding (guide: True) is False by default here, because its fast
 path is flash-attn's varlen kernels and flash-attn has no wheel for this torch 2.11 / CUDA 13 image (PyPI has the
 sdist only; building it needs the CUDA toolkit and hours); attention runs through PyTorch SDPA
@@ -103,6 +107,7 @@ def overrides(
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
         "actor_rollout_ref.actor.optim.clip_grad=1.0",
+        "actor_rollout_ref.actor.optim.override_optimizer_config={fused:True}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={pc.PROMPTS}",
         "actor_rollout_ref.actor.ppo_epochs=1",
         "actor_rollout_ref.actor.use_dynamic_bsz=True",

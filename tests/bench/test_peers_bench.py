@@ -101,6 +101,9 @@ def test_the_six_missing_cells_command_lines(tmp_path, shape, gpus, card):
         and "actor_rollout_ref.rollout.tensor_model_parallel_size=1" in ov
     )
     assert "actor_rollout_ref.actor.ppo_mini_batch_size=64" in ov and "trainer.total_training_steps=4" in ov
+    assert (
+        "actor_rollout_ref.actor.optim.override_optimizer_config={fused:True}" in ov
+    )  # relayrl's AdamW kernel
     offl = {
         k.rsplit(".", 1)[1]: v
         for k, v in (o.split("=") for o in ov if ".fsdp_config." in o and "offload" in o)
