@@ -23,7 +23,8 @@ Schedule:
   number). Jobs beyond the GPU count wait for a free GPU;
 - then each multi-GPU cell alone on the first `gpus` GPUs: relayrl's side (once per shape x gpus), then the
   peer's.
-Budget: each job's timeout is its share of the time left, in proportion to its estimate (EST_S); the peer's
+Budget: each job's timeout is its share of the time left, in proportion to its estimate (EST_S), raised to
+1.5x its estimate while the later units keep half of theirs (relayrl writes its steps only at the end); the peer's
 script gets that as --budget, so it stops its own child and writes its row in time; 20 s later the driver
 sends SIGTERM (the script kills its children at once and writes the steps logged so far), then SIGKILL.
 At the start and after each unit of jobs, processes still holding GPU memory that a job of this script
@@ -161,6 +162,14 @@ def unit_est(unit: list[Job], gpus_available: int) -> float:
     return max(load)
 
 
+def unit_span(left: float, est: float, later: float) -> float:
+    """Seconds a unit gets: its share of the `left` seconds in proportion to its estimate `est` against the
+    later units' `later`, raised to 1.5x its estimate while the later units keep half of theirs (relayrl
+    writes its steps only at its end; a unit that ends early leaves its time to the next); >= MIN_UNIT_S."""
+    span = min(max(left * est / (est + later), 1.5 * est), left - 0.5 * later)
+    return max(MIN_UNIT_S, span)
+
+
 class Driver:
     """Runs the plan: `command(job, model_dir, timeout_s)` gives each job's command (tests swap in stubs)."""
 
@@ -245,8 +254,7 @@ class Driver:
     def run_unit(self, unit: list[Job], later: float) -> None:
         """Start the unit's jobs on free GPUs (waiting for one when all are taken), all bounded by the unit's
         share of the time left."""
-        est = unit_est(unit, self.gpus)
-        deadline = time.perf_counter() + max(MIN_UNIT_S, self.left() * est / (est + later))
+        deadline = time.perf_counter() + unit_span(self.left(), unit_est(unit, self.gpus), later)
         free = list(range(self.gpus))
         threads: list[tuple[threading.Thread, list[int]]] = []
         for job in sorted(unit, key=lambda j: (-j.gpus, -j.est)):  # longest first, as unit_est

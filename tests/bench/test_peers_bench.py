@@ -362,3 +362,10 @@ def test_gpu_leftovers_killed_only_when_a_job_started_them(monkeypatch):
         for p in (ours, other):
             p.kill()
             p.wait()
+
+
+def test_unit_span_shares_the_budget_by_estimate_with_room_for_the_first():
+    assert run_cells.unit_span(575, 360, 0) == 575  # the last unit: all that is left
+    assert run_cells.unit_span(575, 100, 360) == 150  # share 125 < 1.5 x 100, later units keep >= 180
+    assert run_cells.unit_span(575, 300, 300) == 425  # 1.5 x 300 capped: the later unit keeps 150
+    assert run_cells.unit_span(200, 100, 360) == run_cells.MIN_UNIT_S  # 20 s would be left: the floor
