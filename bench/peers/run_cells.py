@@ -330,6 +330,12 @@ class Driver:
             )
             rl, alt = self.relayrl_job(c.shape, c.gpus), self.relayrl_job(c.shape, c.gpus, "alt")
             p, r = peer.result, rl.result if rl else {}
+            rl_offload = rl.offload if rl else ""
+            if alt is not None and not r.get("step_median_s") and alt.result.get("step_median_s"):
+                r, rl_offload = (
+                    alt.result,
+                    f"{alt.offload} (its {rl_offload} run failed)",
+                )  # e.g. out of memory
             row: dict[str, Any] = {
                 "cell": c.name,
                 "peer_step_s": p.get("step_median_s"),
@@ -344,6 +350,7 @@ class Driver:
                 "peer_status": p.get("status", "pending"),
                 "relayrl_status": r.get("status", "pending"),
                 "offload": peer.offload,
+                "relayrl_offload": rl_offload,
                 "peer_gpus": peer.devices,
                 "relayrl_gpus": rl.devices if rl else "",
                 "versions": p.get("versions", {}),
@@ -383,7 +390,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['cell']} | {f(r['peer_step_s'])} | {f(r['relayrl_step_s'])} | "
             f"{'-' if r['ratio'] is None else str(r['ratio']) + 'x'} | {r['peer_steps_timed']} / "
-            f"{r['relayrl_steps_timed']} | {r['offload']} | {r['peer_status']} / {r['relayrl_status']} | {ver} | "
+            f"{r['relayrl_steps_timed']} | {r['offload']}{'' if r['relayrl_offload'] in ('', r['offload']) else ' / relayrl ' + r['relayrl_offload']} | {r['peer_status']} / {r['relayrl_status']} | {ver} | "
             f"{r['card']} |"
         )
     return "\n".join(lines)

@@ -369,3 +369,19 @@ def test_unit_span_shares_the_budget_by_estimate_with_room_for_the_first():
     assert run_cells.unit_span(575, 100, 360) == 150  # share 125 < 1.5 x 100, later units keep >= 180
     assert run_cells.unit_span(575, 300, 300) == 425  # 1.5 x 300 capped: the later unit keeps 150
     assert run_cells.unit_span(200, 100, 360) == run_cells.MIN_UNIT_S  # 20 s would be left: the floor
+
+
+def test_relayrl_falls_back_to_its_full_offload_run_when_the_states_run_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    args = run_cells.argparse.Namespace(
+        budget=60, steps=4, warmup=1, offload="states", torch_adam="yes", gpu_gib=0
+    )
+    d = run_cells.Driver(args, _cells("verl:7b:1"), 4)
+    verl, rl, alt = d.units[0]
+    verl.result = {"step_median_s": 50.0, "status": "ok"}
+    rl.result = {"status": "exit code 1"}  # e.g. out of memory in the update
+    alt.result = {"step_median_s": 10.0, "status": "ok"}
+    d.write_table()
+    row = d.table[0]
+    assert row["ratio"] == 5.0 and row["relayrl_offload"] == "full (its states run failed)"
+    assert row["relayrl_alt"]["step_median_s"] == 10.0
