@@ -136,6 +136,8 @@ def run(
     exact: bool = False,
     offload: bool = False,
     model_dir: str = "",
+    engine_sleep: str = "auto",
+    offload_optimizer_in_rollout: bool = False,
 ) -> dict:
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
@@ -172,6 +174,8 @@ def run(
                 policy_num_nodes=policy_nodes,
                 ray_address=ray_address,
                 offload=offload,
+                engine_sleep=engine_sleep,  # type: ignore[arg-type]  # DistConfig checks the choice
+                offload_optimizer_in_rollout=offload_optimizer_in_rollout,
             ),
         )
         t0 = time.perf_counter()

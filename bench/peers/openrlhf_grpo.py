@@ -19,8 +19,13 @@ OpenRLHF (0.11.0, `python -m openrlhf.cli.train_ppo_ray`), set as its README's "
   --vllm.gpu_memory_utilization 0.5 (the Quick Start Template's value for the hybrid engine);
 - Prefix Caching: --vllm.enable_prefix_caching ("n_samples_per_prompt > 1");
 - --vllm.sync_backend nccl ("Always"; OpenRLHF's default), CUDA graphs on (no --vllm.enforce_eager);
-- Overlap Comm: --ds.overlap_comm ("Sufficient GPU memory"); no --ds.adam_offload ("when you have enough
-  memory": off), except 7B on 1 GPU, where the fp32 AdamW states of 7.6B params do not fit (then on);
+- Overlap Comm: --ds.overlap_comm ("Sufficient GPU memory"); no --ds.adam_offload ("When you have enough
+  memory: Disable --adam_offload"). Memory (`--offload`, default auto = peer_common.offload_mode): "none" (0.5B;
+  7B over 4 GPUs) as above; "states" (7B on one card of >= 125 GiB) the Hybrid Engine's --ds.enable_sleep
+  alone (DeepSpeed moves the fp32 states to CPU memory while vLLM generates), which needs FusedAdam; with
+  DeepSpeed's torch AdamW (below) --ds.adam_offload instead; "full" (7B on one 80 GB card, where the 97 GiB
+  of fp32 weights + AdamW states cannot be on the GPU for the update) --ds.adam_offload: the fp32 states and
+  the optimizer step (DeepSpeedCPUAdam, JIT-built with the host compiler) on the CPU;
 - ZeRO stage 3 and gradient checkpointing, as its GRPO hybrid-engine example script
   (examples/scripts/train_grpo_ray_hybrid_engine.sh) runs;
 - Batch sizes: "Maximize --micro_rollout_batch_size" / "--micro_train_batch_size": --rollout.micro_batch_size
@@ -49,15 +54,19 @@ Writes $OUT/openrlhf-<shape>-<gpus>gpu.json (+ the logs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_cli
 import peer_common as pc
 
 
@@ -69,8 +78,20 @@ def write_data(folder: Path, rows: int) -> Path:
     return path
 
 
-def arguments(model: Path, data: Path, gpus: int, shape: str, steps: int, tmp: Path) -> list[str]:
-    offload = shape == "7b" and gpus == 1
+def arguments(
+    model: Path,
+    data: Path,
+    gpus: int,
+    shape: str,
+    steps: int,
+    tmp: Path,
+    offload: str = "none",
+    torch_adam: bool = False,
+) -> list[str]:
+    """train_ppo_ray's arguments for one run (the module doc says where each comes from). torch_adam: DeepSpeed's
+    torch AdamW, whose states --ds.enable_sleep cannot offload (dropped; "states" then uses --ds.adam_offload)."""
+    if offload not in pc.OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {pc.OFFLOAD_MODES}, got {offload!r}")
     micro = "64" if shape == "0.5b" else "16"
     args = [
         "--actor.num_nodes",
@@ -167,8 +188,10 @@ def arguments(model: Path, data: Path, gpus: int, shape: str, steps: int, tmp: P
         "--ckpt.path",
         str(tmp / "ckpt"),
     ]
-    if offload:
+    if offload == "full" or (offload == "states" and torch_adam):
         args.append("--ds.adam_offload")
+    if torch_adam:  # DeepSpeed's offload_states (--ds.enable_sleep) asserts FusedAdam (2026-11-27 12:58)
+        args.remove("--ds.enable_sleep")
     return args
 
 
@@ -201,12 +224,52 @@ def cuda_arch() -> str:
     """The card's compute capability as DeepSpeed's JIT builder parses it ("9.0"). Unset, DeepSpeed 0.19.5
     derived "9.0a" on an H200 and died parsing it (ValueError: invalid literal for int() with base 10: '0a',
     2026-11-27 12:43), so FusedAdam never built."""
-    import torch
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired, ValueError):
+        r = subprocess.run(  # nvidia-smi: no CUDA context in this process
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        caps = [c.strip() for c in r.stdout.splitlines() if re.fullmatch(r"\d+\.\d+", c.strip())]
+        if caps:
+            return caps[0]
+    return ""
 
-    if not torch.cuda.is_available():
-        return ""
-    major, minor = torch.cuda.get_device_capability()
-    return f"{major}.{minor}"
+
+def prebuild_ops(timeout_s: float = 240) -> dict[str, str]:
+    """JIT-build DeepSpeed's FusedAdam (GPU; --torch-adam no needs it) and DeepSpeedCPUAdam (--ds.adam_offload
+    needs it) once, side by side in child processes, into torch's extension cache that every later OpenRLHF
+    run on this machine loads: {"fused_adam": "ok" or the error's last line, "cpu_adam": ...}. Needs nvcc;
+    run_cells.py calls it while the model folders are built."""
+    env = pc.peer_env(
+        {"TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST") or cuda_arch() or "9.0"}
+    )
+    procs = {
+        op: subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from deepspeed.ops.op_builder import {cls}; {cls}().load(); print('ok')",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for op, cls in (("fused_adam", "FusedAdamBuilder"), ("cpu_adam", "CPUAdamBuilder"))
+    }
+    out: dict[str, str] = {}
+    for op, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=timeout_s)
+            lines = [x for x in text.splitlines() if x.strip()]
+            out[op] = "ok" if proc.returncode == 0 else (lines[-1] if lines else f"exit {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out[op] = f"timeout after {timeout_s:.0f}s"
+    return out
 
 
 def run_openrlhf(
@@ -217,6 +280,7 @@ def run_openrlhf(
     timeout_s: float,
     torch_adam: bool,
     peer_path: str = "",
+    offload: str = "none",
 ) -> dict[str, Any]:
     out = pc.out_dir()
     with tempfile.TemporaryDirectory(prefix="openrlhf_") as t:
@@ -226,13 +290,11 @@ def run_openrlhf(
             sys.executable,
             "-m",
             "openrlhf.cli.train_ppo_ray",
-            *arguments(peer_model, data, gpus, shape, steps, tmp),
+            *arguments(peer_model, data, gpus, shape, steps, tmp, offload, torch_adam),
         ]
-        if torch_adam:  # DeepSpeed's offload_states (--ds.enable_sleep) asserts FusedAdam (2026-11-27 12:58)
-            cmd.remove("--ds.enable_sleep")
         (out / f"openrlhf-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"RAY_TMPDIR": str(tmp / "ray")})
-        env.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch())
+        env.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch() or "9.0")  # H100 / H200 when unknown
         if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
             env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         if torch_adam:  # DeepSpeed's torch AdamW instead of its JIT-built FusedAdam (see ds_torch_adam/)
@@ -246,16 +308,7 @@ def run_openrlhf(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=1, choices=[1, 2, 4, 8])
-    parser.add_argument("--shape", default="0.5b", choices=sorted(pc.RL_SHAPES))
-    parser.add_argument("--steps", type=int, default=0, help="steps per side (default 6 at 0.5b, 4 at 7b)")
-    parser.add_argument(
-        "--warmup", type=int, default=-1, help="leading steps not timed (default 2 / 1 at 7b)"
-    )
-    parser.add_argument("--peer-path", default="", help="a folder put first on the peer's PYTHONPATH only")
-    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (all sides)")
-    parser.add_argument("--sides", default="relayrl,openrlhf", help="comma list: relayrl, openrlhf")
-    parser.add_argument("--timeout", type=float, default=420, help="seconds per side before it is killed")
+    peer_cli.add_args(parser, "openrlhf")
     parser.add_argument(
         "--torch-adam",
         default="auto",
@@ -263,11 +316,8 @@ def main() -> None:
         help="DeepSpeed torch AdamW instead of FusedAdam (a JIT CUDA build): auto = when no nvcc",
     )
     args = parser.parse_args()
-    args.steps = args.steps or (6 if args.shape == "0.5b" else 4)
-    args.warmup = args.warmup if args.warmup >= 0 else (2 if args.shape == "0.5b" else 1)
-    budget = pc.Budget(args.budget)
+    peer_cli.finish_args(args, "openrlhf")
     torch_adam = args.torch_adam == "yes" or (args.torch_adam == "auto" and not has_nvcc())
-    name = f"openrlhf-{args.shape}-{args.gpus}gpu"
     row: dict[str, Any] = {
         "peer": "openrlhf",
         "shape": args.shape,
@@ -284,28 +334,13 @@ def main() -> None:
             else "FusedAdam (JIT-built for TORCH_CUDA_ARCH_LIST)"
         ),
     }
-    pc.write_result(name, row)
-    with tempfile.TemporaryDirectory(prefix="peers_model_") as t:
-        model, peer_model = pc.build_models_in_child(args.shape, Path(t))
-        for side in args.sides.split(","):
-            pc.stop_ray()
-            if side == "relayrl":
-                res = pc.run_relayrl(args.shape, args.gpus, args.steps, model, budget.left(args.timeout))
-            else:
-                res = run_openrlhf(
-                    peer_model,
-                    args.gpus,
-                    args.shape,
-                    args.steps,
-                    budget.left(args.timeout),
-                    torch_adam,
-                    args.peer_path,
-                )
-            row[side] = {**pc.summarise(res["steps"], args.warmup), **res}
-            pc.write_result(name, row)  # partial results as each side ends
-        pc.stop_ray()
-    pc.compare("openrlhf", row)
-    print(f"wrote {pc.write_result(name, row)}")
+
+    def run_peer(peer_model: Path, timeout_s: float, offload: str) -> dict[str, Any]:
+        return run_openrlhf(
+            peer_model, args.gpus, args.shape, args.steps, timeout_s, torch_adam, args.peer_path, offload
+        )
+
+    peer_cli.run_sides(args, "openrlhf", row, run_peer)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,14 @@ timeout); its log goes to $OUT/<peer>-<shape>-<gpus>gpu.log. Step times: each fr
 (relayrl timing/step, verl timing_s/step, OpenRLHF the sum of its timing/* parts), and the wall time between
 consecutive step log lines as a check. The first `warmup` steps are dropped; the median of the rest is the
 step time. Ratio = peer median step / relayrl median step (relayrl's speed relative to the peer's).
+
+Memory (`offload_mode`, the scripts' `--offload auto`): full-parameter training keeps 16 bytes a parameter of
+model state on the GPUs (fp32 masters, fp32 gradients, two fp32 AdamW moments), 97 GiB at the 7B shape (6.53B
+parameters with the char vocabulary). "none": the states stay on the GPUs (they take <= 35% of a card: every
+0.5B case and 7B over 4 GPUs); "states": the update runs on the GPU and the states leave it while the engine
+generates (7B on one card of >= 125 GiB: an H200); "full": the states live in CPU memory and the optimizer
+step runs on the CPU (7B on one 80 GB card). Each side then uses its own documented way (relayrl_command,
+verl_grpo.overrides, openrlhf_grpo.arguments).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import os
 import platform
 import re
+import selectors
 import shutil
 import signal
 import statistics
@@ -43,6 +52,9 @@ RL_SHAPES = {"0.5b": "qwen0.5b-char", "7b": "qwen7b-char"}
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_TOKENS = 64, 8, 256, 64
 LR, BETAS = 1e-5, (0.9, 0.95)
 IDENTITY_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+OFFLOAD_MODES = ("none", "states", "full")
+_RUNNING: list[subprocess.Popen] = []  # children of run_logged now running (killed on SIGTERM)
+_STOP: list[str] = []  # set by the SIGTERM handler: run_logged returns what it has, no further side starts
 
 
 def out_dir() -> Path:
@@ -54,6 +66,59 @@ def out_dir() -> Path:
 
 def log(msg: str) -> None:
     print(f"[peers {time.strftime('%H:%M:%S', time.gmtime())}] {msg}", flush=True)
+
+
+# ============================================================================================== memory
+def param_count(shape: str) -> int:
+    """Parameters of `shape`'s Qwen2 body with the char tokenizer's ~100-row tied embedding (q/k/v biases,
+    two norms a layer): 0.36B at 0.5b, 6.53B at 7b."""
+    sys.path.insert(0, str(ROOT))
+    from bench.rl_step import SHAPES
+
+    body = SHAPES[RL_SHAPES[shape]][0]
+    h, inter, layers = body["hidden_size"], body["intermediate_size"], body["num_hidden_layers"]
+    kv = h // body["num_attention_heads"] * body["num_key_value_heads"]
+    attn = h * h + h + 2 * (h * kv + kv) + h * h
+    return layers * (attn + 3 * h * inter + 2 * h) + 100 * h + h
+
+
+def offload_mode(shape: str, gpus: int, gpu_gib: float) -> str:
+    """The mode: "none" when the 16-byte-a-parameter model states per GPU take <= 35% of a card (the rest holds the
+    engine); "states" when states + a bf16 engine copy + 15 GiB fit one card; else "full" (module doc)."""
+    n = param_count(shape)
+    states = 16 * n / gpus / 2**30
+    if states <= 0.35 * gpu_gib:
+        return "none"
+    if states + 2 * n / 2**30 + 15 <= gpu_gib:
+        return "states"
+    return "full"
+
+
+def gpu_memory_gib() -> float:
+    """The smallest visible card's memory (nvidia-smi, so this process makes no CUDA context); 0 without one."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        mib = [float(x) for x in r.stdout.split() if x.strip()]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            idx = [int(i) for i in visible.split(",") if i.strip().isdigit()]
+            mib = [mib[i] for i in idx if i < len(mib)] or mib
+        return min(mib) / 1024 if mib else 0.0
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return 0.0
+
+
+def resolve_offload(choice: str, shape: str, gpus: int) -> str:
+    """`--offload auto` -> offload_mode for the visible cards (80 GiB assumed when none is found); else as
+    given."""
+    if choice != "auto":
+        return choice
+    return offload_mode(shape, gpus, gpu_memory_gib() or 80.0)
 
 
 # ============================================================================================== model + data
@@ -125,6 +190,20 @@ def build_models_in_child(shape: str, folder: Path, timeout_s: float = 300) -> t
     return folder / "model", folder / "model_peer"
 
 
+def models_in(folder: Path, shape: str) -> tuple[Path, Path]:
+    """The model folders of `shape` under `folder` (e.g. a --model-dir shared by the commands of one machine):
+    reused when a previous build finished (its `.complete` marker), else built there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / ".complete").is_file():
+        for sub in ("model", "model_peer"):
+            shutil.rmtree(folder / sub, ignore_errors=True)
+        build_models_in_child(shape, folder)
+        (folder / ".complete").write_text(shape + "\n")
+    else:
+        log(f"reusing the {shape} model folders in {folder}")
+    return folder / "model", folder / "model_peer"
+
+
 def prompt_rows(n: int) -> list[dict[str, str]]:
     """relayrl's add2 rows ({"input": "12+34=", "label": "46"}), the ones its own run draws from."""
     sys.path.insert(0, str(ROOT))
@@ -158,49 +237,72 @@ def run_logged(
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
             start_new_session=True,
         )
         assert proc.stdout is not None
+        _RUNNING.append(proc)
         deadline = t0 + timeout_s
-        import selectors
 
+        def handle(line: str) -> bool:
+            """Log one output line; True once the steps asked for were seen."""
+            nonlocal tail, last
+            fh.write(line + "\n")
+            fh.flush()
+            tail = [*tail, line.rstrip()][-60:]
+            parsed = step_line(line)
+            if parsed is None:
+                return False
+            now = time.perf_counter()
+            parsed["line_gap"] = now - last
+            last = now
+            steps.append(parsed)
+            log(f"step {len(steps)}: " + ", ".join(f"{k}={v:.3f}" for k, v in parsed.items()))
+            return bool(stop_after and len(steps) >= stop_after)
+
+        # raw reads split into lines here: a line already read into a file object's buffer would wait
+        # unseen for the next output (select sees only the pipe), e.g. the last step line before a stall
+        fd = proc.stdout.fileno()
         sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(fd, selectors.EVENT_READ)
+        pending, eof = b"", False
         while True:
+            if _STOP:
+                status = f"stopped ({_STOP[0]})"
+                break
             if time.perf_counter() > deadline:
                 status = f"timeout after {timeout_s:.0f}s"
                 break
-            if not sel.select(timeout=1.0):
+            if eof or not sel.select(timeout=1.0):
                 if proc.poll() is not None:
                     break
+                if eof:
+                    time.sleep(0.2)
                 continue
-            line = proc.stdout.readline()
-            if not line:
-                if proc.poll() is not None:
-                    break
-                continue
-            fh.write(line)
-            fh.flush()
-            tail = ([*tail, line.rstrip()])[-60:]
-            parsed = step_line(line)
-            if parsed is not None:
-                now = time.perf_counter()
-                parsed["line_gap"] = now - last
-                last = now
-                steps.append(parsed)
-                log(f"step {len(steps)}: " + ", ".join(f"{k}={v:.3f}" for k, v in parsed.items()))
-                if stop_after and len(steps) >= stop_after:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                eof = True
+                sel.unregister(fd)
+                if pending and handle(pending.decode(errors="replace")):
                     status = "ok (stopped after the steps asked for)"
                     break
+                pending = b""
+                continue
+            *lines, pending = (pending + chunk).split(b"\n")
+            if any(handle(raw.decode(errors="replace")) for raw in lines):
+                status = "ok (stopped after the steps asked for)"
+                break
+        sel.close()
         rc = proc.poll()
         if rc is None:
             kill_group(proc)
             rc = proc.wait()
         else:
             kill_group(proc)  # the children it left (Ray's services, engines)
+        with contextlib.suppress(ValueError):
+            _RUNNING.remove(proc)
     wall = time.perf_counter() - t0
+    if _STOP and status == "ok":  # the SIGTERM handler killed the child: not the child's own failure
+        status = f"stopped ({_STOP[0]})"
     if status == "ok" and rc != 0:
         status = f"exit code {rc}"
     if status != "ok" and not status.startswith("ok"):
@@ -213,6 +315,23 @@ def run_logged(
         "log": str(log_path),
         "tail": tail[-40:] if not status.startswith("ok") else [],
     }
+
+
+def stop_on_sigterm() -> None:
+    """On SIGTERM (the cell driver's budget, bench/peers/run_cells.py): kill the running children's process
+    groups at once, and let run_logged return the steps seen so far, so the script writes its partial row."""
+
+    def handler(signum: int, frame: Any) -> None:
+        _STOP.append("SIGTERM")
+        for p in list(_RUNNING):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def stopped() -> bool:
+    return bool(_STOP)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -236,7 +355,10 @@ def stop_ray() -> None:
     GPU), where a host-wide `ray stop` would kill the other peer's cluster mid-run (seen 2026-11-27 12:43:
     verl's raylet died when the OpenRLHF command ended); the peer's driver process exiting stops its own."""
     if os.environ.get("RAY_ADDRESS") == "local":
-        print("peers: RAY_ADDRESS=local: not running `ray stop --force` (side-by-side Ray instances)", flush=True)
+        print(
+            "peers: RAY_ADDRESS=local: not running `ray stop --force` (side-by-side Ray instances)",
+            flush=True,
+        )
         return
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         subprocess.run(
@@ -271,20 +393,28 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 # ============================================================================================== relayrl side
-def relayrl_command(shape: str, gpus: int, steps: int, model_dir: Path, out_json: Path) -> list[str]:
+def relayrl_command(
+    shape: str, gpus: int, steps: int, model_dir: Path, out_json: Path, offload: str = "none"
+) -> list[str]:
     """relayrl's bench/rl_step.py run (GRPO, its native engine, same model folder) as a child command: local
-    mode on 1 GPU, Ray mode with the policy over `gpus` GPUs and colocated engines otherwise; FSDP2 CPU
-    offload where the 7B shape's fp32 masters + AdamW states do not fit one GPU."""
-    offload = shape == "7b" and gpus == 1
+    mode on 1 GPU, Ray mode with the policy over `gpus` GPUs and colocated engines otherwise. `offload`
+    (offload_mode, docs/distributed.md "Memory knobs"): "states" = --dist.offload_optimizer_in_rollout with
+    --dist.engine_sleep yes (AdamW states in CPU memory and the KV cache freed while the other half of the
+    step runs; the update on the GPU); "full" = --dist.offload (FSDP2 CPU offload, Ray mode: shards, gradients
+    and AdamW states in pinned CPU memory, the optimizer step on the CPU)."""
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     kwargs: dict[str, Any] = dict(
         device="cuda",
         shape=RL_SHAPES[shape],
         steps=steps,
         model_dir=str(model_dir),
-        dist_mode="ray" if gpus > 1 or offload else "local",
+        dist_mode="ray" if gpus > 1 or offload == "full" else "local",
         policy_gpus=gpus,
-        offload=offload,
+        offload=offload == "full",
     )
+    if offload == "states":
+        kwargs.update(engine_sleep="yes", offload_optimizer_in_rollout=True)
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from bench.rl_step import run; "
         "row = run(**json.loads(sys.argv[2])); open(sys.argv[3], 'w').write(json.dumps(row)); "
@@ -293,17 +423,30 @@ def relayrl_command(shape: str, gpus: int, steps: int, model_dir: Path, out_json
     return [sys.executable, "-c", code, str(ROOT), json.dumps(kwargs), str(out_json)]
 
 
-def run_relayrl(shape: str, gpus: int, steps: int, model_dir: Path, timeout_s: float) -> dict[str, Any]:
+def run_relayrl(
+    shape: str,
+    gpus: int,
+    steps: int,
+    model_dir: Path,
+    timeout_s: float,
+    offload: str = "none",
+    tag: str = "",
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """relayrl's side: writes $OUT/relayrl-<shape>-<gpus>gpu[-tag].{json,log} (rl_step's row) and returns
+    run_logged's result with the per-step times; `env` is added to the peers' environment (e.g. the GPU)."""
     out = out_dir()
-    out_json = out / f"relayrl-{shape}-{gpus}gpu.json"
+    name = f"relayrl-{shape}-{gpus}gpu" + (f"-{tag}" if tag else "")
+    out_json = out / f"{name}.json"
     res = run_logged(
-        relayrl_command(shape, gpus, steps, model_dir, out_json),
-        peer_env(),
-        out / f"relayrl-{shape}-{gpus}gpu.log",
+        relayrl_command(shape, gpus, steps, model_dir, out_json, offload),
+        peer_env(env),
+        out / f"{name}.log",
         timeout_s,
         lambda line: None,
         cwd=ROOT,
     )
+    res["offload"] = offload
     if out_json.is_file():
         row = json.loads(out_json.read_text())
         res["steps"] = [dict(s) for s in row["per_step"]]

@@ -21,7 +21,18 @@ set as its Performance Tuning Guide (docs/perf/perf_tuning.rst, "Last updated: 0
   micro-batch token budget for this shape), log_prob_max_token_len_per_gpu 32768 (guide: forward-only can be
   ~2x), gradient checkpointing on (guide), forward_prefetch True (guide), torch.compile of the log-prob
   function on (verl's default), balance_batch on (verl's default);
-- 7B on 1 GPU: param_offload + optimizer_offload (fp32 masters + AdamW states of 7.6B params are ~122 GB).
+- memory (`--offload`, default auto = peer_common.offload_mode for the visible cards): "none" (0.5B; 7B over 4
+  GPUs: 24 GiB of states a GPU) keeps everything on the GPUs; "states" (7B on one card of >= 125 GiB) sets
+  fsdp_config.param_offload + optimizer_offload, verl's offload that parks the fp32 weights and AdamW states
+  in CPU memory while vLLM generates and loads them back for the update (guide: gpu_memory_utilization "if
+  model parameters and optimizer states are not offloaded"); "full" (7B on one 80 GB card, where that update
+  would need ~104 GB on the GPU: verl's engine loads every state back, workers/engine/fsdp/transformer_impl.py
+  `to`) sets fsdp_config.offload_policy=True instead (verl's "Only for FSDP2: offload param/grad/optimizer
+  during train", FSDP2's CPUOffloadPolicy: the optimizer step runs on the CPU), as relayrl's dist.offload.
+Held equal beyond the guide: torch's fused AdamW kernel, relayrl's optimizer (optim.override_optimizer_config
+{fused: True}, passed to torch.optim.AdamW; verl's default is torch's per-tensor loop, which at 7B under
+offload_policy would run the CPU step over 6.5B parameters ~11x slower, bench measurement in
+relayrl/training/optim.py).
 Not as the guide says, and why: use_remove_padding (guide: True) is False by default here, because its fast
 path is flash-attn's varlen kernels and flash-attn has no wheel for this torch 2.11 / CUDA 13 image (PyPI has the
 sdist only; building it needs the CUDA toolkit and hours); attention runs through PyTorch SDPA
@@ -43,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_cli
 import peer_common as pc
 
 REWARD_WRAPPER = Path(__file__).resolve().parent / "verl_reward.py"
@@ -67,9 +79,11 @@ def write_data(folder: Path, rows: int) -> Path:
 
 
 def overrides(
-    model: Path, data: Path, gpus: int, shape: str, steps: int, tmp: Path, rmpad: bool
+    model: Path, data: Path, gpus: int, shape: str, steps: int, tmp: Path, rmpad: bool, offload: str = "none"
 ) -> list[str]:
-    offload = shape == "7b" and gpus == 1
+    """verl's Hydra overrides for one run (the module doc says where each comes from)."""
+    if offload not in pc.OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {pc.OFFLOAD_MODES}, got {offload!r}")
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.norm_adv_by_std_in_grpo=True",
@@ -93,6 +107,7 @@ def overrides(
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
         "actor_rollout_ref.actor.optim.clip_grad=1.0",
+        "actor_rollout_ref.actor.optim.override_optimizer_config={fused:True}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={pc.PROMPTS}",
         "actor_rollout_ref.actor.ppo_epochs=1",
         "actor_rollout_ref.actor.use_dynamic_bsz=True",
@@ -101,8 +116,9 @@ def overrides(
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
-        f"actor_rollout_ref.actor.fsdp_config.param_offload={offload}",
-        f"actor_rollout_ref.actor.fsdp_config.optimizer_offload={offload}",
+        f"actor_rollout_ref.actor.fsdp_config.param_offload={offload == 'states'}",
+        f"actor_rollout_ref.actor.fsdp_config.optimizer_offload={offload == 'states'}",
+        f"actor_rollout_ref.actor.fsdp_config.offload_policy={offload == 'full'}",
         "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.mode=async",
@@ -158,7 +174,14 @@ def step_line(line: str) -> dict[str, float] | None:
 
 
 def run_verl(
-    peer_model: Path, gpus: int, shape: str, steps: int, timeout_s: float, rmpad: bool, peer_path: str = ""
+    peer_model: Path,
+    gpus: int,
+    shape: str,
+    steps: int,
+    timeout_s: float,
+    rmpad: bool,
+    peer_path: str = "",
+    offload: str = "none",
 ) -> dict[str, Any]:
     out = pc.out_dir()
     with tempfile.TemporaryDirectory(prefix="verl_") as t:
@@ -168,7 +191,7 @@ def run_verl(
             sys.executable,
             "-m",
             "verl.trainer.main_ppo",
-            *overrides(peer_model, data, gpus, shape, steps, tmp, rmpad),
+            *overrides(peer_model, data, gpus, shape, steps, tmp, rmpad, offload),
         ]
         (out / f"verl-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"HYDRA_FULL_ERROR": "1", "RAY_TMPDIR": str(tmp / "ray")})
@@ -185,23 +208,10 @@ def run_verl(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=1, choices=[1, 2, 4, 8])
-    parser.add_argument("--shape", default="0.5b", choices=sorted(pc.RL_SHAPES))
-    parser.add_argument("--steps", type=int, default=0, help="steps per side (default 6 at 0.5b, 4 at 7b)")
-    parser.add_argument(
-        "--warmup", type=int, default=-1, help="leading steps not timed (default 2 / 1 at 7b)"
-    )
-    parser.add_argument("--peer-path", default="", help="a folder put first on the peer's PYTHONPATH only")
-    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole command (all sides)")
-    parser.add_argument("--sides", default="relayrl,verl", help="comma list: relayrl, verl")
-    parser.add_argument("--timeout", type=float, default=420, help="seconds per side before it is killed")
+    peer_cli.add_args(parser, "verl")
     parser.add_argument("--remove-padding", action="store_true", help="verl use_remove_padding=True (SDPA)")
     args = parser.parse_args()
-    args.steps = args.steps or (6 if args.shape == "0.5b" else 4)
-    args.warmup = args.warmup if args.warmup >= 0 else (2 if args.shape == "0.5b" else 1)
-    budget = pc.Budget(args.budget)
-    sides = args.sides.split(",")
-    name = f"verl-{args.shape}-{args.gpus}gpu"
+    peer_cli.finish_args(args, "verl")
     row: dict[str, Any] = {
         "peer": "verl",
         "shape": args.shape,
@@ -214,28 +224,20 @@ def main() -> None:
         "verl_remove_padding": args.remove_padding,
         "versions": pc.versions(("torch", "transformers", "vllm", "ray", "verl", "tensordict", "flash_attn")),
     }
-    pc.write_result(name, row)
-    with tempfile.TemporaryDirectory(prefix="peers_model_") as t:
-        model, peer_model = pc.build_models_in_child(args.shape, Path(t))
-        for side in sides:
-            pc.stop_ray()
-            if side == "relayrl":
-                res = pc.run_relayrl(args.shape, args.gpus, args.steps, model, budget.left(args.timeout))
-            else:
-                res = run_verl(
-                    peer_model,
-                    args.gpus,
-                    args.shape,
-                    args.steps,
-                    budget.left(args.timeout),
-                    args.remove_padding,
-                    args.peer_path,
-                )
-            row[side] = {**pc.summarise(res["steps"], args.warmup), **res}
-            pc.write_result(name, row)  # partial results as each side ends
-        pc.stop_ray()
-    pc.compare("verl", row)
-    print(f"wrote {pc.write_result(name, row)}")
+
+    def run_peer(peer_model: Path, timeout_s: float, offload: str) -> dict[str, Any]:
+        return run_verl(
+            peer_model,
+            args.gpus,
+            args.shape,
+            args.steps,
+            timeout_s,
+            args.remove_padding,
+            args.peer_path,
+            offload,
+        )
+
+    peer_cli.run_sides(args, "verl", row, run_peer)
 
 
 if __name__ == "__main__":
