@@ -19,7 +19,7 @@ does in `dist.mode=ray` with 2 policy ranks, phase by phase, timed on the driver
 --max-response caps the response lengths (the GPU scale runs' 256 new tokens: 276-token rows);
 --min-block-bytes sets relayrl.distributed.launch.rows.MIN_BLOCK_BYTES (0: the 64-block rule alone, as before
 it existed); --threads the driver's torch CPU threads (default: what run_rl sets on a GPU host, min(torch's
-default, relayrl.trainers.rl.loop.DRIVER_THREADS_GPU = 8); the JSON's "host" records them and the CPUs this process may use: more threads than CPUs
+default, relayrl.trainers.rl.setup.DRIVER_THREADS_GPU = 8); the JSON's "host" records them and the CPUs this process may use: more threads than CPUs
 oversubscribes every small tensor op of the driver). Prints one line per batch and writes the seconds as JSON (--out). No GPU, no model; ~1 minute.
 """
 
@@ -49,7 +49,7 @@ from relayrl.trainers.rl.experience import (
     step_advantages,
     trajectory_rewards,
 )
-from relayrl.trainers.rl.loop import DRIVER_THREADS_GPU
+from relayrl.trainers.rl.setup import DRIVER_THREADS_GPU
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.base import Experience, collate
 from relayrl.workers.reward import RewardSpec, RewardWorker, apply_scores

@@ -203,7 +203,7 @@ def test_ppo_policy_reference_critic_on_four_ranks_equal_local(ray_cluster, tiny
         "policy": (RANKS, "policy"),
         "reference": (RANKS, "policy"),  # rank i of the reference sits on the policy's bundle i
         "critic": (RANKS, "critic"),
-        "pools": 3,  # policy + reference, critic, reward
+        "pools": 2,  # policy + reference, critic (a task: reward is scored in the driver: no reward actor)
     }
     for k in ("train/policy_loss", "train/kl_loss", "rollout/kl", "critic/loss", "rollout/reward_mean"):
         assert k in local.result.history[0], k

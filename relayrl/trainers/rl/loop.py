@@ -50,7 +50,7 @@ from relayrl.trainers.rl.experience import distill_and_dense, step_advantages, t
 from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, banner_text, log_samples, plot_curves
 from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
 from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
-from relayrl.trainers.rl.setup import prepare_run
+from relayrl.trainers.rl.setup import driver_threads, prepare_run
 from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 from relayrl.training.loop import LoopSettings, due
 from relayrl.training.sampler import ResumableSampler, batches_drawn
@@ -452,21 +452,6 @@ class RLTrainer:
         self.learned = bool(loaded.trainer_state.get("learned", True))
         print(f"relayrl rl: resumed from {path} (step {self.step})", flush=True)
         return True
-
-
-DRIVER_THREADS_GPU = 8
-"""The driver's torch CPU threads on a GPU run (at most). Its CPU tensor work (collating trajectories, shaping
-rewards, advantages) is many small ops, which a 64-thread pool slows: on one H200 host (64 cores) the 1-GPU
-weak-scaling row's experience pass took 0.335 s at 512 samples with up to 64 threads, while the recipe's GRPO runs
-(OMP_NUM_THREADS=8) took 0.02 s for the same pass at 512 samples (2026-11-27, docs/distributed.md). With
-dist.offload the optimizer steps on the CPU (in this process in local mode), so those runs keep up to 64."""
-
-
-def driver_threads(cfg: RLConfig) -> int:
-    """torch CPU threads for the controller process: 2 on a CPU run (its ranks share the cores), at most
-    DRIVER_THREADS_GPU on a GPU run, at most 64 with dist.offload; never more than torch's default."""
-    cap = 2 if cfg.train.device == "cpu" else (64 if cfg.dist.offload else DRIVER_THREADS_GPU)
-    return max(1, min(torch.get_num_threads(), cap))
 
 
 def run_rl(cfg: RLConfig) -> RLResult:

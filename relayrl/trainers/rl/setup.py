@@ -6,6 +6,8 @@ run = prepare_run(cfg, default_dir="runs/rl")
     built (task rows or datasets) and their labels checked against the reward; train.max_steps 0 becomes
     one pass over the training prompts
 -> RunSetup(cfg, run_dir, tokenizer, prompts)
+
+driver_threads(cfg) -> int          the controller process's torch CPU threads (run_rl sets them first)
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from relayrl.config.base import save_yaml
 from relayrl.config.rl import ResolvedRL, RLConfig
@@ -60,3 +64,18 @@ def prepare_run(cfg: RLConfig, *, default_dir: str = "runs/rl") -> RunSetup:
             f"{steps} steps of {cfg.rollout.prompts_per_step} prompts"
         )
     return RunSetup(cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, prompts=prompts)
+
+
+DRIVER_THREADS_GPU = 8
+"""The driver's torch CPU threads on a GPU run (at most). Its CPU tensor work (collating trajectories, shaping
+rewards, advantages) is many small ops, which a 64-thread pool slows: on one H200 host (64 cores) the 1-GPU
+weak-scaling row's experience pass took 0.335 s at 512 samples with up to 64 threads, while the recipe's GRPO runs
+(OMP_NUM_THREADS=8) took 0.02 s for the same pass at 512 samples (2026-11-27, docs/distributed.md). With
+dist.offload the optimizer steps on the CPU (in this process in local mode), so those runs keep up to 64."""
+
+
+def driver_threads(cfg: RLConfig) -> int:
+    """torch CPU threads for the controller process: 2 on a CPU run (its ranks share the cores), at most
+    DRIVER_THREADS_GPU on a GPU run, at most 64 with dist.offload; never more than torch's default."""
+    cap = 2 if cfg.train.device == "cpu" else (64 if cfg.dist.offload else DRIVER_THREADS_GPU)
+    return max(1, min(torch.get_num_threads(), cap))

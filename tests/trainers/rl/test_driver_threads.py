@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relayrl.config.rl import RLConfig
-from relayrl.trainers.rl import loop
+from relayrl.trainers.rl import setup as loop
 
 
 @pytest.mark.parametrize(
