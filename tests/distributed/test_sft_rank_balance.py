@@ -13,7 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from dp_fixtures import assert_metrics_close, run_sft
+from dp_fixtures import (  # pyright: ignore[reportMissingImports]  (tests/helpers: pytest pythonpath)
+    assert_metrics_close,
+    run_sft,
+)
 
 pytestmark = pytest.mark.slow  # a 2-rank Ray run compared with one rank
 
