@@ -253,6 +253,19 @@ def run_sft_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) ->
         # start-up: the run's time outside its steps (launch, the load and sharding, final export)
         "startup_s": round(wall - sum(h["perf/step_s"] for h in result.history), 1),
         "step_s_by_step": [h["perf/step_s"] for h in result.history],
+        # per-rank balance and the driver's own work (medians; relayrl.trainers.recipe.rank_loads)
+        **{
+            k.split("/")[1]: round(statistics.median(h[k] for h in hist), 4)
+            for k in (
+                "timing/pack_s",
+                "timing/put_s",
+                "perf/rank_tokens_max",
+                "perf/rank_tokens_min",
+                "perf/rank_run_tokens_max",
+                "perf/rank_passes_max",
+            )
+            if hist and all(k in h for h in hist)
+        },
     }
 
 

@@ -6,7 +6,11 @@
     chunk_by_count(n, size)                         consecutive chunks of `size` items (eval / scoring passes)
     MicroBatching.of(train, layout).groups(sizes)   one optimizer step's samples -> index groups, per the train
                                                     section (packing + token budget, else micro_batch_size)
-    make_collate(samples, train, layout, to_batch)  step indices -> micro-batch records (`to_batch` per group)
+    balance_by_tokens(sizes, parts)                 samples -> `parts` groups of nearly equal tokens (longest first)
+    make_collate(samples, train, layout, to_batch, parts=R)
+                                                    step indices -> micro-batch records (`to_batch` per group); with
+                                                    R data-parallel ranks and a token budget: RankBatches, each
+                                                    rank's own micro-batches packed from its token-balanced share
 
 Every planner returns lists of indices: each index exactly once, ascending inside a group. How a
 micro-batch's sequences then run through the model (one packed row with variable-length attention on a GPU,
@@ -78,6 +82,22 @@ def plan_micro_batches(lengths: Sequence[int], budget: int, layout: str) -> list
     return [sorted(b) for b in bins]
 
 
+def balance_by_tokens(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of `sizes` in `parts` groups of nearly equal total size: longest first (ties: lower index), each
+    to the group with the least total so far (ties: the lower group). Every group's total is within the largest
+    size of every other's (greedy longest-processing-time). Indices ascending inside a group; a group is empty
+    only when there are fewer items than parts."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        g = min(range(parts), key=lambda k: (load[k], k))
+        groups[g].append(i)
+        load[g] += sizes[i]
+    return [sorted(g) for g in groups]
+
+
 def chunk_by_count(n: int, size: int) -> list[list[int]]:
     """[[0..size-1], [size..2size-1], ...] over n items (the last chunk may be shorter)."""
     if size <= 0:
@@ -116,19 +136,47 @@ class MicroBatching:
         return chunk_by_count(len(sizes), self.micro_batch_size)
 
 
+class RankBatches(list):
+    """One optimizer step's micro-batches planned per data-parallel rank: rank 0's first, then rank 1's, ...;
+    `counts[r]` of them are rank r's (0: the rank runs a padding pass, relayrl.training.step.padded_passes)."""
+
+    def __init__(self, batches: Sequence[Any] = (), counts: Sequence[int] = ()) -> None:
+        super().__init__(batches)
+        if sum(counts) != len(self):
+            raise ValueError(f"RankBatches: counts {list(counts)} do not add up to {len(self)} micro-batches")
+        self.counts: list[int] = list(counts)
+        """Micro-batches of each rank, in rank order."""
+
+
 def make_collate(
     samples: Sequence[Any],
     train: TrainConfig,
     layout: str,
     to_batch: Callable[[list[Any], str], Any],
     size: Callable[[Any], int] = lambda s: s.num_tokens,
+    parts: int = 1,
 ) -> Callable[[list[int]], list[Any]]:
-    """step indices -> micro-batches (each `to_batch` of its samples; `size` a sample's token count)."""
+    """step indices -> micro-batches (each `to_batch` of its samples; `size` a sample's token count).
+
+    `parts` > 1 data-parallel ranks with a token budget (train.packing and max_tokens_per_micro_batch > 0): the
+    step's samples are first split over the ranks by tokens (`balance_by_tokens`: every rank within one
+    sample of every other), then each rank's share is packed on its own, and the result is a RankBatches.
+    Packing the whole step first and handing out whole packs instead leaves the ranks a pack apart (16k
+    tokens at 4 ranks of ~34k each) and the short ranks re-run a pack as padding. The loss is normalised by
+    the step's global count either way, so the update is the same up to fp32 summation order."""
     batching = MicroBatching.of(train, layout)
+    per_rank = parts > 1 and batching.packing and batching.max_tokens > 0
 
     def collate(indices: list[int]) -> list[Any]:
         chosen = [samples[i] for i in indices]
-        groups = batching.groups([size(s) for s in chosen])
-        return [to_batch([chosen[i] for i in g], layout) for g in groups]
+        sizes = [size(s) for s in chosen]
+        if not per_rank:
+            return [to_batch([chosen[i] for i in g], layout) for g in batching.groups(sizes)]
+        batches, counts = [], []
+        for share in balance_by_tokens(sizes, parts):
+            groups = batching.groups([sizes[i] for i in share])
+            batches += [to_batch([chosen[share[j]] for j in g], layout) for g in groups]
+            counts.append(len(groups))
+        return RankBatches(batches, counts)
 
     return collate

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from relayrl.config.command_line import run_command
 from relayrl.config.components import ModelConfig, OneModelConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.packing import chunk_by_count, make_collate
+from relayrl.distributed.group import shares
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.launch.local import LocalRole
@@ -120,10 +122,50 @@ class RecipeResult:
 
 
 # ---------------------------------------------------------------------------------------------- batching
-def _collate(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callable[[list[int]], list[Any]]:
+def _collate(
+    recipe: Recipe, samples: Sequence[Any], layout: str, parts: int = 1
+) -> Callable[[list[int]], list[Any]]:
+    """The step collate; `parts` data-parallel ranks: with a token budget each rank's micro-batches are packed
+    from its token-balanced share of the step (relayrl.data.packing.make_collate -> RankBatches)."""
     if recipe.collate is not None:
         return recipe.collate(samples, recipe.cfg.train, layout)
-    return make_collate(samples, recipe.cfg.train, layout, recipe.to_batch)
+    return make_collate(samples, recipe.cfg.train, layout, recipe.to_batch, parts=parts)
+
+
+class TimedCollate:
+    """A collate that keeps how long its last call took (the driver's packing time, `timing/pack_s`)."""
+
+    def __init__(self, collate: Callable[[list[int]], list[Any]]) -> None:
+        self.collate = collate
+        self.last_s = 0.0
+
+    def __call__(self, indices: list[int]) -> list[Any]:
+        t0 = time.perf_counter()
+        out = self.collate(indices)
+        self.last_s = time.perf_counter() - t0
+        return out
+
+
+def rank_loads(micro_batches: Sequence[Any], parts: int) -> dict[str, float]:
+    """Per-step balance metrics over `parts` data-parallel ranks: real tokens of the busiest and the idlest
+    rank, the most micro-batches (forward + backward passes) a rank runs, and the most tokens a rank runs
+    counting its padding passes (a rank short of passes re-runs its last micro-batch with weight 0)."""
+    tokens = [int(getattr(m, "num_tokens", 0)) for m in micro_batches]
+    counts = getattr(micro_batches, "counts", None)
+    if counts is None:
+        ranges = shares([getattr(m, "num_tokens", 1) for m in micro_batches], parts)
+    else:
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        ranges = [range(a, a + c) for a, c in zip(starts, counts, strict=True)]
+    passes = max((len(r) for r in ranges), default=0)
+    real = [sum(tokens[i] for i in r) for r in ranges]
+    run = [t + (passes - len(r)) * tokens[r[-1] if len(r) else 0] for t, r in zip(real, ranges, strict=True)]
+    return {
+        "perf/rank_tokens_max": float(max(real, default=0)),
+        "perf/rank_tokens_min": float(min(real, default=0)),
+        "perf/rank_passes_max": float(passes),
+        "perf/rank_run_tokens_max": float(max(run, default=0)),
+    }
 
 
 def _eval_batches(recipe: Recipe, samples: Sequence[Any], layout: str) -> Callable[[], list[list[Any]]]:
@@ -138,16 +180,36 @@ class RemoteStep:
     (ray mode) each call's micro-batches go into Ray's object store one per object, serialised once, and
     each rank fetches only its share (relayrl.distributed.launch.rows.StoredItems); else the list itself."""
 
-    def __init__(self, handle: RoleHandle[ModelWorker], stored: bool = False) -> None:
+    def __init__(
+        self,
+        handle: RoleHandle[ModelWorker],
+        stored: bool = False,
+        parts: int = 1,
+        collate: TimedCollate | None = None,
+    ) -> None:
         self.handle = handle
         self.stored = stored
+        self.parts = parts
+        """Data-parallel ranks of the role (for the per-rank balance metrics)."""
+        self.collate = collate
+        """The loop's collate, when timed: its last call's time is the step's timing/pack_s."""
         self.nonfinite_total = 0
 
     def _items(self, micro_batches: list[Any]) -> list[Any] | Items[Any]:
         return StoredItems(micro_batches) if self.stored else micro_batches
 
     def step(self, micro_batches: list[Any]) -> StepOutput:
-        out, self.nonfinite_total = self.handle.call(ModelWorker.step, self._items(micro_batches))
+        """One step on the role; adds timing/pack_s (the driver's collate) and the rank_loads metrics."""
+        loads = rank_loads(micro_batches, self.parts)
+        counts = getattr(micro_batches, "counts", None)
+        t0 = time.perf_counter()
+        items = self._items(micro_batches)
+        put_s = time.perf_counter() - t0
+        out, self.nonfinite_total = self.handle.call(ModelWorker.step, items, counts)
+        out.metrics.update(loads)
+        out.metrics["timing/put_s"] = put_s
+        if self.collate is not None:
+            out.metrics["timing/pack_s"] = self.collate.last_s
         return out
 
     def evaluate(self, batches: Iterable[Sequence[Any]]) -> dict[str, float]:
@@ -241,11 +303,13 @@ def _fit(
     """The shared loop (relayrl.training.loop.Trainer) over the role: resume per ckpt.resume, then fit until
     the step total or a signal. `stored`: micro-batches travel through Ray's object store (RemoteStep)."""
     cfg, label = recipe.cfg, f"relayrl {recipe.name}"
+    parts = cfg.dist.ranks("model") // cfg.dist.sp_size if stored else 1
+    collate = TimedCollate(_collate(recipe, data.train, data.layout, parts))
     trainer = Trainer(
-        train_step=RemoteStep(handle, stored=stored),
+        train_step=RemoteStep(handle, stored=stored, parts=parts, collate=collate),
         state=RoleModelState(handle),
         sampler=ResumableSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed),
-        collate=_collate(recipe, data.train, data.layout),
+        collate=collate,
         settings=_settings(cfg, data.total),
         ckpt=build_checkpoint_manager(cfg.ckpt, run_dir),
         eval_batches=_eval_batches(recipe, data.evals, data.layout) if data.evals else None,

@@ -233,7 +233,8 @@ class Trainer:
         return FitResult(step=self.step, history=history, last_checkpoint=last_ckpt)
 
     def _step(self) -> dict[str, float]:
-        """One optimizer step on the sampler's next batch; its train/* and perf/* metrics."""
+        """One optimizer step on the sampler's next batch; its train/* and perf/* metrics (a step's own metrics
+        are train/<name>, except those it names timing/* or perf/* itself)."""
         t0 = time.perf_counter()
         out = self.train_step.step(self.collate(self.sampler.next_indices()))
         dt = time.perf_counter() - t0
@@ -249,5 +250,5 @@ class Trainer:
             "perf/tokens_per_s": out.tokens / dt if dt > 0 else 0.0,
             "perf/step_s": dt,
             "perf/tokens_seen": self.tokens_seen,
-            **{f"train/{k}": v for k, v in out.metrics.items()},
+            **{k if k.startswith(("timing/", "perf/")) else f"train/{k}": v for k, v in out.metrics.items()},
         }

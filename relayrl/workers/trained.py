@@ -19,7 +19,7 @@ on the same seam): the recipe's loop runs on the driver and sends each optimizer
 rank trains on its share (contiguous, balanced by tokens) with the recipe's loss function:
 
     info() -> {"layout", "precision", "ranks", "params"}      layout: what the driver's collate must build
-    step(micro_batches) -> (StepOutput, nonfinite_total)       one optimizer step over every rank's share
+    step(micro_batches, counts) -> (StepOutput, nonfinite)     one optimizer step over every rank's share
     evaluate(batches) -> {"eval/loss", ...}                    over every rank's share
     precompute(micro_batches) -> micro_batches                 `prepare` only, results on the CPU (e.g. DPO's
                                                                reference log-probs once); frees the frozen model
@@ -66,6 +66,7 @@ from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.models.empty import Built, Unsupported, empty_causal_lm, empty_value_model
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
 from relayrl.models.loading import load_causal_lm, load_tokenizer, pretrained, resolve_device
+from relayrl.models.sequence_parallel import size as sp_size
 from relayrl.models.value_head import build_value_model
 from relayrl.training.checkpoint import WEIGHTS_FILE, check_finite_weights, load_state, load_weights_into
 from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -310,14 +311,27 @@ class PrepareFn(Protocol):
     def __call__(self, models: Models, micro_batches: list[Any], num_real: int) -> None: ...
 
 
-def _share(micro_batches: Sequence[Any] | Items[Any]) -> tuple[list[Any], int]:
+def _share(
+    micro_batches: Sequence[Any] | Items[Any], counts: Sequence[int] | None = None
+) -> tuple[list[Any], int]:
     """(this rank's micro-batches, how many are real): a contiguous share balanced by tokens (per
-    data-parallel group: an SP group's ranks share one); a rank left without one runs the first micro-batch
-    as a padding pass. On Ray the micro-batches are in the object store (launch.rows.StoredItems): only this
-    rank's are fetched."""
+    data-parallel group: an SP group's ranks share one), or with `counts` (the driver planned each
+    data-parallel rank's micro-batches: relayrl.data.packing.RankBatches) the counts[r] after the earlier
+    ranks'; a rank left without one runs the first micro-batch as a padding pass. On Ray the micro-batches
+    are in the object store (launch.rows.StoredItems): only this rank's are fetched."""
     items = as_items(micro_batches)
-    mine = items.take(my_data_share(items.sizes))
+    mine = items.take(_planned(counts, len(items)) if counts is not None else my_data_share(items.sizes))
     return (mine, len(mine)) if mine or not len(items) else (items.take([0]), 0)
+
+
+def _planned(counts: Sequence[int], n: int) -> range:
+    """This data-parallel rank's range of a step planned per rank (`counts[r]` micro-batches of rank r)."""
+    groups, g = world() // sp_size(), rank() // sp_size()
+    if len(counts) != groups or sum(counts) != n:
+        raise ValueError(
+            f"micro-batches planned as {list(counts)} for {groups} data-parallel rank(s), {n} sent"
+        )
+    return range(sum(counts[:g]), sum(counts[: g + 1]))
 
 
 def _equal_passes(mine: list[Any]) -> list[Any]:
@@ -437,8 +451,11 @@ class ModelWorker:
             "params": sum(p.numel() for p in self.model.parameters()),
         }
 
-    def step(self, micro_batches: list[Any] | Items[Any]) -> tuple[StepOutput, int]:
-        mine, real = _share(micro_batches)
+    def step(
+        self, micro_batches: list[Any] | Items[Any], counts: list[int] | None = None
+    ) -> tuple[StepOutput, int]:
+        """One optimizer step; `counts`: the micro-batches of each data-parallel rank, in order (see _share)."""
+        mine, real = _share(micro_batches, counts)
         self._prepare(mine, real)
         out = self.train.step(mine, num_real=real)
         out.tokens = sum(as_items(micro_batches).tokens)  # the step's, not this rank's

@@ -10,6 +10,8 @@ from relayrl.config.components import TrainConfig
 from relayrl.data.packing import (
     LAYOUTS,
     MicroBatching,
+    RankBatches,
+    balance_by_tokens,
     chunk_by_count,
     make_collate,
     plan_micro_batches,
@@ -76,3 +78,42 @@ def test_make_collate_groups_the_chosen_samples_of_a_step():
     collate = make_collate(samples, train, "varlen", lambda group, layout: (layout, group), size=len)
     # indices 0, 2, 3 (sizes 5, 4, 2): 5 alone (5 + 4 > 6), then 4 + 2
     assert collate([0, 2, 3]) == [("varlen", [samples[0]]), ("varlen", [samples[2], samples[3]])]
+
+
+def test_balance_by_tokens_hand_example_and_bound():
+    # longest first to the lightest part: 9 -> A, 7 -> B, 5 -> B (7 < 9), 4 -> A, 3 -> B (12 < 13), 1 -> A
+    assert balance_by_tokens([5, 9, 1, 7, 4, 3], 2) == [[1, 2, 4], [0, 3, 5]]
+    assert balance_by_tokens([3, 1], 3) == [[0], [1], []]
+    g = torch.Generator().manual_seed(0)
+    for parts in (2, 3, 4):
+        sizes = torch.randint(64, 1001, (64 * parts,), generator=g).tolist()
+        groups = balance_by_tokens(sizes, parts)
+        assert sorted(i for grp in groups for i in grp) == list(range(len(sizes)))
+        loads = [sum(sizes[i] for i in grp) for grp in groups]
+        assert max(loads) - min(loads) <= max(sizes), (parts, loads)
+    with pytest.raises(ValueError, match="parts"):
+        balance_by_tokens([1], 0)
+
+
+def test_make_collate_per_rank_packs_each_ranks_token_balanced_share():
+    """With ranks and a token budget each rank's samples are balanced by tokens and packed on their own; the
+    old plan (the whole step packed, then whole packs handed out) leaves the ranks a pack apart."""
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(64, 1001, (256,), generator=g).tolist()
+    samples = [list(range(n)) for n in sizes]
+    train = TrainConfig(batch_size=256, micro_batch_size=1, packing=True, max_tokens_per_micro_batch=16384)
+    collate = make_collate(samples, train, "varlen", lambda group, layout: group, size=len, parts=4)
+    out = collate(list(range(256)))
+    assert isinstance(out, RankBatches) and len(out.counts) == 4
+    starts = [sum(out.counts[:r]) for r in range(4)]
+    per_rank = [out[a : a + c] for a, c in zip(starts, out.counts, strict=True)]
+    assert sorted(len(s) for mbs in per_rank for mb in mbs for s in mb) == sorted(sizes)  # each sample once
+    assert all(sum(len(s) for s in mb) <= 16384 for mb in out)
+    loads = [sum(len(s) for mb in mbs for s in mb) for mbs in per_rank]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert len(set(out.counts)) == 1  # every rank runs as many passes: no padding pass
+    # one rank (or no budget): the plain list of before
+    one = make_collate(samples, train, "varlen", lambda group, layout: group, size=len)
+    assert type(one(list(range(256)))) is list
+    with pytest.raises(ValueError, match="do not add up"):
+        RankBatches([1, 2], [1])
