@@ -14,6 +14,9 @@ GPU-scale lengths: the 0.5B weak-scaling run's ~107 mean new tokens, at most 256
     driver_unpickle  pickle.loads of every rank's share in the driver alone (the serial part of `return`)
     reward           the reward in the driver (the RL tests' digit reward file: decode of all ids + function)
     reward_decode    its decode of every trajectory's token ids (agents.rewards.base.decode_all)
+    reward_ranks_decoded  the reward when the ranks made `Trajectory.query_text` (Ray with a reward_func file
+                     or remote RM, relayrl.trainers.rl.roles.decode_queries): the driver decodes nothing
+    rank_decode      what that costs one rank: decoding its own --per-rank trajectories (in parallel)
     failure_groups   failure policy + complete groups + rollout/* metrics
 
 Prints one line per rank count and writes the JSON (--out). ~1 minute.
@@ -26,6 +29,7 @@ import json
 import pickle
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,32 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
     return out
 
 
+def driver_parts(trajs: list[Trajectory], reward: RewardWorker, per_rank: int, n: int, repeats: int) -> dict:
+    """The driver's serial work on the merged trajectories of `n` ranks (see module doc), seconds."""
+    tok = reward.source.tokenizer  # type: ignore[attr-defined]  (a reward_func file's source has one)
+    t: dict[str, float] = {}
+    shares = [pickle.dumps(trajs[i * per_rank : (i + 1) * per_rank]) for i in range(n)]
+    t["driver_unpickle"] = best(lambda: [pickle.loads(s) for s in shares], repeats)
+    texts = decode_all(tok, [x.token_ids for x in trajs])
+    decoded = [replace(x, query_text=q) for x, q in zip(trajs, texts, strict=True)]
+
+    def score(batch: list[Trajectory]) -> None:
+        for x in batch:
+            x.reward = x.score = None
+        reward.score(batch)
+
+    t["reward"] = best(lambda: score(trajs), repeats)
+    t["reward_decode"] = best(lambda: decode_all(tok, [x.token_ids for x in trajs]), repeats)
+    t["reward_ranks_decoded"] = best(lambda: score(decoded), repeats)
+    assert [x.reward for x in decoded] == [x.reward for x in trajs]  # the same rewards
+    mine = [x.token_ids for x in trajs[:per_rank]]
+    t["rank_decode"] = best(lambda: decode_all(tok, mine), repeats)
+    t["failure_groups"] = best(
+        lambda: rollout_metrics(complete_groups(apply_failure_policy(trajs, "drop_group")[0], 8)), repeats
+    )
+    return t
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--per-rank", type=int, default=512)
@@ -86,8 +116,11 @@ def main() -> None:
         cfg = DistConfig(mode="ray", num_cpus=4, gpus="no", policy_num_gpus_per_node=n, timeout_s=120)
         launcher = RayLauncher(cfg, {"policy": n})
         try:
-            role = launcher.spawn("policy", Rank, args.per_rank, args.prompt, args.response, args.max_response)
+            role = launcher.spawn(
+                "policy", Rank, args.per_rank, args.prompt, args.response, args.max_response
+            )
             t: dict[str, float] = {}
+            trajs: list[Trajectory] = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 trajs = role.call(Rank.rollout)
@@ -95,22 +128,7 @@ def main() -> None:
                 ready = max(role.ready_s["rollout"])
                 if call_s < t.get("call", float("inf")):
                     t.update(call=call_s, ranks_ready=ready, **{"return": call_s - ready})
-            shares = [pickle.dumps(trajs[i * args.per_rank : (i + 1) * args.per_rank]) for i in range(n)]
-            t["driver_unpickle"] = best(lambda: [pickle.loads(s) for s in shares], args.repeats)
-
-            def score() -> None:
-                for x in trajs:
-                    x.reward = x.score = None
-                reward.score(trajs)
-
-            t["reward"] = best(score, args.repeats)
-            t["reward_decode"] = best(
-                lambda: decode_all(reward.source.tokenizer, [x.token_ids for x in trajs]), args.repeats
-            )
-            t["failure_groups"] = best(
-                lambda: rollout_metrics(complete_groups(apply_failure_policy(trajs, "drop_group")[0], 8)),
-                args.repeats,
-            )
+            t.update(driver_parts(trajs, reward, args.per_rank, n, args.repeats))
         finally:
             launcher.shutdown()
         results[str(n)] = t
