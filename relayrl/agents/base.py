@@ -58,6 +58,10 @@ class Trajectory:
     """True when the last turn ended at a length limit rather than a stop token / done."""
     response_text: str = ""
     """Decoded response (all turns) for reward functions and sample tables."""
+    query_text: str | None = None
+    """The decode of all `token_ids`, special tokens kept (a reward function's `queries`): made by the rank
+    that generated it when several ranks generate (relayrl.workers.engine.generate_share), so the driver does
+    not decode every rank's samples in turn; None when not made (the reward source decodes)."""
     extra_logs: dict[str, float] = field(default_factory=dict)
     """Scalar metrics from the agent / reward function, averaged into rollout/* metrics."""
     num_turns: int = 1

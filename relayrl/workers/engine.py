@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from relayrl.agents.base import AgentExecutorBase, Trajectory
+from relayrl.agents.rewards.base import decode_all
 from relayrl.config.components import ModelConfig
 from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
@@ -74,10 +75,13 @@ def generate_share(
     seed: int,
     budget: int,
     share: tuple[int, int] | None = None,
+    decode_queries: bool = False,
 ) -> list[Trajectory]:
     """This rank's contiguous share of `samples` (balanced by prompt + `budget` tokens), n trajectories per
     prompt, grouped; request seeds derive from `seed` and each prompt's dataset index (exact resume).
-    `share` (index, parts): share `index` of `parts` instead of this rank's of all ranks (TP engine groups)."""
+    `share` (index, parts): share `index` of `parts` instead of this rank's of all ranks (TP engine groups).
+    `decode_queries`: also set each trajectory's `query_text` (the decode of all its ids, special tokens kept:
+    what a reward_func file or remote RM reads), here on the rank, in parallel with the other ranks."""
     weights = [len(s.prompt_ids) + budget for s in samples]
     part = my_share(weights) if share is None else shares(weights, share[1])[share[0]]
     mine = [samples[i] for i in part]
@@ -91,7 +95,11 @@ def generate_share(
 
     with torch.no_grad():
         groups = asyncio.run(run())
-    return [t for g in groups for t in g]
+    out = [t for g in groups for t in g]
+    if decode_queries and out:
+        for t, text in zip(out, decode_all(executor.tokenizer, [t.token_ids for t in out]), strict=True):
+            t.query_text = text
+    return out
 
 
 def generate_tp_share(
@@ -101,6 +109,7 @@ def generate_tp_share(
     samples: list[PromptSample],
     seed: int,
     budget: int,
+    decode_queries: bool = False,
 ) -> list[Trajectory]:
     """A tensor-parallel engine's ranks (blocks of tp consecutive ranks of the role): the block's leader
     generates the block's share of `samples` (`generate_share`) and releases the followers, which run its
@@ -110,7 +119,8 @@ def generate_tp_share(
         return []
     tp = engine.tp_size
     try:
-        return generate_share(executor, base, samples, seed, budget, (rank() // tp, world() // tp))
+        share = (rank() // tp, world() // tp)
+        return generate_share(executor, base, samples, seed, budget, share, decode_queries)
     finally:
         engine.release()
 
@@ -133,6 +143,9 @@ class EngineSpec:
     """Built-in multi-turn task driving a `multi` agent."""
     step_timeout: float = 60.0
     """Timeout of one agent environment step."""
+    decode_queries: bool = False
+    """Set `Trajectory.query_text` on this rank (`generate_share`): the reward source reads the decode of all
+    ids (a reward_func file, a remote RM) and the trajectories go to the driver through Ray."""
     tp: int = 1
     """GPUs of this engine (tensor parallelism): vllm's workers in this actor, or (native) this actor is one
     of the engine's tp shard actors."""
@@ -200,9 +213,10 @@ class EngineWorker:
         """n trajectories per prompt of this engine's share of `samples` (see `generate_share`)."""
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
         budget = self.spec.rollout.max_new_tokens
+        q = self.spec.decode_queries
         if isinstance(self.engine, TPNativeEngine):
-            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget)
-        return generate_share(self.executor, base, samples, seed, budget)
+            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget, q)
+        return generate_share(self.executor, base, samples, seed, budget, decode_queries=q)
 
     def weight_layout(self) -> Layout | None:
         """(name, shape, dtype) of every parameter in broadcast order (checked against the sender's); None when

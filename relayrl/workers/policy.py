@@ -102,6 +102,9 @@ class PolicySpec:
     """Built-in multi-turn task driving a `multi` agent."""
     step_timeout: float = 60.0
     """Timeout of one agent environment step."""
+    decode_queries: bool = False
+    """Set `Trajectory.query_text` on each rank (workers.engine.generate_share): the reward source reads the
+    decode of all ids (a reward_func file, a remote RM) and the trajectories go to the driver through Ray."""
     dist: DistConfig | None = None
     """Sharding and memory options when the role runs on several ranks (ray mode); None: defaults."""
     separate_engines: bool = False
@@ -251,9 +254,10 @@ class PolicyWorker:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
         budget = self.spec.rollout.max_new_tokens
+        q = self.spec.decode_queries
         if isinstance(self.engine, TPNativeEngine):  # the block's leader generates, the others follow
-            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget)
-        return generate_share(self.executor, base, samples, seed, budget)
+            return generate_tp_share(self.engine, self.executor, base, samples, seed, budget, q)
+        return generate_share(self.executor, base, samples, seed, budget, decode_queries=q)
 
     # ----------------------------------------------------------------------------------------- experience
     @merged("concat")

@@ -158,6 +158,11 @@ class Crasher:
     def ping(self) -> list[int]:
         return [rank()]
 
+    def nap(self, seconds: float) -> int:
+        """Rank 1 returns `seconds` after rank 0 (a slow engine)."""
+        time.sleep(seconds * rank())
+        return rank()
+
     def boom(self) -> int:
         if rank() == 1:
             raise ValueError("boom")
@@ -299,6 +304,21 @@ def test_engine_refresh_gathers_full_weights(ray_cluster):
     assert trained and all("lora_" in n for n in trained), sorted(trained)
     assert all(v == 0.0 for n, v in moved.items() if n not in trained)  # frozen base weights never change
     assert max(moved[n] for n in trained if "lora_B" in n) > LR / 2  # the adapters did
+
+
+@pytest.mark.timeout(60)
+def test_each_ranks_ready_time_is_recorded(ray_cluster):
+    """RayRole.ready_s: seconds from the call to each rank's result ready (the rollout phase's
+    timing/rollout_rank_min / _max); rank 1 returns 1.5 s after rank 0, so the stamps are that far apart
+    (tolerance: Ray's call and scheduling overhead on a busy 2-core host, under 1 s)."""
+    launcher = _launcher(timeout_s=20)
+    try:
+        role = launcher.spawn("policy", Crasher)
+        assert role.call(Crasher.nap, 1.5) == 0
+    finally:
+        launcher.shutdown()
+    first, last = role.ready_s["nap"]
+    assert 0.0 <= first < 1.0 and 1.5 <= last < 2.5 + first, (first, last)
 
 
 @pytest.mark.timeout(60)

@@ -22,12 +22,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relayrl.agents.base import AgentExecutorBase, Trajectory
+from relayrl.agents.rewards.base import queries_of
 from relayrl.config.components import ModelConfig
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.config.rl import EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
+from relayrl.models.loading import load_tokenizer
 from relayrl.models.tiny import build_tiny_tokenizer
 from relayrl.rollout.base import SamplingParams
+from relayrl.trainers.rl.roles import decode_queries
 from relayrl.trainers.rl.validate import validate_rl
 from relayrl.workers.engine import EngineSpec, EngineWorker, generate_share, sampling_params
 from relayrl.workers.policy import PolicySpec, PolicyWorker
@@ -185,3 +188,30 @@ def test_weight_layout_and_checksum(tiny_model_path):
             w.receive_weights(1)
     finally:
         w.close()
+
+
+def test_ranks_decode_the_reward_queries_the_driver_would(tiny_model_path, tmp_path):
+    """decode_queries (Ray, a reward_func file or remote RM): each trajectory's query_text is the decode of all
+    its ids with special tokens kept, made on the rank; every other field is the same as without it, and the
+    reward source's queries (agents.rewards.base.queries_of) are the same strings, read instead of decoded."""
+    plain, decoding = _worker(tiny_model_path), _worker(tiny_model_path)
+    decoding.spec.decode_queries = True
+    try:
+        old, new = plain.rollout(_samples(), seed=4), decoding.rollout(_samples(), seed=4)
+    finally:
+        plain.close()
+        decoding.close()
+    assert all(t.query_text is None for t in old)
+    assert [replace(t, query_text=None) for t in new] == old
+    tok = load_tokenizer(str(tiny_model_path))  # the reward source's (workers.reward.reward_spec)
+    want = [tok.decode(t.token_ids, skip_special_tokens=False) for t in old]
+    assert [t.query_text for t in new] == want == queries_of(old, tok)
+    assert queries_of([replace(new[0], query_text="read, not decoded"), old[1]], tok) == [
+        "read, not decoded",
+        want[1],
+    ]
+    # where it is on: Ray and a source that reads the queries
+    cfg = tiny_cpu_config(str(tiny_model_path), str(tmp_path), reward="tests/trainers/data/digit_reward.py")
+    ray_cfg = replace(cfg, dist=replace(cfg.dist, mode="ray"))
+    assert decode_queries(ray_cfg) and not decode_queries(cfg)
+    assert not decode_queries(replace(ray_cfg, reward=replace(cfg.reward, source="task:add2")))

@@ -119,9 +119,13 @@ def chunks(items: list[Any], size: int | None) -> list[list[Any]]:
 
 def queries_of(trajs: Sequence[Trajectory], tokenizer: Any = None) -> list[str]:
     """OpenRLHF's `queries`: the full text, prompt + response. With a tokenizer it is the decode of all
-    token ids with special tokens kept (exactly what OpenRLHF sends); else prompt text + response text."""
+    token ids with special tokens kept (exactly what OpenRLHF sends; `Trajectory.query_text` when the
+    generating rank made it, with the policy's tokenizer, which is the reward source's); else prompt text +
+    response text."""
     if tokenizer is not None:
-        return decode_all(tokenizer, [t.token_ids for t in trajs])
+        todo = [t.token_ids for t in trajs if t.query_text is None]
+        made = iter(decode_all(tokenizer, todo) if todo else [])
+        return [t.query_text if t.query_text is not None else next(made) for t in trajs]
     return [t.sample.prompt + t.response_text for t in trajs]
 
 

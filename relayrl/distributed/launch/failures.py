@@ -104,9 +104,12 @@ def gather(
     hosts: list[str],
     timeout_s: float,
     stall: tuple[float, float] = (0.0, 0.0),
+    ready_at: list[float] | None = None,
 ) -> list[Any]:
     """Every rank's result; on failure a RoleError naming the culprit rank (see module doc and `_blame`).
-    `stall`: (dist.stall_timeout_s, the call's start on time.monotonic()); a timeout of 0 is off."""
+    `stall`: (dist.stall_timeout_s, the call's start on time.monotonic()); a timeout of 0 is off.
+    `ready_at`: one float per rank, set to the time.monotonic() at which each rank's result was seen ready (before it is
+    fetched: every rank found ready is noted before any fetch, so a late stamp is off by at most one fetch)."""
     import ray
 
     index = {r: i for i, r in enumerate(refs)}
@@ -123,6 +126,13 @@ def gather(
             deadlines.append(stall_at)
         wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
+        if ready and pending:  # note the others already done too, before this fetch delays their stamps
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            ready += more
+        if ready_at is not None:
+            now = time.monotonic()
+            for r in ready:
+                ready_at[index[r]] = now
         if not ready:
             running = sorted(index[r] for r in pending)
             if failed:

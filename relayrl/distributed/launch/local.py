@@ -11,6 +11,7 @@ it); one that runs past dist.stall_timeout_s dumps the stacks and stops the proc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Concatenate, Generic, ParamSpec, TypeVar
@@ -46,15 +47,20 @@ class LocalRole(Generic[W]):
         self.instance = instance
         """The worker object itself."""
         self.world = 1
+        self.ready_s: dict[str, list[float]] = {}
+        """Method -> [seconds of its last call] (one rank; as RayRole.ready_s)."""
 
     def call(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         # by name, as on a Ray rank: `method` may be a Protocol's (relayrl.workers.proxies) the worker satisfies;
         # an out-of-memory error becomes one line naming role, rank 0 and phase (launch.oom)
         name = method.__name__
+        t0 = time.perf_counter()
         with self.watch.watching(self.name, 0, name):
-            return profiled(
+            out = profiled(
                 self.name, 0, name, lambda: call_method(self.instance, self.name, 0, name, args, kwargs)
             )
+        self.ready_s[name] = [time.perf_counter() - t0]
+        return out
 
     def submit(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> Done[R]:
         return Done(self.call(method, *args, **kwargs))

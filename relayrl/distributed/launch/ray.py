@@ -115,6 +115,7 @@ class RayPending(Generic[R]):
 
     def result(self) -> R:
         role = self.role
+        ready_at = [0.0] * len(self.refs)
         try:
             results = gather(
                 role.name,
@@ -123,10 +124,12 @@ class RayPending(Generic[R]):
                 role.hosts,
                 role.timeout_s,
                 stall=(role.stall_s, self.started),
+                ready_at=ready_at,
             )
         except Stalled as e:  # its actors still run the stuck call: later calls would queue behind it
             role.stalled = str(e)
             raise
+        role.ready_s[self.method] = [t - self.started for t in ready_at]
         return merge_results(self.role.cls, self.method, results)  # type: ignore[return-value]  # per @merged
 
 
@@ -152,6 +155,9 @@ class RayRole(Generic[W]):
         """dist.stall_timeout_s (0 = off): a call no rank finished within it is a stall (failures.gather)."""
         self.stalled = ""
         """Set when a call stalled: the role's actors are stuck, so later calls fail at once with it."""
+        self.ready_s: dict[str, list[float]] = {}
+        """Method -> seconds from its last call's start to each rank's result ready in Ray's object store
+        (before the driver fetches it): the spread is the wait for the slowest rank."""
 
     def call(self, method: Callable[Concatenate[W, P], R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.submit(method, *args, **kwargs).result()

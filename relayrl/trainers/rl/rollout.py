@@ -9,7 +9,9 @@ rewards (relayrl.workers.reward.score_trajectories: in this process or on the re
 policy (relayrl.agents.failures) -> whole groups only -> dynamic filtering, refilled from new prompts up to
 filter.max_refills times. Seeds derive from (train.seed, step, attempt) and each
 prompt's index, so a resumed run samples exactly what an uninterrupted one would have. Metrics: rollout/*
-(counts, failures, lengths, rewards), filter/* (fractions of every group generated this step), timing/reward.
+(counts, failures, lengths, rewards), filter/* (fractions of every group generated this step), timing/reward,
+timing/rollout_rank_min / _max / timing/rollout_return (`rank_timings`: the wait for the slowest rank, the
+trajectories back to this process).
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ def filter_fractions(counts: dict[str, float]) -> dict[str, float]:
     if "filter/rounds" in out:
         out["filter/refills"] = out["filter/rounds"] - 1.0
     return out
+
+
+def rank_timings(call_s: float, ready_s: dict[str, list[float]]) -> dict[str, float]:
+    """timing/rollout_rank_min / _max: seconds from the rollout call to its first / last rank's trajectories
+    ready (on Ray: in the object store, not yet fetched); timing/rollout_return: from the last rank ready to
+    the merged trajectories in this process (fetching and unpickling what the earlier ranks' overlap did
+    not hide; ~0 in-process). `ready_s`: the generator role's ready times per method (LocalRole / RayRole)."""
+    ranks = ready_s.get("rollout") or [call_s]
+    return {
+        "timing/rollout_rank_min": min(ranks),
+        "timing/rollout_rank_max": max(ranks),
+        "timing/rollout_return": max(0.0, call_s - max(ranks)),
+    }
 
 
 def rollout_seed(seed: int, step: int, attempt: int) -> int:
@@ -114,7 +129,9 @@ class RolloutPhase:
             if need <= 0:
                 break
             prompts = draw_prompts(self.prompts, self.sampler, need, drawn)
+            t0 = time.perf_counter()
             trajs = self.generator.call(Generates.rollout, prompts, rollout_seed(self.seed, step, attempt))
+            add(counts, rank_timings(time.perf_counter() - t0, getattr(self.generator, "ready_s", {})))
             t0 = time.perf_counter()
             trajs = score_trajectories(self.reward, trajs)  # in place; an actor gets no log-probs
             add(counts, {"rollout/generated": float(len(trajs)), "timing/reward": time.perf_counter() - t0})

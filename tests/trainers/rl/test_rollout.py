@@ -15,6 +15,7 @@ from relayrl.trainers.rl.rollout import (
     draw_prompts,
     failure_counts,
     filter_fractions,
+    rank_timings,
     rollout_seed,
 )
 from relayrl.training.sampler import ResumableSampler
@@ -80,6 +81,19 @@ def test_a_step_draws_samples_and_scores_its_prompts():
     assert len(trajs) == 4 and m["rollout/generated"] == 4.0 and m["filter/rounds"] == 1.0
     assert gen.seeds == [rollout_seed(7, 4, 0)] == [(7 * 1_000_003 + 4 * 1009) % 2**31]
     assert all(t.reward is not None for t in trajs)
+
+
+def test_rank_timings_split_the_call_into_the_slowest_rank_and_the_return():
+    m = rank_timings(1.0, {"rollout": [0.25, 0.75], "update": [9.0]})
+    assert m == {
+        "timing/rollout_rank_min": 0.25,
+        "timing/rollout_rank_max": 0.75,
+        "timing/rollout_return": 0.25,
+    }
+    assert rank_timings(0.5, {})["timing/rollout_rank_max"] == 0.5  # a role without ready times: one rank
+    _, m = _phase(Generator(2))(step=1)  # in-process: one rank, nothing to fetch
+    assert m["timing/rollout_rank_min"] == m["timing/rollout_rank_max"] > 0.0
+    assert 0.0 <= m["timing/rollout_return"] < 0.01
 
 
 def test_nothing_to_train_names_the_counts():
