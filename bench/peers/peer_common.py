@@ -94,22 +94,26 @@ def offload_mode(shape: str, gpus: int, gpu_gib: float) -> str:
     return "full"
 
 
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output for `args` (so this process makes no CUDA context); None without nvidia-smi."""
+    try:
+        r = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout
+
+
 def gpu_memory_gib() -> float:
     """The smallest visible card's memory (nvidia-smi, so this process makes no CUDA context); 0 without one."""
     try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        mib = [float(x) for x in r.stdout.split() if x.strip()]
+        out = nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
+        mib = [float(x) for x in (out or "").split() if x.strip()]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible:
             idx = [int(i) for i in visible.split(",") if i.strip().isdigit()]
             mib = [mib[i] for i in idx if i < len(mib)] or mib
         return min(mib) / 1024 if mib else 0.0
-    except (OSError, subprocess.TimeoutExpired, ValueError):
+    except ValueError:
         return 0.0
 
 
@@ -502,17 +506,9 @@ def versions(names: tuple[str, ...]) -> dict[str, str]:
 
 
 def gpu_name() -> str:
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        names = [n.strip() for n in r.stdout.splitlines() if n.strip()]
-        return f"{len(names)} x {names[0]}" if names else "no GPU"
-    except (OSError, subprocess.TimeoutExpired):
-        return "no GPU"
+    names = [n.strip() for n in (nvidia_smi("--query-gpu=name", "--format=csv,noheader") or "").splitlines()]
+    names = [n for n in names if n]
+    return f"{len(names)} x {names[0]}" if names else "no GPU"
 
 
 def write_result(name: str, row: dict[str, Any]) -> Path:

@@ -43,7 +43,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -407,17 +406,11 @@ def kill_gpu_leftovers() -> None:
     """Kill, by pid, processes still holding GPU memory that a job of this driver (or of an earlier one)
     started: those whose environment holds MARKER (a peer's engine orphaned by a killed run would take the
     next job's memory). Any other process on the GPUs is left alone."""
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    out = pc.nvidia_smi("--query-compute-apps=pid", "--format=csv,noheader")
+    if out is None:
         return
     killed = 0
-    for pid in {int(x) for x in r.stdout.split() if x.strip().isdigit()} - {os.getpid()}:
+    for pid in {int(x) for x in out.split() if x.strip().isdigit()} - {os.getpid()}:
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -435,11 +428,7 @@ def kill_gpu_leftovers() -> None:
 
 
 def gpu_count() -> int:
-    try:
-        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-        return sum(1 for x in r.stdout.splitlines() if x.startswith("GPU "))
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
+    return sum(1 for x in (pc.nvidia_smi("-L") or "").splitlines() if x.startswith("GPU "))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
