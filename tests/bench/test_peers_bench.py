@@ -352,8 +352,8 @@ def test_gpu_leftovers_killed_only_when_a_job_started_them(monkeypatch):
     ours = subprocess.Popen(sleep, env={**os.environ, run_cells.MARKER: "123"})
     other = subprocess.Popen(sleep)
     try:
-        listing = subprocess.CompletedProcess([], 0, stdout=f"{ours.pid}\n{other.pid}\n", stderr="")
-        monkeypatch.setattr(run_cells.subprocess, "run", lambda *a, **k: listing)
+        listing = f"{ours.pid}\n{other.pid}\n"
+        monkeypatch.setattr(run_cells.pc, "nvidia_smi", lambda *a: listing)
         monkeypatch.setattr(run_cells.time, "sleep", lambda s: None)
         run_cells.kill_gpu_leftovers()
         assert ours.wait(timeout=10) == -signal.SIGKILL
