@@ -136,18 +136,26 @@ def _sample_kernel(
     tl.store(lp_ptr + row, (x_tok - best) - log_total)
 
 
+def _kernel_rows(logits: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
+    """`logits` [B, n] with unit stride along n (a copy only when it has none) and its BLOCK count; a row longer
+    than MAX_BLOCKS blocks is refused naming `what`."""
+    n = logits.shape[-1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n_blocks = -(-n // BLOCK)
+    if n_blocks > MAX_BLOCKS:
+        raise ValueError(f"sampling kernel: {what} {n} > {MAX_BLOCKS * BLOCK} entries")
+    return logits, n_blocks
+
+
 def sample_rows(
     logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, greedy_only: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B] int64, logprob [B] fp32) of each row of logits [B, V] (any float dtype, unit stride along
     V) with its temperature [B] (<= 0: argmax) and uniform u [B]: the module doc's kernel. `greedy_only`: every
     row is argmax (temperature and u are not used)."""
+    logits, n_blocks = _kernel_rows(logits, "vocabulary")
     b, n = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    n_blocks = -(-n // BLOCK)
-    if n_blocks > MAX_BLOCKS:
-        raise ValueError(f"sampling kernel: vocabulary {n} > {MAX_BLOCKS * BLOCK} entries")
     tok = torch.empty(b, dtype=torch.long, device=logits.device)
     lp = torch.empty(b, dtype=torch.float32, device=logits.device)
     if b:
@@ -277,12 +285,8 @@ def sample_shard(
     [B, n] (vocabulary rows [lo, lo + n), unit stride along n), every rank of the group calling it with the
     same temperature / u [B]; `reduce` sums a tensor in place over the group (called twice, by every rank,
     even for B = 0). Returns (token [B] int64, logprob [B] fp32), the same on every rank."""
+    logits, n_blocks = _kernel_rows(logits, "vocabulary slice")
     b, n = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    n_blocks = -(-n // BLOCK)
-    if n_blocks > MAX_BLOCKS:
-        raise ValueError(f"sampling kernel: vocabulary slice {n} > {MAX_BLOCKS * BLOCK} entries")
     nb = _pow2(n_blocks, 16)
     dev = logits.device
     stats = torch.empty((size, b, 2), dtype=torch.float32, device=dev)
