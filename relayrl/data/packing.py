@@ -7,6 +7,7 @@
     MicroBatching.of(train, layout).groups(sizes)   one optimizer step's samples -> index groups, per the train
                                                     section (packing + token budget, else micro_batch_size)
     balance_by_tokens(sizes, parts)                 samples -> `parts` groups of nearly equal tokens (longest first)
+    count_ranges(counts)                            each rank's range of a RankBatches list from its counts
     make_collate(samples, train, layout, to_batch, parts=R)
                                                     step indices -> micro-batch records (`to_batch` per group); with
                                                     R data-parallel ranks and a token budget: RankBatches, each
@@ -146,6 +147,16 @@ class RankBatches(list):
             raise ValueError(f"RankBatches: counts {list(counts)} do not add up to {len(self)} micro-batches")
         self.counts: list[int] = list(counts)
         """Micro-batches of each rank, in rank order."""
+
+
+def count_ranges(counts: Sequence[int]) -> list[range]:
+    """Each rank's range of a RankBatches list from its `counts` (rank r's micro-batches follow the earlier
+    ranks')."""
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
 
 
 def make_collate(

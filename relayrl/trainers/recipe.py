@@ -30,7 +30,7 @@ from relayrl.config.base import ConfigError, save_yaml, to_dict
 from relayrl.config.command_line import run_command
 from relayrl.config.components import ModelConfig, OneModelConfig
 from relayrl.config.dist import DistConfig
-from relayrl.data.packing import chunk_by_count, make_collate
+from relayrl.data.packing import chunk_by_count, count_ranges, make_collate
 from relayrl.distributed.group import shares
 from relayrl.distributed.launch import build_launcher
 from relayrl.distributed.launch.base import Launcher, RoleHandle
@@ -155,8 +155,7 @@ def rank_loads(micro_batches: Sequence[Any], parts: int) -> dict[str, float]:
     if counts is None:
         ranges = shares([getattr(m, "num_tokens", 1) for m in micro_batches], parts)
     else:
-        starts = [sum(counts[:r]) for r in range(len(counts))]
-        ranges = [range(a, a + c) for a, c in zip(starts, counts, strict=True)]
+        ranges = count_ranges(counts)
     passes = max((len(r) for r in ranges), default=0)
     real = [sum(tokens[i] for i in r) for r in ranges]
     run = [t + (passes - len(r)) * tokens[r[-1] if len(r) else 0] for t, r in zip(real, ranges, strict=True)]

@@ -51,6 +51,7 @@ import torch
 
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
+from relayrl.data.packing import count_ranges
 from relayrl.distributed.checkpoint import (
     export_full,
     is_sharded_checkpoint,
@@ -331,7 +332,7 @@ def _planned(counts: Sequence[int], n: int) -> range:
         raise ValueError(
             f"micro-batches planned as {list(counts)} for {groups} data-parallel rank(s), {n} sent"
         )
-    return range(sum(counts[:g]), sum(counts[: g + 1]))
+    return count_ranges(counts)[g]
 
 
 def _equal_passes(mine: list[Any]) -> list[Any]:
