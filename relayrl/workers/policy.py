@@ -202,6 +202,10 @@ class PolicyWorker:
                 stream=stream,
             )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)
+        self._start_engine(spec)
+
+    def _start_engine(self, spec: PolicySpec) -> None:
+        """The colocated engine over `self.weights` (none with separate engines) and its sleep settings."""
         sleep = spec.dist.engine_sleep if spec.dist else "auto"
         self.engine_sleep = sleep == "yes"
         self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
