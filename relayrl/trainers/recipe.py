@@ -37,7 +37,7 @@ from relayrl.distributed.launch.base import Launcher, RoleHandle
 from relayrl.distributed.launch.local import LocalRole
 from relayrl.distributed.launch.rows import StoredItems
 from relayrl.models.loading import load_tokenizer
-from relayrl.training.checkpoint import CheckpointManager, LoadedCheckpoint
+from relayrl.training.checkpoint import CheckpointManager, LoadedCheckpoint, timed_write
 from relayrl.training.loop import FitResult, LoopSettings, ModelParts, Trainer
 from relayrl.training.sampler import ResumableSampler
 from relayrl.training.setup import (
@@ -395,7 +395,8 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
         done = _fit(recipe, handle, data, run_dir, stored=launcher.mode == "ray")
         final = None
         if done.fit.stopped_by is None:
-            final = Path(handle.call(ModelWorker.export, str(run_dir / "final")))
+            export = lambda: handle.call(ModelWorker.export, str(run_dir / "final"))  # noqa: E731
+            final = timed_write("final model", export)
         result = RecipeResult(
             model=handle.instance.model if isinstance(handle, LocalRole) else None,
             tokenizer=data.tokenizer,

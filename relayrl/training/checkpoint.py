@@ -34,9 +34,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from relayrl.training.crc import files_crc32
 from relayrl.training.rng import capture_rng_state, restore_rng_state
 
 LATEST = "latest"
@@ -134,6 +135,8 @@ class CheckpointManager:
         self.keep_best = keep_best
         self.best_mode = best_mode
         self.hf_format = hf_format
+        self.last_save: tuple[float, int] | None = None
+        """(seconds, bytes) of the latest `save`: its wall time and the bytes of its files."""
 
     # ---------------------------------------------------------------- discovery
     def checkpoints(self) -> list[Path]:
@@ -176,6 +179,7 @@ class CheckpointManager:
         into every model folder. `trainer_state` must be JSON-serialisable; `extra` is torch-pickled.
         `metric` (lower is better when best_mode="min") ranks checkpoints for `keep_best`.
         """
+        t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_tmp()
         final = self.root / f"{STEP_PREFIX}{step}"
@@ -201,7 +205,7 @@ class CheckpointManager:
             torch.save(capture_rng_state(), tmp / "rng.pt")
             state = {**dict(trainer_state or {}), "step": step, "metric": metric}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-            write_manifest(tmp)  # last: sizes and checksums of everything above
+            written = write_manifest(tmp)  # last: sizes and checksums of everything above
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -214,6 +218,8 @@ class CheckpointManager:
             tmp.rename(final)
         self._write_latest(final.name)
         self._rotate()
+        self.last_save = (time.perf_counter() - t0, written)
+        print(write_line(f"checkpoint {final}", *self.last_save), flush=True)
         return final
 
     def _write_latest(self, name: str) -> None:
@@ -322,23 +328,29 @@ class CheckpointManager:
 MANIFEST = "manifest.json"
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+def write_line(what: str, seconds: float, nbytes: int) -> str:
+    """'relayrl: checkpoint <folder> written: 78.12 GB in 41.3 s' (what users read after every save)."""
+    return f"relayrl: {what} written: {nbytes / 1e9:.2f} GB in {seconds:.1f} s"
 
 
-def write_manifest(folder: Path) -> None:
+def timed_write(what: str, write: Callable[[], str | Path]) -> Path:
+    """Run `write` (it writes a folder and returns its path) and print its `write_line`; returns the path."""
+    t0 = time.perf_counter()
+    folder = Path(write())
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    print(write_line(f"{what} {folder}", time.perf_counter() - t0, size), flush=True)
+    return folder
+
+
+def write_manifest(folder: Path) -> int:
     """manifest.json: {relative path: {"size", "crc32"}} of every file under `folder` (written last, so a
-    checkpoint is only as complete as its manifest says)."""
-    files = {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": _crc32(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+    checkpoint is only as complete as its manifest says; checksummed by several threads,
+    relayrl.training.crc). Returns the bytes of those files."""
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    crcs = files_crc32(paths)
+    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "crc32": crcs[p]} for p in paths}
     (folder / MANIFEST).write_text(json.dumps(files, indent=1, sort_keys=True))
+    return sum(f["size"] for f in files.values())
 
 
 def verify(folder: Path) -> str | None:
@@ -364,8 +376,10 @@ def verify(folder: Path) -> str | None:
         size = f.stat().st_size
         if size != want["size"]:
             return f"{f}: {size} bytes, {want['size']} when written"
-        if _crc32(f) != want["crc32"]:
-            return f"{f}: contents changed since written (checksum)"
+    crcs = files_crc32([folder / rel for rel in files])
+    for rel, want in files.items():
+        if crcs[folder / rel] != want["crc32"]:
+            return f"{folder / rel}: contents changed since written (checksum)"
     return None
 
 

@@ -47,6 +47,7 @@ from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.data.packing import plan_micro_batches
 from relayrl.data.records import PromptSample
 from relayrl.distributed.group import in_group, merged, rank, world
+from relayrl.distributed.hf_export import export_sharded
 from relayrl.distributed.sharded_load import is_empty
 from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.distributed.weights.base import Channel, Layout, module_layout
@@ -449,11 +450,8 @@ class PolicyWorker:
             return self.state.export(path)
         # a NaN / inf anywhere in the EMA stops the export (every rank counts its shards when sharded)
         check_finite_weights(self.ema.state, f"the final (EMA) model to {path}", reduce=self.ema.sharded)
-        if self.ema.sharded:  # gathered on every rank, written by rank 0
-            full = self.ema.full(keep=rank() == 0)
-            if rank() == 0:
-                self.state.save_hf(path, full)
-            torch.distributed.barrier()
+        if self.ema.sharded:  # each rank writes its rows (distributed/hf_export.py), else through rank 0
+            export_sharded(self.model, path, self.tokenizer, lambda: self._gathered_ema(path), self.ema.state)
             return str(path)
         with self.train.full_precision():
             current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -462,6 +460,13 @@ class PolicyWorker:
             self.model.load_state_dict(current)
         self.tokenizer.save_pretrained(path)
         return str(path)
+
+    def _gathered_ema(self, path: Path) -> None:
+        """The old export of a sharded EMA: gathered on every rank, written by rank 0."""
+        full = self.ema.full(keep=rank() == 0) if self.ema is not None else {}
+        if rank() == 0:
+            self.state.save_hf(path, full)
+        torch.distributed.barrier()
 
     def info(self) -> dict[str, Any]:
         """Facts the controller needs: pad / eos ids, parameter count, layout and precision."""

@@ -8,7 +8,7 @@ role runs on one rank (plain module, HF-folder checkpoints) or on N ranks (FSDP2
     state = RoleState(model, train, tokenizer, full_weights)
     state.save(folder, extra)         1 rank: HF folder + worker_state.pt; N ranks: dcp/ + rng/ + worker_state.pt
     extra = state.load(folder)        either format, on any rank count (relayrl.distributed.checkpoint)
-    state.export(folder)              HF folder of the full model (+ tokenizer), written by rank 0
+    state.export(folder)              HF folder of the full model (+ tokenizer); N ranks: each writes its rows
     state.save_hf(folder, weights)    HF folder from a full state dict (rank 0)
 
 worker_state.pt always holds the schedule, counters and (1 rank) optimizer state and RNG; the role adds its own
@@ -61,6 +61,7 @@ from relayrl.distributed.checkpoint import (
 )
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
 from relayrl.distributed.group import in_group, merged, my_data_share, rank, reports, world
+from relayrl.distributed.hf_export import export_sharded, untied
 from relayrl.distributed.sequence_parallel import setup_sequence_parallel
 from relayrl.distributed.sharded_load import load_for_shards
 from relayrl.distributed.sharded_load import wanted as sharded_load
@@ -239,12 +240,13 @@ class RoleState:
         return state
 
     def export(self, folder: str | Path) -> str:
-        """The full model as an HF folder (+ tokenizer); every rank calls it, rank 0 writes. Refused
+        """The full model as an HF folder (+ tokenizer); every rank calls it. Refused
         (NonFiniteWeights, nothing written) when the weights are not finite."""
         path = Path(folder)
         self.check_finite(f"the final model to {path}")
-        if self.sharded:
-            export_full(self.model, lambda sd: self.save_hf(path, sd))
+        if self.sharded:  # every rank writes its own rows (distributed/hf_export.py), else through rank 0
+            old_path = lambda: export_full(self.model, lambda sd: self.save_hf(path, sd))  # noqa: E731
+            export_sharded(self.model, path, self.tokenizer, old_path)
             return str(path)
         with self.train.full_precision():
             pretrained(self.model).save_pretrained(path)
@@ -254,12 +256,7 @@ class RoleState:
     def save_hf(self, folder: str | Path, weights: dict[str, torch.Tensor]) -> None:
         """An HF folder with `weights` (a full state dict of this model), from rank 0 only. Tied copies (e.g.
         lm_head.weight = the input embeddings) are left out, as the one-rank save_pretrained does."""
-        tied = getattr(self.model, "all_tied_weights_keys", None) or getattr(
-            self.model, "_tied_weights_keys", None
-        )
-        if isinstance(tied, dict):
-            weights = {k: v for k, v in weights.items() if not (k in tied and tied[k] in weights)}
-        pretrained(self.model).save_pretrained(folder, state_dict=weights)
+        pretrained(self.model).save_pretrained(folder, state_dict=untied(self.model, weights))
         self.tokenizer.save_pretrained(folder)
 
 

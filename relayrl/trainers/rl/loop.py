@@ -51,6 +51,7 @@ from relayrl.trainers.rl.report import SAMPLES_FILE, RLProgress, Timer, banner_t
 from relayrl.trainers.rl.roles import build_kl_controller, build_reward_norm, build_roles
 from relayrl.trainers.rl.rollout import NothingToTrain, RolloutPhase
 from relayrl.trainers.rl.setup import driver_threads, prepare_run
+from relayrl.training.checkpoint import timed_write
 from relayrl.training.logging import MetricsLogger, keep_rows_up_to
 from relayrl.training.loop import LoopSettings, due
 from relayrl.training.sampler import ResumableSampler, batches_drawn
@@ -364,9 +365,8 @@ class RLTrainer:
             latest = self.ckpt.latest()
             if latest is None or latest.name != f"step_{self.step}":
                 self.save_checkpoint(result.history[-1] if result.history else {})
-            result.final_model = Path(
-                self.roles.policy.call(PolicyWorker.export, str(self.run_dir / "final"))
-            )
+            policy, final = self.roles.policy, str(self.run_dir / "final")
+            result.final_model = timed_write("final model", lambda: policy.call(PolicyWorker.export, final))
 
     def _build_logger(self) -> MetricsLogger:
         # a resumed run replays the steps after its checkpoint: their samples (like their metrics) go
