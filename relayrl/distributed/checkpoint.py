@@ -30,8 +30,9 @@ saving run starts its RNG from the run seed (sampling is seeded per request, so 
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,25 @@ def _barrier() -> None:
         d.barrier()
 
 
+@contextlib.contextmanager
+def without_zip_crc() -> Iterator[None]:
+    """torch.save's per-record zip CRC-32 off inside the block (DCP writes every tensor with torch.save). The
+    checkpoint's manifest already checksums every file (relayrl.training.crc, in parallel), torch.load reads
+    the records without it, and this single-threaded CRC was about half of a rank's DCP write time (CPU,
+    170M parameters: 2.5-4.0 s -> 1.4-1.7 s on tmpfs). The previous setting is restored."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:  # an older torch: always computed
+        yield
+        return
+    before = get()
+    set_(False)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
 def save_sharded(
     folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any]
 ) -> None:
@@ -69,7 +89,8 @@ def save_sharded(
 
     path = Path(folder)
     msd, osd = get_state_dict(model, optimizer)
-    save({"model": msd, "optim": osd}, checkpoint_id=str(path / DCP_DIR))
+    with without_zip_crc():
+        save({"model": msd, "optim": osd}, checkpoint_id=str(path / DCP_DIR))
     (path / RNG_DIR).mkdir(parents=True, exist_ok=True)
     torch.save(rng, path / RNG_DIR / f"rank_{_rank()}.pt")
     _barrier()
@@ -199,7 +220,8 @@ def save_tensors(folder: str | Path, state: dict[str, Any]) -> None:
     (e.g. the policy's EMA beside dcp/). Every rank calls it."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    save(dict(state), checkpoint_id=str(folder))
+    with without_zip_crc():
+        save(dict(state), checkpoint_id=str(folder))
     _barrier()
 
 

@@ -182,3 +182,22 @@ def test_a_checkpoint_of_another_model_shape_is_one_clear_error(saved, tiny_toke
         text = str(err.value)
         assert "\n" not in text and f"checkpoint {source} belongs to another model" in text, text
         assert ", 32] there and [" in text and ", 48] here" in text, text
+
+
+def test_dcp_is_written_without_torch_save_s_record_crc_and_the_setting_is_restored(
+    tiny_tokenizer, one_rank_group, tmp_path, monkeypatch
+):
+    """DCP's torch.save records skip their zip CRC (the manifest checksums the files; loads are unaffected:
+    the tests above) and torch.save's global option is back on afterwards."""
+    import torch.distributed.checkpoint.state_dict_saver as saver
+
+    real, seen = saver.save, []
+
+    def save(*args, **kwargs):
+        seen.append(torch.serialization.get_crc32_options())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(saver, "save", save)
+    model, opt = _tiny(tiny_tokenizer, seed=0, sharded=True)
+    save_sharded(tmp_path / "c", model, opt, {})
+    assert seen == [False] and torch.serialization.get_crc32_options()
