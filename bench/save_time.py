@@ -8,17 +8,18 @@ phase by phase, on N processes started here (torch.multiprocessing; the same Rol
 actors run, without Ray and the engines):
 
     checkpoint      RoleState.save: DCP shards of weights + AdamW moments (every rank its own), rng/, config
-    manifest_old    the driver's manifest.json, one thread checksumming every file (the code before)
-    manifest_new    the same manifest, chunks checksummed by threads (relayrl.training.crc); must be equal
+    manifest_new    the driver's manifest.json, chunks checksummed by threads (relayrl.training.crc)
+    manifest_old    the same manifest, one thread checksumming every file (the code before); must be equal
     export_new      RoleState.export: every rank writes its rows into the HF folder (distributed/hf_export.py)
+    checkpoint_old  the checkpoint with torch.save's per-record zip CRC on (the code before)
     export_old      the old export: every tensor gathered to rank 0's CPU, then save_pretrained there
 
 Per phase and rank: seconds, peak host RSS above the phase's start (VmHWM, reset before the phase), peak GPU
 memory, bytes written; export_new and export_old must give byte-identical files (`same_files`). The model is
 a random Qwen2 of the shape built on the meta device and allocated shard by shard (no rank ever holds it
 whole), with one AdamW step taken so the optimizer state exists. Files go to --dir (default a new folder in
-the system temp dir; needs ~16 bytes per parameter free: ~110 GB at 7B, each phase's files deleted after
-it), never to $OUT. Results: <out>/save_time.json (<out> = --out, else $OUT, else bench/results), rewritten
+the system temp dir; needs ~16 bytes per parameter free: ~125 GB at 7B, files deleted as soon as no later
+phase reads them), never to $OUT. Results: <out>/save_time.json (<out> = --out, else $OUT, else bench/results), rewritten
 after every phase, so a timeout keeps what ran; --time-budget stops the ranks (and says so) if exceeded.
 """
 
@@ -52,7 +53,8 @@ SHAPES = {
     "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064),
 }  # fmt: skip
-PHASES = ("checkpoint", "manifest_old", "manifest_new", "export_new", "export_old")
+PHASES = ("checkpoint", "manifest_new", "manifest_old", "export_new", "checkpoint_old", "export_old")
+"""In this order: the new path's phases first (a --time-budget cut keeps them), each old one after its pair."""
 
 
 def _reset_peak_rss() -> None:
@@ -119,7 +121,7 @@ def _build(shape: str, device: torch.device):
 def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work: str, out: str) -> None:
     import torch.distributed as dist
 
-    from relayrl.distributed.checkpoint import export_full
+    from relayrl.distributed.checkpoint import export_full, save_tensors
     from relayrl.training.checkpoint import write_manifest
     from relayrl.workers.trained import RoleState
 
@@ -141,12 +143,14 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
         params = sum(p.numel() for p in model.parameters())
         report.update(params=params, build_s=round(time.perf_counter() - t0, 1), phases={})
         state = RoleState(model, train, tok, full_weights=lambda p: {})
-        ckpt = root / "ckpt"
+        small = dict(list(model.state_dict().items())[-3:])  # warm DCP's code paths up (not timed)
+        save_tensors(root / "warmup", small)
         steps = {
-            "checkpoint": lambda: state.save(ckpt / "policy", {}),
-            "manifest_old": lambda: _serial_manifest(ckpt) if rank == 0 else None,
-            "manifest_new": lambda: write_manifest(ckpt) if rank == 0 else None,
+            "checkpoint": lambda: state.save(root / "ckpt" / "policy", {}),
+            "manifest_new": lambda: write_manifest(root / "ckpt") if rank == 0 else None,
+            "manifest_old": lambda: _serial_manifest(root / "ckpt") if rank == 0 else None,
             "export_new": lambda: state.export(root / "export_new"),
+            "checkpoint_old": lambda: _with_zip_crc(lambda: state.save(root / "ckpt_old" / "policy", {})),
             "export_old": lambda: export_full(model, lambda sd: state.save_hf(root / "export_old", sd)),
         }
         wanted = [p for p in PHASES if not p.endswith("_old") or "old" in args.paths]
@@ -195,25 +199,43 @@ def _run_phase(phase: str, fn, rank: int, world: int, root: Path, device: torch.
     return row
 
 
+def _with_zip_crc(fn):
+    """Run `fn` with DCP writing torch.save's per-record CRC, as before relayrl.distributed.checkpoint
+    turned it off."""
+    from unittest import mock
+
+    with mock.patch("relayrl.distributed.checkpoint.without_zip_crc", contextlib.nullcontext):
+        return fn()
+
+
+WRITES = {
+    "checkpoint": "ckpt",
+    "checkpoint_old": "ckpt_old",
+    "export_new": "export_new",
+    "export_old": "export_old",
+}
+"""The folder each writing phase fills (under the work folder)."""
+DONE_WITH = {
+    "manifest_old": ["ckpt"],
+    "checkpoint_old": ["ckpt_old"],
+    "export_old": ["export_old", "export_new"],
+}
+"""Folders no later phase reads, removed after the phase (the disk holds one checkpoint at a time)."""
+
+
 def _after_phase(phase: str, report: dict, rank: int, root: Path, out: str) -> None:
     """Bytes of what the phase wrote, checks, clean-up of files no later phase needs; the JSON (rank 0)."""
     import torch.distributed as dist
 
     row = report["phases"][phase]
     if rank == 0:
-        where = {
-            "checkpoint": root / "ckpt",
-            "export_new": root / "export_new",
-            "export_old": root / "export_old",
-        }
-        if phase in where:
-            row["bytes"] = _folder_bytes(where[phase])
+        if phase in WRITES:
+            row["bytes"] = _folder_bytes(root / WRITES[phase])
             row["gb_per_s"] = round(row["bytes"] / 1e9 / max(row["wall_s"], 1e-9), 2)
-        if phase == "manifest_new":
-            old = root / "manifest_old.json"
-            if old.is_file():
-                row["same_as_old"] = old.read_text() == (root / "manifest_new.json").read_text()
-            shutil.rmtree(root / "ckpt", ignore_errors=True)  # the exports need the disk space
+        if phase == "manifest_old" and (root / "manifest_new.json").is_file():
+            row["same_as_new"] = (root / "manifest_old.json").read_text() == (
+                root / "manifest_new.json"
+            ).read_text()
         if phase == "export_old" and (root / "export_new").exists():
             new, old = root / "export_new", root / "export_old"
             names = sorted(p.name for p in old.iterdir() if p.suffix in (".safetensors", ".json"))
@@ -223,9 +245,11 @@ def _after_phase(phase: str, report: dict, rank: int, root: Path, out: str) -> N
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"[save_time] {phase}: {json.dumps(row)}", flush=True)
     dist.barrier()
-    if rank == 0 and phase == "export_old":
-        shutil.rmtree(root / "export_old", ignore_errors=True)
-        shutil.rmtree(root / "export_new", ignore_errors=True)
+    if rank == 0:
+        for name in DONE_WITH.get(phase, []):
+            shutil.rmtree(root / name, ignore_errors=True)
+    if phase == "manifest_new" and "old" not in report["args"]["paths"] and rank == 0:
+        shutil.rmtree(root / "ckpt", ignore_errors=True)
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -251,7 +275,7 @@ def main() -> None:
     )
     p.add_argument("--dir", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
     p.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
-    p.add_argument("--time-budget", type=float, default=200.0, help="seconds after which phases are skipped")
+    p.add_argument("--time-budget", type=float, default=170.0, help="seconds after which phases are skipped")
     args = p.parse_args()
     args.paths = args.paths.split(",")
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
@@ -276,12 +300,12 @@ def main() -> None:
             _rank_main, args=(args.ranks, args, str(work / "store"), str(work), str(out)), nprocs=args.ranks,
             join=False, start_method="spawn",
         )  # fmt: skip
-        deadline = time.time() + args.time_budget + 120
+        deadline = time.time() + args.time_budget + 60
         while not ctx.join(timeout=5):
             if time.time() > deadline:
                 for proc in ctx.processes:
                     proc.kill()
-                sys.exit(f"[save_time] ranks still running {args.time_budget + 120:.0f} s in: killed")
+                sys.exit(f"[save_time] ranks still running {args.time_budget + 60:.0f} s in: killed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(out.read_text())
