@@ -1,6 +1,6 @@
 """End-of-run save of a sharded policy: time, bytes and host memory of each phase, old path against new.
 
-    python bench/save_time.py --shape qwen7b --ranks 4                    # 4 GPUs (NCCL), the 7B shape
+    python bench/save_time.py --shape qwen7b-char --ranks 4               # 4 GPUs (NCCL), the 7B shape
     python bench/save_time.py --shape small --ranks 2 --device cpu        # CPU (gloo), ~170M parameters
 
 What a `relayrl rl` run on N FSDP2 ranks does when it ends (save_every 0 still writes the last checkpoint),
@@ -16,10 +16,11 @@ actors run, without Ray and the engines):
 
 Per phase and rank: seconds, peak host RSS above the phase's start (VmHWM, reset before the phase), peak GPU
 memory, bytes written; export_new and export_old must give byte-identical files (`same_files`). The model is
-a random Qwen2 of the shape built on the meta device and allocated shard by shard (no rank ever holds it
+a random Qwen2 of the shape (qwen7b-char: scale.py's 7B runs, 6.5B parameters, the char tokenizer's
+vocabulary) built on the meta device and allocated shard by shard (no rank ever holds it
 whole), with one AdamW step taken so the optimizer state exists. Files go to --dir (default a new folder in
-the system temp dir; needs ~16 bytes per parameter free: ~125 GB at 7B, files deleted as soon as no later
-phase reads them), never to $OUT. Results: <out>/save_time.json (<out> = --out, else $OUT, else bench/results), rewritten
+the system temp dir; needs ~16 bytes per parameter free, ~105 GB at 6.5B; files are deleted as soon as
+no later phase reads them), never to $OUT. Results: <out>/save_time_<paths>.json (<out> = --out, else $OUT, else bench/results), rewritten
 after every phase, so a timeout keeps what ran; --time-budget stops the ranks (and says so) if exceeded.
 """
 
@@ -53,8 +54,22 @@ SHAPES = {
     "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064),
 }  # fmt: skip
-PHASES = ("checkpoint", "manifest_new", "manifest_old", "export_new", "checkpoint_old", "export_old")
-"""In this order: the new path's phases first (a --time-budget cut keeps them), each old one after its pair."""
+SHAPES["qwen7b-char"] = {k: v for k, v in SHAPES["qwen7b"].items() if k != "vocab_size"}  # 6.5B: scale.py's
+PARAMS = {"tiny": 1e6, "small": 1.6e8, "qwen1.5b": 1.8e9, "qwen7b": 7.6e9, "qwen7b-char": 6.5e9}
+PLANS = {
+    "new": ["checkpoint", "manifest_new", "export_new"],
+    "old": ["checkpoint_old", "manifest_old", "export_old"],
+    "new,old": ["checkpoint", "manifest_new", "manifest_old", "export_new", "export_old", "checkpoint_old"],
+}
+"""--paths -> phases in order: with both paths the new ones first (a --time-budget cut keeps them), the
+manifests of one checkpoint side by side, the old export before the old checkpoint (it is the larger cost)."""
+WRITES = {
+    "checkpoint": "ckpt",
+    "checkpoint_old": "ckpt",
+    "export_new": "export_new",
+    "export_old": "export_old",
+}
+"""The folder each writing phase fills (under the work folder)."""
 
 
 def _reset_peak_rss() -> None:
@@ -97,7 +112,8 @@ def _build(shape: str, device: torch.device):
     from relayrl.training.setup import build_train_step
 
     tok = build_tiny_tokenizer()
-    config = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=False, **SHAPES[shape])
+    dims = {"vocab_size": len(tok), **SHAPES[shape]}  # the *-char shapes: the char tokenizer's vocabulary
+    config = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=False, **dims)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
     bf16 = torch.bfloat16 if device.type == "cuda" else None
@@ -142,6 +158,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
         model, train, tok = _build(args.shape, device)
         params = sum(p.numel() for p in model.parameters())
         report.update(params=params, build_s=round(time.perf_counter() - t0, 1), phases={})
+        report["plan"] = PLANS[",".join(sorted(args.paths))]
         state = RoleState(model, train, tok, full_weights=lambda p: {})
         small = dict(list(model.state_dict().items())[-3:])  # warm DCP's code paths up (not timed)
         save_tensors(root / "warmup", small)
@@ -150,10 +167,10 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
             "manifest_new": lambda: write_manifest(root / "ckpt") if rank == 0 else None,
             "manifest_old": lambda: _serial_manifest(root / "ckpt") if rank == 0 else None,
             "export_new": lambda: state.export(root / "export_new"),
-            "checkpoint_old": lambda: _with_zip_crc(lambda: state.save(root / "ckpt_old" / "policy", {})),
+            "checkpoint_old": lambda: _with_zip_crc(lambda: state.save(root / "ckpt" / "policy", {})),
             "export_old": lambda: export_full(model, lambda sd: state.save_hf(root / "export_old", sd)),
         }
-        wanted = [p for p in PHASES if not p.endswith("_old") or "old" in args.paths]
+        wanted = report["plan"]
         for phase in wanted:
             if time.perf_counter() - t0 > args.time_budget:
                 report["phases"][phase] = {"skipped": f"past --time-budget {args.time_budget} s"}
@@ -208,21 +225,6 @@ def _with_zip_crc(fn):
         return fn()
 
 
-WRITES = {
-    "checkpoint": "ckpt",
-    "checkpoint_old": "ckpt_old",
-    "export_new": "export_new",
-    "export_old": "export_old",
-}
-"""The folder each writing phase fills (under the work folder)."""
-DONE_WITH = {
-    "manifest_old": ["ckpt"],
-    "checkpoint_old": ["ckpt_old"],
-    "export_old": ["export_old", "export_new"],
-}
-"""Folders no later phase reads, removed after the phase (the disk holds one checkpoint at a time)."""
-
-
 def _after_phase(phase: str, report: dict, rank: int, root: Path, out: str) -> None:
     """Bytes of what the phase wrote, checks, clean-up of files no later phase needs; the JSON (rank 0)."""
     import torch.distributed as dist
@@ -245,11 +247,13 @@ def _after_phase(phase: str, report: dict, rank: int, root: Path, out: str) -> N
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"[save_time] {phase}: {json.dumps(row)}", flush=True)
     dist.barrier()
-    if rank == 0:
-        for name in DONE_WITH.get(phase, []):
-            shutil.rmtree(root / name, ignore_errors=True)
-    if phase == "manifest_new" and "old" not in report["args"]["paths"] and rank == 0:
-        shutil.rmtree(root / "ckpt", ignore_errors=True)
+    if rank == 0:  # what no later phase reads: the disk holds one checkpoint at a time
+        later = report["plan"][report["plan"].index(phase) + 1 :]
+        if not any(p.startswith("manifest") for p in later):
+            shutil.rmtree(root / "ckpt", ignore_errors=True)
+        if not any(p.startswith("export") for p in later):
+            for name in ("export_new", "export_old"):
+                shutil.rmtree(root / name, ignore_errors=True)
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -265,26 +269,28 @@ def _same(a: Path, b: Path) -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="qwen7b-char", choices=sorted(SHAPES))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     p.add_argument(
-        "--paths", default="old,new", help="old,new | new: which export and manifest paths to time"
+        "--paths", default="old,new", help="new | old | old,new (either order): which path's phases to time (see PLANS)"
     )
     p.add_argument("--dir", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
     p.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
     p.add_argument("--time-budget", type=float, default=170.0, help="seconds after which phases are skipped")
     args = p.parse_args()
-    args.paths = args.paths.split(",")
+    args.paths = sorted(args.paths.split(","))
+    if ",".join(args.paths) not in PLANS:
+        sys.exit(f"--paths must be one of {sorted(PLANS)}, got {','.join(args.paths)}")
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, {torch.cuda.device_count()} visible")
     out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / "save_time.json"
+    out = out_dir / f"save_time_{'_'.join(args.paths)}.json"
     work = Path(tempfile.mkdtemp(prefix="save_time_", dir=args.dir))
-    need = 16 * {"tiny": 1e6, "small": 1.7e8, "qwen1.5b": 1.8e9, "qwen7b": 7.6e9}[args.shape]
+    need = 16 * PARAMS[args.shape]
     free = shutil.disk_usage(work).free
     print(f"[save_time] {args.shape} on {args.ranks} {args.device} ranks; files in {work} ({free / 1e9:.0f} GB "
           f"free, ~{need / 1e9:.0f} GB needed); results -> {out}", flush=True)  # fmt: skip
