@@ -138,6 +138,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
     import torch.distributed as dist
 
     from relayrl.distributed.checkpoint import export_full, save_tensors
+    from relayrl.distributed.hf_export import streamable
     from relayrl.training.checkpoint import write_manifest
     from relayrl.workers.trained import RoleState
 
@@ -159,6 +160,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
         params = sum(p.numel() for p in model.parameters())
         report.update(params=params, build_s=round(time.perf_counter() - t0, 1), phases={})
         report["plan"] = PLANS[",".join(sorted(args.paths))]
+        # None: export_new writes in place; else why it falls back to the old path (e.g. an old transformers)
+        report["export_new_fallback"] = streamable(model, model.state_dict())
         state = RoleState(model, train, tok, full_weights=lambda p: {})
         small = dict(list(model.state_dict().items())[-3:])  # warm DCP's code paths up (not timed)
         save_tensors(root / "warmup", small)

@@ -104,7 +104,9 @@ def streamable(model: torch.nn.Module, tensors: Mapping[str, Any]) -> str | None
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in DTYPES:
             return f"{name} has dtype {getattr(t, 'dtype', type(t).__name__)}, not one safetensors names"
-        if isinstance(t, DTensor) and (t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),)):
+        if isinstance(t, DTensor) and (
+            t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),) or not t.dim()
+        ):
             return f"{name} is placed {t.placements} on {t.device_mesh}, not Shard(0) on a 1-D mesh"
     try:  # transformers' own check for renamed / fused saved weights
         from transformers.core_model_loading import revert_weight_conversion
@@ -243,6 +245,9 @@ def export_hf(
     writer = _Writer()
     if me == 0:
         path.mkdir(parents=True, exist_ok=True)
+        for stale in [*path.glob("model*.safetensors"), path / INDEX]:  # an earlier export's other split
+            if stale.name not in names:
+                stale.unlink(missing_ok=True)
         for name, (head, size) in zip(names, headers, strict=True):
             with open(path / name, "wb") as f:
                 f.write(head)

@@ -69,6 +69,8 @@ def test_a_model_over_the_shard_size_is_split_as_save_pretrained_splits_it(
     assert stats.files == len(set(weight_map.values())) > 1
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "new")
     assert all(torch.equal(t, weights[n]) for n, t in loaded.state_dict().items())
+    export_hf(model, tmp_path / "new")  # one file now: the split's files and index must not linger
+    assert sorted(p.name for p in (tmp_path / "new").glob("model*")) == [WEIGHTS]
 
 
 def test_what_cannot_be_written_in_place_says_why(tiny_tokenizer):
