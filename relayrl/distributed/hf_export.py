@@ -110,14 +110,16 @@ def streamable(model: torch.nn.Module, tensors: Mapping[str, Any]) -> str | None
             return f"{name} is placed {t.placements} on {t.device_mesh}, not Shard(0) on a 1-D mesh"
     try:  # transformers' own check for renamed / fused saved weights
         from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return "this transformers version has no revert_weight_conversion to check saved names with"
+    except ImportError:  # a transformers whose save_pretrained reverts no conversion but the renames below
+        if getattr(model, "_checkpoint_conversion_mapping", None):
+            return "the model renames its weights when saved (_checkpoint_conversion_mapping)"
+        return None
     meta = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in tensors.items()}
     try:
         saved = revert_weight_conversion(cast(Any, model), meta)
     except Exception as e:
         return f"transformers' weight conversion cannot be checked on shapes alone ({type(e).__name__})"
-    if list(saved) != list(meta) or any(tuple(saved[k].shape) != tuple(meta[k].shape) for k in meta):
+    if set(saved) != set(meta) or any(tuple(saved[k].shape) != tuple(meta[k].shape) for k in meta):
         return "the model's saved weight names differ from its parameters (transformers' weight conversions)"
     return None
 
