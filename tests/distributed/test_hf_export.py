@@ -95,3 +95,10 @@ def test_two_ranks_each_write_their_own_rows_and_gather_nothing(tmp_path):
     assert set(state) == set(r0["full"])
     for name, t in r0["full"].items():
         assert torch.equal(state[name], t), name
+
+
+def test_a_model_loaded_with_from_pretrained_is_written_in_place(tiny_model_path):
+    """from_pretrained attaches transformers' (empty, for Qwen2) conversion list; reverting it reorders the
+    names but renames none, so the model is still written in place."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert streamable(model, model.state_dict()) is None
