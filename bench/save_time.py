@@ -7,12 +7,13 @@ What a `relayrl rl` run on N FSDP2 ranks does when it ends (save_every 0 still w
 phase by phase, on N processes started here (torch.multiprocessing; the same RoleState code the Ray rank
 actors run, without Ray and the engines):
 
+    export_new      RoleState.export: every rank writes its rows into the HF folder (distributed/hf_export.py)
+    export_old      the old export: every tensor gathered to rank 0's CPU, then save_pretrained there
     checkpoint      RoleState.save: DCP shards of weights + AdamW moments (every rank its own), rng/, config
+    checkpoint_old  the same with torch.save's per-record zip CRC on (the code before)
     manifest_new    the driver's manifest.json, chunks checksummed by threads (relayrl.training.crc)
     manifest_old    the same manifest, one thread checksumming every file (the code before); must be equal
-    export_new      RoleState.export: every rank writes its rows into the HF folder (distributed/hf_export.py)
-    checkpoint_old  the checkpoint with torch.save's per-record zip CRC on (the code before)
-    export_old      the old export: every tensor gathered to rank 0's CPU, then save_pretrained there
+(in the order PLANS gives for --paths; a real run writes the checkpoint, then its manifest, then the export)
 
 Per phase and rank: seconds, peak host RSS above the phase's start (VmHWM, reset before the phase), peak GPU
 memory, bytes written; export_new and export_old must give byte-identical files (`same_files`). The model is
@@ -57,12 +58,13 @@ SHAPES = {
 SHAPES["qwen7b-char"] = {k: v for k, v in SHAPES["qwen7b"].items() if k != "vocab_size"}  # 6.5B: scale.py's
 PARAMS = {"tiny": 1e6, "small": 1.6e8, "qwen1.5b": 1.8e9, "qwen7b": 7.6e9, "qwen7b-char": 6.5e9}
 PLANS = {
-    "new": ["checkpoint", "manifest_new", "export_new"],
-    "old": ["checkpoint_old", "manifest_old", "export_old"],
-    "new,old": ["checkpoint", "manifest_new", "manifest_old", "export_new", "export_old", "checkpoint_old"],
+    "new": ["export_new", "checkpoint", "manifest_new"],
+    "old": ["export_old", "checkpoint_old", "manifest_old"],
+    "new,old": ["export_new", "checkpoint", "manifest_new", "manifest_old", "export_old", "checkpoint_old"],
 }
-"""--paths -> phases in order: with both paths the new ones first (a --time-budget cut keeps them), the
-manifests of one checkpoint side by side, the old export before the old checkpoint (it is the larger cost)."""
+"""--paths -> phases in order. The export first (the old one is the largest cost: a --time-budget cut or a
+kill keeps its number), then the checkpoint and its manifest; with both paths the new ones first, the
+manifests of one checkpoint side by side."""
 WRITES = {
     "checkpoint": "ckpt",
     "checkpoint_old": "ckpt",
@@ -278,7 +280,9 @@ def main() -> None:
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     p.add_argument(
-        "--paths", default="old,new", help="new | old | old,new (either order): which path's phases to time (see PLANS)"
+        "--paths",
+        default="old,new",
+        help="new | old | old,new (either order): which path's phases to time (see PLANS)",
     )
     p.add_argument("--dir", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
     p.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
