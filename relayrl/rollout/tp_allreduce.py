@@ -22,7 +22,7 @@ is set to 1 (unless set already) before the first allocation, so the rendezvous 
 Where: `impl` "auto" (the engine's default; env RELAYRL_TP_ALLREDUCE overrides it) uses it on groups of at most
 AUTO_MAX_RANKS (2) ranks, where it works, and falls back to NCCL, logging why, where it does not: more ranks (the
 4-rank paths are not yet confirmed on GPUs: a TP 4 decode of the 32B shape with them did not finish in 3.5 minutes,
-4 x H200, 2026-11-27, where TP 2 took 40 s; "one_shot" / "two_shot" still force them), not CUDA (CPU / gloo: no
+4 x H200, 2026-11-27, where TP 2 took under a minute; "one_shot" / "two_shot" still force them), not CUDA (CPU / gloo: no
 collective is even attempted),
 a non-NCCL group, a GPU below sm80, ranks on different hosts, no symmetric-memory ops in this torch build, or
 any failure of the allocation, the rendezvous or a self-test (a known pattern reduced and checked, both
