@@ -39,8 +39,9 @@ largest GPU count first; each may run until --case-timeout, or until the end of 
 (what is left minus --case-min seconds kept for each later case); a case whose share is below --case-min is
 not started ("skipped"). A killed case whose run folder holds timed steps still gives its row, `partial: true`
 with `partial_reason` (what killed it, the time budget share or --case-timeout, and when: start-up, mid-run,
-or after all steps); `killed` says which. After every case the table is written to <out>/scale_<tag>.json
-(rows by GPU count) and the keyed results (kind/shape/gpus/batch/variant) to <out>/scale.json, <out> = --out,
+or after all steps); `killed` says which. After a kill the next case waits (<= 20 s) until the GPUs are
+released. After every case the table is written to <out>/scale_<tag>.json (rows by GPU count) and the keyed
+results (kind/shape/gpus/batch/variant) to <out>/scale.json, <out> = --out,
 else $OUT, else bench/results, so a failure, a timeout or SIGTERM keeps what ran.
 """
 
@@ -75,6 +76,7 @@ from scale_plan import (  # bench/ is on sys.path as a script
     run_order,
     save_seconds,
     sft_row,
+    wait_gpus_released,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,9 +334,12 @@ def _case(args: argparse.Namespace, algo: str, gpus: int, model: Path, slot: Slo
                                   slot.seconds)  # fmt: skip
     if stopped is None:  # finished, or failed on its own (the error is in the row)
         return {**_identity(args, algo, gpus), **child}
+    ran_s = time.time() - launched
     kept = None if stopped == "interrupted" else slot
-    return recover_row(args, algo, gpus, _run_dir(model, algo, gpus), child, kept, time.time() - launched,
-                       launched)  # fmt: skip
+    row = recover_row(args, algo, gpus, _run_dir(model, algo, gpus), child, kept, ran_s, launched)
+    if kept is not None:  # the next case must not start while the killed one's actors still hold the GPUs
+        row["gpu_release_wait_s"] = wait_gpus_released()
+    return row
 
 
 def _summarise(rows: list[dict], kind: str, weak: bool) -> None:

@@ -26,6 +26,7 @@ import signal
 import statistics
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +189,33 @@ class GpuMemory:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=15)
+
+
+def _gpu_used_gib() -> dict[int, float]:
+    """Each GPU's used memory (all processes) from nvidia-smi; {} without it or when it fails."""
+    query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.splitlines()
+        return {int(i): float(used) / 1024 for i, used in (line.split(",") for line in lines if "," in line)}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+
+
+def wait_gpus_released(limit_s: float = 20.0, below_gib: float = 2.0) -> float:
+    """After a killed case: wait (at most limit_s) until each visible GPU uses < below_gib (a killed case's Ray
+    workers exit a few seconds after their raylet), so the next case does not start on full GPUs. The seconds
+    waited; 0 without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return 0.0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    mine = {int(x) for x in visible.split(",") if x.strip().isdigit()}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        used = {i: u for i, u in _gpu_used_gib().items() if not mine or i in mine}
+        if all(u < below_gib for u in used.values()):
+            break
+        time.sleep(1.0)
+    return round(time.monotonic() - t0, 1)
 
 
 class Interrupted(Exception):

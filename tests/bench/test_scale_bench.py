@@ -182,3 +182,21 @@ def test_no_case_starts_when_the_budget_cannot_give_it_its_minimum(tmp_path):
         r["skipped"].startswith("not started: ") and "needs 100 s (--case-min)" in r["skipped"] for r in rows
     )
     assert not list(tmp_path.glob("**/metrics.jsonl"))
+
+
+def test_after_a_kill_the_next_case_waits_for_the_gpus_to_be_released(tmp_path, monkeypatch):
+    # a fake nvidia-smi: GPU 1 holds 30 GiB for its first 2 queries (the killed case's actors exiting), then 0.1;
+    # GPU 0 is busy throughout but not visible to the bench (CUDA_VISIBLE_DEVICES=1)
+    count = tmp_path / "count"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}\n"
+        'echo "0, 40000"\n'
+        'if [ "$n" -lt 2 ]; then echo "1, 30000"; else echo "1, 100"; fi\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    waited = plan.wait_gpus_released(limit_s=10.0)
+    assert count.read_text().strip() == "3" and 1.5 <= waited < 5.0
