@@ -19,6 +19,7 @@ be below its own minimum is not started ("skipped"), never started and then kill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -226,9 +227,26 @@ def raise_interrupted(*_: object) -> None:
     raise Interrupted
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), from /proc; [] where /proc is missing."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue  # the process ended meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 def run_killable(cmd: list[str], row_file: Path, timeout_s: float) -> tuple[dict, str | None]:
-    """Run `cmd` in its own process group, killed (the whole group: its Ray cluster and actors too) after
-    timeout_s or when this process is interrupted. (the row file's content, None | "timeout" | "interrupted")."""
+    """Run `cmd` in its own process group, killed (the whole group and every process below it: its Ray
+    cluster and actors too) after timeout_s or when this process is interrupted. (the row file's content, None | "timeout" | "interrupted")."""
     proc = subprocess.Popen(cmd, start_new_session=True)
     stopped, code = None, 0
     try:
@@ -239,7 +257,11 @@ def run_killable(cmd: list[str], row_file: Path, timeout_s: float) -> tuple[dict
         stopped = "interrupted"
     finally:  # no orphan case, whatever stopped the wait
         if proc.poll() is None:
+            tree = descendants(proc.pid)  # Ray's workers set their own process groups: kill them by id too
             os.killpg(proc.pid, signal.SIGKILL)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
     try:
         row = json.loads(row_file.read_text()) if row_file.is_file() else {}

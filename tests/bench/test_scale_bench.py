@@ -122,12 +122,13 @@ def test_a_case_killed_mid_run_gives_a_partial_row_from_its_metrics(tmp_path):
 
 
 def test_run_killable_kills_the_case_and_its_children(tmp_path):
-    # the case starts a grandchild (as a Ray case starts its cluster) and hangs; both are gone after the timeout
+    # the case starts a grandchild in a session of its own (as Ray starts its workers) and hangs: both are gone
+    # after the timeout (killing the case's process group alone would leave the grandchild)
     pid_file, row_file = tmp_path / "pid", tmp_path / "row.json"
     code = (
         "import json, subprocess, sys, time, pathlib\n"
         f"row = pathlib.Path({str(row_file)!r}); row.write_text(json.dumps({{'card': 'c'}}))\n"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
         f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid))\n"
         "time.sleep(60)\n"
     )
