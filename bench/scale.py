@@ -5,9 +5,9 @@ fixed batch per GPU), peak memory per GPU, engine refresh time; and the 7B runs 
     python bench/scale.py rl  --shape qwen0.5b-char --gpus 1,2,4 --weak     # 64 x 8 samples PER GPU
     python bench/scale.py sft --shape qwen0.5b --gpus 1,2,4 --weak          # 64 samples per GPU
     python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo grpo_ref --prompts 16 --samples 4 \
-        --new-tokens 128 --budget 4096 --steps 3                            # GRPO + reference, 7B, 4 GPUs
+        --new-tokens 128 --budget 4096 --case-min 200                       # GRPO + reference, 7B, 4 GPUs
     python bench/scale.py rl  --shape qwen7b-char --gpus 4 --algo ppo_critic --grad-ckpt ...  # PPO: critic + ref
-    python bench/scale.py rl  --shape qwen1.5b-char --gpus 1,4 --steps 3 --ema 0.99  # EMA (sharded on 4)
+    python bench/scale.py rl  --shape qwen1.5b-char --gpus 1,4 --ema 0.99          # EMA (sharded on 4)
     python bench/scale.py sft --shape tiny --gpus 1,2 --device cpu --steps 3 --batch 8  # CPU smoke (gloo)
 
 Every run goes through the product's own entry points (`run_rl`, `run_sft`): 1 GPU is `dist.mode=local`
@@ -19,19 +19,30 @@ Random weights of the named shape (relayrl's char tokenizer; the qwen* shapes ke
 vocabulary, the *-char ones use the tokenizer's ~100 tokens so that random samples end at EOS and lengths
 vary). The first step is a warm-up and not timed.
 
-RL: seconds per step (mean of the timed steps) and its parts (every timing/* metric), generated tokens/s,
-`perf/peak_mem_gib` (policy rank 0's peak allocated CUDA memory over a step), `timing/engine_refresh` (after
-each optimizer step: the all-gather of the shards into every rank's engine replica on N GPUs; the cast-copy
-on 1 GPU). SFT: real tokens per second of the whole step (every rank) from the run's metrics, median of
-timed steps. Strong: speed-up = time(first) / time(N), efficiency = speed-up x first GPUs / N. Weak:
-efficiency = (throughput / GPUs) / (the first row's throughput / GPUs). Every row also has `gpu_used_gib`:
-each GPU's peak memory used by all its processes together (policy, reference and critic actors), sampled
-from nvidia-smi every 0.5 s.
+Every figure is the MEDIAN over the timed steps (the first is a warm-up; --steps 6 gives 5 timed), with
+`step_s_min` (the fastest step) and `step_s_spread` ((slowest - fastest) / median) beside it; rows are made
+from the run folder's metrics.jsonl (bench/scale_plan.py). RL: `seconds` per part (every timing/* metric),
+generated tokens/s (`throughput`), `perf/peak_mem_gib` (policy rank 0's peak allocated CUDA memory over a
+step), `timing/engine_refresh` (after each optimizer step: the all-gather of the shards into every rank's
+engine replica on N GPUs; the cast-copy on 1 GPU). SFT: real tokens per second of the whole step (every
+rank). Strong: speed-up = median step(fewest GPUs) / median step(N), efficiency = speed-up x fewest / N.
+Weak: efficiency = (median throughput / GPUs) / (the fewest-GPU row's median throughput / GPUs). Every row
+also has `gpu_used_gib`: each GPU's peak memory used by all its processes together (policy, reference and
+critic actors), sampled from nvidia-smi every 0.5 s; `startup_s`: the case's launch to its first step.
 
-The model is built and every case runs in a child process of its own group, killed after --case-timeout
-seconds; cases that would start after --time-budget seconds are skipped. After every case the table is
-written to <out>/scale_<tag>.json and the keyed results (kind/shape/gpus/batch/variant) to <out>/scale.json,
-<out> = --out, else $OUT, else bench/results, so a failure or timeout keeps what ran.
+The runs write no final checkpoint or final/ export (`ckpt.save_final false`): the end-of-run save is not
+timed and not waited for. `--time-save` turns it on and reports it alone (`save_s`: the last step's metrics
+row to the newest file of the checkpoint and the export; `after_steps_s`: to the run's return, shutdown too).
+
+Cases and time: the model is built and every case runs in a child process of its own group. Cases run
+largest GPU count first; each may run until --case-timeout, or until the end of its share of --time-budget
+(what is left minus --case-min seconds kept for each later case); a case whose share is below --case-min is
+not started ("skipped"). A killed case whose run folder holds timed steps still gives its row, `partial: true`
+with `partial_reason` (what killed it, the time budget share or --case-timeout, and when: start-up, mid-run,
+or after all steps); `killed` says which. After a kill the next case waits (<= 20 s) until the GPUs are
+released. After every case the table is written to <out>/scale_<tag>.json (rows by GPU count) and the keyed
+results (kind/shape/gpus/batch/variant) to <out>/scale.json, <out> = --out,
+else $OUT, else bench/results, so a failure, a timeout or SIGTERM keeps what ran.
 """
 
 from __future__ import annotations
@@ -41,18 +52,32 @@ import json
 import os
 import platform
 import random
-import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from scale_plan import (  # bench/ is on sys.path as a script
+    WARMUP,
+    GpuMemory,
+    Interrupted,
+    NoTimedStep,
+    Slot,
+    case_slot,
+    default_case_min,
+    killed_reason,
+    raise_interrupted,
+    read_metrics,
+    rl_row,
+    run_killable,
+    run_order,
+    save_seconds,
+    sft_row,
+    wait_gpus_released,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "scale.json"
@@ -133,7 +158,7 @@ def _algo(algo_cfg, algo: str):
 
 
 def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> dict:
-    """One RL run on `gpus` GPUs; with args.weak the prompts per step are args.prompts per GPU."""
+    """One RL run on `gpus` GPUs (with args.weak args.prompts per GPU); its row from the run's metrics."""
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
 
@@ -158,37 +183,26 @@ def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> 
             max_len=64 + args.new_tokens,
         ),
         algo=replace(_algo(cfg.algo, algo), micro_batch_tokens=args.budget),
-        ckpt=replace(cfg.ckpt, save_every=0),
+        ckpt=replace(cfg.ckpt, save_every=0, save_final=getattr(args, "time_save", False)),
         dist=_dist(cfg.dist, gpus, args.offload, args.device, algo),
         ema=getattr(args, "ema", 0.0),
     )
-    t0 = time.perf_counter()
+    launched = getattr(args, "case_launched", 0.0) or time.time()
     result = run_rl(cfg)
-    wall = time.perf_counter() - t0
     if result.exit_code != 0:
         raise RuntimeError(f"rl run failed: {result.message}")
-    hist = result.history[1:] if len(result.history) > 1 else result.history
-    parts = sorted({k.removeprefix("timing/") for h in hist for k in h if k.startswith("timing/")})
-    parts += [
-        p for p in ("generation", "experience", "update", "sync", "engine_refresh", "step") if p not in parts
-    ]
-    sec = {p: round(statistics.mean(h.get(f"timing/{p}", 0.0) for h in hist), 4) for p in parts}
-    gen = statistics.mean(h["rollout/response_len"] * h["rollout/samples"] for h in hist)
-    return {
-        "algo": algo,
-        "global_batch": prompts * args.samples,
-        "seconds": sec,
-        "gen_tokens_per_step": round(gen, 1),
-        "step_gen_tokens_per_s": round(gen / sec["step"], 1),
-        "throughput": round(gen / sec["step"], 1),
-        "peak_mem_gib": round(max(h.get("perf/peak_mem_gib", 0.0) for h in result.history), 2),
-        "response_len": round(statistics.mean(h["rollout/response_len"] for h in hist), 1),
-        "wall_s": round(wall, 1),
-        # start-up: the run's time outside its steps (launch, the roles' loads and sharding, engines, final export)
-        "startup_s": round(wall - sum(h.get("timing/step", 0.0) for h in result.history), 1),
-        "step_s_by_step": [h.get("timing/step", 0.0) for h in result.history],
-        "losses": {k: [h[k] for h in result.history if k in h] for k in ("train/policy_loss", "critic/loss")},
-    }
+    row = {"algo": algo, "global_batch": prompts * args.samples}
+    return {**row, **_ended(rl_row(read_metrics(out), launched=launched), out, launched, args)}
+
+
+def _ended(row: dict, out: Path, launched: float, args: argparse.Namespace) -> dict:
+    """A finished case's wall time, its time after the last step (with --time-save, the save on its own)."""
+    history = read_metrics(out)
+    row["wall_s"] = round(time.time() - launched, 1)
+    row["after_steps_s"] = round(time.time() - history[-1]["time"], 1)  # save/export (if any) + shutdown
+    if getattr(args, "time_save", False):
+        row["save_s"] = save_seconds(out, history)
+    return row
 
 
 def _sft_data(path: Path, rows: int, lo: int, hi: int, seed: int) -> Path:
@@ -234,78 +248,38 @@ def run_sft_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) ->
             device=args.device,
             output_dir=str(out),
         ),
-        ckpt=replace(cfg.ckpt, save_every=0),
+        ckpt=replace(cfg.ckpt, save_every=0, save_final=getattr(args, "time_save", False)),
         logger=replace(cfg.logger, progress_bar=False),
         dist=d,
     )
-    t0 = time.perf_counter()
+    launched = getattr(args, "case_launched", 0.0) or time.time()
     result = run_sft(cfg)
-    wall = time.perf_counter() - t0
-    hist = result.history[1:]
+    if result.exit_code != 0:
+        raise RuntimeError(f"sft run stopped with exit code {result.exit_code}")
     return {
         "global_batch": batch,
-        "throughput": round(statistics.median(h["perf/tokens_per_s"] for h in hist), 1),
-        "train_losses": [h["train/loss"] for h in result.history],
-        "tokens_per_s": round(statistics.median(h["perf/tokens_per_s"] for h in hist), 1),
-        "step_s": round(statistics.median(h["perf/step_s"] for h in hist), 4),
-        "tokens_per_step": round(statistics.mean(h["perf/tokens_per_s"] * h["perf/step_s"] for h in hist), 1),
-        "wall_s": round(wall, 1),
-        # start-up: the run's time outside its steps (launch, the load and sharding, final export)
-        "startup_s": round(wall - sum(h["perf/step_s"] for h in result.history), 1),
-        "step_s_by_step": [h["perf/step_s"] for h in result.history],
-        # per-rank balance and the driver's own work (medians; relayrl.trainers.recipe.rank_loads)
-        **{
-            k.split("/")[1]: round(statistics.median(h[k] for h in hist), 4)
-            for k in (
-                "timing/pack_s",
-                "timing/put_s",
-                "perf/rank_tokens_max",
-                "perf/rank_tokens_min",
-                "perf/rank_run_tokens_max",
-                "perf/rank_passes_max",
-            )
-            if hist and all(k in h for h in hist)
-        },
+        **_ended(sft_row(read_metrics(out), launched=launched), out, launched, args),
     }
 
 
 # ------------------------------------------------------------------------------------------ orchestration
-class GpuMemory:
-    """Peak memory used on each GPU by ALL its processes (policy, reference, critic actors together), from
-    nvidia-smi every 0.5 s while a case runs (short spikes between samples are missed); {} without it."""
-
-    def __init__(self) -> None:
-        self.peak: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
-        while not self._stop.is_set():
-            try:
-                lines = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.splitlines()
-            except (OSError, subprocess.SubprocessError):
-                return
-            for line in lines:
-                i, used = (x.strip() for x in line.split(","))
-                self.peak[int(i)] = max(self.peak.get(int(i), 0.0), round(float(used) / 1024, 2))
-            self._stop.wait(0.5)
-
-    def __enter__(self) -> GpuMemory:
-        if shutil.which("nvidia-smi"):
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=15)
-
-
 def _card(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name(0)
     return f"cpu ({platform.processor() or 'x86'})"
+
+
+def _identity(args: argparse.Namespace, algo: str, gpus: int) -> dict:
+    """What names a case's row (the parent knows it without the child: a killed case's row has it too)."""
+    per_gpu = gpus if args.weak else 1
+    batch = args.prompts * per_gpu * args.samples if args.kind == "rl" else args.batch * per_gpu
+    row = dict(kind=args.kind, shape=args.shape, gpus=gpus, global_batch=batch, offload=args.offload)
+    row.update(grad_ckpt=args.grad_ckpt, weak=args.weak, steps_asked=args.steps)
+    return {**row, "algo": algo} if args.kind == "rl" else row
+
+
+def _run_dir(model: Path, algo: str, gpus: int) -> Path:
+    return model.parent / f"run_{algo}_{gpus}"
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -316,46 +290,64 @@ def _child(args: argparse.Namespace) -> None:
             build_model(args.shape, Path(args.case_model))
             row: dict = {"built": args.case_model}
         else:
+            row_file.write_text(json.dumps({"card": _card(args.device)}))  # kept if the case is killed
             g = int(args.gpus)
             case = run_rl_case if args.kind == "rl" else run_sft_case
-            row = case(args, Path(args.case_model), g, Path(args.case_model).parent / f"run_{args.algo}_{g}")
-            row.update(
-                kind=args.kind, shape=args.shape, gpus=g, offload=args.offload, card=_card(args.device)
-            )
-            row.update(grad_ckpt=args.grad_ckpt, weak=args.weak)
+            row = case(args, Path(args.case_model), g, _run_dir(Path(args.case_model), args.algo, g))
+            row.update(_identity(args, args.algo, g), card=_card(args.device))
     except BaseException as e:  # the parent reports it with the case; the traceback is in this log
         row_file.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"[:2000]}))
         raise
     row_file.write_text(json.dumps(row))
 
 
-def _isolated(argv: list[str], row_file: Path, timeout_s: float) -> dict:
-    """Run this script with `argv` in its own process group, killed after timeout_s; its row (or the error)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--case-row", str(row_file)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, start_new_session=True)
+def recover_row(
+    args: argparse.Namespace,
+    algo: str,
+    gpus: int,
+    run_dir: Path,
+    child: dict,
+    slot: Slot | None,
+    ran_s: float,
+    launched: float,
+) -> dict:
+    """The row of a killed case (`slot` None: the bench was interrupted) from the steps its run folder's
+    metrics.jsonl holds: `partial` with the reason when any step was timed, else an error saying when it
+    was killed (start-up, mid-run, or after its last step) and by what (its time budget share or the timeout)."""
+    history = read_metrics(run_dir)
+    reason = killed_reason(slot, ran_s, len(history), args.steps)
+    row = {**_identity(args, algo, gpus), "card": child.get("card", ""), "wall_s": round(ran_s, 1)}
+    row["killed"] = slot.bound if slot is not None else "interrupted"
     try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {
-            "error": f"timed out after {timeout_s:.0f} s (killed)",
-            "wall_s": round(time.perf_counter() - t0, 1),
-        }
-    finally:  # a timeout, or this process stopped (SIGTERM from an outer `timeout`, Ctrl-C): no orphan case
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the case's own group: its Ray cluster and actors too
-            proc.wait()
-    row = json.loads(row_file.read_text()) if row_file.is_file() else {}
-    if code != 0 and "error" not in row:
-        row["error"] = f"exit code {code}"
+        stats = (rl_row if args.kind == "rl" else sft_row)(history, launched=launched)
+    except NoTimedStep as e:
+        return {**row, "error": f"{reason}; {e}", "steps_done": len(history)}
+    return {**row, **stats, "partial": True, "partial_reason": reason}
+
+
+def _case(args: argparse.Namespace, algo: str, gpus: int, model: Path, slot: Slot, tmp: Path) -> dict:
+    """One case in a child process, killed at the end of its slot; its row (recovered when killed)."""
+    launched = time.time()
+    argv = [*sys.argv[1:], "--gpus", str(gpus), "--algo", algo, "--case-model", str(model)]
+    argv += ["--case-launched", f"{launched:.3f}", "--case-row", str(tmp / f"row_{algo}_{gpus}.json")]
+    child, stopped = run_killable([sys.executable, str(Path(__file__).resolve()), *argv], Path(argv[-1]),
+                                  slot.seconds)  # fmt: skip
+    if stopped is None:  # finished, or failed on its own (the error is in the row)
+        return {**_identity(args, algo, gpus), **child}
+    ran_s = time.time() - launched
+    kept = None if stopped == "interrupted" else slot
+    row = recover_row(args, algo, gpus, _run_dir(model, algo, gpus), child, kept, ran_s, launched)
+    if kept is not None:  # the next case must not start while the killed one's actors still hold the GPUs
+        row["gpu_release_wait_s"] = wait_gpus_released()
     return row
 
 
 def _summarise(rows: list[dict], kind: str, weak: bool) -> None:
-    """Speed-up and efficiency against the first completed row (the fewest GPUs) of the same RL variant."""
+    """Speed-up and efficiency against the completed row with the fewest GPUs of the same RL variant, from
+    the rows' MEDIANS (median step seconds; weak: median throughput per GPU)."""
     done = [r for r in rows if "error" not in r and "skipped" not in r]
     for algo in sorted({r.get("algo", "") for r in done}):
-        same = [r for r in done if r.get("algo", "") == algo]
+        same = sorted((r for r in done if r.get("algo", "") == algo), key=lambda r: r["gpus"])
         base = same[0]
         for r in same:
             if weak:  # throughput per GPU against the base's
@@ -363,41 +355,40 @@ def _summarise(rows: list[dict], kind: str, weak: bool) -> None:
                     (r["throughput"] / r["gpus"]) / (base["throughput"] / base["gpus"]), 3
                 )
                 continue
-            t, t0 = (
-                (r["seconds"]["step"], base["seconds"]["step"])
-                if kind == "rl"
-                else (r["step_s"], base["step_s"])
-            )
-            r["speedup_vs_first"] = round(t0 / t, 3)
+            r["speedup_vs_first"] = round(base["step_s"] / r["step_s"], 3)
             r["efficiency"] = round(r["speedup_vs_first"] * base["gpus"] / r["gpus"], 3)
 
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     mode = "weak scaling (batch per GPU fixed)" if args.weak else "fixed global batch"
-    print(f"\n{args.kind} {args.shape}, {mode}; efficiency vs the first row of each variant")
-    for r in rows:
+    print(f"\n{args.kind} {args.shape}, {mode}; medians of the timed steps (min, spread); efficiency from the "
+          "medians vs the fewest-GPU row of each variant")  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r.get("algo", ""), r.get("gpus", 0))):
+        head = f"{r.get('gpus', '?'):>4} {r.get('algo', '')}"
         if "error" in r or "skipped" in r:
-            print(f"{r.get('gpus', '?'):>4} {r.get('algo', '')} {r.get('error') or r.get('skipped')}")
-        elif args.kind == "rl":
+            print(f"{head} {r.get('error') or r.get('skipped')}")
+            continue
+        step = f"step {r['step_s']:.3f} (min {r['step_s_min']:.3f}, spread {r['step_s_spread']:.0%}, n {r['steps_timed']})"
+        gpu = f"GPU total {max(r.get('gpu_used_gib', {}).values(), default=0):.1f} GiB"
+        tail = f"eff {r.get('efficiency', 0):.2f}" + (
+            f" PARTIAL: {r['partial_reason']}" if r.get("partial") else ""
+        )
+        if args.kind == "rl":
             s = r["seconds"]
-            print(
-                f"{r['gpus']:>4} {r['algo']} batch {r['global_batch']:>5} step {s['step']:.3f} gen {s['generation']:.3f} "
-                f"update {s['update']:.3f} refresh {s['engine_refresh']:.4f} tok/s {r['throughput']:.0f} "
-                f"peak {r['peak_mem_gib']:.1f} GiB (GPU total {max(r['gpu_used_gib'].values(), default=0):.1f}) "
-                f"eff {r.get('efficiency', 0):.2f}"
-            )
+            print(f"{head} batch {r['global_batch']:>5} {step} gen {s['generation']:.3f} update {s['update']:.3f} "
+                  f"refresh {s['engine_refresh']:.4f} tok/s {r['throughput']:.0f} peak {r['peak_mem_gib']:.1f} GiB "
+                  f"({gpu}) {tail}")  # fmt: skip
         else:
-            print(
-                f"{r['gpus']:>4} batch {r['global_batch']:>5} tokens/s {r['tokens_per_s']:.0f} step "
-                f"{r['step_s']:.3f} GPU total {max(r['gpu_used_gib'].values(), default=0):.1f} GiB "
-                f"eff {r.get('efficiency', 0):.2f}"
-            )
+            print(f"{head} batch {r['global_batch']:>5} tokens/s {r['tokens_per_s']:.0f} {step} {gpu} {tail}")
 
 
 def _write(rows: list[dict], args: argparse.Namespace, out_dir: Path, tag: str) -> None:
     """The table as <out>/scale_<tag>.json, and the keyed results file <out>/scale.json updated in place."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = {"host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    rows = sorted(
+        rows, key=lambda r: (r.get("algo", ""), r.get("gpus", 0))
+    )  # run largest first, shown smallest
     table = {"argv": sys.argv[1:], "weak": args.weak, **stamp, "rows": rows}
     (out_dir / f"scale_{tag}.json").write_text(json.dumps(table, indent=1) + "\n")
     results_file = out_dir / "scale.json"
@@ -420,7 +411,7 @@ def main() -> None:
     p.add_argument("--gpus", default="1,2", help="comma-separated GPU counts to compare")
     p.add_argument("--weak", action="store_true", help="weak scaling: --prompts / --batch are per GPU")
     p.add_argument("--algo", default="grpo", help="RL: grpo, grpo_ref, ppo_critic, or several (comma)")
-    p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
+    p.add_argument("--steps", type=int, default=6, help=f"steps per run (the first {WARMUP} a warm-up)")
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload (dist.offload)")
     p.add_argument("--grad-ckpt", action="store_true", help="RL: gradient checkpointing (policy and critic)")
     p.add_argument("--ema", type=float, default=0.0, help="RL: EMA decay of the policy (sharded on N GPUs)")
@@ -435,9 +426,22 @@ def main() -> None:
     p.add_argument("--out", default="", help="output folder (default $OUT, else bench/results)")
     p.add_argument("--tag", default="", help="name of the table file scale_<tag>.json")
     p.add_argument("--case-timeout", type=float, default=300, help="seconds before a case is killed")
-    p.add_argument("--time-budget", type=float, default=1e9, help="seconds for all cases: later ones skipped")
+    p.add_argument(
+        "--time-budget", type=float, default=1e9, help="seconds for the whole table (see --case-min)"
+    )
+    p.add_argument(
+        "--case-min", type=float, default=0.0,
+        help="seconds a case needs at least: a case is started only if the budget left can give it this much "
+        "and keep as much for every later case (0: 30 + 10 x GPUs on cuda, 15 + 5 x ranks on cpu)",
+    )  # fmt: skip
+    p.add_argument(
+        "--time-save", action="store_true",
+        help="runs write their final checkpoint and final/ export (off: they end after the last step) and "
+        "the row has save_s (the end-of-run save alone) and after_steps_s",
+    )  # fmt: skip
     p.add_argument("--case-row", default="", help=argparse.SUPPRESS)  # internal: run one case, row to file
     p.add_argument("--case-model", default="", help=argparse.SUPPRESS)
+    p.add_argument("--case-launched", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kind == "sft" and args.budget <= 0:
@@ -452,38 +456,49 @@ def main() -> None:
     algos = args.algo.split(",")
     if any(a not in ALGOS for a in algos) or (args.kind == "sft" and algos != ["grpo"]):
         raise SystemExit(f"--algo: RL variants from {ALGOS} (comma-separated), got {args.algo!r}")
+    if args.steps <= WARMUP:
+        raise SystemExit(
+            f"--steps {args.steps}: at least {WARMUP + 1} (the first {WARMUP} is not timed); 6 gives 5 timed"
+        )
     if args.case_row:
         return _child(args)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: _isolated kills the running case
+    signal.signal(signal.SIGTERM, raise_interrupted)  # the running case is killed, its row recovered
     t_start = time.monotonic()
     out_dir = Path(args.out or os.environ.get("OUT") or RESULTS.parent)
     variant = f"_{'_'.join(algos)}" if args.kind == "rl" else ""
     tag = args.tag or f"{args.kind}_{args.shape}{variant}{'_weak' if args.weak else ''}"
     rows: list[dict] = []
+    order = [(a, g) for a in algos for g in run_order([int(x) for x in args.gpus.split(",")])]
+    needs = [args.case_min or default_case_min(g, args.device) for _, g in order]
     # the model is built in a child, as every case runs in one: this process never holds a GPU
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
-        built = _isolated([*sys.argv[1:], "--build-only", "--case-model", str(model)], Path(tmp) / "build.json",
-                          args.case_timeout)  # fmt: skip
-        if "error" in built:
-            raise SystemExit(f"bench/scale.py: building the {args.shape} model failed: {built['error']}")
-        for algo, g in [(a, int(x)) for a in algos for x in args.gpus.split(",")]:
-            left = args.time_budget - (time.monotonic() - t_start)
-            if left < 60:
-                rows.append(
-                    {"gpus": g, "algo": algo, "skipped": f"time budget {args.time_budget:.0f} s spent"}
-                )
-                continue
-            with GpuMemory() as mem:
-                argv = [*sys.argv[1:], "--gpus", str(g), "--algo", algo, "--case-model", str(model)]
-                row = _isolated(argv, Path(tmp) / f"row_{algo}_{g}.json", min(args.case_timeout, left))
-            row.update(gpus=g, gpu_used_gib=mem.peak)
-            if args.kind == "rl":
-                row.setdefault("algo", algo)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _summarise(rows, args.kind, args.weak)
-            _write(rows, args, out_dir, tag)  # after every case: a later failure keeps what ran
+        cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--build-only", "--case-model",
+               str(model), "--case-row", str(Path(tmp) / "build.json")]  # fmt: skip
+        built, stopped = run_killable(cmd, Path(tmp) / "build.json", min(args.case_timeout, args.time_budget))
+        if stopped or "error" in built:
+            raise SystemExit(
+                f"bench/scale.py: building the {args.shape} model failed: {built.get('error', stopped)}"
+            )
+        try:
+            for i, (algo, g) in enumerate(order):
+                left = args.time_budget - (time.monotonic() - t_start)
+                slot = case_slot(left, args.case_timeout, needs[i], needs[i + 1 :])
+                if isinstance(slot, str):
+                    row = {**_identity(args, algo, g), "skipped": slot}
+                else:
+                    with GpuMemory() as mem:
+                        row = _case(args, algo, g, model, slot, Path(tmp))
+                    row["gpu_used_gib"] = mem.peak
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                _summarise(rows, args.kind, args.weak)
+                _write(rows, args, out_dir, tag)  # after every case: a later failure keeps what ran
+                if row.get("killed") == "interrupted":
+                    raise Interrupted
+        except Interrupted:
+            _print_table(rows, args)
+            raise SystemExit(143) from None
     _print_table(rows, args)
     print(f"wrote {out_dir / f'scale_{tag}.json'} and {out_dir / 'scale.json'}")
 

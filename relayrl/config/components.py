@@ -259,6 +259,9 @@ class CkptConfig:
     to <folder>.old-<time> and start in an empty folder (never mix two runs' files)."""
     save_hf_model: bool = True
     """Write an HF-format model folder (from_pretrained loads it) in every checkpoint."""
+    save_final: bool = True
+    """Write the last checkpoint and the final/ HF model when the run ends; false: neither (benchmarks and
+    throwaway runs end right after their last step; checkpoints every save_every steps are still written)."""
 
     def __post_init__(self) -> None:
         check_choices(self)

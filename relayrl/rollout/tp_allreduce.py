@@ -19,8 +19,11 @@ that do not fit (prefill chunks larger than the buffer), other dtypes and the vo
 sampling reductions stay on NCCL. NVLink multicast (multimem) is never used: TORCH_SYMM_MEM_DISABLE_MULTICAST
 is set to 1 (unless set already) before the first allocation, so the rendezvous creates no multicast object.
 
-Where: `impl` "auto" (the engine's default; env RELAYRL_TP_ALLREDUCE overrides it) uses it where it works and
-falls back to NCCL, logging why, where it does not: not CUDA (CPU / gloo: no collective is even attempted),
+Where: `impl` "auto" (the engine's default; env RELAYRL_TP_ALLREDUCE overrides it) uses it on groups of at most
+AUTO_MAX_RANKS (2) ranks, where it works, and falls back to NCCL, logging why, where it does not: more ranks (the
+4-rank paths are not yet confirmed on GPUs: a TP 4 decode of the 32B shape with them did not finish in 3.5 minutes,
+4 x H200, 2026-11-27, where TP 2 took under a minute; "one_shot" / "two_shot" still force them), not CUDA (CPU / gloo: no
+collective is even attempted),
 a non-NCCL group, a GPU below sm80, ranks on different hosts, no symmetric-memory ops in this torch build, or
 any failure of the allocation, the rendezvous or a self-test (a known pattern reduced and checked, both
 algorithms' paths). Every step's outcome is agreed by all ranks (a MAX all-reduce of a failure flag through
@@ -63,6 +66,9 @@ ONE_SHOT_MAX_BYTES = 512 << 10
 """auto with more than 2 ranks: one-shot up to this size, two-shot above (each rank reads 1/TP instead of all
 of every peer's data; vLLM's custom all-reduce draws the line here too). 2 ranks (or any size but 4 and 8,
 which have no two-shot kernel): always one-shot."""
+
+AUTO_MAX_RANKS = 2
+"""auto: symmetric memory on groups up to this size (confirmed on H200 x 2), NCCL on larger ones (module doc)."""
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 """The sum over the group of a view of the buffer, as a new tensor."""
@@ -206,6 +212,10 @@ def setup_fast_all_reduce(
             log.info("tensor-parallel all-reduce: NCCL (a group of one rank)")
         return None  # CPU / gloo: no collective, nothing logged above debug
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if impl == "auto" and world > AUTO_MAX_RANKS:
+        log.info("tensor-parallel all-reduce: NCCL (auto picks symmetric memory for up to %d ranks, this group "
+                 "has %d; allreduce='one_shot' or 'two_shot' forces it)", AUTO_MAX_RANKS, world)  # fmt: skip
+        return None
     numel = min(rows * cols, MAX_BYTES // torch.empty((), dtype=dtype).element_size() // cols * cols)
     errors: list[str] = []
     with torch.cuda.device(device):

@@ -242,6 +242,7 @@ def _settings(cfg: OneModelConfig, total: int) -> LoopSettings:
         total_steps=total,
         eval_every=cfg.train.eval_every,
         save_every=cfg.ckpt.save_every,
+        save_final=cfg.ckpt.save_final,
         best_metric=cfg.ckpt.best_metric,
         log_every=cfg.train.log_every,
     )
@@ -394,7 +395,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
             recipe.before_fit(handle, data.train, data.evals, data.layout)
         done = _fit(recipe, handle, data, run_dir, stored=launcher.mode == "ray")
         final = None
-        if done.fit.stopped_by is None:
+        if done.fit.stopped_by is None and cfg.ckpt.save_final:
             export = lambda: handle.call(ModelWorker.export, str(run_dir / "final"))  # noqa: E731
             final = timed_write("final model", export)
         result = RecipeResult(

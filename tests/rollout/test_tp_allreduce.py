@@ -9,6 +9,8 @@ bit on random [256, 3584] bf16 at TP = 2, eagerly and replayed from a CUDA graph
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import time
 from typing import cast
@@ -49,6 +51,32 @@ def test_off_cuda_it_is_nccl_or_gloo_without_any_collective(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", no_collective)
     assert setup_fast_all_reduce(object(), torch.device("cpu"), torch.float32, 8, 64) is None
     assert setup_fast_all_reduce(object(), torch.device("cpu"), torch.bfloat16, 8, 64, "one_shot") is None
+
+
+def test_auto_keeps_nccl_above_two_ranks_without_touching_symmetric_memory(monkeypatch):
+    """auto on a 4-rank CUDA group: NCCL, decided before any collective or allocation (module doc: the 4-rank
+    symmetric-memory paths are not confirmed on GPUs); a forced algorithm still goes on to set it up."""
+    from relayrl.rollout import tp_allreduce
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective was attempted")
+
+    def went_on(*args, **kwargs):
+        raise AssertionError("went on to set symmetric memory up")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(tp_allreduce, "_local_problem", went_on)
+    cuda = torch.device("cuda", 0)
+    assert setup_fast_all_reduce(object(), cuda, torch.bfloat16, 256, 5120, "auto") is None
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: tp_allreduce.AUTO_MAX_RANKS)
+    with pytest.raises(AssertionError, match="went on"):  # 2 ranks: auto sets it up
+        setup_fast_all_reduce(object(), cuda, torch.bfloat16, 256, 5120, "auto")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    with pytest.raises(AssertionError, match="went on"):  # forced: set up at 4 ranks too
+        setup_fast_all_reduce(object(), cuda, torch.bfloat16, 256, 5120, "two_shot")
 
 
 def row_parallel(fast: FastAllReduce | None) -> RowParallelLinear:

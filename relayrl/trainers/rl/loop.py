@@ -361,7 +361,7 @@ class RLTrainer:
                 "prompt: every group's rewards were equal); no final model written. Sample with "
                 "--rollout.temperature > 0, or use a reward that tells the samples apart"
             )
-        else:
+        elif self.cfg.ckpt.save_final:  # off: the run ends after its last step (benchmarks)
             latest = self.ckpt.latest()
             if latest is None or latest.name != f"step_{self.step}":
                 self.save_checkpoint(result.history[-1] if result.history else {})
