@@ -456,5 +456,5 @@ def finish_message(name: str, result: RecipeResult, headline: str) -> int:
         )
         return 0
     print(f"{name} done: {result.metrics.get('step', 0)} steps, {headline}; run folder {result.run_dir}")
-    print(f"relayrl {name}: final model in {result.final_model}")
+    print(f"relayrl {name}: final model in {result.final_model or 'none (ckpt.save_final false)'}")
     return 0

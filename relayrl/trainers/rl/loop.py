@@ -479,7 +479,9 @@ def _run_cli(cfg: RLConfig) -> int:
             f"relayrl rl: done, {result.steps} steps"
             + (f", eval pass@1 {acc:.3f}" if acc is not None else "")
         )
-        print(f"relayrl rl: final model in {result.final_model}; curves in {result.run_dir / 'curves.png'}")
+        print(
+            f"relayrl rl: final model in {result.final_model or 'none'}; curves in {result.run_dir / 'curves.png'}"
+        )
     elif result.message:
         print(f"relayrl rl: stopped: {result.message}", file=sys.stderr)
     return result.exit_code
