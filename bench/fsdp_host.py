@@ -14,13 +14,16 @@ Qwen2.5-0.5B, hidden 32: compute ~ 0, what is left is the host's Python / dispat
 
 Variants run round-robin on the same model (so load on a shared host hits them alike): `before` (keep_gathered
 off, the norm / clip / scale through DTensor as torch.nn.utils does), `keep` (keep_gathered on), `local` (the
-local-shard norm / clip / scale), `after` (both: the product's default). The local run has one variant.
+local-shard norm / clip / scale), `after` (both: the product's default). The 1-process run has one: `plain`.
 
 Phases (host seconds a step, timed by wrapping: on a GPU they are the time to issue the work, not to run it):
 fwd (the loss function: forward + loss), bwd (`.backward()`), sums (the step's metric all-reduce and host
 read), norm_clip (scale, norm, clip: `TrainStep._clip` and the scale before it), opt (optimizer.step),
-zero (zero_grad), other (the rest of TrainStep.step: micro-batch moves, FSDP2 flags, padding plan); `step` is
-the whole call's host time and `wall` the step with the device synchronised (GPU). Also the all-gathers and
+zero (zero_grad), other (the rest of TrainStep.step: micro-batch moves, FSDP2 flags, padding plan; on one GPU
+also the bf16 refresh from the fp32 masters, which synchronises); `step` is the whole call's host time and
+`wall` the step with the device synchronised. On a GPU `sums` is the step's first host read: it also holds the
+wait for the device to finish the micro-batches' kernels (large: the step is device-bound there; small: the
+host is the bottleneck). Also the all-gathers and
 reduce-scatters issued a step (counted by wrapping torch.distributed's functions FSDP2 calls).
 
 Writes $OUT/fsdp_host_<label>.json (or bench/results/ without OUT), one entry per variant: per phase median
@@ -190,6 +193,46 @@ def micro_batches(args: argparse.Namespace, vocab: int, layout: str, rank: int) 
     return [sft_batch(samples[i : i + per], layout) for i in range(0, len(samples), per)]
 
 
+# ------------------------------------------------------------------------------------------------- cProfile
+GROUPS = (
+    ("fsdp", "distributed/fsdp/"),
+    ("dtensor", "distributed/tensor/"),
+    ("c10d", "distributed/"),
+    ("optim", "torch/optim/"),
+    ("nn_utils", "torch/nn/utils/"),
+    ("nn_module", "torch/nn/modules/"),
+    ("transformers", "transformers/"),
+    ("relayrl", "relayrl/"),
+    ("autograd_py", "torch/autograd/"),
+)
+
+
+def profile(fn: Callable[[], None], steps: int) -> dict[str, float]:
+    """ms a step of Python self time (cProfile tottime) by where the function lives: FSDP2's code, DTensor's,
+    the rest of torch.distributed, ...; C functions by name (the autograd engine's backward, waits on
+    collectives, each torch op binding)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        fn()
+    pr.disable()
+    groups: dict[str, float] = {}
+    for (path, _, name), (_, _, tottime, _, _) in pstats.Stats(pr).stats.items():  # pyright: ignore[reportAttributeAccessIssue]
+        if path == "~":
+            key = (
+                "wait"
+                if "wait" in name
+                else ("run_backward" if "run_backward" in name else "torch_ops_and_builtins")
+            )
+        else:
+            key = next((k for k, frag in GROUPS if frag in path), "other_python")
+        groups[key] = groups.get(key, 0.0) + tottime * 1e3 / steps
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
 # ------------------------------------------------------------------------------------------------- the run
 def run(args: argparse.Namespace) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -208,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train = built.train
     mbs = micro_batches(args, vocab, built.layout, rank)
     sharded = bool(train.units.units)
-    variants = [v for v in args.variants.split(",") if v] if sharded else ["local"]
+    variants = [v for v in args.variants.split(",") if v] if sharded else ["plain"]
     timers = Timers()
     install(timers, train)
     loss_fn = timers.wrap("fwd", next_token_loss)
@@ -243,8 +286,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             one(v, True)
         if time.perf_counter() > deadline:
             break
+    profiles = {v: profile(lambda v=v: one(v, False), args.profile) for v in variants} if args.profile else {}
     mine = {
         v: {
+            "cprofile_ms_per_step": profiles.get(v, {}),
             "median": {p: statistics.median(x) for p, x in per[v].items() if x},
             "min": {p: min(x) for p, x in per[v].items() if x},
             "steps": len(per[v]["step"]),
@@ -285,6 +330,10 @@ def table(res: dict[str, Any]) -> str:
     for v, r in res["ranks"][0].items():
         cells = [f"{r['median'][p] * 1e3:.1f} ({r['min'][p] * 1e3:.1f})" for p in PHASES]
         lines.append(f"{v} | " + " | ".join(cells) + f" | {r['calls_per_step']}")
+    for v, r in res["ranks"][0].items():
+        if r["cprofile_ms_per_step"]:
+            prof = ", ".join(f"{k} {ms:.1f}" for k, ms in r["cprofile_ms_per_step"].items())
+            lines.append(f"cProfile {v} (ms a step, self time): {prof}")
     return "\n".join(lines)
 
 
@@ -303,6 +352,7 @@ def main() -> None:
     p.add_argument("--reshard-after-forward", default="yes", choices=("yes", "no"))
     p.add_argument("--threads", type=int, default=1, help="torch threads a rank (0: torch's default)")
     p.add_argument("--time-limit", type=float, default=120.0, help="stop timing after this many seconds")
+    p.add_argument("--profile", type=int, default=0, help="then N steps of each variant under cProfile")
     p.add_argument("--label", default="")
     args = p.parse_args()
     if args.threads > 0:
