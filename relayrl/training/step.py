@@ -20,7 +20,10 @@ is needed before the forward passes. Under torch.distributed the count is all-re
 divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks; a
 metric whose denominator is 0 over the whole step is left out of the row (no made-up 0).
 Ranks run the same number of forward passes (FSDP gathers weights in each, a collective): a rank with fewer
-micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric).
+micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric). Under FSDP2 the units'
+communication follows the micro-batches as relayrl/training/sharded.py says: gradients reduced after the last
+one only, and with keep_gathered (dist.keep_gathered) weights gathered at the first forward only; the norm and
+clipping run on the local shards.
 Under sequence parallelism (relayrl.models.sequence_parallel) the W ranks of a group compute the same
 micro-batch's loss, so the all-reduced sums count it W times and are divided by W: with FSDP's average over
 all R ranks, R / count then sums the gradients inside each group and averages them over the R / W groups.
