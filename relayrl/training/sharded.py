@@ -129,14 +129,13 @@ def _local(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         )
     local: list[torch.Tensor] = []
     for g in grads:
-        if isinstance(g, DTensor):
-            if g.device_mesh is not mesh or g.placements != placements:
-                raise ValueError(
-                    f"gradients placed as {placements} and {g.placements} (or over two meshes): the "
-                    "local-shard norm and clipping need every gradient sharded alike"
-                )
-            g = g.to_local()
-        local.append(g)
+        if not isinstance(g, DTensor) or g.device_mesh is not mesh or g.placements != placements:
+            raise ValueError(
+                f"gradients placed as {placements} and {getattr(g, 'placements', 'a plain tensor')} (or over two "
+                "meshes): the local-shard norm and clipping need every gradient sharded alike (a plain one would "
+                "be counted once per rank)"
+            )
+        local.append(g.to_local())
     return local, mesh.get_group()
 
 

@@ -96,6 +96,16 @@ def test_a_step_cut_short_leaves_every_unit_resharded_and_the_next_step_runs(one
     assert out.count > 0 and torch.isfinite(torch.tensor(out.loss))
 
 
+def test_the_local_shard_norm_refuses_a_plain_gradient_beside_sharded_ones(one_rank_group):
+    step = kg.sharded_step(False)
+    for mb in kg.micro_batches(seed=0):
+        kg.next_token_loss(step.model, mb).loss_sum.backward()
+    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+    assert isinstance(grads[0], DTensor)
+    with pytest.raises(ValueError, match="a plain tensor"):
+        total_norm([*grads, torch.ones(3)])
+
+
 def test_norm_clip_and_scale_of_plain_tensors_equal_torch():
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(2, 2, 2, generator=g)]
