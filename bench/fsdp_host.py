@@ -258,16 +258,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in variants}
     calls: dict[str, dict[str, int]] = {}
     losses: dict[str, list[float]] = {v: [] for v in variants}
+    peak: dict[str, float] = {}
 
     def one(v: str, record: bool) -> None:
         if sharded:
             set_variant(train, v)
         timers.now, timers.calls = {}, {}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         t = time.perf_counter()
         out = train.step(mbs, loss_fn)
         host = time.perf_counter() - t
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            peak[v] = max(peak.get(v, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
         wall = time.perf_counter() - t
         if not record:
             return
@@ -294,6 +298,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "min": {p: min(x) for p, x in per[v].items() if x},
             "steps": len(per[v]["step"]),
             "calls_per_step": calls.get(v, {}),
+            "peak_gib": peak.get(v, 0.0),
+            "losses": losses[v],
         }
         for v in variants
     }
@@ -325,11 +331,13 @@ def table(res: dict[str, Any]) -> str:
         f"{res['label']}: world {res['world']} fsdp {res['fsdp']} {res['device']} {res['shape']} "
         f"{res['micro_batches']} micro-batches x {res['tokens_per_rank']} tokens a rank; ms a step, rank 0, "
         "median (min)",
-        "variant | " + " | ".join(PHASES) + " | collectives",
+        "variant | " + " | ".join(PHASES) + " | collectives | peak allocated (GPU)",
     ]
     for v, r in res["ranks"][0].items():
         cells = [f"{r['median'][p] * 1e3:.1f} ({r['min'][p] * 1e3:.1f})" for p in PHASES]
-        lines.append(f"{v} | " + " | ".join(cells) + f" | {r['calls_per_step']}")
+        lines.append(
+            f"{v} | " + " | ".join(cells) + f" | {r['calls_per_step']} | peak {r['peak_gib']:.1f} GiB"
+        )
     for v, r in res["ranks"][0].items():
         if r["cprofile_ms_per_step"]:
             prof = ", ".join(f"{k} {ms:.1f}" for k, ms in r["cprofile_ms_per_step"].items())
