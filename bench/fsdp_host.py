@@ -288,7 +288,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.steps):
         for v in variants:
             one(v, True)
-        if time.perf_counter() > deadline:
+        late = torch.tensor([float(time.perf_counter() > deadline)])
+        if (
+            torch.distributed.is_initialized()
+        ):  # every rank stops after the same round (each step is collective)
+            torch.distributed.all_reduce(late, op=torch.distributed.ReduceOp.MAX)  # a CPU tensor: gloo
+        if late.item():
             break
     profiles = {v: profile(lambda v=v: one(v, False), args.profile) for v in variants} if args.profile else {}
     mine = {
