@@ -4,7 +4,8 @@ engines, FSDP2 sharding options and timeouts (docs/distributed.md).
     DistConfig
       mode, ray_address, num_cpus, gpus, timeout_s,         every command
       stall_timeout_s
-      offload, reshard_after_forward, sharded_load           every model role of several ranks (FSDP2)
+      offload, reshard_after_forward, keep_gathered,         every model role of several ranks (FSDP2)
+      sharded_load
       sp_size                                                sequence parallelism of every model role
       num_nodes, num_gpus_per_node                           the one-model commands' model (sft, rm, dpo, ...)
       policy_* / ref_* / critic_*, num_engines, engine_tp,   `relayrl rl` only (OpenRLHF's terms)
@@ -107,6 +108,14 @@ class DistConfig:
     reshard_after_forward: bool = True
     """Free each layer's gathered weights after its forward (ZeRO-3); False keeps them until the backward
     (ZeRO-2-like: faster, more memory)."""
+    keep_gathered: Literal["auto", "yes", "no"] = "auto"
+    """Training steps of a trained role of several ranks (FSDP2): gather each layer's weights once per optimizer
+    step, at the first micro-batch's forward, and keep them until the last micro-batch's backward (one
+    all-gather per layer a step instead of two per micro-batch, and FSDP2's host work for each of them). Costs
+    the whole model's weights in the compute dtype on every rank for the length of the step (bf16: 2 bytes a
+    parameter, beside the 4 of the unsharded fp32 gradients that are reduced once per step). auto: yes when
+    those weights take at most 1/16 of a GPU's memory (a 1.5B model on an 80 GB card) and dist.offload is off;
+    no: gather and reshard per micro-batch as dist.reshard_after_forward says."""
     sharded_load: bool = True
     """Ray mode, a model role of several ranks: each rank builds the model empty and reads only its own FSDP2
     shards' rows from the checkpoint's safetensors files (no rank ever holds the whole model); false: every

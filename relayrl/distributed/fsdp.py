@@ -2,6 +2,9 @@
 
     model = shard_model(model, ShardSpec(device=dev, compute_dtype=torch.bfloat16, offload=False))
     is_sharded(model)                    True once `shard_model` ran (the model's weights are DTensors)
+    defer_sync(dist)                     reduce the gradients once per optimizer step (not under dist.offload)
+    keep_gathered(dist, model, dev, p)   dist.keep_gathered resolved: the train step keeps every unit gathered
+                                         from its first micro-batch to its last (relayrl.training.sharded)
     full_tensors(model)                  (name, full tensor) per parameter; on GPUs gathered in buckets of
                                          BUCKET_BYTES (one all-gather each), on CPUs one parameter at a time
 
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from relayrl.config.dist import DistConfig
 from relayrl.distributed.sharded_load import is_empty, materialize
 from relayrl.models.forward import hf_model
 
@@ -52,6 +56,34 @@ class ShardSpec:
     """Keep parameters, gradients and optimizer states on the CPU (CPUOffloadPolicy)."""
     reshard_after_forward: bool = True
     """Free gathered layer weights after each forward (ZeRO-3); False keeps them until backward."""
+
+
+def defer_sync(dist: DistConfig | None) -> bool:
+    """Reduce gradients once per optimizer step (faster) unless parameters are offloaded to the CPU (then
+    the unsharded fp32 gradients would have to fit the GPU)."""
+    return not (dist is not None and dist.offload)
+
+
+KEEP_GATHERED_SHARE = 1 / 16
+"""dist.keep_gathered auto: keep the gathered weights through a step when they take at most this share of
+the GPU's memory."""
+
+
+def keep_gathered(
+    dist: DistConfig | None, model: torch.nn.Module, device: torch.device, precision: str
+) -> bool:
+    """dist.keep_gathered resolved for `model` on `device` (see its doc): yes / no as set; auto: yes unless
+    dist.offload, on a GPU only when the whole model in the compute dtype fits KEEP_GATHERED_SHARE of it (CPU
+    ranks: yes)."""
+    d = dist or DistConfig()
+    if d.keep_gathered != "auto":
+        return d.keep_gathered == "yes"
+    if d.offload:
+        return False
+    if device.type != "cuda":
+        return True
+    nbytes = sum(p.numel() for p in model.parameters()) * (2 if precision == "bf16" else 4)
+    return nbytes <= torch.cuda.get_device_properties(device).total_memory * KEEP_GATHERED_SHARE
 
 
 def layer_classes(hf: Any) -> set[str]:

@@ -20,7 +20,10 @@ is needed before the forward passes. Under torch.distributed the count is all-re
 divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks; a
 metric whose denominator is 0 over the whole step is left out of the row (no made-up 0).
 Ranks run the same number of forward passes (FSDP gathers weights in each, a collective): a rank with fewer
-micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric).
+micro-batches repeats its last one with weight 0 (no loss, no gradient, no metric). Under FSDP2 the units'
+communication follows the micro-batches as relayrl/training/sharded.py says: gradients reduced after the last
+one only, and with keep_gathered (dist.keep_gathered) weights gathered at the first forward only; the norm and
+clipping run on the local shards.
 Under sequence parallelism (relayrl.models.sequence_parallel) the W ranks of a group compute the same
 micro-batch's loss, so the all-reduced sums count it W times and are divided by W: with FSDP's average over
 all R ranks, R / count then sums the gradients inside each group and averages them over the R / W groups.
@@ -43,13 +46,14 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 
 from relayrl.models import sequence_parallel
 from relayrl.models.forward import to_device
 from relayrl.training.precision import PRECISIONS, MasterWeights, autocast, resolve_precision
+from relayrl.training.sharded import Units, clip_, scale_, total_norm
 
 __all__ = [
     "PRECISIONS",
@@ -79,12 +83,6 @@ class LossOutput:
     """Per-micro-batch SUMS; each is divided by the step's total of its denominator (`metric_counts`)."""
     metric_counts: dict[str, float | torch.Tensor] = field(default_factory=dict)
     """Denominator share of a metric when it is not `count` (e.g. a token metric of a per-sequence loss)."""
-
-
-class _GradSync(Protocol):
-    """An FSDP2 module (`FSDPModule`): its gradient reduce-scatter can be deferred to the last micro-batch."""
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
 
 
 class LossFn(Protocol):
@@ -227,15 +225,17 @@ class TrainStep:
         max_nonfinite: int = MAX_NONFINITE,
         master: MasterWeights | None = None,
         defer_grad_sync: bool = False,
+        keep_gathered: bool = False,
+        reshard_after_forward: bool = True,
     ):
         self.model = model
-        self._fsdp = cast(
-            "_GradSync | None",
-            next((m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")), None),
+        self.units = Units(
+            model,
+            defer_grad_sync=defer_grad_sync,
+            keep_gathered=keep_gathered,
+            reshard_after_forward=reshard_after_forward,
         )
-        self.defer_grad_sync = defer_grad_sync
-        """FSDP: reduce-scatter the gradients once, after the step's last micro-batch (gradients accumulate
-        unsharded in fp32 until then: + 4 bytes per parameter per rank) instead of after every micro-batch."""
+        """FSDP2: when the units gather, reshard and reduce across the micro-batches (training/sharded.py)."""
         self.master = master
         self.last_refresh_s = 0.0
         self.optimizer = optimizer
@@ -269,21 +269,19 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         sums, tokens = _Sums(), 0
         passes = padded_passes(micro_batches, num_real)
-        for i, (mb, weight) in enumerate(passes):
-            tokens += int(getattr(mb, "num_tokens", 0)) if weight else 0
-            if self._fsdp is not None and self.defer_grad_sync:
-                self._fsdp.set_requires_gradient_sync(i == len(passes) - 1)
-            with self.autocast():
-                out = loss_fn(self.model, move_to(mb, self.device))
-            (out.loss_sum if weight else out.loss_sum * 0.0).backward()
-            sums.add(out, weight)
+        with self.units.step():
+            for i, (mb, weight) in enumerate(passes):
+                tokens += int(getattr(mb, "num_tokens", 0)) if weight else 0
+                self.units.before(i, len(passes))
+                with self.autocast():
+                    out = loss_fn(self.model, move_to(mb, self.device))
+                (out.loss_sum if weight else out.loss_sum * 0.0).backward()
+                sums.add(out, weight)
         loss, count, metrics = sums.result()
         scale = (torch.distributed.get_world_size() if _group() else 1.0) / max(count, 1e-12)
-        params = [p for p in self._params() if p.grad is not None]
-        grads = cast(list[torch.Tensor], [p.grad for p in params])  # none is None (filtered above)
-        if params:
-            torch._foreach_mul_(grads, scale)  # pyright: ignore[reportPrivateImportUsage]  (public in torch)
-        grad_norm = self._clip(params, grads)
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        scale_(grads, scale)
+        grad_norm = self._clip(grads)
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = not (math.isfinite(grad_norm) and (count == 0 or math.isfinite(loss)))
         if skipped:
@@ -306,17 +304,14 @@ class TrainStep:
             skipped=skipped,
         )
 
-    def _clip(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> float:
-        """Clip to grad_clip (<= 0: no clipping); returns the global norm before clipping (FSDP: over every
-        shard of every rank). `grads`: the gradients of `params`, in order."""
-        if not params:
+    def _clip(self, grads: list[torch.Tensor]) -> float:
+        """Clip `grads` to grad_clip (<= 0: no clipping); returns the global norm before clipping (FSDP: over
+        every shard of every rank)."""
+        if not grads:
             return 0.0
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP: reduce the partial norms
-        if full is not None:
-            norm = full()
+        norm = total_norm(grads)  # FSDP2: over the local shards, one all-reduce (training/sharded.py)
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
+            clip_(grads, self.grad_clip, norm)
         return float(norm)
 
     def _refresh(self) -> None:

@@ -59,7 +59,7 @@ from relayrl.distributed.checkpoint import (
     load_rng,
     save_sharded,
 )
-from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
+from relayrl.distributed.fsdp import ShardSpec, defer_sync, is_sharded, keep_gathered, shard_model
 from relayrl.distributed.group import in_group, merged, my_data_share, rank, reports, world
 from relayrl.distributed.hf_export import export_sharded, untied
 from relayrl.distributed.sequence_parallel import setup_sequence_parallel
@@ -113,6 +113,7 @@ def build_trained(
     precision = compute_precision(dtype, device)
     if before_shard is not None:
         before_shard(layout)
+    keep = keep_gathered(dist, model, device, precision)  # counted before sharding
     grouped = shard_if_grouped(model, dist, device, precision)
     train = build_train_step(
         model,
@@ -123,6 +124,8 @@ def build_trained(
         device=device,
         sharded=grouped,
         defer_grad_sync=defer_sync(dist),
+        keep_gathered=keep,
+        reshard_after_forward=(dist or DistConfig()).reshard_after_forward,
     )
     return TrainedModel(layout=layout, train=train)
 
@@ -140,12 +143,6 @@ def shard_if_grouped(model: Any, dist: DistConfig | None, device: torch.device, 
     )
     shard_model(model, spec)
     return True
-
-
-def defer_sync(dist: DistConfig | None) -> bool:
-    """Reduce gradients once per optimizer step (faster) unless parameters are offloaded to the CPU (then
-    the unsharded fp32 gradients would have to fit the GPU)."""
-    return not (dist is not None and dist.offload)
 
 
 def _optimizer_names(model: torch.nn.Module, train: TrainStep) -> list[str]:

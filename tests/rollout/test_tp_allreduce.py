@@ -10,7 +10,6 @@ bit on random [256, 3584] bf16 at TP = 2, eagerly and replayed from a CUDA graph
 from __future__ import annotations
 
 import contextlib
-
 import os
 import time
 from typing import cast
