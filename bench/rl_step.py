@@ -164,7 +164,7 @@ def run(
                 exact=exact,
             ),
             algo=replace(cfg.algo, micro_batch_tokens=micro_tokens, off_policy=off_policy),
-            ckpt=replace(cfg.ckpt, save_final=False),  # steps are timed; the end-of-run save is not waited for
+            ckpt=replace(cfg.ckpt, save_final=False),  # steps timed; the final save not waited for
             dist=replace(
                 cfg.dist,
                 mode=dist_mode,
