@@ -40,6 +40,20 @@ def tiny_model_path(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture()
+def one_rank_group(tmp_path):
+    """The default process group of one gloo rank in this process, destroyed after the test (FSDP2 and DCP run on
+    it as on N ranks, without Ray or subprocesses; TrainStep and friends read `dist.is_initialized()`, so none may
+    leak into later tests)."""
+    dist = torch.distributed
+    assert not dist.is_initialized(), "an earlier test left a process group"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -23,18 +23,6 @@ from relayrl.distributed.fsdp import full_tensors, keep_gathered
 from relayrl.training.sharded import clip_, scale_, total_norm
 
 
-@pytest.fixture()
-def one_rank_group(tmp_path):
-    """A one-rank gloo default group (as tests/distributed/conftest.py's), destroyed after the test."""
-    dist = torch.distributed
-    assert not dist.is_initialized(), "an earlier test left a process group"
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _gathered_at_forward(step) -> tuple[list[list[bool]], list[Any]]:
     """Per forward of a step, whether each decoder layer was already gathered when it was called (a hook that
     runs before FSDP2's own pre-forward)."""
