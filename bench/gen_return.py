@@ -28,11 +28,11 @@ import argparse
 import json
 import pickle
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.reward_phase import best_of
 from relayrl.agents.base import Trajectory
 from relayrl.agents.failures import apply_failure_policy
 from relayrl.agents.rewards.base import decode_all
@@ -59,21 +59,12 @@ class Rank:
         return self.trajs
 
 
-def best(fn: Callable[[], Any], repeats: int) -> float:
-    out = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
-
-
 def driver_parts(trajs: list[Trajectory], reward: RewardWorker, per_rank: int, n: int, repeats: int) -> dict:
     """The driver's serial work on the merged trajectories of `n` ranks (see module doc), seconds."""
     tok = reward.source.tokenizer  # type: ignore[attr-defined]  (a reward_func file's source has one)
     t: dict[str, float] = {}
     shares = [pickle.dumps(trajs[i * per_rank : (i + 1) * per_rank]) for i in range(n)]
-    t["driver_unpickle"] = best(lambda: [pickle.loads(s) for s in shares], repeats)
+    t["driver_unpickle"] = best_of(repeats, lambda: [pickle.loads(s) for s in shares])
     texts = decode_all(tok, [x.token_ids for x in trajs])
     decoded = [replace(x, query_text=q) for x, q in zip(trajs, texts, strict=True)]
 
@@ -82,14 +73,14 @@ def driver_parts(trajs: list[Trajectory], reward: RewardWorker, per_rank: int, n
             x.reward = x.score = None
         reward.score(batch)
 
-    t["reward"] = best(lambda: score(trajs), repeats)
-    t["reward_decode"] = best(lambda: decode_all(tok, [x.token_ids for x in trajs]), repeats)
-    t["reward_ranks_decoded"] = best(lambda: score(decoded), repeats)
+    t["reward"] = best_of(repeats, lambda: score(trajs))
+    t["reward_decode"] = best_of(repeats, lambda: decode_all(tok, [x.token_ids for x in trajs]))
+    t["reward_ranks_decoded"] = best_of(repeats, lambda: score(decoded))
     assert [x.reward for x in decoded] == [x.reward for x in trajs]  # the same rewards
     mine = [x.token_ids for x in trajs[:per_rank]]
-    t["rank_decode"] = best(lambda: decode_all(tok, mine), repeats)
-    t["failure_groups"] = best(
-        lambda: rollout_metrics(complete_groups(apply_failure_policy(trajs, "drop_group")[0], 8)), repeats
+    t["rank_decode"] = best_of(repeats, lambda: decode_all(tok, mine))
+    t["failure_groups"] = best_of(
+        repeats, lambda: rollout_metrics(complete_groups(apply_failure_policy(trajs, "drop_group")[0], 8))
     )
     return t
 
