@@ -139,6 +139,14 @@ def _local(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
     return local, mesh.get_group()
 
 
+def _by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """`tensors` grouped by (device, dtype), in order (a foreach op takes one kind)."""
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
 def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all of `grads` together, over every rank's shards (a plain 0-dim tensor). Sharded: the
     ops DTensor runs for torch.nn.utils.get_total_norm, on the local tensors -- each tensor's local norm, the
@@ -149,11 +157,8 @@ def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(local, foreach=True)
     if not local:
         raise ValueError("total_norm of no gradients under a process group")
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in local:
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
     first = local[0].device
-    norms = [n.to(first) for same in by_kind.values() for n in torch._foreach_norm(same, 2.0)]  # pyright: ignore[reportPrivateImportUsage]
+    norms = [n.to(first) for same in _by_kind(local).values() for n in torch._foreach_norm(same, 2.0)]  # pyright: ignore[reportPrivateImportUsage]
     # as DTensor's _NormPartial(2.0) reduction of the stacked per-tensor norms: x ** p, sum, ** (1 / p)
     partial = torch.stack(norms) ** 2.0
     torch.distributed.all_reduce(partial, group=group)
@@ -172,8 +177,5 @@ def clip_(grads: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) ->
     torch.nn.utils.clip_grads_with_norm_)."""
     local, _ = _local(grads)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in local:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), same in groups.items():
+    for (device, _), same in _by_kind(local).items():
         torch._foreach_mul_(same, coef.to(device))  # pyright: ignore[reportPrivateImportUsage]
