@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from relayrl.distributed.dcp_writer import BoundedWriter
 from relayrl.distributed.fsdp import is_sharded
 from relayrl.training.checkpoint import check_shapes, load_state
 
@@ -79,6 +80,12 @@ def without_zip_crc() -> Iterator[None]:
         set_(before)
 
 
+def storage_writer(folder: str | Path) -> BoundedWriter:
+    """The writer of every DCP checkpoint relayrl saves (relayrl.distributed.dcp_writer: a rank's host memory
+    bounded, several files per rank written in parallel; torch's file layout, so any loader reads it)."""
+    return BoundedWriter(str(folder))
+
+
 def save_sharded(
     folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng: dict[str, Any]
 ) -> None:
@@ -89,8 +96,9 @@ def save_sharded(
 
     path = Path(folder)
     msd, osd = get_state_dict(model, optimizer)
+    dcp = str(path / DCP_DIR)
     with without_zip_crc():
-        save({"model": msd, "optim": osd}, checkpoint_id=str(path / DCP_DIR))
+        save({"model": msd, "optim": osd}, checkpoint_id=dcp, storage_writer=storage_writer(dcp))
     (path / RNG_DIR).mkdir(parents=True, exist_ok=True)
     torch.save(rng, path / RNG_DIR / f"rank_{_rank()}.pt")
     _barrier()
@@ -221,7 +229,7 @@ def save_tensors(folder: str | Path, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save
 
     with without_zip_crc():
-        save(dict(state), checkpoint_id=str(folder))
+        save(dict(state), checkpoint_id=str(folder), storage_writer=storage_writer(folder))
     _barrier()
 
 

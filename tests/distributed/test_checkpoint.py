@@ -201,3 +201,41 @@ def test_dcp_is_written_without_torch_save_s_record_crc_and_the_setting_is_resto
     model, opt = _tiny(tiny_tokenizer, seed=0, sharded=True)
     save_sharded(tmp_path / "c", model, opt, {})
     assert seen == [False] and torch.serialization.get_crc32_options()
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def test_every_rank_writes_several_files_and_a_checkpoint_of_torch_s_own_writer_still_loads(
+    tiny_tokenizer, one_rank_group, tmp_path, monkeypatch
+):
+    """save_sharded writes dcp_writer.THREADS files per rank (relayrl.distributed.dcp_writer); a checkpoint
+    written before it, by torch's FileSystemWriter (one file per rank), loads as before. Both give back the
+    weights and the AdamW state bit for bit."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    import relayrl.distributed.checkpoint as checkpoint
+    from relayrl.distributed.dcp_writer import THREADS
+
+    model, opt = _tiny(tiny_tokenizer, seed=0, sharded=True)
+    _train_one_step(model, opt)
+    save_sharded(tmp_path / "new", model, opt, {})
+    monkeypatch.setattr(checkpoint, "storage_writer", lambda folder: FileSystemWriter(str(folder)))
+    save_sharded(tmp_path / "old", model, opt, {})
+    monkeypatch.undo()
+    files = {v: sorted(p.name for p in (tmp_path / v / "dcp").glob("*.distcp")) for v in ("new", "old")}
+    assert files == {"new": [f"__0_{i}.distcp" for i in range(THREADS)], "old": ["__0_0.distcp"]}
+    weights, state = dict(full_tensors(model)), _state_by_name(model, opt)
+    for v in ("new", "old"):
+        back, back_opt = _tiny(tiny_tokenizer, seed=1, sharded=True)
+        _train_one_step(back, back_opt)  # its own state, to be replaced
+        names = [n for n, _ in back.named_parameters()]
+        load_model_and_optim(
+            tmp_path / v, back, back_opt, names, full_weights=_unexpected, full_optim_state=_unexpected
+        )
+        for name, t in full_tensors(back):
+            assert torch.equal(t, weights[name]), (v, name)
+        for name, s in _state_by_name(back, back_opt).items():
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(_local(s[k]), _local(state[name][k])), (v, name, k)
