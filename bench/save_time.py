@@ -2,6 +2,7 @@
 
     python bench/save_time.py --shape qwen7b-char --ranks 4               # 4 GPUs (NCCL), the 7B shape
     python bench/save_time.py --shape small --ranks 2 --device cpu        # CPU (gloo), ~170M parameters
+    python bench/save_time.py --shape qwen7b-char --ranks 4 --paths ckpt  # the checkpoint writers alone
 
 What a `relayrl rl` run on N FSDP2 ranks does when it ends (save_every 0 still writes the last checkpoint),
 phase by phase, on N processes started here (torch.multiprocessing; the same RoleState code the Ray rank
@@ -9,8 +10,12 @@ actors run, without Ray and the engines):
 
     export_new      RoleState.export: every rank writes its rows into the HF folder (distributed/hf_export.py)
     export_old      the old export: every tensor gathered to rank 0's CPU, then save_pretrained there
-    checkpoint      RoleState.save: DCP shards of weights + AdamW moments (every rank its own), rng/, config
+    checkpoint      RoleState.save: DCP shards of weights + AdamW moments (every rank its own), rng/, config,
+                    written by relayrl.distributed.dcp_writer (threads per rank, bounded host staging, fsync)
     checkpoint_old  the same with torch.save's per-record zip CRC on (the code before)
+    checkpoint_torch  the same through torch's own FileSystemWriter (one file and thread per rank, every
+                    tensor's host copy kept until its file closes: the writer before dcp_writer)
+    checkpoint_nosync  dcp_writer without fsync: what the disk's writeback costs of `checkpoint`
     manifest_new    the driver's manifest.json, chunks checksummed by threads (relayrl.training.crc)
     manifest_old    the same manifest, one thread checksumming every file (the code before); must be equal
 (in the order PLANS gives for --paths; a real run writes the checkpoint, then its manifest, then the export)
@@ -61,13 +66,20 @@ PLANS = {
     "new": ["export_new", "checkpoint", "manifest_new"],
     "old": ["export_old", "checkpoint_old", "manifest_old"],
     "new,old": ["export_new", "checkpoint", "manifest_new", "manifest_old", "export_old", "checkpoint_old"],
+    "ckpt": ["checkpoint", "checkpoint_torch", "checkpoint_nosync"],
 }
 """--paths -> phases in order. The export first (the old one is the largest cost: a --time-budget cut or a
 kill keeps its number), then the checkpoint and its manifest; with both paths the new ones first, the
-manifests of one checkpoint side by side."""
+manifests of one checkpoint side by side. ckpt: the checkpoint writers alone, the new one first (the first
+phase pays for whatever host memory the machine still has to hand out, so the new writer is not favoured).
+A checkpoint phase's row holds per rank the new writer's counters (`writer`: files, bytes, seconds copying,
+serialising and in fsync summed over its threads, peak staged bytes) and, on GPUs, the caching host
+allocator's pinned bytes (`pinned`)."""
 WRITES = {
     "checkpoint": "ckpt",
     "checkpoint_old": "ckpt",
+    "checkpoint_torch": "ckpt",
+    "checkpoint_nosync": "ckpt",
     "export_new": "export_new",
     "export_old": "export_old",
 }
@@ -138,8 +150,10 @@ def _build(shape: str, device: torch.device):
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work: str, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from relayrl.distributed.checkpoint import export_full, save_tensors
+    from relayrl.distributed.dcp_writer import BoundedWriter
     from relayrl.distributed.hf_export import streamable
     from relayrl.training.checkpoint import write_manifest
     from relayrl.workers.trained import RoleState
@@ -174,7 +188,15 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
             "export_new": lambda: state.export(root / "export_new"),
             "checkpoint_old": lambda: _with_zip_crc(lambda: state.save(root / "ckpt" / "policy", {})),
             "export_old": lambda: export_full(model, lambda sd: state.save_hf(root / "export_old", sd)),
+            "checkpoint_torch": lambda: _with_writer(
+                lambda f: FileSystemWriter(str(f)), lambda: state.save(root / "ckpt" / "policy", {})
+            ),
+            "checkpoint_nosync": lambda: _with_writer(
+                lambda f: BoundedWriter(f, sync_files=False), lambda: state.save(root / "ckpt" / "policy", {})
+            ),
         }
+        if args.simulate_d2h:
+            _simulate_d2h()
         wanted = report["plan"]
         for phase in wanted:
             if time.perf_counter() - t0 > args.time_budget:
@@ -194,22 +216,29 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
 def _run_phase(phase: str, fn, rank: int, world: int, root: Path, device: torch.device) -> dict:
     import torch.distributed as dist
 
+    from relayrl.distributed.dcp_writer import last_stats
+
     dist.barrier()
     base_rss = _rss_kb("VmRSS")
     _reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    stats_before = last_stats()
     t = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - t
     dist.barrier()
-    mine = {
+    mine: dict = {
         "seconds": round(seconds, 2),
         "rss_start_gb": round(base_rss / 1e6, 2),
         "rss_peak_extra_gb": round((_rss_kb("VmHWM") - base_rss) / 1e6, 2),
     }
+    stats = last_stats()
+    if phase.startswith("checkpoint") and stats is not None and stats is not stats_before:
+        mine["writer"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in stats.as_dict().items()}
     if device.type == "cuda":
         mine["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        mine["pinned"] = _pinned_stats()
     ranks: list = [None] * world
     dist.all_gather_object(ranks, mine)
     row: dict = {"wall_s": max(r["seconds"] for r in ranks), "ranks": ranks}
@@ -219,6 +248,40 @@ def _run_phase(phase: str, fn, rank: int, world: int, root: Path, device: torch.
         )
         (root / f"{phase}.json").write_text(json.dumps(files, sort_keys=True))
     return row
+
+
+def _simulate_d2h() -> None:
+    """CPU only (--simulate-d2h): every tensor DCP's planner hands a writer becomes a fresh host copy, as a GPU
+    tensor's device-to-host copy is, so the writers' host memory on a CPU run shows what it is on GPUs (less
+    the pinned allocator's rounding): torch's writer keeps each copy until its file closes, dcp_writer frees
+    it after its record."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    real = DefaultSavePlanner.resolve_data
+
+    def resolve_data(self, write_item):
+        data = real(self, write_item)
+        return data.detach().clone() if isinstance(data, torch.Tensor) else data
+
+    DefaultSavePlanner.resolve_data = resolve_data
+
+
+def _pinned_stats() -> dict:
+    """The caching host allocator's byte counters (pinned memory), where this torch reports them."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    try:
+        raw = stats() if stats is not None else {}
+    except RuntimeError as e:  # reported, not fatal: the timing stands without it
+        return {"error": str(e)}
+    return {k: round(v / 1e9, 2) for k, v in raw.items() if "bytes" in k and isinstance(v, int)}
+
+
+def _with_writer(writer, fn):
+    """Run `fn` with relayrl.distributed.checkpoint writing DCP through `writer(folder)`."""
+    from unittest import mock
+
+    with mock.patch("relayrl.distributed.checkpoint.storage_writer", writer):
+        return fn()
 
 
 def _with_zip_crc(fn):
@@ -282,7 +345,12 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="old,new",
-        help="new | old | old,new (either order): which path's phases to time (see PLANS)",
+        help="new | old | old,new (either order) | ckpt: which path's phases to time (see PLANS)",
+    )
+    p.add_argument(
+        "--simulate-d2h",
+        action="store_true",
+        help="CPU: DCP writes a fresh host copy of every tensor, as from a GPU (see _simulate_d2h)",
     )
     p.add_argument("--dir", default=None, help="folder for the checkpoint and exports (default: a temp dir)")
     p.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results)")
@@ -291,6 +359,8 @@ def main() -> None:
     args.paths = sorted(args.paths.split(","))
     if ",".join(args.paths) not in PLANS:
         sys.exit(f"--paths must be one of {sorted(PLANS)}, got {','.join(args.paths)}")
+    if args.simulate_d2h and args.device != "cpu":
+        sys.exit("--simulate-d2h is for --device cpu (on GPUs the copies are real)")
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, {torch.cuda.device_count()} visible")
     out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results")

@@ -15,13 +15,15 @@ grew by 36.1 GB for its 19.6 GB shard, and the save took 86.5 s (0.91 GB/s).
 This writer keeps DCP's file layout and record format (a `.metadata` file plus `__<rank>_<i>.distcp` files of
 torch.save records, which FileSystemReader reads however many files a rank wrote), so every loader reads both
 old and new checkpoints unchanged. What differs:
-- THREADS files per rank, each written by its own thread (tensors split by size, largest first);
+- `default_threads()` files per rank (THREADS, fewer on a machine with fewer cores), each written by its own thread (tensors split by size, largest first);
 - each tensor is copied to host memory just before its record is written and freed right after. A record of
   at most CHUNK_BYTES leaves a GPU through the thread's pinned CHUNK_BYTES buffer and is written from it; a
   larger one is copied through that buffer into a fresh host tensor, and the bytes so held at once by a
   rank's threads stay within HOST_BUDGET_BYTES (a tensor larger than the budget waits for the others and is
   held alone). A CPU tensor that owns exactly its bytes is written without a copy. A rank's extra host memory
-  is therefore at most THREADS * CHUNK_BYTES + max(HOST_BUDGET_BYTES, its largest tensor);
+  is therefore at most threads * CHUNK_BYTES + max(HOST_BUDGET_BYTES, its largest tensor);
+- torch.save's per-record CRC setting (thread-local in torch) is the caller's in every writing thread, so
+  relayrl.distributed.checkpoint's `without_zip_crc` holds there too;
 - every file is fsynced before the save returns, as before (`sync_files`): a checkpoint is on disk when the
   checkpoint manager rotates older ones away.
 """
@@ -46,8 +48,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 THREADS = 4
-"""Files (and writing threads) per rank. Four saturate the local NVMe of a GPU host with 4-8 ranks; the
-threads mostly wait on copies and on the kernel, so they need no spare cores."""
+"""Files (and writing threads) per rank, at most (`default_threads`): 4 ranks x 4 threads copy and serialise
+a 7B checkpoint into the page cache several times faster than one thread per rank, and a GPU node has the
+cores for them."""
 CHUNK_BYTES = 128 * 2**20
 """Each thread's pinned buffer for GPU -> host copies (a power of two: the caching host allocator wastes
 nothing on it). 128 MiB holds a rank's share of every 7B matrix at 4 ranks (an MLP shard is 68 MB), so those
@@ -235,6 +238,18 @@ class _Thread:
         self.stats.add(copy_s=time.perf_counter() - t0, copied_records=1)
 
 
+def default_threads() -> int:
+    """THREADS, or one per core on a machine with fewer (on 2 cores more threads only take turns)."""
+    return max(1, min(THREADS, os.cpu_count() or 1))
+
+
+def _crc_option() -> bool | None:
+    """torch.save's per-record zip CRC setting in this thread (a thread-local setting: a new thread starts
+    with it on, whatever its parent set); None on a torch without the setting."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    return get() if get is not None else None
+
+
 class BoundedWriter(FileSystemWriter):
     """FileSystemWriter with `threads` files per rank and a rank's staged host memory bounded (module doc)."""
 
@@ -242,10 +257,11 @@ class BoundedWriter(FileSystemWriter):
         self,
         path: str | os.PathLike[str],
         *,
-        threads: int = THREADS,
+        threads: int | None = None,
         host_budget: int = HOST_BUDGET_BYTES,
         sync_files: bool = True,
     ) -> None:
+        threads = default_threads() if threads is None else threads
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=threads)
         self.host_budget = host_budget
 
@@ -254,13 +270,14 @@ class BoundedWriter(FileSystemWriter):
         t0 = time.perf_counter()
         stats = WriteStats()
         budget = _Budget(self.host_budget, stats)
+        crc = _crc_option()  # torch.save's record CRC setting is per thread: the caller's, in every thread
         prefix = plan.storage_data.prefix
         jobs = [
             (f"{prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_buckets(plan.items, self.thread_count))
         ]
         with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="dcp-write") as pool:
             futures = [
-                pool.submit(self._write_file, name, items, planner, _Thread(budget, stats))
+                pool.submit(self._write_file, name, items, planner, _Thread(budget, stats), crc)
                 for name, items in jobs
             ]
             results = [r for f in futures for r in f.result()]
@@ -273,8 +290,10 @@ class BoundedWriter(FileSystemWriter):
         return fut
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, thread: _Thread
+        self, name: str, items: list[WriteItem], planner: SavePlanner, thread: _Thread, crc: bool | None
     ) -> list[WriteResult]:
+        if crc is not None:
+            torch.serialization.set_crc32_options(crc)
         results = []
         stats = thread.stats
         with Path(self.fs.concat_path(self.path, name)).open("wb") as stream:

@@ -210,13 +210,13 @@ def _local(t):
 def test_every_rank_writes_several_files_and_a_checkpoint_of_torch_s_own_writer_still_loads(
     tiny_tokenizer, one_rank_group, tmp_path, monkeypatch
 ):
-    """save_sharded writes dcp_writer.THREADS files per rank (relayrl.distributed.dcp_writer); a checkpoint
+    """save_sharded writes dcp_writer.default_threads() files per rank (relayrl.distributed.dcp_writer); a checkpoint
     written before it, by torch's FileSystemWriter (one file per rank), loads as before. Both give back the
     weights and the AdamW state bit for bit."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     import relayrl.distributed.checkpoint as checkpoint
-    from relayrl.distributed.dcp_writer import THREADS
+    from relayrl.distributed.dcp_writer import default_threads
 
     model, opt = _tiny(tiny_tokenizer, seed=0, sharded=True)
     _train_one_step(model, opt)
@@ -225,7 +225,8 @@ def test_every_rank_writes_several_files_and_a_checkpoint_of_torch_s_own_writer_
     save_sharded(tmp_path / "old", model, opt, {})
     monkeypatch.undo()
     files = {v: sorted(p.name for p in (tmp_path / v / "dcp").glob("*.distcp")) for v in ("new", "old")}
-    assert files == {"new": [f"__0_{i}.distcp" for i in range(THREADS)], "old": ["__0_0.distcp"]}
+    assert default_threads() > 1  # CI has 2 cores
+    assert files == {"new": [f"__0_{i}.distcp" for i in range(default_threads())], "old": ["__0_0.distcp"]}
     weights, state = dict(full_tensors(model)), _state_by_name(model, opt)
     for v in ("new", "old"):
         back, back_opt = _tiny(tiny_tokenizer, seed=1, sharded=True)

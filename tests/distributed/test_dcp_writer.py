@@ -93,11 +93,9 @@ def test_a_budget_that_holds_two_lets_two_threads_stage_at_once(tmp_path):
 def test_gpu_tensors_are_staged_through_the_pinned_buffer_and_load_back_bit_identically(
     tmp_path, monkeypatch
 ):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     import relayrl.distributed.dcp_writer as dw
 
-    monkeypatch.setattr(dw, "CHUNK_BYTES", 64 * KB)  # 100 KB goes through the chunks into a host tensor
+    monkeypatch.setattr(dw, "CHUNK_BYTES", 32 * KB)  # 50 KB goes through the chunks into a host tensor
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {
         "small": torch.randn(3, 1000, device="cuda", generator=g),
@@ -113,3 +111,22 @@ def test_gpu_tensors_are_staged_through_the_pinned_buffer_and_load_back_bit_iden
     load(back, checkpoint_id=str(tmp_path))
     for k, v in state.items():
         assert torch.equal(back[k], v.cpu()), k
+
+
+def test_every_writing_thread_writes_records_with_the_caller_s_crc_setting(tmp_path, monkeypatch):
+    """torch.save's record CRC setting is thread-local (a new thread starts with it on):
+    relayrl.distributed.checkpoint turns it off around a save, and each writing thread must follow."""
+    real, seen = torch.save, []
+
+    def save_recording(*args, **kwargs):
+        seen.append(torch.serialization.get_crc32_options())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_recording)
+    state = {f"t{i}": torch.full((5,), float(i)) for i in range(4)}
+    torch.serialization.set_crc32_options(False)
+    try:
+        save(state, checkpoint_id=str(tmp_path), storage_writer=BoundedWriter(tmp_path, threads=2))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert seen == [False] * 4
