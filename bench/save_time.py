@@ -16,6 +16,7 @@ actors run, without Ray and the engines):
     checkpoint_torch  the same through torch's own FileSystemWriter (one file and thread per rank, every
                     tensor's host copy kept until its file closes: the writer before dcp_writer)
     checkpoint_nosync  dcp_writer without fsync: what the disk's writeback costs of `checkpoint`
+    checkpoint_again  `checkpoint` once more, warm (the first save of a process pays first-call costs)
     manifest_new    the driver's manifest.json, chunks checksummed by threads (relayrl.training.crc)
     manifest_old    the same manifest, one thread checksumming every file (the code before); must be equal
 (in the order PLANS gives for --paths; a real run writes the checkpoint, then its manifest, then the export)
@@ -66,12 +67,13 @@ PLANS = {
     "new": ["export_new", "checkpoint", "manifest_new"],
     "old": ["export_old", "checkpoint_old", "manifest_old"],
     "new,old": ["export_new", "checkpoint", "manifest_new", "manifest_old", "export_old", "checkpoint_old"],
-    "ckpt": ["checkpoint", "checkpoint_torch", "checkpoint_nosync"],
+    "ckpt": ["checkpoint", "checkpoint_torch", "checkpoint_nosync", "checkpoint_again"],
 }
 """--paths -> phases in order. The export first (the old one is the largest cost: a --time-budget cut or a
 kill keeps its number), then the checkpoint and its manifest; with both paths the new ones first, the
 manifests of one checkpoint side by side. ckpt: the checkpoint writers alone, the new one first (the first
-phase pays for whatever host memory the machine still has to hand out, so the new writer is not favoured).
+phase pays for whatever host memory the machine still has to hand out and for first calls, so the new writer
+is not favoured), then again last, warm, if --time-budget allows.
 A checkpoint phase's row holds per rank the new writer's counters (`writer`: files, bytes, seconds copying,
 serialising and in fsync summed over its threads, peak staged bytes) and, on GPUs, the caching host
 allocator's pinned bytes (`pinned`)."""
@@ -80,6 +82,7 @@ WRITES = {
     "checkpoint_old": "ckpt",
     "checkpoint_torch": "ckpt",
     "checkpoint_nosync": "ckpt",
+    "checkpoint_again": "ckpt",
     "export_new": "export_new",
     "export_old": "export_old",
 }
@@ -188,6 +191,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
             "export_new": lambda: state.export(root / "export_new"),
             "checkpoint_old": lambda: _with_zip_crc(lambda: state.save(root / "ckpt" / "policy", {})),
             "export_old": lambda: export_full(model, lambda sd: state.save_hf(root / "export_old", sd)),
+            "checkpoint_again": lambda: state.save(root / "ckpt" / "policy", {}),
             "checkpoint_torch": lambda: _with_writer(
                 lambda f: FileSystemWriter(str(f)), lambda: state.save(root / "ckpt" / "policy", {})
             ),

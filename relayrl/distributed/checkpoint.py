@@ -26,6 +26,10 @@ trained parameters are the same. `names` names the optimizer's parameters in ord
 optimizer holds separate fp32 master tensors, relayrl.training.precision.MasterWeights, their module names).
 Exact resume across rank counts: weights, optimizer and schedule are exact; a rank that did not exist in the
 saving run starts its RNG from the run seed (sampling is seeded per request, so rollouts are unaffected).
+
+Every DCP checkpoint is written through `storage_writer(folder)` (relayrl.distributed.dcp_writer: several
+files per rank written by threads, a rank's host memory bounded; torch's file layout and records, so the
+loaders read checkpoints of either writer).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ grew by 36.1 GB for its 19.6 GB shard, and the save took 86.5 s (0.91 GB/s).
 This writer keeps DCP's file layout and record format (a `.metadata` file plus `__<rank>_<i>.distcp` files of
 torch.save records, which FileSystemReader reads however many files a rank wrote), so every loader reads both
 old and new checkpoints unchanged. What differs:
-- `default_threads()` files per rank (THREADS, fewer on a machine with fewer cores), each written by its own thread (tensors split by size, largest first);
+- `default_threads()` files per rank (THREADS, fewer on a machine with fewer cores), each written by its own
+  thread (tensors split by size, largest first);
 - each tensor is copied to host memory just before its record is written and freed right after. A record of
   at most CHUNK_BYTES leaves a GPU through the thread's pinned CHUNK_BYTES buffer and is written from it; a
   larger one is copied through that buffer into a fresh host tensor, and the bytes so held at once by a
@@ -48,9 +49,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 THREADS = 4
-"""Files (and writing threads) per rank, at most (`default_threads`): 4 ranks x 4 threads copy and serialise
-a 7B checkpoint into the page cache several times faster than one thread per rank, and a GPU node has the
-cores for them."""
+"""Files (and writing threads) per rank, at most (`default_threads`): one thread copies and serialises a few
+GB/s, a rank's 20 GB shard of a 7B checkpoint needs several to keep up with a node's disks, and a GPU node has
+the cores (bench/save_time.py --paths ckpt measures it)."""
 CHUNK_BYTES = 128 * 2**20
 """Each thread's pinned buffer for GPU -> host copies (a power of two: the caching host allocator wastes
 nothing on it). 128 MiB holds a rank's share of every 7B matrix at 4 ranks (an MLP shard is 68 MB), so those
