@@ -32,7 +32,8 @@ table() {  # table <tag> <time budget s> <scale.py args...>
     # shellcheck disable=SC2086  # SCALE_EXTRA is a list of flags
     timeout -k 5 $((budget + 10)) "$PY" bench/scale.py "$@" --time-budget "$budget" --out "$DIR" --tag "$tag" \
         ${SCALE_EXTRA:-} > "$DIR/$tag.log" 2>&1
-    echo "$(date -u +%H:%M:%S) $tag exit $?" >&2
+    local rc=$?
+    echo "$(date -u +%H:%M:%S) $tag exit $rc" >&2
     tail -6 "$DIR/$tag.log" >&2
 }
 
