@@ -1,6 +1,6 @@
 """dist.replicate end to end on a real local Ray cluster (gloo, 2 CPU ranks): policy, reference and critic each
 hold the whole model on every rank, the engines generate from the ranks' own weights, and the run equals the
-one-rank run step by step; its checkpoints are the one-rank format written once (plus every rank's RNG) and
+one-rank run step by step, exactly on-policy under rollout.exact (which a sharded policy refuses); its checkpoints are the one-rank format written once (plus every rank's RNG) and
 resume on one rank, continuing exactly.
 
 Tolerance: as tests/distributed/test_data_parallel.py (rtol 1e-4, atol 1e-5: the ranks sum the same gradients
@@ -38,6 +38,7 @@ def _cfg(model: Path, out: Path, ranks: int, **ckpt):
     return replace(
         cfg,
         algo=replace(cfg.algo, advantage="gae", kl_mode="loss", kl_coef=0.1),
+        rollout=replace(cfg.rollout, exact=True),
         ckpt=replace(cfg.ckpt, save_every=1, **ckpt),
         dist=replace(
             cfg.dist,
@@ -70,6 +71,8 @@ def test_rl_on_two_replicated_ranks_equals_one_rank_and_its_checkpoint_resumes(
     assert len(one.history) == len(two.history) == 2
     for i, (a, b) in enumerate(zip(one.history, two.history, strict=True)):
         _close(a, b, f"step {i + 1}")
+    for h in two.history:  # rollout.exact on replicated ranks: each engine's log-probs are its trainer's
+        assert h["train/logprob_diff"] == 0.0 and h["train/ratio_mean"] == 1.0, h
     assert two.history[1]["timing/engine_refresh"] < 0.05  # nothing to gather (a sharded run: ~0.1-1 s here)
     ckpt = tmp_path / "two/checkpoints/step_1"
     for role in ("policy", "critic"):
