@@ -159,7 +159,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, store: str, work
     from relayrl.distributed.dcp_writer import BoundedWriter
     from relayrl.distributed.hf_export import streamable
     from relayrl.training.checkpoint import write_manifest
-    from relayrl.workers.trained import RoleState
+    from relayrl.workers.role_state import RoleState
 
     cuda = args.device == "cuda"
     if cuda:

@@ -131,7 +131,7 @@ against a reference colocated with the policy), ppo_critic (PPO preset: a critic
 reward against a reference; every role colocated on the policy's GPUs)."""
 
 
-def _dist(cfg_dist, gpus: int, offload: bool, device: str, algo: str = "grpo"):
+def _dist(cfg_dist, gpus: int, offload: bool, device: str, algo: str = "grpo", replicate: bool = False):
     if gpus <= 1:
         return replace(cfg_dist, mode="local")
     return replace(
@@ -145,6 +145,7 @@ def _dist(cfg_dist, gpus: int, offload: bool, device: str, algo: str = "grpo"):
         colocate_policy_ref=algo == "grpo_ref",
         colocate_all=algo == "ppo_critic",
         offload=offload,
+        replicate=replicate,
         timeout_s=900,
     )
 
@@ -184,7 +185,7 @@ def run_rl_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) -> 
         ),
         algo=replace(_algo(cfg.algo, algo), micro_batch_tokens=args.budget),
         ckpt=replace(cfg.ckpt, save_every=0, save_final=getattr(args, "time_save", False)),
-        dist=_dist(cfg.dist, gpus, args.offload, args.device, algo),
+        dist=_dist(cfg.dist, gpus, args.offload, args.device, algo, getattr(args, "replicate", False)),
         ema=getattr(args, "ema", 0.0),
     )
     launched = getattr(args, "case_launched", 0.0) or time.time()
@@ -232,6 +233,7 @@ def run_sft_case(args: argparse.Namespace, model: Path, gpus: int, out: Path) ->
         gpus="yes" if args.device == "cuda" else "no",
         num_gpus_per_node=gpus,
         offload=args.offload,
+        replicate=gpus > 1 and getattr(args, "replicate", False),
         timeout_s=900,
     )
     cfg = replace(
@@ -274,6 +276,7 @@ def _identity(args: argparse.Namespace, algo: str, gpus: int) -> dict:
     per_gpu = gpus if args.weak else 1
     batch = args.prompts * per_gpu * args.samples if args.kind == "rl" else args.batch * per_gpu
     row = dict(kind=args.kind, shape=args.shape, gpus=gpus, global_batch=batch, offload=args.offload)
+    row["replicate"] = bool(getattr(args, "replicate", False)) and gpus > 1
     row.update(grad_ckpt=args.grad_ckpt, weak=args.weak, steps_asked=args.steps)
     return {**row, "algo": algo} if args.kind == "rl" else row
 
@@ -413,6 +416,11 @@ def main() -> None:
     p.add_argument("--algo", default="grpo", help="RL: grpo, grpo_ref, ppo_critic, or several (comma)")
     p.add_argument("--steps", type=int, default=6, help=f"steps per run (the first {WARMUP} a warm-up)")
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload (dist.offload)")
+    p.add_argument(
+        "--replicate",
+        action="store_true",
+        help="several GPUs hold the whole model each (dist.replicate), no FSDP2",
+    )
     p.add_argument("--grad-ckpt", action="store_true", help="RL: gradient checkpointing (policy and critic)")
     p.add_argument("--ema", type=float, default=0.0, help="RL: EMA decay of the policy (sharded on N GPUs)")
     p.add_argument("--prompts", type=int, default=64, help="RL prompts per step (per GPU with --weak)")

@@ -11,10 +11,12 @@
 #   group C (~7 min, at most 9):     rl_strong_15 RL strong 1.5B-char 64 x 8 at 1,2,4             ~4 min
 #                                    7b_grpo_ref  7B GRPO + reference, 4 GPUs, 16 x 4 x 128        ~3 min
 #   group D (~5 min, at most 7.5):   7b_ppo       7B PPO + critic + reference, 4 GPUs, grad ckpt  ~4-5 min
+#   group R (~6.5 min, at most 7.7): rl_weak_05_rep, sft_weak_05_rep   group A with --replicate (dist.replicate)
+#   group S (~8 min, at most 9.3):   rl_weak_15_rep, rl_strong_15_rep  RL 1.5B weak and strong, --replicate
 # Every table has a --time-budget (the build included) and an outer timeout 10 s above it, so a group never
 # runs past its "at most"; a case cut short still writes its row (partial), a case that cannot get its
 # --case-min is not started.
-# Usage: OUT=/some/dir bash bench/scale_tables_gpu.sh A   (or B, C, D; several: A B)
+# Usage: OUT=/some/dir bash bench/scale_tables_gpu.sh A   (or B, C, D, R, S; several: A B)
 # CPU smoke of the script itself: SCALE_EXTRA="--device cpu --shape tiny --gpus 1 --prompts 2 --samples 2
 #   --new-tokens 4 --batch 4" (appended to every scale.py call: later flags win)
 set -u
@@ -32,7 +34,8 @@ table() {  # table <tag> <time budget s> <scale.py args...>
     # shellcheck disable=SC2086  # SCALE_EXTRA is a list of flags
     timeout -k 5 $((budget + 10)) "$PY" bench/scale.py "$@" --time-budget "$budget" --out "$DIR" --tag "$tag" \
         ${SCALE_EXTRA:-} > "$DIR/$tag.log" 2>&1
-    echo "$(date -u +%H:%M:%S) $tag exit $?" >&2
+    local rc=$?
+    echo "$(date -u +%H:%M:%S) $tag exit $rc" >&2
     tail -6 "$DIR/$tag.log" >&2
 }
 
@@ -55,6 +58,18 @@ for group in "${@:-A}"; do
         table 7b_ppo 430 rl --shape qwen7b-char --gpus 4 --algo ppo_critic --grad-ckpt --prompts 16 --samples 4 \
             --new-tokens 128 --budget 4096 --case-min 200 --case-timeout 420
         ;;
-    *) echo "unknown group $group (A, B, C or D)" >&2 ;;
+    R)
+        table rl_weak_05_rep 230 rl --shape qwen0.5b-char --gpus 1,2,4 --weak --budget 0 --case-timeout 150 \
+            --replicate
+        table sft_weak_05_rep 210 sft --shape qwen0.5b --gpus 1,2,4 --weak --budget 16384 --case-timeout 130 \
+            --replicate
+        ;;
+    S)
+        table rl_weak_15_rep 285 rl --shape qwen1.5b-char --gpus 1,2,4 --weak --budget 0 --case-timeout 180 \
+            --replicate
+        table rl_strong_15_rep 270 rl --shape qwen1.5b-char --gpus 1,2,4 --budget 0 --case-timeout 170 \
+            --replicate
+        ;;
+    *) echo "unknown group $group (A, B, C, D, R or S)" >&2 ;;
     esac
 done

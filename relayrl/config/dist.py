@@ -5,7 +5,7 @@ engines, FSDP2 sharding options and timeouts (docs/distributed.md).
       mode, ray_address, num_cpus, gpus, timeout_s,         every command
       stall_timeout_s
       offload, reshard_after_forward, keep_gathered,         every model role of several ranks (FSDP2)
-      sharded_load
+      sharded_load, replicate                                (replicate: whole models, no FSDP2)
       sp_size                                                sequence parallelism of every model role
       num_nodes, num_gpus_per_node                           the one-model commands' model (sft, rm, dpo, ...)
       policy_* / ref_* / critic_*, num_engines, engine_tp,   `relayrl rl` only (OpenRLHF's terms)
@@ -121,6 +121,16 @@ class DistConfig:
     shards' rows from the checkpoint's safetensors files (no rank ever holds the whole model); false: every
     rank loads the whole model in host memory first, then shards it (the old path; also taken, with a log
     line, for LoRA, vision-language and .bin checkpoints)."""
+    replicate: bool = False
+    """Ray mode, a model role of several ranks: every rank holds the whole model (a plain module, data
+    parallelism without sharding) instead of FSDP2 shards. A train step sums the gradients over the ranks with
+    one bucketed all-reduce after its last micro-batch (no per-layer all-gathers, reduce-scatters or FSDP2
+    hooks), and the policy's colocated engine generates from the rank's own weights, as on one GPU (no gather
+    into a replica after each step). Costs the whole training state on every GPU (fp32 weights, gradients and
+    AdamW states: 16 bytes a parameter, plus the bf16 compute copy): for models that fit one GPU with room for
+    activations (about 1.5B parameters on an 80 GB card). Checkpoints are written in the one-rank format (HF
+    folder + optimizer) by rank 0, with each rank's RNG in rng/rank_<r>.pt, and resume on any rank count,
+    sharded or not. Not with dist.offload, sp_size > 1, engine_tp > 1 or num_engines > 0."""
     engine_sleep: Literal["auto", "yes", "no"] = "auto"
     """relayrl rl: the rollout engine frees its KV cache (and CUDA graphs) while the policy trains and
     re-allocates them before the next rollout, so training can use that memory: yes, no, auto (= no: waking
@@ -153,6 +163,23 @@ class DistConfig:
             raise invalid("num_engines", self.num_engines, "an int >= 0 (0: the engine is colocated)")
         if self.engine_tp < 1:
             raise invalid("engine_tp", self.engine_tp, "an int >= 1 (GPUs per separate engine)")
+        if self.replicate:
+            for name, bad, why in (
+                ("offload", self.offload, "offload moves FSDP2 shards to the CPU"),
+                ("sp_size", self.sp_size > 1, "sequence parallelism runs over FSDP2 shards"),
+                ("engine_tp", self.engine_tp > 1, "a tensor-parallel engine is refreshed from FSDP2 shards"),
+                (
+                    "num_engines",
+                    self.num_engines > 0,
+                    "separate engines take the weights from a sharded policy",
+                ),
+            ):
+                if bad:
+                    raise ConfigError(
+                        f"dist.replicate: not with dist.{name} {getattr(self, name)} ({why}); set "
+                        f"--dist.replicate false, or leave dist.{name} at its default",
+                        field="dist.replicate",
+                    )
         if self.sp_size > 1 and self.mode != "ray":
             raise invalid(
                 "sp_size", self.sp_size, "1 in local mode (sequence parallelism needs --dist.mode ray)"

@@ -6,6 +6,8 @@ process), that form ONE torch.distributed process group (NCCL on GPU, gloo on CP
 
     join_group(GroupSpec(rank=r, world=n, addr=..., port=..., backend="gloo", timeout_s=600))
     rank(), world()                          0 and 1 outside a group (local mode): the same code runs there
+    sharded_role(dist) / replicated_role(dist)  one rank of several with FSDP2 shards / with the whole model
+                                             (dist.replicate)
     shares(weights, world)                   contiguous, balanced split of items into `world` ranges
     my_share(weights)                        this rank's range of `shares`
     my_data_share(weights)                   this rank's data-parallel range: under sequence parallelism the
@@ -33,6 +35,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,6 +86,17 @@ def leave_group() -> None:
 def in_group() -> bool:
     """True when this process is one rank of a multi-process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sharded_role(config: Any) -> bool:
+    """Whether this rank's role model is FSDP2-sharded: one rank of several, `config` (the DistConfig, or
+    None) without dist.replicate."""
+    return in_group() and not (config is not None and config.replicate)
+
+
+def replicated_role(config: Any) -> bool:
+    """Whether this rank holds its role's whole model beside the other ranks' copies (dist.replicate)."""
+    return in_group() and config is not None and bool(config.replicate)
 
 
 def rank() -> int:

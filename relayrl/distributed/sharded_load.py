@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from relayrl.config.dist import DistConfig
-from relayrl.distributed.group import in_group
+from relayrl.distributed.group import sharded_role
 from relayrl.models.empty import Built, FillPlan, Unsupported, fill_plan, forget_plan
 from relayrl.models.forward import hf_model
 
@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 
 def wanted(dist: DistConfig | None) -> bool:
-    """Whether this process loads a role's model by shards: one rank of several, dist.sharded_load on."""
-    return in_group() and (dist is None or dist.sharded_load)
+    """Whether this process loads a role's model by shards: one rank of several that shard (not
+    dist.replicate), dist.sharded_load on."""
+    return sharded_role(dist) and (dist is None or dist.sharded_load)
 
 
 def load_for_shards(

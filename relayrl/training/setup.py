@@ -280,13 +280,15 @@ def build_train_step(
     defer_grad_sync: bool = False,
     keep_gathered: bool = False,
     reshard_after_forward: bool = True,
+    replicate_grads: bool = False,
 ) -> TrainStep:
     """TrainStep from an OptimConfig: AdamW (fused on CUDA) + schedule + clipping, at `precision`. With
     "bf16" the module is converted to bf16 compute weights and the optimizer holds their fp32 masters;
     `sharded` (FSDP2, relayrl.distributed.fsdp): the sharded fp32 parameters are the masters and FSDP's
     mixed-precision policy casts them for compute, so no MasterWeights; `defer_grad_sync`, `keep_gathered` and
     `reshard_after_forward` (what the layers were sharded with) say how its micro-batches drive the FSDP2 units
-    (relayrl.training.sharded)."""
+    (relayrl.training.sharded); `replicate_grads` (dist.replicate: the whole model on every rank of a group)
+    sums the gradients over the ranks once a step (relayrl.training.replicate)."""
     device = device if device is not None else next(model.parameters()).device
     precision = resolve_precision(precision, device)
     master = MasterWeights(model, torch.bfloat16) if precision == "bf16" and not sharded else None
@@ -303,6 +305,7 @@ def build_train_step(
         defer_grad_sync=sharded and defer_grad_sync,
         keep_gathered=sharded and keep_gathered,
         reshard_after_forward=reshard_after_forward,
+        replicate_grads=replicate_grads and not sharded,
     )
 
 

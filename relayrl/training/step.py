@@ -16,7 +16,9 @@ gradient of
 The step back-propagates each raw `loss_sum_i`, then multiplies the accumulated gradients by 1 / global
 count once: the update does not depend on how the step is split into micro-batches (tested), and no count
 is needed before the forward passes. Under torch.distributed the count is all-reduced and the gradients
-(averaged over ranks by FSDP) are multiplied by world_size / global count. Metrics are sums too, each
+(averaged over ranks by FSDP) are multiplied by world_size / global count; with a replicated model
+(dist.replicate) they are summed over ranks after the last micro-batch (relayrl/training/replicate.py) and
+multiplied by 1 / global count. Metrics are sums too, each
 divided by its own global denominator (`metric_counts[name]`, default the loss count), also over ranks; a
 metric whose denominator is 0 over the whole step is left out of the row (no made-up 0).
 Ranks run the same number of forward passes (FSDP gathers weights in each, a collective): a rank with fewer
@@ -53,6 +55,7 @@ import torch
 from relayrl.models import sequence_parallel
 from relayrl.models.forward import to_device
 from relayrl.training.precision import PRECISIONS, MasterWeights, autocast, resolve_precision
+from relayrl.training.replicate import all_reduce_grads
 from relayrl.training.sharded import Units, clip_, scale_, total_norm
 
 __all__ = [
@@ -227,8 +230,12 @@ class TrainStep:
         defer_grad_sync: bool = False,
         keep_gathered: bool = False,
         reshard_after_forward: bool = True,
+        replicate_grads: bool = False,
     ):
         self.model = model
+        self.replicate_grads = replicate_grads
+        """dist.replicate: the model is whole on every rank; the gradients are summed over the ranks after the
+        last micro-batch (relayrl.training.replicate)."""
         self.units = Units(
             model,
             defer_grad_sync=defer_grad_sync,
@@ -251,7 +258,8 @@ class TrainStep:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.precision, self.device)
 
-    def _params(self) -> list[torch.nn.Parameter]:
+    def optimizer_params(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (the fp32 masters under bf16), in its order."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def step(
@@ -277,9 +285,12 @@ class TrainStep:
                     out = loss_fn(self.model, move_to(mb, self.device))
                 (out.loss_sum if weight else out.loss_sum * 0.0).backward()
                 sums.add(out, weight)
+        if self.replicate_grads:
+            all_reduce_grads(self.optimizer_params())  # summed: the scale below is 1 / count
         loss, count, metrics = sums.result()
-        scale = (torch.distributed.get_world_size() if _group() else 1.0) / max(count, 1e-12)
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        averaged_over = torch.distributed.get_world_size() if _group() and not self.replicate_grads else 1.0
+        scale = averaged_over / max(count, 1e-12)
+        grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
         scale_(grads, scale)
         grad_norm = self._clip(grads)
         lr = float(self.optimizer.param_groups[0]["lr"])

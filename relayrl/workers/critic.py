@@ -23,7 +23,7 @@ from relayrl.algorithms.objective import ValueObjective, ValueTerms
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.packing import plan_micro_batches
-from relayrl.distributed.group import in_group, merged
+from relayrl.distributed.group import merged, sharded_role
 from relayrl.distributed.sharded_load import load_for_shards
 from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.models.empty import empty_value_model
@@ -35,7 +35,8 @@ from relayrl.training.step import LossOutput, padded_passes
 from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import setup_process
 from relayrl.workers.model_ops import RowGather, TokenBudgets, critic_values, on_my_rows
-from relayrl.workers.trained import RoleState, build_trained
+from relayrl.workers.role_state import RoleState
+from relayrl.workers.trained import build_trained
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,7 +79,7 @@ class CriticWorker:
         self.device = resolve_device(spec.device)
         m = spec.model
         self.tokenizer = load_tokenizer(m.tokenizer_name_or_path or m.name_or_path)
-        grouped = in_group()
+        grouped = sharded_role(spec.dist)
         self.model = self._build(torch.device("cpu") if grouped else self.device, sharded_load(spec.dist))
         built = build_trained(
             self.model,

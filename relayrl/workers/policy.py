@@ -46,7 +46,7 @@ from relayrl.config.dist import DistConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.data.packing import plan_micro_batches
 from relayrl.data.records import PromptSample
-from relayrl.distributed.group import in_group, merged, rank, world
+from relayrl.distributed.group import merged, rank, sharded_role, world
 from relayrl.distributed.hf_export import export_sharded
 from relayrl.distributed.sharded_load import is_empty
 from relayrl.distributed.sharded_load import wanted as sharded_load
@@ -74,7 +74,8 @@ from relayrl.workers.builders import (
 from relayrl.workers.ema import PolicyEma
 from relayrl.workers.engine import generate_share, generate_tp_share, sampling_params
 from relayrl.workers.model_ops import TokenBudgets, masked_logprobs, on_my_rows, row_logprobs
-from relayrl.workers.trained import RoleState, build_trained
+from relayrl.workers.role_state import RoleState
+from relayrl.workers.trained import build_trained
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,7 +142,7 @@ class PolicyWorker:
         setup_process(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
-        grouped = in_group()
+        grouped = sharded_role(spec.dist)  # dist.replicate: the whole model on every rank, as on one
         # N ranks: load on the CPU, copy the engine's full replica, then shard (FSDP moves each layer's shard
         # to the device), so no rank ever holds the full fp32 model on its GPU
         self.model, self.tokenizer = build_trainable(
@@ -453,12 +454,15 @@ class PolicyWorker:
         if self.ema.sharded:  # each rank writes its rows (distributed/hf_export.py), else through rank 0
             export_sharded(self.model, path, self.tokenizer, lambda: self._gathered_ema(path), self.ema.state)
             return str(path)
-        with self.train.full_precision():
-            current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.model.load_state_dict(self.ema.state)
-            pretrained(self.model).save_pretrained(path)
-            self.model.load_state_dict(current)
-        self.tokenizer.save_pretrained(path)
+        if rank() == 0:  # replicated ranks (dist.replicate) hold the same EMA: rank 0 writes for all
+            with self.train.full_precision():
+                current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                self.model.load_state_dict(self.ema.state)
+                pretrained(self.model).save_pretrained(path)
+                self.model.load_state_dict(current)
+            self.tokenizer.save_pretrained(path)
+        if self.state.replicated:
+            torch.distributed.barrier()
         return str(path)
 
     def _gathered_ema(self, path: Path) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from relayrl.config.components import ModelConfig
 from relayrl.config.dist import DistConfig
 from relayrl.distributed.fsdp import ShardSpec, is_sharded, shard_model
-from relayrl.distributed.group import in_group, merged
+from relayrl.distributed.group import merged, sharded_role
 from relayrl.distributed.sequence_parallel import setup_sequence_parallel
 from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
@@ -57,7 +57,7 @@ class ReferenceWorker:
         setup_process(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
-        grouped = in_group()
+        grouped = sharded_role(spec.dist)
         self.model = build_frozen(
             spec.model,
             torch.device("cpu") if grouped else self.device,

@@ -1,15 +1,14 @@
 """What the trained roles (policy, critic) share about sharding and state: one place that knows whether the
-role runs on one rank (plain module, HF-folder checkpoints) or on N ranks (FSDP2 shards, DCP checkpoints).
+role runs on one rank (plain module, HF-folder checkpoints), on N ranks with FSDP2 shards (DCP checkpoints) or
+on N ranks each holding the whole model (dist.replicate: gradients summed once a step, one-rank checkpoints).
 
     built = build_trained(model, device=..., dtype=..., optim=..., opt_steps=..., dist=..., before_shard=...)
                                       THE construction sequence of a trained role (policy, critic, a recipe's
                                       model): forward layout, precision, FSDP2 shards when this process is one
-                                      rank of a multi-rank role, the train step -> TrainedModel(layout, train)
+                                      rank of a multi-rank role (or rank 0's weights broadcast to every replica
+                                      under dist.replicate), the train step -> TrainedModel(layout, train)
     state = RoleState(model, train, tokenizer, full_weights)
-    state.save(folder, extra)         1 rank: HF folder + worker_state.pt; N ranks: dcp/ + rng/ + worker_state.pt
-    extra = state.load(folder)        either format, on any rank count (relayrl.distributed.checkpoint)
-    state.export(folder)              HF folder of the full model (+ tokenizer); N ranks: each writes its rows
-    state.save_hf(folder, weights)    HF folder from a full state dict (rank 0)
+                                      checkpoint and export in each of the three cases (workers/role_state.py)
 
 worker_state.pt always holds the schedule, counters and (1 rank) optimizer state and RNG; the role adds its own
 `extra` entries (e.g. the policy's EMA). Under N ranks the RNG of each rank is in rng/rank_<r>.pt.
@@ -52,32 +51,33 @@ import torch
 from relayrl.config.components import ModelConfig, OptimConfig
 from relayrl.config.dist import DistConfig
 from relayrl.data.packing import count_ranges
-from relayrl.distributed.checkpoint import (
-    export_full,
-    is_sharded_checkpoint,
-    load_model_and_optim,
-    load_rng,
-    save_sharded,
-)
 from relayrl.distributed.fsdp import ShardSpec, defer_sync, is_sharded, keep_gathered, shard_model
-from relayrl.distributed.group import in_group, merged, my_data_share, rank, reports, world
-from relayrl.distributed.hf_export import export_sharded, untied
+from relayrl.distributed.group import (
+    in_group,
+    merged,
+    my_data_share,
+    rank,
+    replicated_role,
+    reports,
+    sharded_role,
+    world,
+)
 from relayrl.distributed.sequence_parallel import setup_sequence_parallel
 from relayrl.distributed.sharded_load import load_for_shards
 from relayrl.distributed.sharded_load import wanted as sharded_load
 from relayrl.models.empty import Built, Unsupported, empty_causal_lm, empty_value_model
 from relayrl.models.forward import choose_layout, hf_model, prepare_model
-from relayrl.models.loading import load_causal_lm, load_tokenizer, pretrained, resolve_device
+from relayrl.models.loading import load_causal_lm, load_tokenizer, resolve_device
 from relayrl.models.sequence_parallel import size as sp_size
 from relayrl.models.value_head import build_value_model
-from relayrl.training.checkpoint import WEIGHTS_FILE, check_finite_weights, load_state, load_weights_into
-from relayrl.training.rng import capture_rng_state, restore_rng_state, seed_everything
+from relayrl.training.checkpoint import load_weights_into
+from relayrl.training.replicate import broadcast_params
+from relayrl.training.rng import seed_everything
 from relayrl.training.setup import build_train_step, compute_precision
 from relayrl.training.step import LossFn, StepOutput, TrainStep, autocast, move_to
 from relayrl.workers.base import Items, as_items
 from relayrl.workers.builders import build_frozen
-
-STATE_FILE = "worker_state.pt"
+from relayrl.workers.role_state import RoleState
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +115,9 @@ def build_trained(
         before_shard(layout)
     keep = keep_gathered(dist, model, device, precision)  # counted before sharding
     grouped = shard_if_grouped(model, dist, device, precision)
+    replicated = replicated_role(dist)
+    if replicated:  # every rank starts from rank 0's weights (a value head or LoRA adapters are random)
+        broadcast_params(model)
     train = build_train_step(
         model,
         optim,
@@ -126,13 +129,15 @@ def build_trained(
         defer_grad_sync=defer_sync(dist),
         keep_gathered=keep,
         reshard_after_forward=(dist or DistConfig()).reshard_after_forward,
+        replicate_grads=replicated,
     )
     return TrainedModel(layout=layout, train=train)
 
 
 def shard_if_grouped(model: Any, dist: DistConfig | None, device: torch.device, precision: str) -> bool:
-    """Shard `model` with FSDP2 when this process is one rank of a multi-rank role (see module doc)."""
-    if not in_group():
+    """Shard `model` with FSDP2 when this process is one rank of a multi-rank role that shards (not
+    dist.replicate; see module doc)."""
+    if not sharded_role(dist):
         return False
     d = dist or DistConfig()
     spec = ShardSpec(
@@ -143,118 +148,6 @@ def shard_if_grouped(model: Any, dist: DistConfig | None, device: torch.device, 
     )
     shard_model(model, spec)
     return True
-
-
-def _optimizer_names(model: torch.nn.Module, train: TrainStep) -> list[str]:
-    """Module names of the optimizer's parameters, in the optimizer's order."""
-    if train.master is not None:
-        return [n for n, _ in train.master.named_params()]
-    ids = {id(p): n for n, p in model.named_parameters()}
-    return [ids[id(p)] for g in train.optimizer.param_groups for p in g["params"]]
-
-
-class RoleState:
-    """Checkpoint and export of a trained role (see module doc)."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        train: TrainStep,
-        tokenizer: Any,
-        full_weights: Callable[[Path], dict[str, torch.Tensor]],
-        hf_format: bool = True,
-    ) -> None:
-        self.model, self.train, self.tokenizer = model, train, tokenizer
-        self.full_weights = full_weights
-        self.hf_format = hf_format
-        """1 rank: an HF folder (save_pretrained), or False: a plain state dict (weights.pt)."""
-
-    @property
-    def sharded(self) -> bool:
-        return is_sharded(self.model)
-
-    def check_finite(self, what: str) -> None:
-        """NonFiniteWeights (relayrl.training.checkpoint) when the trained weights hold NaN / inf: nothing
-        is written from a diverged model. Every rank calls it (the count is summed over a sharded role)."""
-        with self.train.full_precision():
-            check_finite_weights(dict(self.model.named_parameters()), what, reduce=self.sharded)
-
-    def save(self, folder: str | Path, extra: dict[str, Any]) -> None:
-        path = Path(folder)
-        self.check_finite(f"a checkpoint to {path}")
-        path.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] = {
-            "scheduler": self.train.scheduler.state_dict(),
-            "nonfinite_skips": self.train.nonfinite_total,
-            **extra,
-        }
-        if self.sharded:
-            save_sharded(path, self.model, self.train.optimizer, capture_rng_state())
-            if rank() == 0:
-                pretrained(self.model).config.save_pretrained(
-                    path
-                )  # what the folder holds (architecture), no weights
-                self.tokenizer.save_pretrained(path)
-                torch.save(state, path / STATE_FILE)
-            torch.distributed.barrier()
-            return
-        with self.train.full_precision():
-            if self.hf_format:
-                pretrained(self.model).save_pretrained(path)
-            else:
-                torch.save(self.model.state_dict(), path / WEIGHTS_FILE)
-        self.tokenizer.save_pretrained(path)
-        state["optimizer"] = self.train.optimizer.state_dict()
-        state["rng"] = capture_rng_state()
-        torch.save(state, path / STATE_FILE)
-
-    def load(self, folder: str | Path) -> dict[str, Any]:
-        """Restore model, optimizer, schedule, counters and RNG; returns worker_state.pt's entries."""
-        path = Path(folder)
-        state = load_state(path / STATE_FILE)
-        if self.sharded or is_sharded_checkpoint(path):
-            with self.train.full_precision():
-                load_model_and_optim(
-                    path,
-                    self.model,
-                    self.train.optimizer,
-                    _optimizer_names(self.model, self.train),
-                    full_weights=self.full_weights,
-                    full_optim_state=lambda p: load_state(p / STATE_FILE)["optimizer"],
-                )
-            if self.train.master is not None:  # the masters hold the loaded fp32 weights
-                self.train.master.refresh()
-            rng = load_rng(path) if is_sharded_checkpoint(path) else state.get("rng")
-        else:
-            with self.train.full_precision():
-                load_weights_into(self.model, path)
-            self.train.optimizer.load_state_dict(state["optimizer"])
-            rng = state["rng"]
-        self.train.scheduler.load_state_dict(state["scheduler"])
-        self.train.nonfinite_total = int(state.get("nonfinite_skips", 0))
-        if rng is not None:
-            restore_rng_state(rng)
-        return state
-
-    def export(self, folder: str | Path) -> str:
-        """The full model as an HF folder (+ tokenizer); every rank calls it. Refused
-        (NonFiniteWeights, nothing written) when the weights are not finite."""
-        path = Path(folder)
-        self.check_finite(f"the final model to {path}")
-        if self.sharded:  # every rank writes its own rows (distributed/hf_export.py), else through rank 0
-            old_path = lambda: export_full(self.model, lambda sd: self.save_hf(path, sd))  # noqa: E731
-            export_sharded(self.model, path, self.tokenizer, old_path)
-            return str(path)
-        with self.train.full_precision():
-            pretrained(self.model).save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        return str(path)
-
-    def save_hf(self, folder: str | Path, weights: dict[str, torch.Tensor]) -> None:
-        """An HF folder with `weights` (a full state dict of this model), from rank 0 only. Tied copies (e.g.
-        lm_head.weight = the input embeddings) are left out, as the one-rank save_pretrained does."""
-        pretrained(self.model).save_pretrained(folder, state_dict=untied(self.model, weights))
-        self.tokenizer.save_pretrained(folder)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -348,7 +241,7 @@ class ModelWorker:
         seed_everything(spec.seed)
         self.spec = spec
         self.device = resolve_device(spec.device)
-        grouped = in_group()
+        grouped = sharded_role(spec.dist)
         self.model, self.tokenizer = self._load(
             torch.device("cpu") if grouped else self.device, sharded_load(spec.dist)
         )

@@ -16,7 +16,7 @@ from relayrl.distributed.hf_export import ExportStats
 from relayrl.distributed.hf_export import export_hf as real_export_hf
 from relayrl.models.tiny import build_tiny_tokenizer
 from relayrl.training.setup import build_train_step
-from relayrl.workers.trained import RoleState
+from relayrl.workers.role_state import RoleState
 
 
 def untied_model(seed: int = 0) -> Qwen2ForCausalLM:

@@ -113,6 +113,32 @@ def dtensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def replicated_steps(rank: int, mbs: list[list[Any]]) -> dict[str, Any]:
+    """The same two steps with the whole model on every rank (dist.replicate): rank 1 starts from perturbed
+    weights, so only the broadcast makes the replicas equal; then whether a replica that drifted is caught."""
+    from relayrl.training.replicate import broadcast_params, check_replicas
+
+    m = model()
+    if rank == 1:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.5)
+    broadcast_params(m)
+    step = build_train_step(m, OPTIM, 100, next_token_loss, device=CPU, replicate_grads=True)
+    outs = [step.step(batch) for batch in mbs]
+    check_replicas(step.optimizer_params(), "the test's replicas")  # equal: must not raise
+    weights = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with torch.no_grad():
+        if rank == 1:
+            next(iter(m.parameters())).view(-1)[0] += 1e-3
+    try:
+        check_replicas(step.optimizer_params(), "the test's replicas")
+        caught = ""
+    except RuntimeError as e:
+        caught = str(e)
+    return {"outs": [(o.loss, o.count, o.grad_norm) for o in outs], "weights": weights, "caught": caught}
+
+
 def rank_main(rank: int, world: int, store_path: str, out: str) -> None:
     """Two steps of 3 micro-batches (each rank its own data) with keep_gathered off, then on, from the same
     weights; the all-gathers of each step; the weights after; and the local-shard norm against DTensor's on
@@ -138,6 +164,7 @@ def rank_main(rank: int, world: int, store_path: str, out: str) -> None:
                 "weights": {n: t.clone() for n, t in full_tensors(step.model)},
                 "sharded_after": all(isinstance(p, DTensor) for p in step.model.parameters()),
             }
+        result["replicated"] = replicated_steps(rank, mbs)
         step = sharded_step(False)
         for mb in micro_batches(seed=99 + rank):
             next_token_loss(step.model, mb).loss_sum.backward()

@@ -114,7 +114,9 @@ def test_norm_clip_and_scale_of_plain_tensors_equal_torch():
 def test_local_shard_norm_and_keep_gathered_over_two_ranks(tmp_path: Path):
     """2 gloo ranks, each with its own micro-batches: keep_gathered on and off give bit-equal steps and weights
     with 1 all-gather per unit a step (3 units: root + 2 layers) instead of 2 per micro-batch and layer plus
-    the root's 1; the local-shard norm equals DTensor's, and clipping with it equals clipping with DTensor's."""
+    the root's 1; the local-shard norm equals DTensor's, and clipping with it equals clipping with DTensor's.
+    The same steps with the model replicated (dist.replicate) update as the sharded ones, the replicas stay
+    bit-identical, and a replica that drifts is caught."""
     world = 2
     mp.spawn(kg.rank_main, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
     for r in range(world):
@@ -129,6 +131,21 @@ def test_local_shard_norm_and_keep_gathered_over_two_ranks(tmp_path: Path):
         ref, new = got["norm"]
         assert ref == new and ref > 0.5  # > the clip: clipping scaled the gradients
         assert got["clipped_equal"]
+        # dist.replicate: the whole model on each rank, gradients summed once a step, equals the sharded update
+        # (the same fp32 sums in another order: AdamW divides by sqrt(v), so a last-bit difference in a tiny
+        # gradient moves a weight by up to ~2e-6 here; 2e-5 is 0.2% of one step of lr 1e-2, while ranks that
+        # did not sum their gradients differ by the size of a whole step)
+        rep = got["replicated"]
+        for (loss, count, norm), (loss_s, count_s, norm_s) in zip(rep["outs"], before["outs"], strict=True):
+            assert count == count_s and loss == pytest.approx(loss_s, rel=1e-6), (loss, loss_s)
+            assert norm == pytest.approx(norm_s, rel=1e-5), (norm, norm_s)
+        for name, w in rep["weights"].items():
+            diff = (w - before["weights"][name]).abs().max().item()
+            assert diff <= 2e-5, (name, diff)
+        assert "replicated ranks' weights differ" in rep["caught"], rep["caught"]
+    one, two = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["replicated"] for r in range(world))
+    for name, w in one["weights"].items():  # the replicas stay bit-identical
+        assert torch.equal(w, two["weights"][name]), name
 
 
 def test_keep_gathered_resolution(monkeypatch):

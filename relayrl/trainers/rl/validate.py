@@ -144,13 +144,14 @@ def _check_fp8(cfg: RLConfig) -> None:
 
 
 def _check_exact(cfg: RLConfig) -> None:
-    """rollout.exact: one unsharded policy with plain projections (relayrl/rollout/exact.py)."""
+    """rollout.exact: unsharded policies (one rank, or dist.replicate) with plain projections
+    (relayrl/rollout/exact.py)."""
     d = cfg.dist
     blocker = (
         "LoRA (merge the adapter first)"
         if cfg.model.lora.rank > 0
-        else f"{d.ranks('policy')} policy ranks (FSDP shards)"
-        if d.mode == "ray" and d.ranks("policy") > 1
+        else f"{d.ranks('policy')} policy ranks (FSDP shards; --dist.replicate true keeps the whole policy on each)"
+        if d.mode == "ray" and d.ranks("policy") > 1 and not d.replicate
         else f"dist.sp_size={d.sp_size}"
         if d.sp_size > 1
         else f"dist.engine_tp={d.engine_tp}"

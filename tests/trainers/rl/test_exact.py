@@ -40,7 +40,7 @@ def test_exact_mode_has_zero_mismatch_every_step(tiny_model_path, tmp_path, exac
             assert h["mismatch/logprob_absdiff_max"] > 0.0
 
 
-def test_exact_mode_needs_the_native_engine_and_one_unsharded_policy(tmp_path):
+def test_exact_mode_needs_the_native_engine_and_unsharded_policies(tmp_path):
     with pytest.raises(ConfigError, match="exact"):
         RolloutConfig(engine="hf", exact=True)
     cfg = tiny_cpu_config("m", str(tmp_path), steps=1)
@@ -48,3 +48,7 @@ def test_exact_mode_needs_the_native_engine_and_one_unsharded_policy(tmp_path):
     validate_rl(cfg)  # one local policy: fine
     with pytest.raises(ConfigError, match=r"rollout\.exact .* LoRA"):
         validate_rl(replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=8))))
+    two = replace(cfg.dist, mode="ray", policy_num_gpus_per_node=2)
+    with pytest.raises(ConfigError, match=r"rollout\.exact .* 2 policy ranks \(FSDP shards"):
+        validate_rl(replace(cfg, dist=two))
+    validate_rl(replace(cfg, dist=replace(two, replicate=True)))  # whole policies on both ranks: fine

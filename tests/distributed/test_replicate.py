@@ -1,0 +1,96 @@
+"""dist.replicate end to end on a real local Ray cluster (gloo, 2 CPU ranks): policy, reference and critic each
+hold the whole model on every rank, the engines generate from the ranks' own weights, and the run equals the
+one-rank run step by step, exactly on-policy under rollout.exact (which a sharded policy refuses); its checkpoints are the one-rank format written once (plus every rank's RNG) and
+resume on one rank, continuing exactly.
+
+Tolerance: as tests/distributed/test_data_parallel.py (rtol 1e-4, atol 1e-5: the ranks sum the same gradients
+in another order); a gradient left unsummed, or a rank's share lost, moves the loss by > 1e-2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from dp_fixtures import assert_metrics_close as _close
+
+from relayrl.config.base import ConfigError
+from relayrl.config.dist import DistConfig
+from relayrl.config.presets import tiny_cpu_config
+from relayrl.trainers.rl.loop import RLTrainer, run_rl
+from relayrl.workers.policy import PolicyWorker
+
+DATA = Path(__file__).parents[1] / "trainers" / "data"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(model: Path, out: Path, ranks: int, **ckpt):
+    cfg = tiny_cpu_config(str(model), str(out), steps=2, reward=str(DATA / "digit_reward.py"))
+    return replace(
+        cfg,
+        algo=replace(cfg.algo, advantage="gae", kl_mode="loss", kl_coef=0.1),
+        rollout=replace(cfg.rollout, exact=True),
+        ckpt=replace(cfg.ckpt, save_every=1, **ckpt),
+        dist=replace(
+            cfg.dist,
+            mode="ray" if ranks > 1 else "local",
+            replicate=ranks > 1,
+            policy_num_gpus_per_node=ranks,
+            ref_num_gpus_per_node=ranks,
+            critic_num_gpus_per_node=ranks,
+            timeout_s=120,
+        ),
+    )
+
+
+@pytest.mark.slow  # a 2-rank Ray run beside a 1-rank one
+@pytest.mark.timeout(400)
+def test_rl_on_two_replicated_ranks_equals_one_rank_and_its_checkpoint_resumes(
+    ray_cluster, tiny_model_path, tmp_path
+):
+    one = run_rl(_cfg(tiny_model_path, tmp_path / "one", 1))
+    trainer = RLTrainer(_cfg(tiny_model_path, tmp_path / "two", 2))
+    info = trainer.roles.policy.call(PolicyWorker.info)
+    canaries: list[float] = []
+    two = trainer.fit(
+        on_step=lambda step, m: canaries.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    )
+    assert one.exit_code == two.exit_code == 0, two.message
+    # each rank's engine generates from that rank's own trained module: nothing is gathered or copied
+    assert info["ranks"] == 2 and info["engine_weights"] == "shared"
+    assert canaries == [0.0, 0.0]
+    assert len(one.history) == len(two.history) == 2
+    for i, (a, b) in enumerate(zip(one.history, two.history, strict=True)):
+        _close(a, b, f"step {i + 1}")
+    for h in two.history:  # rollout.exact on replicated ranks: each engine's log-probs are its trainer's
+        assert h["train/logprob_diff"] == 0.0 and h["train/ratio_mean"] == 1.0, h
+    assert two.history[1]["timing/engine_refresh"] < 0.05  # nothing to gather (a sharded run: ~0.1-1 s here)
+    ckpt = tmp_path / "two/checkpoints/step_1"
+    for role in ("policy", "critic"):
+        assert (ckpt / role / "model.safetensors").is_file(), role  # the one-rank format, from rank 0
+        assert not (ckpt / role / "dcp").exists(), role
+        assert (ckpt / role / "rng/rank_0.pt").is_file() and (ckpt / role / "rng/rank_1.pt").is_file(), role
+    assert (tmp_path / "two/final/model.safetensors").is_file()
+
+    resumed = run_rl(_cfg(tiny_model_path, tmp_path / "r21", 1, resume=str(ckpt)))
+    assert resumed.exit_code == 0, resumed.message
+    assert resumed.steps == 2 and len(resumed.history) == 1
+    _close(one.history[1], resumed.history[0], "resumed 2 (replicated) -> 1")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("offload", True), ("sp_size", 2), ("engine_tp", 2), ("num_engines", 1)],
+)
+def test_replicate_refuses_what_needs_shards(field, value):
+    with pytest.raises(ConfigError, match=f"dist.replicate: not with dist.{field}"):
+        DistConfig(mode="ray", replicate=True, **{field: value})
