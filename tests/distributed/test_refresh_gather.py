@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import refresh_ranks as ranks
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 pytestmark = pytest.mark.slow  # two spawned gloo ranks
 
 
 def test_bucketed_refresh_holds_exactly_the_trained_weights(tmp_path: Path):
     world = 2
-    mp.spawn(ranks.rank_main, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(ranks.rank_main, (world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for case in ("full", "lora"):
         master = got[0][case]["master"]

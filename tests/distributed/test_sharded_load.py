@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import sharded_load_ranks as ranks
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 from safetensors import safe_open
 
 from relayrl.config.components import LoraConfig, ModelConfig
@@ -64,7 +64,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 
 def _spawn(fn: Any, tmp_path: Path, *args: Any) -> None:
-    mp.spawn(fn, args=(2, str(tmp_path / "store"), str(tmp_path), *args), nprocs=2, join=True)
+    spawn_ranks(fn, (2, str(tmp_path / "store"), str(tmp_path), *args), nprocs=2)
 
 
 @pytest.fixture(scope="module")

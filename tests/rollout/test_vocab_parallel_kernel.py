@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import tp_workers
 import vocab_kernel_ranks
+from rank_spawn import spawn_ranks
 from vocab_kernel_ranks import BOUNDARY, boundary_rows
 
 from relayrl.rollout.base import generate_all
@@ -146,9 +146,7 @@ def test_kernel_split_over_gloo_samples_what_the_torch_split_samples(world, tmp_
     """Real gloo groups (dist.all_reduce, the engine's transport on a CPU): every rank gets the torch split's
     tokens (bf16 logits, sampled and greedy) and log-probs within LP_TOL."""
     out = str(tmp_path / "out")
-    mp.spawn(
-        vocab_kernel_ranks.gloo_worker, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True
-    )
+    spawn_ranks(vocab_kernel_ranks.gloo_worker, (world, str(tmp_path / "store"), out), nprocs=world)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     logits, temp, u = vocab_kernel_ranks.case(*vocab_kernel_ranks.GLOO_CASE, seed=world)
     for r in ranks:
@@ -171,9 +169,7 @@ def test_a_tp2_engine_sampling_through_the_kernels_samples_what_tp1_samples(tmp_
     finally:
         engine.close()
     out = str(tmp_path / "out")
-    mp.spawn(
-        vocab_kernel_ranks.engine_kernel_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True
-    )
+    spawn_ranks(vocab_kernel_ranks.engine_kernel_worker, (2, str(tmp_path / "store"), out), nprocs=2)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     assert ranks[0]["kernel_calls"] == ranks[1]["kernel_calls"] > 0  # every rank, every greedy / sample step
     got = ranks[0]["outputs"]

@@ -14,7 +14,7 @@ from typing import Any
 import keep_gathered_ranks as kg
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 from torch.distributed.tensor import DTensor
 
 from relayrl.config.base import ConfigError
@@ -116,7 +116,7 @@ def test_local_shard_norm_and_keep_gathered_over_two_ranks(tmp_path: Path):
     with 1 all-gather per unit a step (3 units: root + 2 layers) instead of 2 per micro-batch and layer plus
     the root's 1; the local-shard norm equals DTensor's, and clipping with it equals clipping with DTensor's."""
     world = 2
-    mp.spawn(kg.rank_main, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(kg.rank_main, (world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
     for r in range(world):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         before, after = got[False], got[True]
