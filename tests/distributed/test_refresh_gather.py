@@ -4,7 +4,7 @@ on 2 real gloo CPU ranks: after an optimizer step, the bucketed gather (what a C
 engine replica holding exactly the trained fp32 weights cast to the engine dtype, bit for bit the same in fp32
 and bf16 (the weight canary reads 0), with one all-gather per bucket (small buckets: several; a big one: a
 single collective instead of one per FSDP unit); with LoRA only the adapters train and are refreshed, the frozen
-base staying as copied. One spawn (~10 s on 2 cores)."""
+base staying as copied. One spawn (~3-6 s on 2 cores)."""
 
 from __future__ import annotations
 

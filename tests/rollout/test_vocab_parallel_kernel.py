@@ -3,7 +3,8 @@ CUDA default) against its torch ops (sample_split(fast=False)) and the one-GPU s
 on the whole row), on a CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; skipped
 without triton). Ranks: 2 and 4 simulated in threads that take turns (the interpreter is not thread-safe: a
 rank runs only while the others wait inside an all-reduce), and real gloo groups of 2 and 4 processes
-(marked slow: ~6-25 s and ~12-35 s on 2 cores, by load; so is a TP 2 engine sampling through the kernels).
+(marked slow: ~2-4 s each on 2 cores, ranks forked by tests/helpers/rank_spawn.py; so is a TP 2 engine
+sampling through the kernels).
 
 Bounds (the TP = 1 kernel's, sampling.py's module doc): tokens equal to both references except where u lies
 within BOUNDARY of the fp64 CDF boundary between the two tokens (each side groups its fp32 sums differently:
