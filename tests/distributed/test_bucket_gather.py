@@ -15,7 +15,7 @@ from typing import Any
 import bucket_gather_ranks as ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 BF16 = torch.bfloat16
 NAMES = {
@@ -46,9 +46,7 @@ def _padded_bytes(shape: tuple[int, ...], world: int, itemsize: int) -> int:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bucketed_gather_equals_the_per_parameter_one(world, tmp_path: Path):
-    mp.spawn(
-        ranks.rank_main, args=(world, str(tmp_path / "store"), str(tmp_path), CASES), nprocs=world, join=True
-    )
+    spawn_ranks(ranks.rank_main, (world, str(tmp_path / "store"), str(tmp_path), CASES), nprocs=world)
     for r in range(world):
         for case, got in zip(CASES, torch.load(tmp_path / f"rank{r}.pt", weights_only=False), strict=True):
             ref, new, plain, shapes = got["ref"], got["new"], got["plain"], got["shapes"]

@@ -36,11 +36,20 @@ def _checksum(folder: Path) -> float:
     return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
 
 
+@pytest.fixture(scope="module")
+def local_run(tiny_model_path, tmp_path_factory):
+    """The colocated 2-step run both engine tests compare with (local mode: one engine in the policy's process);
+    read only: the tests compare their metrics with its history."""
+    return run_rl(_cfg(tiny_model_path, tmp_path_factory.mktemp("local"), steps=2, mode="local"))
+
+
 @pytest.mark.timeout(300)
-def test_two_engine_actors_match_the_colocated_run_and_hold_the_trained_weights(tiny_model_path, tmp_path):
+def test_two_engine_actors_match_the_colocated_run_and_hold_the_trained_weights(
+    tiny_model_path, tmp_path, local_run
+):
     import ray
 
-    local = run_rl(_cfg(tiny_model_path, tmp_path / "local", steps=2, mode="local"))
+    local = local_run
     trainer = RLTrainer(_cfg(tiny_model_path, tmp_path / "ray", steps=2), banner=False)
     seen: dict[int, list[float]] = {}
     result = trainer.fit(
@@ -63,11 +72,13 @@ def test_two_engine_actors_match_the_colocated_run_and_hold_the_trained_weights(
 
 
 @pytest.mark.timeout(300)
-def test_a_tensor_parallel_native_engine_of_two_actors_matches_the_colocated_run(tiny_model_path, tmp_path):
+def test_a_tensor_parallel_native_engine_of_two_actors_matches_the_colocated_run(
+    tiny_model_path, tmp_path, local_run
+):
     """One separate native engine with dist.engine_tp 2: two shard actors (rank 0 leads, rank 1 follows),
     each receiving the policy's broadcast and keeping its half; the run equals one colocated engine (fp32:
     TP only reorders sums, so the same samples and, after the step-1 broadcast, the same step-2 losses)."""
-    local = run_rl(_cfg(tiny_model_path, tmp_path / "local", steps=2, mode="local"))
+    local = local_run
     cfg = _cfg(tiny_model_path, tmp_path / "ray", steps=2, engines=1)
     cfg = replace(cfg, dist=replace(cfg.dist, engine_tp=2))
     trainer = RLTrainer(cfg, banner=False)

@@ -11,7 +11,7 @@ import json
 import export_ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 from transformers import AutoModelForCausalLM
 
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, shard_model
@@ -84,7 +84,7 @@ def test_what_cannot_be_written_in_place_says_why(tiny_tokenizer):
 @pytest.mark.slow  # two spawned ranks
 @pytest.mark.timeout(120)
 def test_two_ranks_each_write_their_own_rows_and_gather_nothing(tmp_path):
-    mp.spawn(export_ranks.rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(export_ranks.rank_main, (2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank_{r}.pt", weights_only=True) for r in (0, 1))
     header = r0["total"] - r0["local"] - r1["local"]  # no buffers in the state dict: rows + rank 0's header
     assert 0 < header < 4096 and r0["written"] == r0["local"] + header and r1["written"] == r1["local"]

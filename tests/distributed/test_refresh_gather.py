@@ -4,7 +4,7 @@ on 2 real gloo CPU ranks: after an optimizer step, the bucketed gather (what a C
 engine replica holding exactly the trained fp32 weights cast to the engine dtype, bit for bit the same in fp32
 and bf16 (the weight canary reads 0), with one all-gather per bucket (small buckets: several; a big one: a
 single collective instead of one per FSDP unit); with LoRA only the adapters train and are refreshed, the frozen
-base staying as copied. One spawn (~10 s on 2 cores)."""
+base staying as copied. One spawn (~3-6 s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import refresh_ranks as ranks
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 pytestmark = pytest.mark.slow  # two spawned gloo ranks
 
 
 def test_bucketed_refresh_holds_exactly_the_trained_weights(tmp_path: Path):
     world = 2
-    mp.spawn(ranks.rank_main, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(ranks.rank_main, (world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for case in ("full", "lora"):
         master = got[0][case]["master"]

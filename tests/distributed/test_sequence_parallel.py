@@ -44,14 +44,14 @@ def _same_as_reference(out, ref):
         _close(w, ref["weights"][name], name)
 
 
-@pytest.mark.slow  # 2 spawned processes (~35 s on 2 cores)
+@pytest.mark.slow  # 2 spawned processes (~3 s on 2 cores)
 def test_two_ranks_sp2_equal_one_process(reference, tmp_path):
     ranks = spawn_sp(2, 2, tmp_path)
     for out in ranks:
         _same_as_reference(out, reference)
 
 
-@pytest.mark.slow  # 4 spawned processes (~140 s on 2 cores)
+@pytest.mark.slow  # 4 spawned processes (~3-7 s on 2 cores)
 def test_four_ranks_dp2_sp2_equal_one_process(reference, tmp_path):
     ranks = spawn_sp(4, 2, tmp_path)
     for out in ranks:

@@ -6,7 +6,7 @@ bf16: the fill casts), a critic (new zero head), a reward model (new N(0, 1/(H+1
 seeded RNG), a saved value-head folder, and Qwen3-MoE / Mixtral (fused experts from per-expert tensors, 3
 experts: uneven shards). Each rank reads its share of the checkpoint (bytes counted) and, on a ~50 MB model,
 adds at most 0.7x the model's size to its peak host memory (the old path: the whole model). One spawn of 2
-ranks runs every case (~25 s on 2 cores).
+ranks runs every case (~3-6 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import sharded_load_ranks as ranks
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 from safetensors import safe_open
 
 from relayrl.config.components import LoraConfig, ModelConfig
@@ -64,7 +64,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 
 def _spawn(fn: Any, tmp_path: Path, *args: Any) -> None:
-    mp.spawn(fn, args=(2, str(tmp_path / "store"), str(tmp_path), *args), nprocs=2, join=True)
+    spawn_ranks(fn, (2, str(tmp_path / "store"), str(tmp_path), *args), nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def big_folder(tmp_path_factory) -> str:
     return str(save_tiny(tmp_path_factory.mktemp("big") / "model", spec))
 
 
-@pytest.mark.slow  # 2 spawned ranks, ~25 s on 2 cores
+@pytest.mark.slow  # 2 spawned ranks, ~3-6 s on 2 cores
 def test_sharded_load_equals_the_old_path_and_holds_only_a_share(folders, big_folder, tmp_path):
     cases = [
         {"kind": "lm", "folder": folders["dense"]},

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 from relayrl.data.batches import SFTBatch
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, shard_model
@@ -105,5 +105,5 @@ def _entry(rank: int, world: int, sp: int, folder: str) -> None:
 
 def spawn_sp(world: int, sp: int, folder: Path) -> list[Any]:
     """sp_run on `world` spawned gloo ranks; every rank's result."""
-    mp.spawn(_entry, args=(world, sp, str(folder)), nprocs=world, join=True)
+    spawn_ranks(_entry, (world, sp, str(folder)), nprocs=world)
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]

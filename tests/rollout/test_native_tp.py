@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import tp_workers
+from rank_spawn import spawn_ranks
 
 from relayrl.rollout.base import generate_all
 from relayrl.rollout.native import NativeEngine
@@ -39,7 +39,7 @@ def assert_same(got: list, want: list) -> None:
 
 def run(fn, world: int, tmp_path, *extra) -> list[dict]:
     out = str(tmp_path / "out")
-    mp.spawn(fn, args=(world, str(tmp_path / "store"), out, *extra), nprocs=world, join=True)
+    spawn_ranks(fn, (world, str(tmp_path / "store"), out, *extra), nprocs=world)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
 
 

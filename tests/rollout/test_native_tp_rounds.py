@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import tp_workers
+from rank_spawn import spawn_ranks
 
 from relayrl.rollout import native_tp
 from relayrl.rollout.base import generate_all
@@ -52,7 +52,7 @@ def test_a_tp2_round_costs_one_cpu_broadcast_and_no_extra_host_reads(tmp_path):
     finally:
         one.close()
     out = str(tmp_path / "out")
-    mp.spawn(tp_workers.count_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    spawn_ranks(tp_workers.count_worker, (2, str(tmp_path / "store"), out), nprocs=2)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     tokens = [[tok for tok, _ in req] for req in base["outputs"]]
     assert [[tok for tok, _ in req] for req in ranks[0]["outputs"]] == tokens  # lock step kept the samples

@@ -3,7 +3,8 @@ CUDA default) against its torch ops (sample_split(fast=False)) and the one-GPU s
 on the whole row), on a CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; skipped
 without triton). Ranks: 2 and 4 simulated in threads that take turns (the interpreter is not thread-safe: a
 rank runs only while the others wait inside an all-reduce), and real gloo groups of 2 and 4 processes
-(marked slow: ~6-25 s and ~12-35 s on 2 cores, by load; so is a TP 2 engine sampling through the kernels).
+(marked slow: ~2-4 s each on 2 cores, ranks forked by tests/helpers/rank_spawn.py; so is a TP 2 engine
+sampling through the kernels).
 
 Bounds (the TP = 1 kernel's, sampling.py's module doc): tokens equal to both references except where u lies
 within BOUNDARY of the fp64 CDF boundary between the two tokens (each side groups its fp32 sums differently:
@@ -20,9 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import tp_workers
 import vocab_kernel_ranks
+from rank_spawn import spawn_ranks
 from vocab_kernel_ranks import BOUNDARY, boundary_rows
 
 from relayrl.rollout.base import generate_all
@@ -146,9 +147,7 @@ def test_kernel_split_over_gloo_samples_what_the_torch_split_samples(world, tmp_
     """Real gloo groups (dist.all_reduce, the engine's transport on a CPU): every rank gets the torch split's
     tokens (bf16 logits, sampled and greedy) and log-probs within LP_TOL."""
     out = str(tmp_path / "out")
-    mp.spawn(
-        vocab_kernel_ranks.gloo_worker, args=(world, str(tmp_path / "store"), out), nprocs=world, join=True
-    )
+    spawn_ranks(vocab_kernel_ranks.gloo_worker, (world, str(tmp_path / "store"), out), nprocs=world)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     logits, temp, u = vocab_kernel_ranks.case(*vocab_kernel_ranks.GLOO_CASE, seed=world)
     for r in ranks:
@@ -171,9 +170,7 @@ def test_a_tp2_engine_sampling_through_the_kernels_samples_what_tp1_samples(tmp_
     finally:
         engine.close()
     out = str(tmp_path / "out")
-    mp.spawn(
-        vocab_kernel_ranks.engine_kernel_worker, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True
-    )
+    spawn_ranks(vocab_kernel_ranks.engine_kernel_worker, (2, str(tmp_path / "store"), out), nprocs=2)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     assert ranks[0]["kernel_calls"] == ranks[1]["kernel_calls"] > 0  # every rank, every greedy / sample step
     got = ranks[0]["outputs"]

@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from dp_fixtures import addition_rows, run_sft
+from rank_spawn import spawn_ranks
 
 from relayrl.config.components import OptimConfig
 from relayrl.distributed.fsdp import ShardSpec, full_tensors, shard_model
@@ -189,7 +189,7 @@ def test_two_fsdp_ranks_equal_one_plain_rank(tmp_path):
     one = _model(build_tiny_tokenizer(), intermediate=51)
     n_muon = _two_steps(one, sharded=False, rows=slice(0, 4))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    mp.spawn(_rank_run, args=(2, str(tmp_path / "store"), str(tmp_path / "two.pt")), nprocs=2, join=True)
+    spawn_ranks(_rank_run, (2, str(tmp_path / "store"), str(tmp_path / "two.pt")), nprocs=2)
     two = torch.load(tmp_path / "two.pt")
     assert two["muon_state"] == n_muon == 7
     for n, p in one.named_parameters():

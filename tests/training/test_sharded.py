@@ -14,7 +14,7 @@ from typing import Any
 import keep_gathered_ranks as kg
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 from torch.distributed.tensor import DTensor
 
 from relayrl.config.base import ConfigError
@@ -118,7 +118,7 @@ def test_local_shard_norm_and_keep_gathered_over_two_ranks(tmp_path: Path):
     The same steps with the model replicated (dist.replicate) update as the sharded ones, the replicas stay
     bit-identical, and a replica that drifts is caught."""
     world = 2
-    mp.spawn(kg.rank_main, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(kg.rank_main, (world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
     for r in range(world):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         before, after = got[False], got[True]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ema_ranks
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_spawn import spawn_ranks
 
 from relayrl.workers.ema import EMA_DIR, PolicyEma
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # two spawned ranks
 
 @pytest.mark.timeout(300)
 def test_sharded_ema_equals_unsharded_and_resumes_exactly(tmp_path):
-    mp.spawn(ema_ranks.rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(ema_ranks.rank_main, (2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     r = torch.load(tmp_path / "result.pt", weights_only=True)
 
     # each rank held half of each layer's weights (FSDP2 shards dim 0)
@@ -68,12 +68,7 @@ def test_a_two_rank_policy_worker_exports_and_resumes_its_sharded_ema(tiny_model
     from safetensors.torch import load_file
 
     two, one = tmp_path / "two", tmp_path / "one"
-    mp.spawn(
-        ema_ranks.policy_rank_main,
-        args=(2, str(tmp_path / "store"), str(tiny_model_path), str(two)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(ema_ranks.policy_rank_main, (2, str(tmp_path / "store"), str(tiny_model_path), str(two)), nprocs=2)
     assert (two / "ckpt" / EMA_DIR / ".metadata").is_file()
     ema_ranks.policy_run(str(tiny_model_path), one, ema_ranks.DECAY)
     a, b = load_file(two / "a" / "model.safetensors"), load_file(two / "b" / "model.safetensors")
