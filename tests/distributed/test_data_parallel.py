@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from dp_fixtures import assert_metrics_close as _close
+from dp_fixtures import rl_cfg as _rl_cfg
 
 from relayrl.config.presets import tiny_cpu_config
 from relayrl.distributed.launch import rows
@@ -24,33 +25,6 @@ from relayrl.workers.policy import PolicyWorker
 pytestmark = pytest.mark.slow  # multi-rank runs compared with one rank
 
 DATA = Path(__file__).parents[1] / "trainers" / "data"
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def _rl_cfg(model: Path, out: Path, ranks: int, **ckpt):
-    cfg = tiny_cpu_config(str(model), str(out), steps=2, reward=str(DATA / "digit_reward.py"))
-    mode = "ray" if ranks > 1 else "local"
-    return replace(
-        cfg,
-        algo=replace(cfg.algo, advantage="gae", kl_mode="loss", kl_coef=0.1),
-        ckpt=replace(cfg.ckpt, save_every=1, **ckpt),
-        dist=replace(
-            cfg.dist,
-            mode=mode,
-            policy_num_gpus_per_node=ranks,
-            ref_num_gpus_per_node=ranks,
-            critic_num_gpus_per_node=ranks,
-            timeout_s=120,
-        ),
-    )
 
 
 @pytest.mark.timeout(400)

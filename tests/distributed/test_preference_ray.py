@@ -32,15 +32,6 @@ LOSSES = ("train/loss", "eval/loss")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return pf.small_data(tmp_path_factory.mktemp("prefdata"))
 

@@ -1,7 +1,8 @@
 """dist.replicate end to end on a real local Ray cluster (gloo, 2 CPU ranks): policy, reference and critic each
 hold the whole model on every rank, the engines generate from the ranks' own weights, and the run equals the
-one-rank run step by step, exactly on-policy under rollout.exact (which a sharded policy refuses); its checkpoints are the one-rank format written once (plus every rank's RNG) and
-resume on one rank, continuing exactly.
+one-rank run step by step, exactly on-policy under rollout.exact (which a sharded policy refuses); its
+checkpoints are the one-rank format written once (plus every rank's RNG) and resume on one rank, continuing
+exactly.
 
 Tolerance: as tests/distributed/test_data_parallel.py (rtol 1e-4, atol 1e-5: the ranks sum the same gradients
 in another order); a gradient left unsummed, or a rank's share lost, moves the loss by > 1e-2.
@@ -9,47 +10,20 @@ in another order); a gradient left unsummed, or a rank's share lost, moves the l
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from dp_fixtures import assert_metrics_close as _close
+from dp_fixtures import rl_cfg
 
 from relayrl.config.base import ConfigError
 from relayrl.config.dist import DistConfig
-from relayrl.config.presets import tiny_cpu_config
 from relayrl.trainers.rl.loop import RLTrainer, run_rl
 from relayrl.workers.policy import PolicyWorker
 
-DATA = Path(__file__).parents[1] / "trainers" / "data"
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
 
 def _cfg(model: Path, out: Path, ranks: int, **ckpt):
-    cfg = tiny_cpu_config(str(model), str(out), steps=2, reward=str(DATA / "digit_reward.py"))
-    return replace(
-        cfg,
-        algo=replace(cfg.algo, advantage="gae", kl_mode="loss", kl_coef=0.1),
-        rollout=replace(cfg.rollout, exact=True),
-        ckpt=replace(cfg.ckpt, save_every=1, **ckpt),
-        dist=replace(
-            cfg.dist,
-            mode="ray" if ranks > 1 else "local",
-            replicate=ranks > 1,
-            policy_num_gpus_per_node=ranks,
-            ref_num_gpus_per_node=ranks,
-            critic_num_gpus_per_node=ranks,
-            timeout_s=120,
-        ),
-    )
+    return rl_cfg(model, out, ranks, replicate=ranks > 1, exact=True, **ckpt)
 
 
 @pytest.mark.slow  # a 2-rank Ray run beside a 1-rank one

@@ -21,15 +21,6 @@ from dp_fixtures import (  # pyright: ignore[reportMissingImports]  (tests/helpe
 pytestmark = pytest.mark.slow  # a 2-rank Ray run compared with one rank
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _uneven_rows(path: Path) -> Path:
     """32 rows of 1 to 16 words: samples of very different lengths, so how a step is split matters."""
     rows = [{"input": f"q{i} " * (1 + i % 4), "output": "ab " * (1 + (7 * i) % 13)} for i in range(32)]

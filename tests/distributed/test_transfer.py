@@ -27,15 +27,6 @@ from transfer import build_cfg, measure
 pytestmark = pytest.mark.slow  # a Ray cluster
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _experience(rows: int = 7, width: int = 12) -> Experience:
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, width + 1, (rows,), generator=g)

@@ -5,13 +5,18 @@ pytest's pythonpath).
     data = addition_rows(tmp_path / "train.jsonl")
     metrics = run_sft(model, data, tmp_path / "one", batch_size=8)           # + extra CLI flags
     assert_metrics_close(one[i], four[i], f"step {i}")
+    cfg = rl_cfg(model, tmp_path / "two", 2, replicate=False, exact=False)   # + ckpt fields (e.g. resume=)
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+DIGIT_REWARD = Path(__file__).parents[1] / "trainers" / "data" / "digit_reward.py"
 
 VOLATILE = ("timing/", "perf/")
 """Metric prefixes that differ between runs by nature (wall times, memory), left out of comparisons."""
@@ -49,3 +54,27 @@ def run_sft(model: Path, data: Path, out: Path, *extra: str, batch_size: int) ->
     ]
     assert cli_main(argv) == 0
     return read_jsonl(out / "metrics.jsonl")
+
+
+def rl_cfg(model: Path, out: Path, ranks: int, *, replicate: bool = False, exact: bool = False, **ckpt: Any):
+    """A 2-step CPU PPO run (GAE, a reference with a KL loss, a critic; a checkpoint every step) with policy,
+    reference and critic each on `ranks` ranks (Ray when > 1; `replicate`: dist.replicate), `exact`:
+    rollout.exact; `ckpt`: more ckpt fields."""
+    from relayrl.config.presets import tiny_cpu_config
+
+    cfg = tiny_cpu_config(str(model), str(out), steps=2, reward=str(DIGIT_REWARD))
+    return replace(
+        cfg,
+        algo=replace(cfg.algo, advantage="gae", kl_mode="loss", kl_coef=0.1),
+        rollout=replace(cfg.rollout, exact=exact),
+        ckpt=replace(cfg.ckpt, save_every=1, **ckpt),
+        dist=replace(
+            cfg.dist,
+            mode="ray" if ranks > 1 else "local",
+            replicate=replicate,
+            policy_num_gpus_per_node=ranks,
+            ref_num_gpus_per_node=ranks,
+            critic_num_gpus_per_node=ranks,
+            timeout_s=120,
+        ),
+    )
