@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -90,18 +90,7 @@ class WriteStats:
                 setattr(self, k, getattr(self, k) + v)
 
     def as_dict(self) -> dict[str, float]:
-        keys = (
-            "files",
-            "bytes",
-            "records",
-            "copied_records",
-            "peak_held_bytes",
-            "copy_s",
-            "write_s",
-            "sync_s",
-        )
-        out = {k: getattr(self, k) for k in keys}
-        return {**out, "wall_s": self.wall_s}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
 _last: WriteStats | None = None

@@ -96,7 +96,7 @@ def sharded_role(config: Any) -> bool:
 
 def replicated_role(config: Any) -> bool:
     """Whether this rank holds its role's whole model beside the other ranks' copies (dist.replicate)."""
-    return in_group() and config is not None and bool(config.replicate)
+    return in_group() and not sharded_role(config)
 
 
 def rank() -> int:

@@ -30,27 +30,18 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from relayrl.training.collectives import comm_device, grouped
+
 __all__ = ["BUCKET_BYTES", "all_reduce_grads", "broadcast_params", "check_replicas"]
 
 BUCKET_BYTES = 128 << 20
 """Gradient bytes flattened into one all-reduce (a 0.5B model's fp32 gradients: 16 all-reduces)."""
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _comm_device(like: torch.device) -> torch.device:
-    """Where a small control tensor of a collective lives: CUDA under NCCL, else the CPU (gloo)."""
-    if "nccl" in str(dist.get_backend()):
-        return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @torch.no_grad()
 def broadcast_params(model: torch.nn.Module) -> None:
     """Rank 0's parameters and floating-point buffers on every rank (in place)."""
-    if not _active():
+    if not grouped():
         return
     for t in [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]:
         if t.is_contiguous():
@@ -65,11 +56,9 @@ def broadcast_params(model: torch.nn.Module) -> None:
 def all_reduce_grads(params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum every parameter's gradient over the ranks (see module doc). Every rank passes the same parameters
     in the same order (the optimizer's)."""
-    if not _active() or not params:
+    if not grouped() or not params:
         return
-    has = torch.tensor(
-        [p.grad is not None for p in params], dtype=torch.int32, device=_comm_device(params[0].device)
-    )
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=comm_device())
     dist.all_reduce(has, op=dist.ReduceOp.MAX)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p, any_rank in zip(params, has.tolist(), strict=True):
@@ -109,9 +98,9 @@ def _sum(bucket: list[torch.Tensor]) -> None:
 def check_replicas(params: Sequence[torch.Tensor], what: str) -> None:
     """A RuntimeError on every rank when the ranks' `params` differ (a float64 sum of every weight per rank,
     gathered and compared exactly)."""
-    if not _active() or not params:
+    if not grouped() or not params:
         return
-    dev = _comm_device(params[0].device)
+    dev = comm_device()
     mine = torch.stack([p.detach().sum(dtype=torch.float64).to(dev) for p in params]).sum().reshape(1)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)

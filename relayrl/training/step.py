@@ -54,6 +54,7 @@ import torch
 
 from relayrl.models import sequence_parallel
 from relayrl.models.forward import to_device
+from relayrl.training.collectives import comm_device, grouped
 from relayrl.training.precision import PRECISIONS, MasterWeights, autocast, resolve_precision
 from relayrl.training.replicate import all_reduce_grads
 from relayrl.training.sharded import Units, clip_, scale_, total_norm
@@ -168,29 +169,18 @@ class _Sums:
         return loss, count, metrics
 
 
-def _group() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _comm_device() -> torch.device:
-    if "nccl" in torch.distributed.get_backend():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _sum_over_ranks(values: list[float]) -> list[float]:
-    if not _group():
+    if not grouped():
         return values
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     torch.distributed.all_reduce(t)
     return t.tolist()
 
 
 def _max_over_ranks(n: int) -> int:
-    if not _group():
+    if not grouped():
         return n
-    t = torch.tensor([n], dtype=torch.int64, device=_comm_device())
+    t = torch.tensor([n], dtype=torch.int64, device=comm_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return int(t.item())
 
@@ -288,7 +278,7 @@ class TrainStep:
         if self.replicate_grads:
             all_reduce_grads(self.optimizer_params())  # summed: the scale below is 1 / count
         loss, count, metrics = sums.result()
-        averaged_over = torch.distributed.get_world_size() if _group() and not self.replicate_grads else 1.0
+        averaged_over = torch.distributed.get_world_size() if grouped() and not self.replicate_grads else 1.0
         scale = averaged_over / max(count, 1e-12)
         grads = [p.grad for p in self.optimizer_params() if p.grad is not None]
         scale_(grads, scale)

@@ -35,6 +35,7 @@ from relayrl.models.budget import pending_optimizer_bytes, token_budgets
 from relayrl.models.moe import moe_pass
 from relayrl.models.vlm import images_for
 from relayrl.rollout.media import ImageInputs
+from relayrl.training.collectives import comm_device
 from relayrl.training.step import padded_passes
 from relayrl.workers.base import Rows, SequenceBatch
 
@@ -186,15 +187,8 @@ class TokenBudgets:
                 compute_dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
             )
             if in_group() and 0 in (self.update, self.infer):
-                both = torch.tensor([update, infer], dtype=torch.int64, device=_comm_device())
+                both = torch.tensor([update, infer], dtype=torch.int64, device=comm_device())
                 torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN)
                 update, infer = (int(x) for x in both.tolist())
             self.resolved = (update, infer)
         return self.resolved
-
-
-def _comm_device() -> torch.device:
-    """Where a collective's tensor lives: the current CUDA device under NCCL, else the CPU (gloo)."""
-    if "nccl" in str(torch.distributed.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -56,7 +56,7 @@ from relayrl.distributed.weights.local import LocalWeights
 from relayrl.distributed.weights.tensor_parallel import TensorParallelWeights, tp_groups
 from relayrl.models.budget import DEFAULT_TOKENS
 from relayrl.models.forward import to_device
-from relayrl.models.loading import pretrained, resolve_device
+from relayrl.models.loading import resolve_device
 from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.rollout.native_tp import TPNativeEngine
@@ -454,15 +454,7 @@ class PolicyWorker:
         if self.ema.sharded:  # each rank writes its rows (distributed/hf_export.py), else through rank 0
             export_sharded(self.model, path, self.tokenizer, lambda: self._gathered_ema(path), self.ema.state)
             return str(path)
-        if rank() == 0:  # replicated ranks (dist.replicate) hold the same EMA: rank 0 writes for all
-            with self.train.full_precision():
-                current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-                self.model.load_state_dict(self.ema.state)
-                pretrained(self.model).save_pretrained(path)
-                self.model.load_state_dict(current)
-            self.tokenizer.save_pretrained(path)
-        if self.state.replicated:
-            torch.distributed.barrier()
+        self.state.export_whole(path, self.ema.state)  # one rank, or replicated ranks' shared EMA
         return str(path)
 
     def _gathered_ema(self, path: Path) -> None:

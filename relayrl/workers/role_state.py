@@ -8,6 +8,7 @@
                                   one-rank files, every rank its rng/rank_<r>.pt (the replicas checked equal)
     extra = state.load(folder)    either format, on any rank count, sharded or replicated
     state.export(folder)          HF folder of the full model (+ tokenizer); sharded: each rank writes its rows
+    state.export_whole(folder, w) an unsharded model's HF folder (rank 0), with weights `w` (e.g. an EMA) if given
     state.save_hf(folder, w)      HF folder from a full state dict (rank 0)
 """
 
@@ -154,13 +155,24 @@ class RoleState:
             old_path = lambda: export_full(self.model, lambda sd: self.save_hf(path, sd))  # noqa: E731
             export_sharded(self.model, path, self.tokenizer, old_path)
             return str(path)
-        if rank() == 0:  # replicated ranks: rank 0 writes for all
+        self.export_whole(path)
+        return str(path)
+
+    def export_whole(self, path: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """The HF folder of an unsharded model (one rank, or replicated ranks: rank 0 writes for all, the others
+        wait), with `weights` (a full state dict, e.g. the policy's EMA) in place of the trained ones if given."""
+        if rank() == 0:
             with self.train.full_precision():
+                current = None
+                if weights is not None:
+                    current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                    self.model.load_state_dict(weights)
                 pretrained(self.model).save_pretrained(path)
+                if current is not None:
+                    self.model.load_state_dict(current)
             self.tokenizer.save_pretrained(path)
         if self.replicated:
             torch.distributed.barrier()
-        return str(path)
 
     def save_hf(self, folder: str | Path, weights: dict[str, torch.Tensor]) -> None:
         """An HF folder with `weights` (a full state dict of this model), from rank 0 only. Tied copies (e.g.
