@@ -95,7 +95,9 @@ def _common(steps: list[dict], timed: list[dict], step_key: str, launched: float
 def rl_row(history: list[dict], *, launched: float | None = None) -> dict:
     """An RL case's figures from its metrics rows: `seconds` per timing/* part, generated tokens a step and
     `throughput` (generated tokens / step seconds), each the median over the timed steps; `throughput_best`
-    the fastest step's. `launched`: the case's start (time.time()) for `startup_s`."""
+    the fastest step's; `seconds_by_step`: each part's seconds in every step, the warm-up included (medians of
+    parts come from different steps and need not add up; a stall in some steps shows only here).
+    `launched`: the case's start (time.time()) for `startup_s`."""
     steps, timed = _timed(history, "timing/step")
     parts = sorted({k.removeprefix("timing/") for h in timed for k in h if k.startswith("timing/")})
     parts += [p for p in RL_PARTS if p not in parts]
@@ -105,6 +107,7 @@ def rl_row(history: list[dict], *, launched: float | None = None) -> dict:
     row = _common(steps, timed, "timing/step", launched)
     row.update(
         seconds={p: round(med(h.get(f"timing/{p}") or 0.0 for h in timed), 4) for p in parts},
+        seconds_by_step={p: [round(h.get(f"timing/{p}") or 0.0, 4) for h in steps] for p in parts},
         gen_tokens_per_step=round(med(gen), 1),
         throughput=round(med(tput), 1),
         throughput_best=round(max(tput), 1),

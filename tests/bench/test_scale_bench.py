@@ -50,6 +50,9 @@ def test_rl_row_medians_min_and_spread_after_the_warm_up():
     assert (row["steps_done"], row["steps_timed"]) == (5, 4)
     assert (row["step_s"], row["step_s_min"], row["step_s_spread"]) == (2.5, 1.0, 3.6)
     assert row["seconds"]["step"] == 2.5 and row["seconds"]["generation"] == 1.25
+    # every step's parts, the warm-up included, in step order (a stall in some steps shows only here)
+    assert row["seconds_by_step"]["generation"] == [4.5, 0.5, 1.0, 1.5, 5.0]
+    assert row["seconds_by_step"]["step"] == [9.0, 1.0, 2.0, 3.0, 10.0]
     assert row["throughput"] == round((150 + 400 / 3) / 2, 1) and row["throughput_best"] == 200.0
     # launched at 990; the first step's row is logged at 1009 after 9 s: it started at 1000
     assert row["startup_s"] == 10.0
