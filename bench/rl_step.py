@@ -138,6 +138,7 @@ def run(
     model_dir: str = "",
     engine_sleep: str = "auto",
     offload_optimizer_in_rollout: bool = False,
+    engine_copy: str = "auto",
 ) -> dict:
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
@@ -162,6 +163,7 @@ def run(
                 engine=engine,
                 engine_device=engine_device,
                 exact=exact,
+                engine_copy=engine_copy,
             ),
             algo=replace(cfg.algo, micro_batch_tokens=micro_tokens, off_policy=off_policy),
             ckpt=replace(cfg.ckpt, save_final=False),  # steps timed; the final save not waited for
@@ -281,6 +283,12 @@ def main() -> None:
     parser.add_argument("--policy-nodes", type=int, default=1, help="ray: dist.policy_num_nodes")
     parser.add_argument("--ray-address", default="", help="ray: join this cluster (dist.ray_address)")
     parser.add_argument("--exact", action="store_true", help="rollout.exact (results key suffix /exact)")
+    parser.add_argument(
+        "--engine-copy",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="rollout.engine_copy (results key suffix /copy-<value> unless auto)",
+    )
     parser.add_argument("--offload", action="store_true", help="dist.offload (FSDP2 CPU offload, ray mode)")
     args = parser.parse_args()
     row = run(
@@ -302,6 +310,7 @@ def main() -> None:
         ray_address=args.ray_address,
         exact=args.exact,
         offload=args.offload,
+        engine_copy=args.engine_copy,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "
@@ -341,6 +350,7 @@ def main() -> None:
             )
         )
     key += "/exact" if args.exact else ""
+    key += f"/copy-{args.engine_copy}" if args.engine_copy != "auto" else ""
     results[key] = row
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS}")

@@ -128,6 +128,24 @@ def exact_on_policy(algo: AlgoConfig) -> bool:
     return algo.epochs == 1 and algo.mini_batches == 1 and algo.kl_mode != "reward"
 
 
+ENGINE_COPY_SHARE = 0.05
+"""rollout.engine_copy auto: the engine's own copy at most this share of the GPU's memory."""
+
+
+def engine_copy(rollout: RolloutConfig, model: ModelConfig, params: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the colocated engine of a policy that is not sharded holds its own copy of the weights
+    (rollout.engine_copy; auto: a native engine on a GPU, not exact, fp8 or LoRA, whose copy of `params`
+    parameters in `dtype` takes <= ENGINE_COPY_SHARE of the device's memory). A copy gets fused projections
+    (relayrl/rollout/native_fused.py), which the policy's own parameters, training, never get."""
+    if rollout.engine_copy != "auto":
+        return rollout.engine_copy == "yes"
+    plain = rollout.engine == "native" and not rollout.exact and rollout.quantization == "none"
+    if not plain or model.lora.rank > 0 or device.type != "cuda":
+        return False
+    copy_bytes = params * torch.empty((), dtype=dtype).element_size()
+    return copy_bytes <= ENGINE_COPY_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
 def engine_slots(rollout: RolloutConfig, engines: int) -> int:
     """KV slots of one of `engines` engines that share each step's prompts (the ranks of a colocated policy,
     or the separate engine actors; a tensor-parallel engine counts once): rollout.engine_slots when set, else

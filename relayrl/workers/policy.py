@@ -68,6 +68,7 @@ from relayrl.workers.builders import (
     build_generation,
     build_policy_objective,
     build_trainable,
+    engine_copy,
     inference_dtype,
     setup_process,
 )
@@ -196,11 +197,13 @@ class PolicyWorker:
             with self.train.full_precision():
                 self.ema = PolicyEma(self.model, spec.ema)
         if not grouped:
+            params = sum(p.numel() for p in self.model.parameters())
+            fused = engine_copy(spec.rollout, spec.model, params, engine_dtype, engine_device or self.device)
             self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,
                 device=engine_device,
-                own_copy=spec.async_train or engine_device is not None or spec.separate_engines,
+                own_copy=spec.async_train or engine_device is not None or spec.separate_engines or fused,
                 stream=stream,
             )
         self.state = RoleState(self.model, self.train, self.tokenizer, self._full_weights)

@@ -10,6 +10,8 @@
 - engine_slots: rollout.engine_slots, else the samples of one engine's share of a step's prompts (+1/8 slack,
   at most the whole step); an engine with fewer slots than a share's samples queues the rest and returns
   every sample.
+- engine_copy: rollout.engine_copy yes / no as set; auto only for a native engine on a GPU without exact mode,
+  fp8 or LoRA, and only while the copy takes <= 5% of the card's memory (the boundary byte exact).
 - build_engine_for: native engine slots (engine_slots, at least the eval samples), max_len, prefix cache off for single-turn; an own-weights engine (vllm) without a source or on
   another device is refused before anything loads.
 - build_executor: single -> SingleTurnExecutor bound to the engine with max_len; multi -> the multi-turn task's
@@ -41,6 +43,7 @@ from relayrl.workers.builders import (
     build_frozen,
     build_policy_objective,
     build_trainable,
+    engine_copy,
     engine_slots,
     exact_on_policy,
     inference_dtype,
@@ -271,3 +274,23 @@ def test_build_executor_user_file(tiny_tokenizer, tmp_path):
 def test_build_executor_refuses_a_task_without_an_agent(tiny_tokenizer):
     with pytest.raises(ValueError, match="multi-turn"):
         build_executor(RolloutConfig(agent="multi"), _Engine(), tiny_tokenizer, task_name="add2")
+
+
+def test_engine_copy_auto_only_for_a_plain_native_engine_whose_copy_is_small(monkeypatch):
+    class Props:
+        total_memory = 100 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    limit = 5 * 2**30 // 2  # bf16 parameters whose copy is exactly 5% of 100 GiB
+    auto, model = RolloutConfig(), ModelConfig(name_or_path="m")
+    assert engine_copy(auto, model, limit, torch.bfloat16, CUDA)
+    assert not engine_copy(auto, model, limit + 1, torch.bfloat16, CUDA)
+    assert not engine_copy(auto, model, limit, torch.float32, CUDA)  # 4 bytes a parameter: 10%
+    assert not engine_copy(auto, model, 10, torch.bfloat16, CPU)
+    for rollout in (RolloutConfig(exact=True), RolloutConfig(quantization="fp8"), RolloutConfig(engine="hf")):
+        assert not engine_copy(rollout, model, 10, torch.bfloat16, CUDA)
+    lora = ModelConfig(name_or_path="m", lora=LoraConfig(rank=8))
+    assert not engine_copy(auto, lora, 10, torch.bfloat16, CUDA)
+    # set explicitly, the setting wins over every rule
+    assert engine_copy(RolloutConfig(engine_copy="yes"), lora, 10**12, torch.float32, CPU)
+    assert not engine_copy(RolloutConfig(engine_copy="no"), model, 10, torch.bfloat16, CUDA)

@@ -253,6 +253,22 @@ def test_engine_copy_sees_new_weights_only_after_sync(tiny_model_path, tmp_path)
     assert (engine_lp - _masked(old_lp, batch.action_mask)).abs().max() > 1e-3  # not the old weights
 
 
+def test_engine_copy_yes_gives_the_engine_fused_weights_refreshed_at_sync(tiny_model_path, tmp_path):
+    spec = _spec(tiny_model_path, tmp_path)
+    w = PolicyWorker(replace(spec, rollout=replace(spec.rollout, engine_copy="yes")))
+    assert w.info()["engine_weights"] == "copy" and w.weights.model is not w.model
+    assert w.engine.runner.fused_layers == w.model.config.num_hidden_layers  # the copy is re-laid out
+    w.update(_experience(_handmade_batch()), kl_coef=0.0)
+    assert w.weight_canary() > 1e-4  # an update reaches the engine only through sync's copy
+    w.sync(version=1)
+    assert w.weight_canary() == 0.0
+    engine_params = dict(w.weights.model.named_parameters())
+    for name, p in w.model.named_parameters():
+        assert torch.equal(engine_params[name], p.detach()), name
+    batch, engine_lp = _rollout_logprobs(w.rollout(_samples(w.tokenizer), seed=5), w.info()["pad_id"])
+    torch.testing.assert_close(engine_lp, w.logprobs(batch), rtol=1e-4, atol=1e-4)
+
+
 def test_save_load_continues_exactly(tiny_model_path, tmp_path):
     spec = _spec(tiny_model_path, tmp_path)
     batch_a, batch_b = _handmade_batch(0), _handmade_batch(5)
