@@ -1,7 +1,8 @@
 """The RL step on a GPU (marked `gpu`): mixed precision end to end.
 
 The policy computes with bf16 weights over fp32 masters (varlen attention); the native engine generates from
-those same bf16 weights, which the train step refreshes from the masters on the device after every update.
+its own bf16 copy of them (rollout.engine_copy auto: a tiny model's copy is far below 5% of any card; fused
+q/k/v and gate/up), which the sync refreshes from the policy on the device after every update.
 After the run the weight canary is 0 (the engine holds exactly the trained fp32 weights cast to bf16), the
 refresh time is reported, and the first step's engine-vs-trainer log-prob mismatch is bf16-sized (the same
 weights, differently fused kernels), not a sync bug (order 1).
@@ -27,7 +28,7 @@ def test_mixed_precision_rl_step_keeps_the_engine_in_sync(tiny_model_path, tmp_p
     cfg = replace(cfg, train=replace(cfg.train, device="cuda"))
     trainer = RLTrainer(cfg)
     info = trainer.roles.policy.call(PolicyWorker.info)
-    assert (info["precision"], info["layout"], info["engine_weights"]) == ("bf16", "varlen", "shared")
+    assert (info["precision"], info["layout"], info["engine_weights"]) == ("bf16", "varlen", "copy")
     canary = {}
     original_close = trainer.roles.close
 
