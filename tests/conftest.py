@@ -15,12 +15,23 @@ if not os.path.exists("/dev/nvidiactl"):  # no GPU: relayrl/rollout/kernels.py's
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU interpreter (read when triton is first imported)
 
 # after the environment above: huggingface_hub reads HF_HUB_OFFLINE when it is first imported
+import gc
+
 import pytest
 import torch
 
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, save_tiny
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_the_heap():
+    """A run in this process freezes its heap (relayrl.training.setup.freeze_heap); a test process runs many,
+    so each test hands what it froze back to the collector."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

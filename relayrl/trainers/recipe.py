@@ -44,6 +44,7 @@ from relayrl.training.setup import (
     build_checkpoint_manager,
     build_logger,
     check_config_change,
+    freeze_heap,
     prepare_run_dir,
     release_run_dir,
     resume_if_asked,
@@ -393,6 +394,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
         handle, data.layout = _model_role(recipe, launcher, cfg.dist, data.total, run_dir)
         if recipe.before_fit is not None:
             recipe.before_fit(handle, data.train, data.evals, data.layout)
+        freeze_heap()  # the data and (local mode) the model live the whole run
         done = _fit(recipe, handle, data, run_dir, stored=launcher.mode == "ray")
         final = None
         if done.fit.stopped_by is None and cfg.ckpt.save_final:

@@ -39,6 +39,7 @@ from relayrl.distributed.launch.rows import RowStore
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
 from relayrl.models.value_head import reward_stats
 from relayrl.rollout.build import engine_capabilities
+from relayrl.training.setup import freeze_heap
 from relayrl.workers.base import Rows
 from relayrl.workers.critic import CriticSpec, CriticWorker
 from relayrl.workers.engine import EngineSpec, EngineWorker
@@ -223,6 +224,7 @@ def build_roles(
     except BaseException:
         launcher.shutdown()
         raise
+    freeze_heap()  # what this process built so far (local mode: every role too) lives the whole run
     return Roles(
         launcher=launcher,
         policy=policy,
