@@ -3,6 +3,7 @@ profiled per rank by relayrl.distributed.launch.profile).
 
     python bench/profile_step.py rl  --shape qwen0.5b-char --gpus 1,2,4      # ~3 min on H100s
     python bench/profile_step.py sft --shape qwen0.5b --gpus 1,2,4           # ~2 min
+    python bench/profile_step.py rl --gpus 1,2,4 --weak --replicate         # dist.replicate, batch per GPU fixed
 
 Runs bench/scale.py's case (same entry points, same defaults: GRPO 64 x 8 x 256 new tokens / SFT 64 samples)
 for 3 steps with RELAYRL_PROFILE_DIR set, and reads step 2 (after a warm-up) of every rank:
@@ -20,7 +21,7 @@ for 3 steps with RELAYRL_PROFILE_DIR set, and reads step 2 (after a warm-up) of 
   idle             the driver's step time not spent in this rank's calls (reward scoring, the driver's own
                    work, waiting for the slowest engine or peer)
 
-Prints the table and writes it as JSON to $OUT/profile_<kind>.json (or bench/results/profile_<kind>.json).
+Prints the table and writes it as JSON to $OUT/profile_<kind>[_weak][_replicate].json (or bench/results/).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="SFT samples per step")
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run (no kernels)")
+    p.add_argument("--weak", action="store_true", help="the batch per GPU fixed (scale.py --weak)")
+    p.add_argument(
+        "--replicate", action="store_true", help="several GPUs: dist.replicate (scale.py --replicate)"
+    )
     args = p.parse_args()
     args.steps, args.offload = STEP + 1, False
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -144,14 +149,18 @@ def main() -> None:
     print(f"{'gpus':>4} {'rank':>4} " + " ".join(f"{c:>12}" for c in cols))
     for r in table:
         print(f"{r['gpus']:>4} {r['rank']:>4} " + " ".join(f"{r.get(c, 0.0):>12.4f}" for c in cols))
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / f"profile_{args.kind}.json"
+    tag = args.kind + ("_weak" if args.weak else "") + ("_replicate" if args.replicate else "")
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / f"profile_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = {
         "card": card,
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    out.write_text(json.dumps({"kind": args.kind, "shape": args.shape, **stamp, "rows": table}, indent=1))
+    variant = {"weak": args.weak, "replicate": args.replicate}
+    out.write_text(
+        json.dumps({"kind": args.kind, "shape": args.shape, **variant, **stamp, "rows": table}, indent=1)
+    )
     print(f"wrote {out}")
 
 
