@@ -5,7 +5,8 @@
 Runs `relayrl rl`'s own loop (the tiny model of the tests, the add2 task, local mode: the driver and every
 role in this process) twice in fresh subprocesses: `frozen` as relayrl runs (relayrl.training.setup.freeze_heap
 after the roles are built) and `unfrozen` with freeze_heap replaced by a no-op (the code before). A gc
-callback records every collection from the end of start-up to the end of the run: how many, their summed
+callback records every collection from the end of start-up to the roles' close (before thaw_heap's own
+collection): how many, their summed
 seconds, and the full (generation 2) ones, each with its seconds. Also the tracked objects at the start of
 the run and one full collection's seconds at its end. Prints a table, writes JSON (--out, default
 bench/results/gc_pause.json). A full collection visits every tracked object it has not frozen, so its pause
@@ -56,7 +57,13 @@ def _child(variant: str, args: argparse.Namespace) -> dict:
             real()
         counting[0] = True
 
-    roles.freeze_heap = start_up_done
+    real_thaw = roles.thaw_heap
+
+    def run_ends() -> None:  # the roles close: stop counting before the thaw's own full collection
+        counting[0] = False
+        real_thaw()
+
+    roles.freeze_heap, roles.thaw_heap = start_up_done, run_ends
     gc.callbacks.append(callback)
     tmp = Path(tempfile.mkdtemp(prefix="gc_pause_"))
     model = save_tiny(tmp / "model")
@@ -74,7 +81,7 @@ def _child(variant: str, args: argparse.Namespace) -> dict:
     counting[0] = False
     t = time.perf_counter()
     gc.collect()
-    full_end = time.perf_counter() - t
+    full_end = time.perf_counter() - t  # after the thaw: over everything again
     full = [round(s, 4) for g, s in pauses if g == 2]
     return {
         "variant": variant,

@@ -30,8 +30,9 @@ def _unfreeze_the_heap():
     """A run in this process freezes its heap (relayrl.training.setup.freeze_heap); a test process runs many,
     so each test hands what it froze back to the collector."""
     yield
-    if gc.get_freeze_count():
+    if gc.get_freeze_count():  # a test stopped inside a run, before its thaw
         gc.unfreeze()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

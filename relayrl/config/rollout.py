@@ -23,9 +23,9 @@ class RolloutConfig:
     """How trajectories are sampled."""
 
     engine: str = "native"
-    """Rollout engine: native (built in, reads the policy's weights in place), hf (transformers.generate) or
-    vllm (optional package, in-process, weights streamed from the trainer after every step). Vision-language
-    models: hf or vllm (docs/vlm.md)."""
+    """Rollout engine: native (built in, beside the policy on its device, on the policy's weights: see
+    engine_copy), hf (transformers.generate) or vllm (optional package, in-process, weights streamed from the
+    trainer after every step). Vision-language models: hf or vllm (docs/vlm.md)."""
     engine_device: str = ""
     """Device of the engine and its weight copy (e.g. cuda:1: generation on a second GPU while the policy trains
     on the first; with train.async_train they overlap). Empty: the policy's device."""
@@ -36,7 +36,8 @@ class RolloutConfig:
     at 0.5B); no runs the engine on the policy's parameters in place (no extra memory, but parameters that
     train are never re-laid out, so each projection is its own GEMM). auto: yes on a GPU when the copy takes
     <= 5% of the card's memory (up to ~3B parameters on an H200, ~2B on an 80 GB card) and the engine is native
-    without exact mode, fp8 or LoRA; else no. docs/rl.md "The engine's weights" has the measurement."""
+    without exact mode, fp8 or LoRA, and neither dist.engine_sleep yes nor dist.offload_optimizer_in_rollout
+    asks to save memory around the update; else no. docs/rl.md "The engine's weights" has the measurement."""
     exact: bool = False
     """Exact on-policy mode (native engine only): the engine and the trainer's log-prob forward run one
     batch-invariant forward (relayrl/rollout/exact.py), so the engine's sampled-token log-probs equal the

@@ -50,6 +50,7 @@ from relayrl.training.setup import (
     resume_if_asked,
     run_dir_of,
     seed_everything,
+    thaw_heap,
     total_steps_of,
 )
 from relayrl.training.signals import SignalFlag
@@ -419,6 +420,7 @@ def run_recipe(recipe: Recipe) -> RecipeResult:
     finally:
         launcher.shutdown()
         release_run_dir(run_dir)
+        thaw_heap()  # frozen before the loop: the run's worker and data become collectable again
     return result
 
 

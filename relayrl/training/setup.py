@@ -7,7 +7,7 @@
     ckpt = build_checkpoint_manager(cfg.ckpt, run_dir)           <run_dir>/checkpoints, rotation
     logger = build_logger(cfg.logger, run_dir, total_steps=total, config=to_dict(cfg))
     resume_if_asked(trainer, cfg.ckpt)                           ckpt.resume: auto / none / path
-    freeze_heap()                                                after start-up: the GC skips what lives all run
+    freeze_heap() ... thaw_heap()                                start-up frozen for the run's full collections
 
 Only plain config components go in (never a whole command config), so every recipe calls the same code.
 `resolve_device` (relayrl.models.loading) and `seed_everything` are the ONE device / seeding path (RL
@@ -48,20 +48,32 @@ __all__ = [
     "resume_if_asked",
     "run_dir_of",
     "seed_everything",
+    "thaw_heap",
     "total_steps_of",
 ]
 
 
 def freeze_heap() -> None:
     """Collect, then move every object alive now into the garbage collector's permanent generation
-    (`gc.freeze`), so later full collections skip them. Called when a process has built what lives for the whole
-    run (a Ray rank after its worker, the driver after its roles): the modules, tokenizer, datasets and
-    libraries make 0.4-1M tracked objects, and a full collection over them paused a step for 0.19 s on a
-    2-core CPU (0.011 s after the freeze; bench in docs/architecture.md "Garbage collection"). Collecting
-    first keeps garbage out of the permanent generation; an object frozen here is still freed by its
-    reference count, only a cycle of them would be kept (gc.unfreeze() hands them back)."""
+    (`gc.freeze`), so the full collections of the run skip them. Called when a run has built what lives until
+    it ends (the RL driver after its roles; in local mode that is every role; the one-model runner before its
+    loop): the libraries, modules, tokenizer and datasets make ~0.4M tracked objects, and a full collection over
+    them paused a step for 0.19-0.24 s on the 2-core CPU at 2,048 trajectories a step (0.002-0.005 s frozen;
+    bench/gc_pause.py, docs/architecture.md "Garbage collection"). Collecting first keeps garbage out of the
+    permanent generation. A frozen object is still freed by its reference count; only a frozen reference
+    cycle dropped before `thaw_heap` waits for it (workers hold cycles: RoleState's bound method, MoE blocks),
+    so every run that freezes thaws when it ends, and Ray ranks, whose workers drop models mid-run (DPO's
+    reference after precompute), do not freeze."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Hand the frozen objects back to the collector and collect (`gc.unfreeze` + `gc.collect`): the end of a
+    run that called `freeze_heap`, so its workers' reference cycles are freed before a next run in the same
+    process (iterative DPO's rounds, the demo's phases, a script looping over runs)."""
+    gc.unfreeze()
+    gc.collect()
 
 
 def compute_precision(model_dtype: str, device: torch.device) -> str:
@@ -123,6 +135,7 @@ RESUMABLE_FIELDS = (
     "ckpt.",
     "logger.",
     "dist.",
+    "rollout.engine_copy",
 )
 """Config fields (or prefixes) a run may change and still continue from its checkpoint: how long, how often,
 where it runs and logs. Anything else changes what the run computes and needs a new run."""

@@ -32,6 +32,7 @@ from relayrl.agents.executors import SingleTurnExecutor
 from relayrl.agents.loader import load_agent_from_file
 from relayrl.algorithms.objective import PolicyObjective
 from relayrl.config.components import ModelConfig
+from relayrl.config.dist import DistConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.distributed.group import world
 from relayrl.distributed.sharded_load import load_for_shards
@@ -132,15 +133,25 @@ ENGINE_COPY_SHARE = 0.05
 """rollout.engine_copy auto: the engine's own copy at most this share of the GPU's memory."""
 
 
-def engine_copy(rollout: RolloutConfig, model: ModelConfig, params: int, dtype: torch.dtype, device: torch.device) -> bool:
+def engine_copy(
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    params: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistConfig | None = None,
+) -> bool:
     """Whether the colocated engine of a policy that is not sharded holds its own copy of the weights
     (rollout.engine_copy; auto: a native engine on a GPU, not exact, fp8 or LoRA, whose copy of `params`
-    parameters in `dtype` takes <= ENGINE_COPY_SHARE of the device's memory). A copy gets fused projections
-    (relayrl/rollout/native_fused.py), which the policy's own parameters, training, never get."""
+    parameters in `dtype` takes <= ENGINE_COPY_SHARE of the device's memory, unless `dist` asks to save memory
+    around the update: dist.engine_sleep yes or dist.offload_optimizer_in_rollout, which a copy held through
+    the update would undo). A copy gets fused projections (relayrl/rollout/native_fused.py), which the
+    policy's own parameters, training, never get."""
     if rollout.engine_copy != "auto":
         return rollout.engine_copy == "yes"
     plain = rollout.engine == "native" and not rollout.exact and rollout.quantization == "none"
-    if not plain or model.lora.rank > 0 or device.type != "cuda":
+    saving = dist is not None and (dist.engine_sleep == "yes" or dist.offload_optimizer_in_rollout)
+    if not plain or saving or model.lora.rank > 0 or device.type != "cuda":
         return False
     copy_bytes = params * torch.empty((), dtype=dtype).element_size()
     return copy_bytes <= ENGINE_COPY_SHARE * torch.cuda.get_device_properties(device).total_memory

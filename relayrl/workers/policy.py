@@ -2,8 +2,9 @@
 mixed precision), the policy objective, optional EMA, and the rollout engine + agent executor colocated with
 it. The engine runs on `LocalWeights` (relayrl/distributed/weights/local.py): the policy module itself when its
 compute weights have the engine's dtype (fp32 on a CPU; on a GPU the bf16 compute weights that TrainStep
-refreshes from the fp32 masters after every optimizer step), else its own copy refreshed on the device by
-`sync`; an engine that loads its own weights (vllm) is streamed them. With separate engines
+refreshes from the fp32 masters after every optimizer step) and rollout.engine_copy does not ask for a copy
+(auto: a fused copy on a GPU when it is small, workers/builders.py `engine_copy`), else its own copy refreshed
+on the device by `sync`; an engine that loads its own weights (vllm) is streamed them. With separate engines
 (dist.num_engines) the policy keeps a full replica and its rank 0 broadcasts it (distributed/weights/broadcast).
 With dist.engine_tp > 1 (colocated, native) each block of engine_tp consecutive ranks runs ONE tensor-parallel
 engine (rollout/native_tp.py): every rank holds 1/TP of the weights (TensorParallelWeights, refreshed from the
@@ -198,7 +199,8 @@ class PolicyWorker:
                 self.ema = PolicyEma(self.model, spec.ema)
         if not grouped:
             params = sum(p.numel() for p in self.model.parameters())
-            fused = engine_copy(spec.rollout, spec.model, params, engine_dtype, engine_device or self.device)
+            device = engine_device or self.device
+            fused = engine_copy(spec.rollout, spec.model, params, engine_dtype, device, spec.dist)
             self.weights = LocalWeights(
                 self.model,
                 dtype=engine_dtype,

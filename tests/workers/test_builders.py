@@ -11,7 +11,8 @@
   at most the whole step); an engine with fewer slots than a share's samples queues the rest and returns
   every sample.
 - engine_copy: rollout.engine_copy yes / no as set; auto only for a native engine on a GPU without exact mode,
-  fp8 or LoRA, and only while the copy takes <= 5% of the card's memory (the boundary byte exact).
+  fp8 or LoRA, not with dist.engine_sleep yes or offload_optimizer_in_rollout, and only while the copy takes
+  <= 5% of the card's memory (the boundary byte exact).
 - build_engine_for: native engine slots (engine_slots, at least the eval samples), max_len, prefix cache off for single-turn; an own-weights engine (vllm) without a source or on
   another device is refused before anything loads.
 - build_executor: single -> SingleTurnExecutor bound to the engine with max_len; multi -> the multi-turn task's
@@ -30,6 +31,7 @@ import torch
 from relayrl.agents.base import AgentExecutorBase
 from relayrl.agents.executors import MultiTurnExecutor, SingleTurnExecutor
 from relayrl.config.components import LoraConfig, ModelConfig
+from relayrl.config.dist import DistConfig
 from relayrl.config.rl import AlgoConfig, EvalConfig, RolloutConfig
 from relayrl.data.records import PromptSample
 from relayrl.models.loading import checkpointing_enabled
@@ -291,6 +293,10 @@ def test_engine_copy_auto_only_for_a_plain_native_engine_whose_copy_is_small(mon
         assert not engine_copy(rollout, model, 10, torch.bfloat16, CUDA)
     lora = ModelConfig(name_or_path="m", lora=LoraConfig(rank=8))
     assert not engine_copy(auto, lora, 10, torch.bfloat16, CUDA)
+    # settings that save memory around the update: a copy would stay on the card through it
+    for dist in (DistConfig(engine_sleep="yes"), DistConfig(mode="ray", offload_optimizer_in_rollout=True)):
+        assert not engine_copy(auto, model, 10, torch.bfloat16, CUDA, dist)
+    assert engine_copy(auto, model, 10, torch.bfloat16, CUDA, DistConfig())
     # set explicitly, the setting wins over every rule
     assert engine_copy(RolloutConfig(engine_copy="yes"), lora, 10**12, torch.float32, CPU)
     assert not engine_copy(RolloutConfig(engine_copy="no"), model, 10, torch.bfloat16, CUDA)

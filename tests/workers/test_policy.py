@@ -267,6 +267,18 @@ def test_engine_copy_yes_gives_the_engine_fused_weights_refreshed_at_sync(tiny_m
         assert torch.equal(engine_params[name], p.detach()), name
     batch, engine_lp = _rollout_logprobs(w.rollout(_samples(w.tokenizer), seed=5), w.info()["pad_id"])
     torch.testing.assert_close(engine_lp, w.logprobs(batch), rtol=1e-4, atol=1e-4)
+    # resume: weights loaded into the policy reach the copy at the next sync
+    folder = tmp_path / "ckpt"
+    w.save(str(folder))
+    saved = _params(w.model)
+    w.update(_experience(_handmade_batch(5)), kl_coef=0.0)
+    w.sync(version=2)
+    w.load(str(folder))
+    assert w.weight_canary() > 1e-4  # the copy still holds the weights of the update after the save
+    w.sync(version=3)
+    assert w.weight_canary() == 0.0
+    for name, p in dict(w.weights.model.named_parameters()).items():
+        assert torch.equal(p, saved[name]), name
 
 
 def test_save_load_continues_exactly(tiny_model_path, tmp_path):

@@ -42,15 +42,16 @@ PHASES = {
 LOWER_IT = {
     "generation": "rollout.vllm_gpu_util (vllm: the engine's memory share) or rollout.engine_slots (native), "
     "a smaller rollout.n_samples or rollout.prompts_per_step or rollout.max_len, "
-    "dist.offload_optimizer_in_rollout true",
+    "dist.offload_optimizer_in_rollout true, rollout.engine_copy no",
     "log-probs": "algo.micro_batch_tokens (rl; train.max_tokens_per_micro_batch / train.micro_batch_size "
     "for the other commands), a smaller rollout.n_samples, a smaller rollout.vllm_gpu_util or "
     "dist.engine_sleep yes",
     "update": "algo.micro_batch_tokens (rl; train.max_tokens_per_micro_batch / train.micro_batch_size for the "
     "other commands), model.gradient_checkpointing true, dist.offload true, dist.engine_sleep yes or a "
-    "smaller rollout.vllm_gpu_util (the engine's memory share), a smaller rollout.n_samples",
+    "smaller rollout.vllm_gpu_util (the engine's memory share), a smaller rollout.n_samples, "
+    "rollout.engine_copy no",
     "refresh": "a smaller rollout.vllm_gpu_util (the engine's memory share), dist.engine_sleep yes, "
-    "dist.offload_optimizer_in_rollout true, dist.offload true",
+    "dist.offload_optimizer_in_rollout true, dist.offload true, rollout.engine_copy no",
 }
 """Phase -> the settings that lower its memory (config field names)."""
 

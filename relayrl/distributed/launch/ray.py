@@ -41,7 +41,6 @@ from relayrl.distributed.launch.oom import call_method
 from relayrl.distributed.launch.placement import MODEL_FREE, Pool, cpu_share, plan_pools, rank_gpus
 from relayrl.distributed.launch.profile import CALL_ENV, PROFILE_ENV, profiled
 from relayrl.distributed.launch.watchdog import StallWatch
-from relayrl.training.setup import freeze_heap
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -83,7 +82,6 @@ class RankHost:
 
         join_group(group)
         self.worker = cls(*args, **kwargs)
-        freeze_heap()  # the worker (model, engine, libraries) lives as long as this actor
         return socket.gethostname(), ray.get_runtime_context().get_node_id()
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:

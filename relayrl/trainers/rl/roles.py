@@ -39,7 +39,7 @@ from relayrl.distributed.launch.rows import RowStore
 from relayrl.distributed.weights.broadcast import connect_engines, sync_weights
 from relayrl.models.value_head import reward_stats
 from relayrl.rollout.build import engine_capabilities
-from relayrl.training.setup import freeze_heap
+from relayrl.training.setup import freeze_heap, thaw_heap
 from relayrl.workers.base import Rows
 from relayrl.workers.critic import CriticSpec, CriticWorker
 from relayrl.workers.engine import EngineSpec, EngineWorker
@@ -97,6 +97,7 @@ class Roles:
             self.policy.call(PolicyWorker.close)
         finally:
             self.launcher.shutdown()
+            thaw_heap()  # build_roles froze the heap: the run's workers become collectable again
 
 
 def _sizes(cfg: RLConfig, algo: AlgoConfig, engines: int, reward_actor: bool) -> dict[str, int]:
