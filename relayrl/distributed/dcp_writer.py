@@ -192,11 +192,9 @@ class _Thread:
         if t.device.type == "cuda":  # a new thread's current device is 0, not this rank's
             torch.cuda.set_device(t.device)
         if t.device.type != "cpu" and n <= CHUNK_BYTES:
-            if self.pinned is None:
-                self.pinned = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
             # from_numpy: a tensor whose storage is exactly these n bytes of the buffer (a slice's storage
             # would be the whole buffer, and torch.save writes whole storages)
-            raw = torch.from_numpy(self.pinned[:n].numpy())
+            raw = torch.from_numpy(self._buffer()[:n].numpy())
             staged = _typed(raw, t)
             staged.copy_(t)
             self._copied(t0)
@@ -215,14 +213,19 @@ class _Thread:
             finally:
                 del raw, staged  # back to the OS before the budget is released
 
-    def _through_pinned(self, t: torch.Tensor, raw: torch.Tensor) -> None:
+    def _buffer(self) -> torch.Tensor:
+        """This thread's pinned CHUNK_BYTES buffer, allocated on first use."""
         if self.pinned is None:
             self.pinned = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        return self.pinned
+
+    def _through_pinned(self, t: torch.Tensor, raw: torch.Tensor) -> None:
+        pinned = self._buffer()
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         for i in range(0, flat.numel(), CHUNK_BYTES):
             m = min(CHUNK_BYTES, flat.numel() - i)
-            self.pinned[:m].copy_(flat[i : i + m])
-            raw[i : i + m].copy_(self.pinned[:m])
+            pinned[:m].copy_(flat[i : i + m])
+            raw[i : i + m].copy_(pinned[:m])
 
     def _copied(self, t0: float) -> None:
         self.stats.add(copy_s=time.perf_counter() - t0, copied_records=1)

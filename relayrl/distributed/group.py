@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from relayrl.models import sequence_parallel
+from relayrl.training.collectives import grouped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,8 +85,9 @@ def leave_group() -> None:
 
 
 def in_group() -> bool:
-    """True when this process is one rank of a multi-process group."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """True when this process is one rank of a multi-process group (relayrl.training.collectives.grouped, the
+    one home of the test)."""
+    return grouped()
 
 
 def sharded_role(config: Any) -> bool:
