@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from dp_fixtures import assert_metrics_close as _close
+from dp_fixtures import one_and_two_ranks
 from dp_fixtures import rl_cfg as _rl_cfg
 
 from relayrl.config.presets import tiny_cpu_config
@@ -38,12 +39,8 @@ def test_rl_two_ranks_equal_one_rank_and_resume_across_rank_counts(
     and end inside blocks."""
     monkeypatch.setattr(rows, "MAX_BLOCKS", 11)
     monkeypatch.setattr(rows, "MIN_BLOCK_BYTES", 0)  # the step's few KB would be one block
-    one = run_rl(_rl_cfg(tiny_model_path, tmp_path / "one", 1))
-    trainer = RLTrainer(_rl_cfg(tiny_model_path, tmp_path / "two", 2))
-    canaries: list[float] = []
-    info = trainer.roles.policy.call(PolicyWorker.info)
-    two = trainer.fit(
-        on_step=lambda step, m: canaries.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    one, two, info, canaries = one_and_two_ranks(
+        _rl_cfg(tiny_model_path, tmp_path / "one", 1), _rl_cfg(tiny_model_path, tmp_path / "two", 2)
     )
     assert one.exit_code == two.exit_code == 0, two.message
     assert info["ranks"] == 2 and info["engine_weights"] == "gathered"

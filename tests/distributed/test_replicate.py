@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 from dp_fixtures import assert_metrics_close as _close
-from dp_fixtures import rl_cfg
+from dp_fixtures import one_and_two_ranks, rl_cfg
 
 from relayrl.config.base import ConfigError
 from relayrl.config.dist import DistConfig
-from relayrl.trainers.rl.loop import RLTrainer, run_rl
-from relayrl.workers.policy import PolicyWorker
+from relayrl.trainers.rl.loop import run_rl
 
 
 def _cfg(model: Path, out: Path, ranks: int, **ckpt):
@@ -31,12 +30,8 @@ def _cfg(model: Path, out: Path, ranks: int, **ckpt):
 def test_rl_on_two_replicated_ranks_equals_one_rank_and_its_checkpoint_resumes(
     ray_cluster, tiny_model_path, tmp_path
 ):
-    one = run_rl(_cfg(tiny_model_path, tmp_path / "one", 1))
-    trainer = RLTrainer(_cfg(tiny_model_path, tmp_path / "two", 2))
-    info = trainer.roles.policy.call(PolicyWorker.info)
-    canaries: list[float] = []
-    two = trainer.fit(
-        on_step=lambda step, m: canaries.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    one, two, info, canaries = one_and_two_ranks(
+        _cfg(tiny_model_path, tmp_path / "one", 1), _cfg(tiny_model_path, tmp_path / "two", 2)
     )
     assert one.exit_code == two.exit_code == 0, two.message
     # each rank's engine generates from that rank's own trained module: nothing is gathered or copied

@@ -78,3 +78,19 @@ def rl_cfg(model: Path, out: Path, ranks: int, *, replicate: bool = False, exact
             timeout_s=120,
         ),
     )
+
+
+def one_and_two_ranks(cfg_one: Any, cfg_two: Any) -> tuple[Any, Any, dict, list[float]]:
+    """`cfg_one` run on one rank, then `cfg_two` (its roles on 2 ranks); returns (one's result, two's result,
+    two's PolicyWorker.info, two's weight canary read after each step)."""
+    from relayrl.trainers.rl.loop import RLTrainer, run_rl
+    from relayrl.workers.policy import PolicyWorker
+
+    one = run_rl(cfg_one)
+    trainer = RLTrainer(cfg_two)
+    info = trainer.roles.policy.call(PolicyWorker.info)
+    canaries: list[float] = []
+    two = trainer.fit(
+        on_step=lambda step, m: canaries.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    )
+    return one, two, info, canaries
