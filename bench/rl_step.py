@@ -139,6 +139,7 @@ def run(
     engine_sleep: str = "auto",
     offload_optimizer_in_rollout: bool = False,
     engine_copy: str = "auto",
+    gradient_checkpointing: bool = False,
 ) -> dict:
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
@@ -150,7 +151,7 @@ def run(
         cfg = tiny_cpu_config(str(model), str(Path(tmp) / "run"), steps=steps, reward=str(REWARD))
         cfg = replace(
             cfg,
-            model=replace(cfg.model, dtype=dtype),
+            model=replace(cfg.model, dtype=dtype, gradient_checkpointing=gradient_checkpointing),
             train=replace(cfg.train, device=device, async_train=mode == "async", max_staleness=max_staleness),
             optim=replace(cfg.optim, lr=1e-5),
             task=replace(cfg.task, train_rows=2000),
@@ -290,6 +291,7 @@ def main() -> None:
         help="rollout.engine_copy (results key suffix /copy-<value> unless auto)",
     )
     parser.add_argument("--offload", action="store_true", help="dist.offload (FSDP2 CPU offload, ray mode)")
+    parser.add_argument("--grad-ckpt", action="store_true", help="model.gradient_checkpointing")
     args = parser.parse_args()
     row = run(
         args.device,
@@ -311,6 +313,7 @@ def main() -> None:
         exact=args.exact,
         offload=args.offload,
         engine_copy=args.engine_copy,
+        gradient_checkpointing=args.grad_ckpt,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "

@@ -237,13 +237,25 @@ def cuda_arch() -> str:
     return ""
 
 
+def ds_arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST for DeepSpeed's JIT builds: the environment's when DeepSpeed can parse every entry
+    ("9.0", "9.0+PTX"), else the card's (cuda_arch, "9.0" when unknown). The GPU image's own value carries an
+    arch-specific entry ("9.0a") that DeepSpeed 0.19.5 cannot sort (ValueError: invalid literal for int() with
+    base 10: '0a', 2026-11-28 on 4 x H100: neither FusedAdam nor DeepSpeedCPUAdam built)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    parts = env.replace(";", " ").split()
+    if parts and all(re.fullmatch(r"\d+\.\d+(\+PTX)?", p) for p in parts):
+        return env
+    return cuda_arch() or "9.0"
+
+
 def prebuild_ops(timeout_s: float = 240) -> dict[str, str]:
     """JIT-build DeepSpeed's FusedAdam (GPU; --torch-adam no needs it) and DeepSpeedCPUAdam (--ds.adam_offload
     needs it) once, side by side in child processes, into torch's extension cache that every later OpenRLHF
     run on this machine loads: {"fused_adam": "ok" or the error's last line, "cpu_adam": ...}. Needs nvcc;
     run_cells.py calls it while the model folders are built."""
     env = pc.peer_env(
-        {"TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST") or cuda_arch() or "9.0"}
+        {"TORCH_CUDA_ARCH_LIST": ds_arch_list()}
     )
     procs = {
         op: subprocess.Popen(
@@ -294,7 +306,7 @@ def run_openrlhf(
         ]
         (out / f"openrlhf-{shape}-{gpus}gpu.cmd").write_text(" \\\n  ".join(cmd) + "\n")
         env = pc.peer_env({"RAY_TMPDIR": str(tmp / "ray")})
-        env.setdefault("TORCH_CUDA_ARCH_LIST", cuda_arch() or "9.0")  # H100 / H200 when unknown
+        env["TORCH_CUDA_ARCH_LIST"] = ds_arch_list()  # the image's "9.0a" breaks DeepSpeed
         if peer_path:  # this peer's own packages first (e.g. the transformers release it pins)
             env["PYTHONPATH"] = os.pathsep.join([peer_path, env["PYTHONPATH"]])
         if torch_adam:  # DeepSpeed's torch AdamW instead of its JIT-built FusedAdam (see ds_torch_adam/)

@@ -405,7 +405,8 @@ def relayrl_command(
     (offload_mode, docs/distributed.md "Memory knobs"): "states" = --dist.offload_optimizer_in_rollout with
     --dist.engine_sleep yes (AdamW states in CPU memory and the KV cache freed while the other half of the
     step runs; the update on the GPU); "full" = --dist.offload (FSDP2 CPU offload, Ray mode: shards, gradients
-    and AdamW states in pinned CPU memory, the optimizer step on the CPU)."""
+    and AdamW states in pinned CPU memory, the optimizer step on the CPU) with --dist.engine_sleep yes. At the 7B
+    shape model.gradient_checkpointing is on (as both peers run it)."""
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     kwargs: dict[str, Any] = dict(
@@ -419,6 +420,10 @@ def relayrl_command(
     )
     if offload == "states":
         kwargs.update(engine_sleep="yes", offload_optimizer_in_rollout=True)
+    if offload == "full":  # the KV cache freed for the update, as both peers' engines sleep for theirs
+        kwargs.update(engine_sleep="yes")
+    if shape == "7b":  # both peers run 7B with gradient checkpointing; relayrl's 16k-token micro-batches of 7B
+        kwargs.update(gradient_checkpointing=True)  # ran out of an H100's memory without it (2026-11-28)
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from bench.rl_step import run; "
         "row = run(**json.loads(sys.argv[2])); open(sys.argv[3], 'w').write(json.dumps(row)); "

@@ -57,7 +57,10 @@ HERE = Path(__file__).resolve().parent
 PEERS = ("verl", "openrlhf")
 # seconds a job takes, start-up included, for 1 warm-up + 3 timed steps: measured at 0.5b on one H200
 # (2026-11-27: verl 302 s to its first step + ~12 s a step, OpenRLHF 165 s + ~15 s, relayrl ~50 s in all);
-# the rest are estimates (7B: vLLM's start-up 131 s in bench/rollout.py, steps 4-6x the 0.5B ones)
+# the rest are estimates (7B: vLLM's start-up 131 s in bench/rollout.py, steps 4-6x the 0.5B ones). Seen
+# since (2026-11-28, 4 x H100): OpenRLHF 0.5B x 4 210 s to its first step + ~10 s a step, relayrl 0.5B x 4
+# 59 s in all; verl 7B x 1 with offload "full" on an 80 GB card started its first step after ~390 s and had
+# not finished it at 525 s (more than these estimates allow: run it on an H200, offload "states")
 EST_S = {
     ("relayrl", "0.5b", 1): 60,
     ("relayrl", "0.5b", 4): 100,

@@ -62,7 +62,7 @@ from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.rollout.native_tp import TPNativeEngine
 from relayrl.training.checkpoint import check_finite_weights, load_weights_into
-from relayrl.training.optim import move_optimizer_state
+from relayrl.training.optim import HostStates
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import (
@@ -216,6 +216,7 @@ class PolicyWorker:
         sleep = spec.dist.engine_sleep if spec.dist else "auto"
         self.engine_sleep = sleep == "yes"
         self.offload_optimizer = bool(spec.dist and spec.dist.offload_optimizer_in_rollout)
+        self.host_states = HostStates()
         self._asleep = False
         self.engine: RolloutEngine | None = None
         self.executor: AgentExecutorBase | None = None
@@ -259,8 +260,8 @@ class PolicyWorker:
             )
         if self.weights.model is self.model and not self.weights.stream:  # the engine runs on the trained
             self.model.eval()  # module itself (never in async mode; vllm holds its own copy)
-        if self.offload_optimizer:
-            move_optimizer_state(self.train.optimizer, torch.device("cpu"))
+        if self.offload_optimizer:  # parked at sync (_before_load) already, except before the first sync
+            self.host_states.park(self.train.optimizer)
         if self.device.type == "cuda" and not eval and not self.spec.async_train:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
         base = sampling_params(self.spec.rollout, self.spec.eval, eval=eval)
@@ -346,7 +347,7 @@ class PolicyWorker:
             self.engine.sleep()
             self._asleep = True
         if self.offload_optimizer:
-            move_optimizer_state(self.train.optimizer, self.device)
+            self.host_states.unpark(self.train.optimizer, self.device)
 
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int], kl_coef: float) -> LossOutput:
         micro = mb.select(rows)
@@ -414,7 +415,13 @@ class PolicyWorker:
         return {"timing/engine_refresh": max(seconds, time.perf_counter() - t0)}
 
     def _wake(self) -> None:
-        """Wake an engine that slept through the update (dist.engine_sleep), before its weights load."""
+        """Before the engine's weights load: the optimizer states go to the host (offload_optimizer_in_rollout),
+        then an engine that slept through the update (dist.engine_sleep) wakes, so its KV cache and graphs
+        are allocated in the memory the states left. (Parked at the next rollout instead, the wake ran with
+        52 GB of states still on the GPU: a 7B sync took 10-13 s on one H200 against 0.7 s at the first
+        step, 2026-11-28; the cause is not isolated.)"""
+        if self.offload_optimizer:
+            self.host_states.park(self.train.optimizer)
         if self._asleep and self.engine is not None:
             self.engine.wake_up()
             self._asleep = False

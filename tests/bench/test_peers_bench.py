@@ -133,7 +133,21 @@ def test_the_six_missing_cells_command_lines(tmp_path, shape, gpus, card):
     assert kw["dist_mode"] == ("ray" if gpus > 1 or mode == "full" else "local")
     assert kw["offload"] is (mode == "full")
     assert kw.get("offload_optimizer_in_rollout", False) is (mode == "states")
-    assert kw.get("engine_sleep", "auto") == ("yes" if mode == "states" else "auto")
+    assert kw.get("engine_sleep", "auto") == ("auto" if mode == "none" else "yes")  # both peers' engines sleep
+    assert kw.get("gradient_checkpointing", False) is (shape == "7b")  # as both peers run 7B
+
+
+def test_deepspeed_gets_an_arch_list_it_can_parse(monkeypatch):
+    """The GPU image sets TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19.5's JIT builder cannot sort: the card's
+    capability replaces any list with such an entry; a list DeepSpeed parses is kept."""
+    monkeypatch.setattr(openrlhf_grpo, "cuda_arch", lambda: "9.0")
+    for env, want in (("9.0a", "9.0"), ("8.0 9.0a", "9.0"), ("", "9.0"), ("8.0;9.0+PTX", "8.0;9.0+PTX"),
+                      ("9.0", "9.0")):  # fmt: skip
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env)
+        assert openrlhf_grpo.ds_arch_list() == want, env
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(openrlhf_grpo, "cuda_arch", lambda: "")
+    assert openrlhf_grpo.ds_arch_list() == "9.0"  # no nvidia-smi: Hopper, the cards these runs use
 
 
 def test_relayrl_side_kwargs_are_rl_step_run_parameters(tmp_path):
