@@ -140,6 +140,7 @@ def run(
     offload_optimizer_in_rollout: bool = False,
     engine_copy: str = "auto",
     gradient_checkpointing: bool = False,
+    replicate: bool = False,
 ) -> dict:
     from relayrl.config.presets import tiny_cpu_config
     from relayrl.trainers.rl.loop import run_rl
@@ -180,6 +181,7 @@ def run(
                 offload=offload,
                 engine_sleep=engine_sleep,  # type: ignore[arg-type]  # DistConfig checks the choice
                 offload_optimizer_in_rollout=offload_optimizer_in_rollout,
+                replicate=replicate,
             ),
         )
         t0 = time.perf_counter()
@@ -292,6 +294,7 @@ def main() -> None:
     )
     parser.add_argument("--offload", action="store_true", help="dist.offload (FSDP2 CPU offload, ray mode)")
     parser.add_argument("--grad-ckpt", action="store_true", help="model.gradient_checkpointing")
+    parser.add_argument("--replicate", action="store_true", help="dist.replicate (ray mode, whole models)")
     args = parser.parse_args()
     row = run(
         args.device,
@@ -314,6 +317,7 @@ def main() -> None:
         offload=args.offload,
         engine_copy=args.engine_copy,
         gradient_checkpointing=args.grad_ckpt,
+        replicate=args.replicate,
     )
     print(
         f"\nRL step, {row['shape']} ({row['dtype']}) on {row['device']}, {row['prompts_x_samples']} samples, "

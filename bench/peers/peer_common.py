@@ -398,7 +398,13 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 # ============================================================================================== relayrl side
 def relayrl_command(
-    shape: str, gpus: int, steps: int, model_dir: Path, out_json: Path, offload: str = "none"
+    shape: str,
+    gpus: int,
+    steps: int,
+    model_dir: Path,
+    out_json: Path,
+    offload: str = "none",
+    replicate: bool = False,
 ) -> list[str]:
     """relayrl's bench/rl_step.py run (GRPO, its native engine, same model folder) as a child command: local
     mode on 1 GPU, Ray mode with the policy over `gpus` GPUs and colocated engines otherwise. `offload`
@@ -406,7 +412,8 @@ def relayrl_command(
     --dist.engine_sleep yes (AdamW states in CPU memory and the KV cache freed while the other half of the
     step runs; the update on the GPU); "full" = --dist.offload (FSDP2 CPU offload, Ray mode: shards, gradients
     and AdamW states in pinned CPU memory, the optimizer step on the CPU) with --dist.engine_sleep yes. At the 7B
-    shape model.gradient_checkpointing is on (as both peers run it)."""
+    shape model.gradient_checkpointing is on (as both peers run it). `replicate` (several GPUs, offload "none"):
+    --dist.replicate, every rank the whole model instead of FSDP2 shards (docs/distributed.md)."""
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     kwargs: dict[str, Any] = dict(
@@ -422,6 +429,10 @@ def relayrl_command(
         kwargs.update(engine_sleep="yes", offload_optimizer_in_rollout=True)
     if offload == "full":  # the KV cache freed for the update, as both peers' engines sleep for theirs
         kwargs.update(engine_sleep="yes")
+    if replicate:
+        if gpus < 2 or offload != "none":
+            raise ValueError(f"replicate needs several GPUs and offload none, got {gpus} GPU(s), {offload!r}")
+        kwargs.update(replicate=True)
     if shape == "7b":  # both peers run 7B with gradient checkpointing; relayrl's 16k-token micro-batches of 7B
         kwargs.update(gradient_checkpointing=True)  # ran out of an H100's memory without it (2026-11-28)
     code = (
@@ -501,7 +512,8 @@ def versions(names: tuple[str, ...]) -> dict[str, str]:
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
-    out["relayrl"] = head.stdout.strip() if head.returncode == 0 else "unknown"
+    commit = head.stdout.strip() if head.returncode == 0 else os.environ.get("RELAYRL_COMMIT", "")
+    out["relayrl"] = commit or "unknown"  # RELAYRL_COMMIT: a copy of the tree without .git (a GPU machine)
     for n in names:
         try:
             out[n] = importlib.metadata.version(n)

@@ -131,9 +131,13 @@ def parse_cells(text: str, gpus_available: int) -> list[Cell]:
     return cells
 
 
-def plan(cells: list[Cell], gpus_available: int, offload: Callable[[str, int], str]) -> list[list[Job]]:
+def plan(
+    cells: list[Cell], gpus_available: int, offload: Callable[[str, int], str], replicate: bool = False
+) -> list[list[Job]]:
     """Units of jobs, run one unit after the other: first the 1-GPU jobs together (peers, then relayrl per
-    shape, then relayrl's alternative offload where a GPU is left), then each multi-GPU job alone."""
+    shape, then relayrl's alternative offload where a GPU is left), then each multi-GPU job alone. With
+    `replicate`, relayrl's multi-GPU run of a shape without offload runs a second time with dist.replicate
+    (tag "replicate": recorded beside the cell, not its number)."""
     one = [c for c in cells if c.gpus == 1]
     units: list[list[Job]] = []
     if one:
@@ -148,6 +152,8 @@ def plan(cells: list[Cell], gpus_available: int, offload: Callable[[str, int], s
     for c in (c for c in cells if c.gpus > 1):
         if (c.shape, c.gpus) not in done:
             units.append([Job("relayrl", c.shape, c.gpus, offload(c.shape, c.gpus))])
+            if replicate and offload(c.shape, c.gpus) == "none":
+                units.append([Job("relayrl", c.shape, c.gpus, "none", tag="replicate")])
             done.add((c.shape, c.gpus))
         units.append([Job(c.peer, c.shape, c.gpus, offload(c.shape, c.gpus))])
     return units
@@ -183,7 +189,7 @@ class Driver:
         self.prebuilt: dict[str, str] = {}
         self.builder: threading.Thread | None = None
         self.models: dict[str, Path] = {}
-        self.units = plan(cells, gpus_available, self.offload)
+        self.units = plan(cells, gpus_available, self.offload, args.replicate)
         self.lock = threading.Lock()
         self.ops_lock = threading.Lock()
         self.table: list[dict[str, Any]] = []
@@ -202,7 +208,7 @@ class Driver:
         if job.side == "relayrl":
             out_json = self.out / f"{job.name}.json"
             return pc.relayrl_command(
-                job.shape, job.gpus, a.steps, model_dir / "model", out_json, job.offload
+                job.shape, job.gpus, a.steps, model_dir / "model", out_json, job.offload, job.tag == "replicate"
             )
         cmd = [
             sys.executable,
@@ -363,6 +369,9 @@ class Driver:
                     "offload": alt.offload,
                     **{k: alt.result.get(k) for k in ("step_median_s", "status")},
                 }
+            rep = self.relayrl_job(c.shape, c.gpus, "replicate")
+            if rep is not None:
+                row["relayrl_replicate"] = {k: rep.result.get(k) for k in ("step_median_s", "status")}
             rows.append(row)
         self.table = rows
         meta = {
@@ -395,6 +404,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{r['relayrl_steps_timed']} | {r['offload']}{'' if r['relayrl_offload'] in ('', r['offload']) else ' / relayrl ' + r['relayrl_offload']} | {r['peer_status']} / {r['relayrl_status']} | {ver} | "
             f"{r['card']} |"
         )
+    for r in rows:
+        rep = r.get("relayrl_replicate")
+        if rep:
+            lines.append(
+                f"\n{r['cell']}: relayrl with dist.replicate (every rank the whole model) "
+                f"{f(rep.get('step_median_s'))} s ({rep.get('status', 'pending')})"
+            )
     return "\n".join(lines)
 
 
@@ -450,6 +466,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--gpus-available", type=int, default=0, help="default: nvidia-smi's count")
     parser.add_argument(
         "--gpu-gib", type=float, default=0, help="a card's memory for --offload auto (nvidia-smi)"
+    )
+    parser.add_argument(
+        "--replicate",
+        action="store_true",
+        help="also run relayrl's multi-GPU side of each shape without offload with dist.replicate (beside the cell)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     parser.add_argument(

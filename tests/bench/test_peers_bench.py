@@ -161,8 +161,14 @@ def test_relayrl_side_kwargs_are_rl_step_run_parameters(tmp_path):
     for mode in pc.OFFLOAD_MODES:
         kw = json.loads(pc.relayrl_command("7b", 1, 4, Path("/m"), tmp_path / "o.json", mode)[-2])
         assert set(kw) <= params, set(kw) - params
+    kw = json.loads(pc.relayrl_command("0.5b", 4, 4, Path("/m"), tmp_path / "o.json", "none", True)[-2])
+    assert kw["replicate"] is True and kw["dist_mode"] == "ray" and set(kw) <= params
+    assert "replicate" not in json.loads(pc.relayrl_command("0.5b", 4, 4, Path("/m"), tmp_path / "o.json")[-2])
     with pytest.raises(ValueError, match="offload"):
         pc.relayrl_command("7b", 1, 4, Path("/m"), tmp_path / "o.json", "some")
+    for gpus, mode in ((1, "none"), (4, "full")):
+        with pytest.raises(ValueError, match="replicate needs"):
+            pc.relayrl_command("0.5b", gpus, 4, Path("/m"), tmp_path / "o.json", mode, True)
 
 
 def test_run_logged_counts_steps_stops_early_and_kills_on_timeout(tmp_path):
@@ -218,6 +224,14 @@ def test_plan_runs_one_gpu_cells_side_by_side_and_multi_gpu_cells_alone():
         ["relayrl-7b-4gpu"],
         ["verl-7b-4gpu"],
     ]
+    units = run_cells.plan(_cells("verl:0.5b:4,openrlhf:0.5b:4,verl:7b:4"), 4, lambda s, g: "none", True)
+    assert [[j.name for j in u] for u in units][:3] == [
+        ["relayrl-0.5b-4gpu"],
+        ["relayrl-0.5b-4gpu-replicate"],
+        ["verl-0.5b-4gpu"],
+    ]  # once per shape, and only where nothing is offloaded:
+    units = run_cells.plan(_cells("verl:7b:4"), 4, lambda s, g: "states", True)
+    assert [[j.name for j in u] for u in units] == [["relayrl-7b-4gpu"], ["verl-7b-4gpu"]]
     for bad in ("verl:7b", "trl:7b:1", "verl:3b:1", "verl:7b:8", "verl:7b:1,verl:7b:1"):
         with pytest.raises(SystemExit):
             _cells(bad)
@@ -388,7 +402,7 @@ def test_unit_span_shares_the_budget_by_estimate_with_room_for_the_first():
 def test_relayrl_falls_back_to_its_full_offload_run_when_the_states_run_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     args = run_cells.argparse.Namespace(
-        budget=60, steps=4, warmup=1, offload="states", torch_adam="yes", gpu_gib=0
+        budget=60, steps=4, warmup=1, offload="states", torch_adam="yes", gpu_gib=0, replicate=False
     )
     d = run_cells.Driver(args, _cells("verl:7b:1"), 4)
     verl, rl, alt = d.units[0]
@@ -399,3 +413,23 @@ def test_relayrl_falls_back_to_its_full_offload_run_when_the_states_run_failed(t
     row = d.table[0]
     assert row["ratio"] == 5.0 and row["relayrl_offload"] == "full (its states run failed)"
     assert row["relayrl_alt"]["step_median_s"] == 10.0
+
+
+def test_the_replicate_run_is_recorded_beside_the_cell_not_as_its_number(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    args = run_cells.argparse.Namespace(
+        budget=60, steps=4, warmup=1, offload="none", torch_adam="yes", gpu_gib=0, replicate=True
+    )
+    d = run_cells.Driver(args, _cells("openrlhf:0.5b:4"), 4)
+    (rl,), (rep,), (orl,) = d.units
+    assert d.command(rep, tmp_path, 60)[-1] == str(tmp_path / "relayrl-0.5b-4gpu-replicate.json")
+    orl.result = {"step_median_s": 9.0, "status": "ok"}
+    rl.result = {"step_median_s": 3.0, "status": "ok"}
+    rep.result = {"step_median_s": 1.5, "status": "ok"}
+    d.write_table()
+    row = d.table[0]
+    assert row["relayrl_step_s"] == 3.0 and row["ratio"] == 3.0
+    assert row["relayrl_replicate"] == {"step_median_s": 1.5, "status": "ok"}
+    assert "openrlhf-0.5b-4gpu: relayrl with dist.replicate (every rank the whole model) 1.500 s (ok)" in (
+        tmp_path / "cells.md"
+    ).read_text()
