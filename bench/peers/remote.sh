@@ -23,12 +23,14 @@ case $cmd in
   peers)  # WHEELS: keep the peers' wheel folders for setup_gpu.sh
     rm -rf /root/peers_wheels && cp -a "$1" /root/peers_wheels && echo "peers' wheels kept" ;;
   start)  # COMMIT "NAME=run_cells args;NAME=..."
-    mkdir -p $R /root/repo && cp -a relayrl bench tests examples pyproject.toml README.md /root/repo/
+    rm -rf $R /root/repo && mkdir -p $R /root/repo && \
+      cp -a relayrl bench tests examples pyproject.toml README.md /root/repo/ || { echo "copy failed"; exit 1; }
     (cd /root/repo && RELAYRL_COMMIT="$1" setsid nohup bash bench/peers/remote.sh pipeline "$2" \
        > /dev/null 2>&1 < /dev/null &)
     echo "pipeline started: $2" ;;
   pipeline)  # (under setsid, from start) unpack Ray and vLLM, check the imports, run each stage in turn
     exec > $R/pipeline.log 2>&1
+    echo $$ > $R/pipeline.pid
     t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
     cat /root/wstage/ray0/* /root/wstage/ray1/* > /root/w.tar && tar xf /root/w.tar -C /root/wstage && \
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/wstage/whl/*.whl
@@ -48,10 +50,13 @@ case $cmd in
     el "pipeline done"; touch $R/pipeline.done ;;
   poll)  # SECONDS: wait for the end (or SECONDS), pack the results into $OUT/res.tgz, print the tables
     end=$(( $(date +%s) + $1 ))
-    while [ ! -f $R/pipeline.done ] && [ "$(date +%s)" -lt $end ]; do sleep 5; done
+    alive() { [ -f $R/pipeline.pid ] && kill -0 "$(cat $R/pipeline.pid)" 2>/dev/null; }
+    while [ ! -f $R/pipeline.done ] && alive && [ "$(date +%s)" -lt $end ]; do sleep 5; done
     tar czf "$OUT"/res.tgz -C /root res 2>/dev/null
     tail -12 $R/pipeline.log; for f in $R/*/cells.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
-    [ -f $R/pipeline.done ] && echo "pipeline done" ;;
+    if [ -f $R/pipeline.done ]; then echo "pipeline done"
+    elif ! alive; then echo "pipeline NOT RUNNING (died or never started): see pipeline.log"
+    else echo "pipeline still running"; fi ;;
   *) echo "remote.sh: unknown command $cmd" >&2; exit 2 ;;
 esac

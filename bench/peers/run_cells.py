@@ -136,8 +136,9 @@ def plan(
 ) -> list[list[Job]]:
     """Units of jobs, run one unit after the other: first the 1-GPU jobs together (peers, then relayrl per
     shape, then relayrl's alternative offload where a GPU is left), then each multi-GPU job alone. With
-    `replicate`, relayrl's multi-GPU run of a shape without offload runs a second time with dist.replicate
-    (tag "replicate": recorded beside the cell, not its number)."""
+    `replicate`, relayrl's multi-GPU run of a shape that fits one card without offload (so every rank can hold
+    the whole training state) runs a second time with dist.replicate (tag "replicate": recorded beside the
+    cell, not its number)."""
     one = [c for c in cells if c.gpus == 1]
     units: list[list[Job]] = []
     if one:
@@ -152,7 +153,7 @@ def plan(
     for c in (c for c in cells if c.gpus > 1):
         if (c.shape, c.gpus) not in done:
             units.append([Job("relayrl", c.shape, c.gpus, offload(c.shape, c.gpus))])
-            if replicate and offload(c.shape, c.gpus) == "none":
+            if replicate and offload(c.shape, c.gpus) == "none" and offload(c.shape, 1) == "none":
                 units.append([Job("relayrl", c.shape, c.gpus, "none", tag="replicate")])
             done.add((c.shape, c.gpus))
         units.append([Job(c.peer, c.shape, c.gpus, offload(c.shape, c.gpus))])

@@ -217,45 +217,6 @@ def build_optim(
     return opt, sched
 
 
-class HostStates:
-    """Parks an optimizer's state tensors (AdamW moments) in host memory while the GPU's memory goes to
-    generation (dist.offload_optimizer_in_rollout) and brings them back before the step. Each state's host
-    buffer is allocated once (pinned when CUDA is available) and reused every step, so parking is one
-    device-to-host copy at the link's speed, where `move_optimizer_state`'s `.to("cpu")` allocates ~8 bytes a
-    parameter of fresh host memory at every park (52 GB at the 7B shape). Measured before this class, 7B on
-    one H200 (2026-11-28): the rollout that parked the states took 39-42 s against 2.3 s for the first one,
-    which had no states to park (how much of it the allocation was is not isolated). The buffers stay
-    allocated for the run (the host memory the parked states take anyway). Sharded states (DTensor) move as
-    `move_optimizer_state` moves them."""
-
-    def __init__(self) -> None:
-        self.host: dict[tuple[int, str], torch.Tensor] = {}
-
-    def park(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every state tensor on an accelerator -> its host buffer; the device copies are released."""
-        moved = False
-        for param, state in optimizer.state.items():
-            for k, v in state.items():
-                if not isinstance(v, torch.Tensor) or k == "step" or v.device.type == "cpu":
-                    continue
-                if isinstance(v, DTensor):
-                    state[k] = v.to("cpu")
-                    continue
-                buf = self.host.get((id(param), k))
-                if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
-                    buf = torch.empty(v.shape, dtype=v.dtype, pin_memory=torch.cuda.is_available())
-                    self.host[(id(param), k)] = buf
-                buf.copy_(v, non_blocking=True)
-                state[k] = buf
-                moved = True
-        if moved and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the host buffers are complete before anything reads them
-
-    def unpark(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        """Every parked state back to `device` (its host buffer kept for the next park)."""
-        move_optimizer_state(optimizer, device)
-
-
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Move every tensor of the optimizer's state (AdamW moments; the `step` counters stay where the
     optimizer keeps them) to `device`: CPU while the GPU's memory goes to generation, back before the step.
@@ -263,6 +224,6 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device)
     for state in optimizer.state.values():
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and k != "step" and v.device != device:
-                state[k] = v.to(device, non_blocking=True)
-    if torch.cuda.is_available():
+                state[k] = v.to(device, non_blocking=device.type == "cpu")
+    if device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()

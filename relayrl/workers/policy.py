@@ -62,7 +62,7 @@ from relayrl.rollout.base import RolloutEngine
 from relayrl.rollout.build import engine_capabilities
 from relayrl.rollout.native_tp import TPNativeEngine
 from relayrl.training.checkpoint import check_finite_weights, load_weights_into
-from relayrl.training.optim import HostStates
+from relayrl.training.host_states import HostStates
 from relayrl.training.step import LossOutput
 from relayrl.workers.base import Experience, Rows, SequenceBatch, my_update_parts
 from relayrl.workers.builders import (
@@ -260,7 +260,7 @@ class PolicyWorker:
             )
         if self.weights.model is self.model and not self.weights.stream:  # the engine runs on the trained
             self.model.eval()  # module itself (never in async mode; vllm holds its own copy)
-        if self.offload_optimizer:  # parked at sync (_before_load) already, except before the first sync
+        if self.offload_optimizer:  # parked at the sync (_wake) already, except before the first one
             self.host_states.park(self.train.optimizer)
         if self.device.type == "cuda" and not eval and not self.spec.async_train:
             torch.cuda.reset_peak_memory_stats(self.device)  # perf/peak_mem_gib covers one whole step
@@ -347,7 +347,7 @@ class PolicyWorker:
             self.engine.sleep()
             self._asleep = True
         if self.offload_optimizer:
-            self.host_states.unpark(self.train.optimizer, self.device)
+            self.host_states.unpark(self.train.optimizer)
 
     def _loss(self, model: torch.nn.Module, mb: Experience, rows: list[int], kl_coef: float) -> LossOutput:
         micro = mb.select(rows)

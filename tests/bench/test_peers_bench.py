@@ -224,12 +224,18 @@ def test_plan_runs_one_gpu_cells_side_by_side_and_multi_gpu_cells_alone():
         ["relayrl-7b-4gpu"],
         ["verl-7b-4gpu"],
     ]
-    units = run_cells.plan(_cells("verl:0.5b:4,openrlhf:0.5b:4,verl:7b:4"), 4, lambda s, g: "none", True)
-    assert [[j.name for j in u] for u in units][:3] == [
+    def fits(shape: str, gpus: int) -> str:  # 7B needs 4 GPUs' memory without offload, as on the real cards
+        return "none" if shape == "0.5b" or gpus > 1 else "states"
+
+    units = run_cells.plan(_cells("verl:0.5b:4,openrlhf:0.5b:4,verl:7b:4"), 4, fits, True)
+    assert [[j.name for j in u] for u in units] == [
         ["relayrl-0.5b-4gpu"],
-        ["relayrl-0.5b-4gpu-replicate"],
+        ["relayrl-0.5b-4gpu-replicate"],  # once per shape
         ["verl-0.5b-4gpu"],
-    ]  # once per shape, and only where nothing is offloaded:
+        ["openrlhf-0.5b-4gpu"],
+        ["relayrl-7b-4gpu"],  # no replicate: the whole 7B training state does not fit one card
+        ["verl-7b-4gpu"],
+    ]
     units = run_cells.plan(_cells("verl:7b:4"), 4, lambda s, g: "states", True)
     assert [[j.name for j in u] for u in units] == [["relayrl-7b-4gpu"], ["verl-7b-4gpu"]]
     for bad in ("verl:7b", "trl:7b:1", "verl:3b:1", "verl:7b:8", "verl:7b:1,verl:7b:1"):

@@ -15,7 +15,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from relayrl.config.components import OptimConfig
 from relayrl.training.optim import (
-    HostStates,
     Schedule,
     build_optim,
     build_optimizer,
@@ -110,47 +109,3 @@ def test_fsdp2_shards_in_cpu_memory_step_with_the_fused_cpu_adamw(tmp_path):
         assert not torch.equal(local.full_tensor(), w)  # the steps moved the sharded weights
     finally:
         dist.destroy_process_group()
-
-
-def _stepped(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(64, 32).to(device)
-    opt, _ = build_optim(model, Settings(), total_steps=4)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
-    return model, opt
-
-
-def test_host_states_leave_states_already_in_host_memory_alone():
-    _, opt = _stepped("cpu")
-    before = {k: v for state in opt.state.values() for k, v in state.items()}
-    parking = HostStates()
-    parking.park(opt)
-    after = {k: v for state in opt.state.values() for k, v in state.items()}
-    assert all(after[k] is v for k, v in before.items()) and parking.host == {}
-
-
-@pytest.mark.gpu
-def test_host_states_park_into_reused_pinned_buffers_and_step_as_if_never_parked():
-    torch.manual_seed(0)
-    model, opt = _stepped("cuda")
-    twin, twin_opt = _stepped("cuda")
-    twin.load_state_dict(model.state_dict())
-    parking = HostStates()
-    for rnd in range(2):
-        parking.park(opt)
-        states = [(k, v) for state in opt.state.values() for k, v in state.items() if k != "step"]
-        assert states and all(v.device.type == "cpu" and v.is_pinned() for _, v in states)
-        ptrs = {id(v): v.data_ptr() for _, v in states}
-        if rnd == 0:
-            first = sorted(ptrs.values())
-        else:
-            assert sorted(ptrs.values()) == first  # the same host buffers, not new allocations
-        parking.unpark(opt, torch.device("cuda"))
-        assert all(v.device.type == "cuda" for s in opt.state.values() for k, v in s.items() if k != "step")
-        for m, o in ((model, opt), (twin, twin_opt)):
-            for p in m.parameters():
-                p.grad = torch.full_like(p, 0.5 + rnd)
-            o.step()
-        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
-            assert torch.equal(a, b)  # parking changed nothing in the optimizer's arithmetic

@@ -386,7 +386,7 @@ def test_offloaded_optimizer_states_leave_before_the_sleeping_engine_wakes(tiny_
     engine; the sync parks the states on the host BEFORE it wakes the engine (so the engine's KV cache and
     graphs are allocated in the memory the states left), then loads the weights."""
     from relayrl.config.dist import DistConfig
-    from relayrl.training.optim import HostStates
+    from relayrl.training.host_states import HostStates
 
     w = PolicyWorker(_spec(tiny_model_path, tmp_path, dist=DistConfig(engine_sleep="yes",
                                                                        offload_optimizer_in_rollout=True)))  # fmt: skip
@@ -396,7 +396,7 @@ def test_offloaded_optimizer_states_leave_before_the_sleeping_engine_wakes(tiny_
         setattr(w.engine, name, lambda real=real, name=name: (events.append(name), real())[1])
     park, unpark = HostStates.park, HostStates.unpark
     w.host_states.park = lambda opt: (events.append("park"), park(w.host_states, opt))[1]  # type: ignore[method-assign]
-    w.host_states.unpark = lambda opt, dev: (events.append("unpark"), unpark(w.host_states, opt, dev))[1]  # type: ignore[method-assign]
+    w.host_states.unpark = lambda opt: (events.append("unpark"), unpark(w.host_states, opt))[1]  # type: ignore[method-assign]
     w.update(_experience(_handmade_batch()), kl_coef=0.0)
     assert events == ["sleep", "unpark"]
     assert next(iter(w.train.optimizer.state.values()))["exp_avg"].abs().sum() > 0  # states exist now
