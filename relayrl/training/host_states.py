@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, str]  # (id of the parameter, state name): the optimizer holds the parameter, so ids are unique
+# (id of the parameter, state name): the optimizer holds the parameter, so the ids are unique
+Key = tuple[int, str]
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -47,7 +48,9 @@ def _on_device(t: torch.Tensor) -> bool:
 
 def _register(buf: torch.Tensor) -> bool:
     """Page-lock `buf` in place; False (and a warning) when CUDA refuses."""
-    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
+    cudart = torch.cuda.cudart()
+    size = buf.numel() * buf.element_size()
+    err = -1 if cudart is None else int(cudart.cudaHostRegister(buf.data_ptr(), size, 0))
     if err != 0:
         log.warning("parked optimizer states stay in pageable host memory (cudaHostRegister error %d)", err)
     return err == 0
@@ -128,10 +131,13 @@ class HostStates:
 
     def release(self) -> None:
         """Free the host buffers (un-registering them first)."""
-        for buf in self.registered:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        cudart = torch.cuda.cudart() if self.registered else None
+        if cudart is not None:
+            for buf in self.registered:
+                cudart.cudaHostUnregister(buf.data_ptr())
         self.registered, self.flat, self.views, self.layout = [], {}, {}, []
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown CUDA may be gone; the memory goes anyway
+        # at interpreter shutdown CUDA may be gone; the process's memory goes anyway
+        with contextlib.suppress(Exception):
             self.release()
