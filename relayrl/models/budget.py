@@ -127,9 +127,16 @@ def _auto_update(model: Any, device: torch.device, pending_bytes: int, compute_d
 
 def pending_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Device bytes a not-yet-stepped AdamW-like optimizer will add: two fp32 states and an fp32 gradient per
-    trainable element (12 bytes; what this rank holds under FSDP); 0 once its states exist."""
+    trainable element (12 bytes; what this rank holds under FSDP). Once its states exist: the bytes of those
+    not on their parameter's device, i.e. parked in host memory (dist.offload_optimizer_in_rollout) and back
+    for the update (a resumed run resolves its budgets while they are parked)."""
     if optimizer.state:
-        return 0
+        away = 0
+        for p, state in optimizer.state.items():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step" and v.device != p.device:
+                    away += _local_numel(v) * v.element_size()
+        return away
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     return 12 * sum(_local_numel(p) for p in params)
 

@@ -80,6 +80,20 @@ def test_token_budgets_resolve_once_with_the_optimizer_states_pending(model, mon
     assert b.get() == b.get() == (65536, 262144) and len(seen) == 1
 
 
+def test_parked_optimizer_states_count_as_pending(model):
+    """Once the states exist they count only while parked away from their parameters' device (they come back
+    for the update); states beside their parameters count nothing."""
+    from relayrl.training.optim import move_optimizer_state
+
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert budget.pending_optimizer_bytes(opt) == 0
+    move_optimizer_state(opt, torch.device("meta"))  # parked elsewhere (a GPU run parks them on the CPU)
+    assert budget.pending_optimizer_bytes(opt) == 8 * sum(p.numel() for p in model.parameters())
+
+
 def test_packed_row_detection_is_skipped_only_inside_a_varlen_forward():
     forward._register()  # installs the skip (once)
     packed = torch.tensor([[0, 1, 2, 0, 1]])
