@@ -103,7 +103,7 @@ class HostStates:
         devices: set[torch.device] = set()
         for param, state in optimizer.state.items():
             for k, v in state.items():
-                device = self.parked.pop((id(param), k), None)
+                device = self.parked.get((id(param), k))
                 if device is None or not isinstance(v, torch.Tensor):
                     continue
                 state[k] = v.to(device, non_blocking=True, copy=True)

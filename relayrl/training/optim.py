@@ -215,15 +215,3 @@ def build_optim(
         min_lr_ratio=optim.min_lr_ratio,
     )
     return opt, sched
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move every tensor of the optimizer's state (AdamW moments; the `step` counters stay where the
-    optimizer keeps them) to `device`: CPU while the GPU's memory goes to generation, back before the step.
-    Sharded (DTensor) states move with their shards."""
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and k != "step" and v.device != device:
-                state[k] = v.to(device, non_blocking=device.type == "cpu")
-    if device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()

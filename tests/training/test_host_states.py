@@ -53,6 +53,14 @@ def test_park_puts_every_state_in_one_exact_buffer_and_unpark_gives_each_back():
     assert all(v is parking.views[key] for key, v in _states(opt).items())
 
 
+def test_parking_leaves_the_step_counters():
+    _, opt = _stepped()
+    state = next(iter(opt.state.values()))
+    step = state["step"]
+    HostStates(parks=lambda t: True).park(opt)
+    assert state["step"] is step  # stays where the optimizer keeps it
+
+
 def test_a_parked_optimizer_trains_exactly_like_one_never_parked():
     model, opt = _stepped()
     twin, twin_opt = _stepped()

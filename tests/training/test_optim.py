@@ -18,7 +18,6 @@ from relayrl.training.optim import (
     Schedule,
     build_optim,
     build_optimizer,
-    move_optimizer_state,
     schedule_lr,
 )
 
@@ -72,18 +71,6 @@ def test_an_optim_config_and_a_plain_settings_object_agree():
     config = OptimConfig(lr=0.1, weight_decay=0.01, adam_betas=(0.8, 0.9), eps=1e-6, warmup_steps=2,
                          min_lr_ratio=0.5)  # fmt: skip
     assert [schedule_lr(config, s, 6) for s in range(6)] == [schedule_lr(Settings(), s, 6) for s in range(6)]
-
-
-def test_moving_the_optimizer_state_leaves_the_step_counters():
-    opt, _ = build_optim(_model(), Settings(), total_steps=2)
-    for p in (p for g in opt.param_groups for p in g["params"]):
-        p.grad = torch.ones_like(p)
-    opt.step()
-    state = next(iter(opt.state.values()))
-    step = state["step"]
-    move_optimizer_state(opt, torch.device("meta"))
-    assert state["exp_avg"].device.type == "meta" and state["exp_avg_sq"].device.type == "meta"
-    assert state["step"] is step  # stays where the optimizer keeps it
 
 
 def test_fsdp2_shards_in_cpu_memory_step_with_the_fused_cpu_adamw(tmp_path):
