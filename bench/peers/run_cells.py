@@ -60,7 +60,10 @@ PEERS = ("verl", "openrlhf")
 # the rest are estimates (7B: vLLM's start-up 131 s in bench/rollout.py, steps 4-6x the 0.5B ones). Seen
 # since (2026-11-28, 4 x H100): OpenRLHF 0.5B x 4 210 s to its first step + ~10 s a step, relayrl 0.5B x 4
 # 59 s in all; verl 7B x 1 with offload "full" on an 80 GB card started its first step after ~390 s and had
-# not finished it at 525 s (more than these estimates allow: run it on an H200, offload "states")
+# not finished it at 525 s (more than these estimates allow: run it on an H200, offload "states"). On 4 x H200
+# (2026-11-28): verl 7B x 1 "states" 338 s to its first step line + ~31 s a step (433 s in all), OpenRLHF 7B x 1
+# 358 s + ~40 s (483 s), verl 0.5B x 4 233 s + ~6 s (258 s), OpenRLHF 7B x 4 199 s + ~21 s (263 s); relayrl
+# 7B x 1 78 s, 0.5B x 4 48 s, 7B x 4 63 s in all
 EST_S = {
     ("relayrl", "0.5b", 1): 60,
     ("relayrl", "0.5b", 4): 100,
