@@ -69,7 +69,7 @@ def plan_pools(cfg: DistConfig, roles: dict[str, int]) -> dict[str, str]:
 
 def cpu_share(actors: int) -> float:
     """CPUs per actor such that the actors pack onto the nodes (a fraction when CPUs are scarce, whole CPUs
-    otherwise, which Ray turns into each actor's thread count)."""
+    otherwise, which each rank's thread count follows: ray.rank_threads)."""
     import ray
 
     cpus = [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")]

@@ -25,6 +25,7 @@ optional heavy dependency).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -55,9 +56,17 @@ class RankHost:
     worker. Keeps worker classes free of Ray."""
 
     def __init__(
-        self, role: str, rank: int, quiet: bool = False, stall_s: float = 0.0, stack_dir: str = ""
+        self,
+        role: str,
+        rank: int,
+        quiet: bool = False,
+        stall_s: float = 0.0,
+        stack_dir: str = "",
+        threads: int = 0,
     ) -> None:
         self.role, self.rank = role, rank
+        if threads > 0:
+            _set_threads(threads)
         self.watch = StallWatch(stall_s, Path(stack_dir) if stack_dir else None, on_stall=_log_stall)
         """This rank's stall watchdog: dumps its stacks; the controller names the stall (failures.gather)."""
         self.worker: Any = None
@@ -76,13 +85,16 @@ class RankHost:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port, socket.gethostname()
 
-    def start(self, group: GroupSpec, cls: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, str]:
-        """Join the group and build the worker; returns (host name, Ray node id)."""
+    def start(
+        self, group: GroupSpec, cls: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> tuple[str, str, int]:
+        """Join the group and build the worker; returns (host name, Ray node id, torch's CPU threads)."""
         import ray
+        import torch
 
         join_group(group)
         self.worker = cls(*args, **kwargs)
-        return socket.gethostname(), ray.get_runtime_context().get_node_id()
+        return socket.gethostname(), ray.get_runtime_context().get_node_id(), torch.get_num_threads()
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         with self.watch.watching(self.role, self.rank, method):
@@ -98,6 +110,24 @@ class RankHost:
         if callable(close):
             close()
         leave_group()
+
+
+def _set_threads(threads: int) -> None:
+    """This rank's CPU threads: torch's intra-op pool and OMP_NUM_THREADS for what it starts. Ray derives an
+    actor's OMP_NUM_THREADS from its CPUs only when the variable is unset; inherited from the driver's
+    environment (e.g. OMP_NUM_THREADS=64 on a 64-core host), every rank of the node would run 64 threads on
+    cores the others need for the Python threads that launch their GPU work (docs/distributed.md: a 0.5B
+    4-rank update of 2.0 s in a run with it, 0.32 s in one without)."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def rank_threads(cpus_per_actor: float) -> int:
+    """CPU threads of a rank given its actor's CPUs: Ray's own rule (the floor, at least 1)."""
+    return max(1, math.floor(cpus_per_actor))
 
 
 def _log_stall(message: str) -> None:
@@ -145,10 +175,13 @@ class RayRole(Generic[W]):
         timeout_s: float,
         nodes: list[str],
         stall_s: float = 0.0,
+        threads: list[int] | None = None,
     ) -> None:
         self.name, self.cls, self.actors, self.hosts = name, cls, actors, hosts
         self.nodes = nodes
         """The Ray node id of each rank."""
+        self.threads = threads or []
+        """Each rank's torch CPU threads (RankHost: its actor's CPUs, whatever OMP_NUM_THREADS it inherited)."""
         self.world = len(actors)
         self.timeout_s = timeout_s
         self.stall_s = stall_s
@@ -236,8 +269,8 @@ class RayLauncher:
         self.roles = roles
         self.where = plan_pools(cfg, roles)
         actors = sum(roles.values())
-        # every CPU of the cluster shared among the actors (Ray sets each actor's OMP / torch threads from
-        # it: a GPU rank with 1 CPU would run its CPU work, e.g. an offloaded optimizer step, on one thread)
+        # every CPU of the cluster shared among the actors (each rank's OMP / torch threads follow it,
+        # RankHost: a GPU rank with 1 CPU would run its CPU work, e.g. an offloaded optimizer step, on one thread)
         self.cpu_per_actor = cpu_share(actors)
         for role, pool in self.where.items():
             p = self.pools.setdefault(pool, Pool(bundles=roles.get(pool, roles[role])))
@@ -290,7 +323,14 @@ class RayLauncher:
                 num_gpus=self._gpu_share(name),
                 scheduling_strategy=strategy,
                 max_concurrency=self.concurrency.get(name, 1),
-            ).remote(name, rank, _bars_off(), cfg.stall_timeout_s, str(self.stack_dir or ""))
+            ).remote(
+                name,
+                rank,
+                _bars_off(),
+                cfg.stall_timeout_s,
+                str(self.stack_dir or ""),
+                rank_threads(self.cpu_per_actor),
+            )
             actors.append(actor)
         self._actors += actors
         addr, port, host0 = gather(
@@ -313,10 +353,11 @@ class RayLauncher:
             name,
             cls,
             actors,
-            [h for h, _ in placed],
+            [h for h, _, _ in placed],
             cfg.timeout_s,
-            nodes=[n for _, n in placed],
+            nodes=[n for _, n, _ in placed],
             stall_s=cfg.stall_timeout_s,
+            threads=[t for _, _, t in placed],
         )
 
     def shutdown(self) -> None:
