@@ -17,7 +17,7 @@ Schedule:
   torch AdamW;
 - the 1-GPU phase: every 1-GPU cell's peer on a GPU of its own and relayrl's 1-GPU run of each shape on
   another, all at once (CUDA_VISIBLE_DEVICES; RAY_ADDRESS=local: each command its own Ray instance;
-  OMP_NUM_THREADS = the host's cores / the jobs running). That relayrl run is the relayrl side of every
+  OMP_NUM_THREADS = the host's cores / the jobs running; unset for a job alone). That relayrl run is the relayrl side of every
   1-GPU cell of its shape (same command, same model folder, same card type). With offload "states" and a
   GPU to spare, relayrl's "full" offload runs beside it too (recorded as relayrl_alt, not the cell's
   number). Jobs beyond the GPU count wait for a free GPU;
@@ -227,15 +227,17 @@ class Driver:
         return cmd
 
     def env(self, job: Job, concurrent: int) -> dict[str, str]:
-        threads = max(1, (os.cpu_count() or 2) // max(1, concurrent))
-        return pc.peer_env(
-            {
-                "CUDA_VISIBLE_DEVICES": job.devices,
-                "RAY_ADDRESS": "local",
-                "OMP_NUM_THREADS": str(threads),
-                MARKER: str(os.getpid()),
-            }
-        )
+        """The job's environment: its GPUs, its own Ray instance; OMP_NUM_THREADS = the host's cores over the
+        jobs running at once when they are several (so no job's threads take the others' cores), and unset
+        for a job alone, as each framework's users run it: Ray then gives each actor its CPUs' threads. (Set
+        to the host's cores for a job alone, as it was until 2026-11-28, every Ray actor of that job
+        inherited it: 4 ranks x 64 threads on a 64-core host; docs/benchmarks.md.)"""
+        env = pc.peer_env({"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())})
+        if concurrent > 1:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // concurrent))
+        else:
+            env.pop("OMP_NUM_THREADS", None)
+        return env
 
     # ---------------------------------------------------------------------------------------- running
     def run_job(self, job: Job, deadline: float, concurrent: int) -> None:

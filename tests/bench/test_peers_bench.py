@@ -303,6 +303,11 @@ def test_driver_runs_cells_in_parallel_kills_at_the_budget_and_writes_the_table(
     assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs.values()) == ["0", "1", "2"]
     assert all(e["RAY_ADDRESS"] == "local" for e in envs.values())
     assert all(e["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 2) // 3)) for e in envs.values())
+    # a job alone (a multi-GPU cell's side) gets no OMP_NUM_THREADS, even when the driver's environment has one:
+    # Ray then sizes each actor's threads from its CPUs, as the frameworks' users run them
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    alone = run_cells.Driver.env(None, run_cells.Job("verl", "7b", 4, "none", devices="0,1,2,3"), 1)  # type: ignore[arg-type]
+    assert "OMP_NUM_THREADS" not in alone and alone["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     verl, orl = rows
     assert verl["cell"] == "verl-7b-1gpu" and verl["peer_step_s"] == 6.0 and verl["relayrl_step_s"] == 1.5
     assert verl["ratio"] == 4.0 and verl["offload"] == "full" and verl["versions"] == {"verl": "0.9.1"}
