@@ -314,6 +314,7 @@ def test_each_ranks_ready_time_is_recorded(ray_cluster):
     launcher = _launcher(timeout_s=20)
     try:
         role = launcher.spawn("policy", Crasher)
+        assert role.threads == [1, 1]  # each rank's CPU share (1 of the 2 CPUs): its torch threads
         assert role.call(Crasher.nap, 1.5) == 0
     finally:
         launcher.shutdown()
@@ -325,19 +326,15 @@ def test_each_ranks_ready_time_is_recorded(ray_cluster):
 def test_a_rank_runs_its_cpu_share_of_threads_whatever_omp_num_threads_it_inherits(ray_cluster):
     """Ray derives an actor's OMP_NUM_THREADS from its CPUs only when the variable is unset; inherited from the
     driver's environment it would set every rank's torch threads (64 on a 64-core host, for each of its
-    ranks). The launcher gives each rank its CPU share's threads: 1 each for 2 ranks on this 2-CPU cluster.
-    Then one rank host of half a CPU whose environment holds OMP_NUM_THREADS=2 (torch caps its threads at the
-    host's cores: 2 here): without `threads` it runs 2 (what the variable does), with threads=1 it runs 1."""
+    ranks). The launcher gives each rank its CPU share's threads (RayRole.threads: 1 each for 2 ranks on this
+    2-CPU cluster, checked in test_each_ranks_ready_time_is_recorded). Here one rank host of half a CPU whose
+    environment holds OMP_NUM_THREADS=2 (torch caps its threads at the host's cores: 2 here): without
+    `threads` it runs 2 (what the variable does), with threads=1 it runs 1."""
     import ray
 
     from relayrl.distributed.group import GroupSpec
     from relayrl.distributed.launch.ray import RankHost
 
-    launcher = _launcher(timeout_s=20)
-    try:
-        assert launcher.spawn("policy", Crasher).threads == [1, 1]
-    finally:
-        launcher.shutdown()
     host = ray.remote(RankHost).options(num_cpus=0.5, runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}})
     actors = {"inherited": host.remote("probe", 0), "pinned": host.remote("probe", 0, threads=1)}
     try:
