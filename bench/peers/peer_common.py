@@ -425,10 +425,8 @@ def relayrl_command(
         policy_gpus=gpus,
         offload=offload == "full",
     )
-    if offload == "states":
-        kwargs.update(engine_sleep="yes", offload_optimizer_in_rollout=True)
-    if offload == "full":  # the KV cache freed for the update, as both peers' engines sleep for theirs
-        kwargs.update(engine_sleep="yes")
+    if offload != "none":  # the KV cache freed for the update, as both peers' engines sleep for theirs
+        kwargs.update(engine_sleep="yes", offload_optimizer_in_rollout=offload == "states")
     if replicate:
         if gpus < 2 or offload != "none":
             raise ValueError(f"replicate needs several GPUs and offload none, got {gpus} GPU(s), {offload!r}")

@@ -17,10 +17,10 @@ Schedule:
   torch AdamW;
 - the 1-GPU phase: every 1-GPU cell's peer on a GPU of its own and relayrl's 1-GPU run of each shape on
   another, all at once (CUDA_VISIBLE_DEVICES; RAY_ADDRESS=local: each command its own Ray instance;
-  OMP_NUM_THREADS = the host's cores / the jobs running; unset for a job alone). That relayrl run is the relayrl side of every
-  1-GPU cell of its shape (same command, same model folder, same card type). With offload "states" and a
-  GPU to spare, relayrl's "full" offload runs beside it too (recorded as relayrl_alt, not the cell's
-  number). Jobs beyond the GPU count wait for a free GPU;
+  OMP_NUM_THREADS = the host's cores / the jobs running; unset for a job alone). That relayrl run is the
+  relayrl side of every 1-GPU cell of its shape (same command, same model folder, same card type). With
+  offload "states" and a GPU to spare, relayrl's "full" offload runs beside it too (recorded as relayrl_alt,
+  not the cell's number). Jobs beyond the GPU count wait for a free GPU;
 - then each multi-GPU cell alone on the first `gpus` GPUs: relayrl's side (once per shape x gpus), then the
   peer's.
 Budget: each job's timeout is its share of the time left, in proportion to its estimate (EST_S), raised to
@@ -232,7 +232,9 @@ class Driver:
         for a job alone, as each framework's users run it: Ray then gives each actor its CPUs' threads. (Set
         to the host's cores for a job alone, as it was until 2026-11-28, every Ray actor of that job
         inherited it: 4 ranks x 64 threads on a 64-core host; docs/benchmarks.md.)"""
-        env = pc.peer_env({"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())})
+        env = pc.peer_env(
+            {"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())}
+        )
         if concurrent > 1:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // concurrent))
         else:
