@@ -27,6 +27,9 @@ Budget: each job's timeout is its share of the time left, in proportion to its e
 1.5x its estimate while the later units keep half of theirs (relayrl writes its steps only at the end); the peer's
 script gets that as --budget, so it stops its own child and writes its row in time; 20 s later the driver
 sends SIGTERM (the script kills its children at once and writes the steps logged so far), then SIGKILL.
+A plan whose estimate (the model folders plus every unit) exceeds --budget gets a warning at the start and in
+--dry-run, naming the last job and the budget that fits: a peer cut off before its first timed step leaves its
+cell without a number.
 At the start and after each unit of jobs, processes still holding GPU memory that a job of this script
 started (their environment holds RELAYRL_PEERS_CELLS: e.g. a peer's engine orphaned by a killed run) are
 killed by pid and logged; no other process is touched.
@@ -63,14 +66,16 @@ PEERS = ("verl", "openrlhf")
 # not finished it at 525 s (more than these estimates allow: run it on an H200, offload "states"). On 4 x H200
 # (2026-11-28): verl 7B x 1 "states" 338 s to its first step line + ~31 s a step (433 s in all), OpenRLHF 7B x 1
 # 358 s + ~40 s (483 s), verl 0.5B x 4 233 s + ~6 s (258 s), OpenRLHF 7B x 4 199 s + ~21 s (263 s); relayrl
-# 7B x 1 78 s, 0.5B x 4 48 s, 7B x 4 63 s in all
+# 7B x 1 78 s, 0.5B x 4 48 s, 7B x 4 63 s in all. Later that day, with no OMP_NUM_THREADS inherited: verl
+# 7B x 4 339 s + ~12 s (380 s); verl 0.5B x 4 ~345 s to the end of its warm-up step (cut off at 383 s); relayrl
+# 0.5B x 4 47 s, 7B x 4 56 s
 EST_S = {
     ("relayrl", "0.5b", 1): 60,
     ("relayrl", "0.5b", 4): 100,
     ("relayrl", "7b", 1): 300,
     ("relayrl", "7b", 4): 180,
     ("verl", "0.5b", 1): 340,
-    ("verl", "0.5b", 4): 360,
+    ("verl", "0.5b", 4): 420,
     ("verl", "7b", 1): 560,
     ("verl", "7b", 4): 520,
     ("openrlhf", "0.5b", 1): 230,
@@ -314,7 +319,27 @@ class Driver:
                 f"DeepSpeed ops: {self.prebuilt}; OpenRLHF: {'torch AdamW' if self.torch_adam else 'FusedAdam'}"
             )
 
+    def estimate(self) -> float:
+        """The plan's expected wall time: the model folders it builds, then every unit at its estimate."""
+        shapes = {c.shape for c in self.cells}
+        return sum(BUILD_S[s] for s in shapes) + sum(unit_est(u, self.gpus) for u in self.units)
+
+    def over_budget(self) -> str:
+        """A warning when the plan's estimate exceeds --budget ("" when it fits): the later jobs then get less
+        than their estimate, and a peer cut off before its first timed step leaves its cell without a number."""
+        est = self.estimate()
+        if est <= self.args.budget:
+            return ""
+        names = ", ".join(j.name for j in self.units[-1])
+        return (
+            f"the plan's estimate {est:.0f} s exceeds --budget {self.args.budget:.0f} s: the later jobs "
+            f"(last: {names}) get less than their estimate and may stop before a timed step; raise --budget to "
+            f">= {est:.0f} or split the cells over several commands"
+        )
+
     def run(self) -> list[dict[str, Any]]:
+        if warning := self.over_budget():
+            pc.log(f"WARNING: {warning}")
         kill_gpu_leftovers()  # an earlier command's
         self.prepare()
         ests = [unit_est(u, self.gpus) for u in self.units]
@@ -502,10 +527,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             )
             for j in unit:
                 print("   ", " ".join(driver.command(j, Path(args.models) / j.shape, j.est)))
-        total = sum(BUILD_S[s] for s in {c.shape for c in cells}) + sum(
-            unit_est(u, gpus) for u in driver.units
-        )
-        print(f"estimated wall time: {total:.0f} s (budget {args.budget:.0f} s)")
+        print(f"estimated wall time: {driver.estimate():.0f} s (budget {args.budget:.0f} s)")
+        if warning := driver.over_budget():
+            print(f"WARNING: {warning}")
         return []
     if args.prepare_only:
         driver.prepare()

@@ -444,3 +444,26 @@ def test_the_replicate_run_is_recorded_beside_the_cell_not_as_its_number(tmp_pat
     assert "openrlhf-0.5b-4gpu: relayrl with dist.replicate (every rank the whole model) 1.500 s (ok)" in (
         tmp_path / "cells.md"
     ).read_text()
+
+
+def test_a_plan_longer_than_its_budget_is_named_with_the_fix(tmp_path, monkeypatch):
+    """Two 4-GPU peers and relayrl's two runs under 680 s left OpenRLHF 154 s on 4 x H200 (2026-11-28): the
+    driver now says so before it starts, naming the last job and the budget that would fit."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+
+    def args(budget: float) -> run_cells.argparse.Namespace:
+        return run_cells.argparse.Namespace(
+            budget=budget, steps=4, warmup=1, offload="none", torch_adam="yes", gpu_gib=0, replicate=True
+        )
+
+    cells = _cells("verl:0.5b:4,openrlhf:0.5b:4")
+    d = run_cells.Driver(args(680), cells, 4)
+    est = d.estimate()
+    want = run_cells.BUILD_S["0.5b"] + sum(
+        run_cells.EST_S[k] for k in [("relayrl", "0.5b", 4)] * 2 + [("verl", "0.5b", 4), ("openrlhf", "0.5b", 4)]
+    )
+    assert est == want
+    warning = d.over_budget()
+    assert f"estimate {est:.0f} s exceeds --budget 680 s" in warning
+    assert "last: openrlhf-0.5b-4gpu" in warning and f"raise --budget to >= {est:.0f}" in warning
+    assert run_cells.Driver(args(est), cells, 4).over_budget() == ""
