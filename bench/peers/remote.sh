@@ -12,6 +12,8 @@
 #   bash bench/peers/remote.sh stage vllmpart0 v0   ...   v1, v2; in the last of them also:
 #   bash bench/peers/remote.sh start <commit> "A=--cells verl:7b:1,openrlhf:7b:1 --budget 620;B=--cells ..."
 #   bash bench/peers/remote.sh poll 540     (again and again, back to back, until it prints "pipeline done")
+# A stage "NAME=trl <trl_grpo.py args>" runs bench/peers/trl_grpo.py on GPU 0 instead (TRL's wheels, as in
+# bench/peers/README.md, in peers_wheels/trl/; its results file is copied into the stage's folder).
 # Each poll packs everything written so far into $OUT/res.tgz (one file). Staging dirs: /root/wstage;
 # results: /root/res/<stage name>/ (run_cells' files + driver.txt) and /root/res/pipeline.log.
 set -uo pipefail
@@ -40,12 +42,25 @@ case $cmd in
     el "vllm rc=$?"
     export PYTHONPATH=/tmp/peers:/tmp/site:/root/vsite:/root/repo
     bash bench/peers/setup_gpu.sh /root/peers_wheels /tmp/peers > $R/setup.txt 2>&1; el "setup rc=$?"
+    if ls /root/peers_wheels/trl/*.whl > /dev/null 2>&1; then  # TRL's stages: trl, datasets, dill, ...
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/peers \
+        /root/peers_wheels/trl/*.whl >> $R/setup.txt 2>&1; el "trl wheels rc=$?"
+    fi
     IFS=';' read -ra stages <<< "$1"
     for st in "${stages[@]}"; do
       name=${st%%=*}; mkdir -p $R/"$name"; el "start $name: ${st#*=}"
-      # shellcheck disable=SC2086  # the stage's arguments split on spaces
-      OUT=$R/$name timeout -k 20 1500 python3 bench/peers/run_cells.py ${st#*=} > $R/"$name"/driver.txt 2>&1
-      el "done $name rc=$?"
+      args=${st#*=}
+      if [ "${args%% *}" = trl ]; then  # "trl <trl_grpo.py args>": relayrl, then TRL, on GPU 0
+        # shellcheck disable=SC2086  # the stage's arguments split on spaces
+        CUDA_VISIBLE_DEVICES=0 timeout -k 20 900 python3 bench/peers/trl_grpo.py ${args#trl } \
+          > $R/"$name"/driver.txt 2>&1
+        rc=$?; cp bench/results/peers_trl_grpo.json $R/"$name"/ 2>/dev/null
+      else
+        # shellcheck disable=SC2086
+        OUT=$R/$name timeout -k 20 1500 python3 bench/peers/run_cells.py $args > $R/"$name"/driver.txt 2>&1
+        rc=$?
+      fi
+      el "done $name rc=$rc"
     done
     el "pipeline done"; touch $R/pipeline.done ;;
   poll)  # SECONDS: wait for the end (or SECONDS), pack the results into $OUT/res.tgz, print the tables
@@ -54,6 +69,7 @@ case $cmd in
     while [ ! -f $R/pipeline.done ] && alive && [ "$(date +%s)" -lt $end ]; do sleep 5; done
     tar czf "$OUT"/res.tgz -C /root res 2>/dev/null
     tail -12 $R/pipeline.log; for f in $R/*/cells.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+    for f in $R/*/peers_trl_grpo.json; do [ -f "$f" ] && { echo "== $f"; tail -8 "$(dirname "$f")/driver.txt"; }; done
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
     if [ -f $R/pipeline.done ]; then echo "pipeline done"
     elif ! alive; then echo "pipeline NOT RUNNING (died or never started): see pipeline.log"

@@ -442,7 +442,8 @@ def run_side(side: str, workload: str, model: Path, steps: int, tmp: Path, gener
 
 def versions() -> dict[str, str]:
     """Python and package versions, and the relayrl commit (+ "-dirty" when relayrl/ has local changes)."""
-    out = {"python": platform.python_version(), "relayrl": "unknown (no git)"}
+    # RELAYRL_COMMIT: a copy of the tree without .git (bench/peers/remote.sh on a GPU machine)
+    out = {"python": platform.python_version(), "relayrl": os.environ.get("RELAYRL_COMMIT") or "unknown (no git)"}
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:
