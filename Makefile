@@ -23,12 +23,12 @@ demo: $(STAMP)
 
 # Everything (what CI runs, .ci/run).
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x -n 2 --durations=15
 
 # The development lane: every test but those marked `slow` (multi-rank and Ray runs, async RL, kill -9 and
 # signal subprocesses, whole learning runs); run `make test` before you push.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -m "not slow" --durations=10
+	$(PY) -m pytest -q -x -n 2 -m "not slow" --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench examples

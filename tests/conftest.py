@@ -14,11 +14,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidiactl"):  # no GPU: relayrl/rollout/kernels.py's Triton kernels run in Triton's
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU interpreter (read when triton is first imported)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers: each its own Ray temp root, so that a
+    # cluster one worker starts (`ray start` writes <root>/ray/ray_current_cluster) is never joined by the other
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray_{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 # after the environment above: huggingface_hub reads HF_HUB_OFFLINE when it is first imported
 import gc
 
 import pytest
 import torch
+from suite_scopes import scope_of
 
 from relayrl.models.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, save_tiny
 
@@ -64,6 +69,22 @@ def one_rank_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; a plain `pytest` never calls it
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers. Each module's tests go to one worker (its module and session
+    fixtures are built once), and every module that may start Ray is one unit, run in turn on one worker: two
+    Ray runs at once on 2 cores would stretch their timeouts, and `ray stop` in one test stops every cluster on
+    the host. Each worker also has its own Ray temp root (above). (xdist's `loadgroup` marks cannot do this
+    under pytest 9: the group suffix it writes into `item._nodeid` no longer reaches `item.nodeid`.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid, config.rootpath)
+
+    return RayApart(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
