@@ -187,6 +187,22 @@ def unit_span(left: float, est: float, later: float) -> float:
     return max(MIN_UNIT_S, span)
 
 
+def job_env(job: Job, concurrent: int) -> dict[str, str]:
+    """The job's environment: its GPUs, its own Ray instance; OMP_NUM_THREADS = the host's cores over the
+    jobs running at once when they are several (so no job's threads take the others' cores), and unset
+    for a job alone, as each framework's users run it: Ray then gives each actor its CPUs' threads. (Set
+    to the host's cores for a job alone, as it was until 2026-11-28, every Ray actor of that job
+    inherited it: 4 ranks x 64 threads on a 64-core host; docs/benchmarks.md.)"""
+    env = pc.peer_env(
+        {"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())}
+    )
+    if concurrent > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // concurrent))
+    else:
+        env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
 class Driver:
     """Runs the plan: `command(job, model_dir, timeout_s)` gives each job's command (tests swap in stubs)."""
 
@@ -231,21 +247,6 @@ class Driver:
             cmd += ["--torch-adam", "yes" if self.torch_adam else "no"]
         return cmd
 
-    def env(self, job: Job, concurrent: int) -> dict[str, str]:
-        """The job's environment: its GPUs, its own Ray instance; OMP_NUM_THREADS = the host's cores over the
-        jobs running at once when they are several (so no job's threads take the others' cores), and unset
-        for a job alone, as each framework's users run it: Ray then gives each actor its CPUs' threads. (Set
-        to the host's cores for a job alone, as it was until 2026-11-28, every Ray actor of that job
-        inherited it: 4 ranks x 64 threads on a 64-core host; docs/benchmarks.md.)"""
-        env = pc.peer_env(
-            {"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())}
-        )
-        if concurrent > 1:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // concurrent))
-        else:
-            env.pop("OMP_NUM_THREADS", None)
-        return env
-
     # ---------------------------------------------------------------------------------------- running
     def run_job(self, job: Job, deadline: float, concurrent: int) -> None:
         if job.side == "openrlhf":
@@ -255,7 +256,7 @@ class Driver:
         cmd = self.command(job, model_dir, timeout_s)
         pc.log(f"{job.name} on GPU(s) {job.devices}: timeout {timeout_s:.0f}s, offload {job.offload}")
         res = pc.run_logged(
-            cmd, self.env(job, concurrent), self.out / f"{job.name}.driver.log", timeout_s, lambda line: None
+            cmd, job_env(job, concurrent), self.out / f"{job.name}.driver.log", timeout_s, lambda line: None
         )
         if job.side == "relayrl":
             path = self.out / f"{job.name}.json"

@@ -306,7 +306,7 @@ def test_driver_runs_cells_in_parallel_kills_at_the_budget_and_writes_the_table(
     # a job alone (a multi-GPU cell's side) gets no OMP_NUM_THREADS, even when the driver's environment has one:
     # Ray then sizes each actor's threads from its CPUs, as the frameworks' users run them
     monkeypatch.setenv("OMP_NUM_THREADS", "64")
-    alone = run_cells.Driver.env(None, run_cells.Job("verl", "7b", 4, "none", devices="0,1,2,3"), 1)  # type: ignore[arg-type]
+    alone = run_cells.job_env(run_cells.Job("verl", "7b", 4, "none", devices="0,1,2,3"), 1)
     assert "OMP_NUM_THREADS" not in alone and alone["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     verl, orl = rows
     assert verl["cell"] == "verl-7b-1gpu" and verl["peer_step_s"] == 6.0 and verl["relayrl_step_s"] == 1.5

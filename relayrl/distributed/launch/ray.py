@@ -121,8 +121,7 @@ def _set_threads(threads: int) -> None:
     import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
 
 
 def rank_threads(cpus_per_actor: float) -> int:
