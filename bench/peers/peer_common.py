@@ -506,12 +506,17 @@ def summarise(steps: list[dict[str, float]], warmup: int, key: str = "step") -> 
 
 
 def versions(names: tuple[str, ...]) -> dict[str, str]:
+    """Python and package versions, and the relayrl commit ("-dirty" when relayrl/ has local changes; from
+    RELAYRL_COMMIT in a copy of the tree without .git, as bench/peers/remote.sh makes on a GPU machine)."""
     out = {"python": platform.python_version()}
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    commit = head.stdout.strip() if head.returncode == 0 else os.environ.get("RELAYRL_COMMIT", "")
-    out["relayrl"] = commit or "unknown"  # RELAYRL_COMMIT: a copy of the tree without .git (a GPU machine)
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        dirty = subprocess.run([*git, "status", "--porcelain", "relayrl"], capture_output=True, text=True)
+        commit = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    else:
+        commit = os.environ.get("RELAYRL_COMMIT", "")
+    out["relayrl"] = commit or "unknown"
     for n in names:
         try:
             out[n] = importlib.metadata.version(n)

@@ -39,7 +39,6 @@ Needs TRL (`pip install -e '.[bench]'`; never a runtime dependency of relayrl).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -441,20 +440,10 @@ def run_side(side: str, workload: str, model: Path, steps: int, tmp: Path, gener
 
 
 def versions() -> dict[str, str]:
-    """Python and package versions, and the relayrl commit (+ "-dirty" when relayrl/ has local changes)."""
-    # RELAYRL_COMMIT: a copy of the tree without .git (bench/peers/remote.sh on a GPU machine)
-    out = {"python": platform.python_version(), "relayrl": os.environ.get("RELAYRL_COMMIT") or "unknown (no git)"}
-    git = ["git", "-C", str(ROOT)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if head.returncode == 0:
-        dirty = subprocess.run([*git, "status", "--porcelain", "relayrl"], capture_output=True, text=True)
-        out["relayrl"] = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "vllm"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+    """Python, the packages either side uses, and the relayrl commit (peer_common.versions)."""
+    from peer_common import versions as peer_versions
+
+    return peer_versions(("torch", "transformers", "trl", "accelerate", "datasets", "vllm"))
 
 
 def print_table(name: str, row: dict[str, Any], generation: str) -> None:

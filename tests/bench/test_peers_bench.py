@@ -467,3 +467,21 @@ def test_a_plan_longer_than_its_budget_is_named_with_the_fix(tmp_path, monkeypat
     assert f"estimate {est:.0f} s exceeds --budget 680 s" in warning
     assert "last: openrlhf-0.5b-4gpu" in warning and f"raise --budget to >= {est:.0f}" in warning
     assert run_cells.Driver(args(est), cells, 4).over_budget() == ""
+
+
+def test_versions_name_the_commit_from_git_or_from_the_carried_copy(tmp_path, monkeypatch):
+    v = pc.versions(("pytest", "no-such-package-xyz"))
+    head = subprocess.run(["git", "-C", str(pc.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a clone: the commit, marked when relayrl/ has local changes
+        dirty = subprocess.run(
+            ["git", "-C", str(pc.ROOT), "status", "--porcelain", "relayrl"], capture_output=True, text=True
+        ).stdout.strip()
+        assert v["relayrl"] == head.stdout.strip() + ("-dirty" if dirty else "")
+    assert v["pytest"] == pytest.__version__
+    assert v["no-such-package-xyz"] == "not installed"
+    # a copy of the tree without .git (remote.sh on a GPU machine): the commit it was told
+    monkeypatch.setattr(pc, "ROOT", tmp_path)
+    monkeypatch.setenv("RELAYRL_COMMIT", "abc1234")
+    assert pc.versions(())["relayrl"] == "abc1234"
+    monkeypatch.delenv("RELAYRL_COMMIT")
+    assert pc.versions(())["relayrl"] == "unknown"
