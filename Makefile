@@ -32,6 +32,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check relayrl tests bench examples
+	$(VENV)/bin/ruff format --check relayrl tests bench examples
 	$(VENV)/bin/basedpyright --project pyproject.toml
 
 typecheck: $(STAMP)

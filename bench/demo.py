@@ -85,7 +85,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (replaced)")
-    p.add_argument("--keep", type=Path, default=None, help="keep the run folders here (default: a temporary one)")
+    p.add_argument(
+        "--keep", type=Path, default=None, help="keep the run folders here (default: a temporary one)"
+    )
     args, extra = p.parse_known_args()  # anything else goes to `relayrl demo` (then not the defaults)
     sys.path.insert(0, str(ROOT))
     from relayrl.config.apps import DemoConfig

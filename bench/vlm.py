@@ -234,7 +234,9 @@ def vllm_part(tmp: Path) -> None:
 
     # vLLM's kernels want common widths: head size 64 (the test model's is 16) and a vocabulary padded to a
     # multiple of 64; the first GPU run with the test model died in vLLM's warm-up (illegal memory access).
-    shape = VLMShape(hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=512, vision_dim=128, vision_heads=2)
+    shape = VLMShape(
+        hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=512, vision_dim=128, vision_heads=2
+    )
     model = save_tiny_vlm(tmp / "tiny_vllm", shape)
     data = write_rows(tmp / "vllm.jsonl", get_task("image_digit").make_rows("test", 8, 3))
     tok = load_tokenizer(str(model))

@@ -11,7 +11,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if not os.path.exists("/dev/nvidiactl"):  # no GPU: relayrl/rollout/kernels.py's Triton kernels run in Triton's
+if not os.path.exists(
+    "/dev/nvidiactl"
+):  # no GPU: relayrl/rollout/kernels.py's Triton kernels run in Triton's
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU interpreter (read when triton is first imported)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers: each its own Ray temp root, so that a

@@ -254,9 +254,7 @@ def prebuild_ops(timeout_s: float = 240) -> dict[str, str]:
     needs it) once, side by side in child processes, into torch's extension cache that every later OpenRLHF
     run on this machine loads: {"fused_adam": "ok" or the error's last line, "cpu_adam": ...}. Needs nvcc;
     run_cells.py calls it while the model folders are built."""
-    env = pc.peer_env(
-        {"TORCH_CUDA_ARCH_LIST": ds_arch_list()}
-    )
+    env = pc.peer_env({"TORCH_CUDA_ARCH_LIST": ds_arch_list()})
     procs = {
         op: subprocess.Popen(
             [

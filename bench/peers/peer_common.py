@@ -431,8 +431,10 @@ def relayrl_command(
         if gpus < 2 or offload != "none":
             raise ValueError(f"replicate needs several GPUs and offload none, got {gpus} GPU(s), {offload!r}")
         kwargs.update(replicate=True)
-    if shape == "7b":  # both peers run 7B with gradient checkpointing; relayrl's 16k-token micro-batches of 7B
-        kwargs.update(gradient_checkpointing=True)  # ran out of an H100's memory without it (2026-11-28)
+    # Both peers run 7B with gradient checkpointing; relayrl's 16k-token micro-batches of 7B ran out of an
+    # H100's memory without it (2026-11-28).
+    if shape == "7b":
+        kwargs.update(gradient_checkpointing=True)
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from bench.rl_step import run; "
         "row = run(**json.loads(sys.argv[2])); open(sys.argv[3], 'w').write(json.dumps(row)); "

@@ -193,9 +193,7 @@ def job_env(job: Job, concurrent: int) -> dict[str, str]:
     for a job alone, as each framework's users run it: Ray then gives each actor its CPUs' threads. (Set
     to the host's cores for a job alone, as it was until 2026-11-28, every Ray actor of that job
     inherited it: 4 ranks x 64 threads on a 64-core host; docs/benchmarks.md.)"""
-    env = pc.peer_env(
-        {"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())}
-    )
+    env = pc.peer_env({"CUDA_VISIBLE_DEVICES": job.devices, "RAY_ADDRESS": "local", MARKER: str(os.getpid())})
     if concurrent > 1:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // concurrent))
     else:
@@ -233,7 +231,13 @@ class Driver:
         if job.side == "relayrl":
             out_json = self.out / f"{job.name}.json"
             return pc.relayrl_command(
-                job.shape, job.gpus, a.steps, model_dir / "model", out_json, job.offload, job.tag == "replicate"
+                job.shape,
+                job.gpus,
+                a.steps,
+                model_dir / "model",
+                out_json,
+                job.offload,
+                job.tag == "replicate",
             )
         cmd = [
             sys.executable,

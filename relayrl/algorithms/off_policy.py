@@ -186,7 +186,9 @@ def seq_mask_tis(
     return weight, keep, metrics
 
 
-def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor) -> dict[str, float]:
+def logprob_mismatch(
+    trainer_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor
+) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's recomputation of the same tokens (docs/rollout.md
     reports them per engine). Over the action tokens of [B, T] tensors:
 

@@ -313,7 +313,9 @@ def check_output_writable(path: Path) -> None:
     """Fail before any generation when `path` could not be written at the end: it is a folder, or its nearest
     existing parent folder is a file or not writable (nothing is created here)."""
     if path.is_dir():
-        raise IsADirectoryError(f"--output {path} is a folder; give a file path (e.g. {path / 'samples.jsonl'})")
+        raise IsADirectoryError(
+            f"--output {path} is a folder; give a file path (e.g. {path / 'samples.jsonl'})"
+        )
     parent = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
     if not parent.is_dir():
         raise NotADirectoryError(f"--output {path} cannot be written: {parent} is a file, not a folder")
@@ -402,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         print(result.summary(cfg.select), flush=True)
         return 0
 
-    return run_command(GenerateConfig, argv, "relayrl generate", go, description=(__doc__ or "").split("\n\n")[0])
+    return run_command(
+        GenerateConfig, argv, "relayrl generate", go, description=(__doc__ or "").split("\n\n")[0]
+    )
 
 
 if __name__ == "__main__":

@@ -47,4 +47,6 @@ def _serve(cfg: ServeRMConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
 
-    return run_command(ServeRMConfig, argv, "relayrl serve-rm", _serve, description=(__doc__ or "").split("\n")[0])
+    return run_command(
+        ServeRMConfig, argv, "relayrl serve-rm", _serve, description=(__doc__ or "").split("\n")[0]
+    )

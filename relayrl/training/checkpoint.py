@@ -452,11 +452,15 @@ def load_weights_into(model: torch.nn.Module, folder: str | Path) -> None:
 
 
 def _architecture(config: Any) -> str:
-    """"hidden 64, 2 layers, vocab 300" from an HF config (object or config.json dict); "" when unknown."""
+    """ "hidden 64, 2 layers, vocab 300" from an HF config (object or config.json dict); "" when unknown."""
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
     parts = [
         f"{label} {get(key)}"
-        for key, label in (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("vocab_size", "vocab"))
+        for key, label in (
+            ("hidden_size", "hidden"),
+            ("num_hidden_layers", "layers"),
+            ("vocab_size", "vocab"),
+        )
         if isinstance(get(key), int)
     ]
     return ", ".join(parts)

@@ -21,7 +21,9 @@ COMPLETION = {"model": "tiny", "prompt": "1+1=", "max_tokens": 2}
 def _post(port: int, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        f"http://127.0.0.1:{port}{path}",
+        data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -136,7 +138,9 @@ def test_valid_edge_values_are_honoured_not_replaced(server, tiny_tokenizer):
     """max_tokens 1 is one token, n 3 is three choices, temperature 0 is greedy (two calls agree), null means
     the default, and OpenAI's `user` field is accepted without naming a session."""
     s, port = server
-    status, one = _post(port, "/v1/completions", {**COMPLETION, "max_tokens": 1, "temperature": 1.0, "seed": 0})
+    status, one = _post(
+        port, "/v1/completions", {**COMPLETION, "max_tokens": 1, "temperature": 1.0, "seed": 0}
+    )
     assert status == 200 and one["usage"]["completion_tokens"] == 1
     status, three = _post(port, "/v1/chat/completions", {**CHAT, "n": 3, "user": "alice", "seed": 1})
     assert status == 200 and len(three["choices"]) == 3 and not s.traces
@@ -147,7 +151,10 @@ def test_valid_edge_values_are_honoured_not_replaced(server, tiny_tokenizer):
     status, body = _post(port, "/v1/completions", {**COMPLETION, **nulls})
     assert status == 200 and len(body["choices"]) == 1
     status, lp = _post(port, "/v1/completions", {**COMPLETION, "logprobs": 0})  # the sampled token's only
-    assert status == 200 and len(lp["choices"][0]["logprobs"]["token_logprobs"]) == lp["usage"]["completion_tokens"]
+    assert (
+        status == 200
+        and len(lp["choices"][0]["logprobs"]["token_logprobs"]) == lp["usage"]["completion_tokens"]
+    )
 
 
 def test_a_prompt_longer_than_the_context_is_400_as_openai_answers(server):
@@ -155,11 +162,22 @@ def test_a_prompt_longer_than_the_context_is_400_as_openai_answers(server):
     OpenAI's code, not answered 200 with empty text."""
     s, port = server
     assert s.max_total_len == 512
-    status, body = _post(port, "/v1/completions", {**COMPLETION, "prompt": list(range(5, 25)) * 26})  # 520 ids
+    status, body = _post(
+        port, "/v1/completions", {**COMPLETION, "prompt": list(range(5, 25)) * 26}
+    )  # 520 ids
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
-    assert "maximum context length is 512 tokens. However, your prompt resulted in 520 tokens" in body["error"]["message"]
-    status, body = _post(port, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 600}]})
-    assert status == 400 and body["error"]["param"] == "messages" and "context length" in body["error"]["message"]
+    assert (
+        "maximum context length is 512 tokens. However, your prompt resulted in 520 tokens"
+        in body["error"]["message"]
+    )
+    status, body = _post(
+        port, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 600}]}
+    )
+    assert (
+        status == 400
+        and body["error"]["param"] == "messages"
+        and "context length" in body["error"]["message"]
+    )
 
 
 def test_a_body_over_the_size_limit_is_413_json(engine, tiny_tokenizer):
@@ -192,7 +210,9 @@ def test_a_client_chat_template_runs_only_on_opt_in(engine, tiny_tokenizer):
                 else:
                     assert status == 200
                     assert tiny_tokenizer.decode(out["prompt_token_ids"]) == "LOUD hi\n"
-            status, _ = _post(port, "/tokenize", {"messages": CHAT["messages"], "chat_template": LOUD_TEMPLATE})
+            status, _ = _post(
+                port, "/tokenize", {"messages": CHAT["messages"], "chat_template": LOUD_TEMPLATE}
+            )
             assert status == (200 if allow else 400)
         finally:
             s.stop_thread()
@@ -226,7 +246,9 @@ def test_sessions_come_from_the_header_or_session_id_and_are_read_by_that_id(ser
     s, port = server
     assert _post(port, "/v1/chat/completions", CHAT, {"X-Session-Id": "ep-1"})[0] == 200
     assert _post(port, "/v1/chat/completions", {**CHAT, "session_id": "ep-1"})[0] == 200
-    status, body = _post(port, "/v1/chat/completions", {**CHAT, "session_id": "ep-2"}, {"X-Session-Id": "ep-1"})
+    status, body = _post(
+        port, "/v1/chat/completions", {**CHAT, "session_id": "ep-2"}, {"X-Session-Id": "ep-1"}
+    )
     assert status == 400 and body["error"]["param"] == "session_id"
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/traces/ep-1", timeout=30) as r:
         trace = json.loads(r.read())
@@ -250,7 +272,6 @@ def test_an_engine_failure_is_a_json_500(tiny_tokenizer):
         s.stop_thread()
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "RuntimeError: engine fell over" in body["error"]["message"]
-
 
 
 def test_relayrl_serve_passes_its_limits_to_the_server(tiny_model_path, monkeypatch):
@@ -287,4 +308,7 @@ def test_relayrl_serve_passes_its_limits_to_the_server(tiny_model_path, monkeypa
 
     asyncio.run(run())
     assert results["big"][0] == 413 and results["template"][0] == 400
-    assert results["long"][0] == 400 and "maximum context length is 512" in results["long"][1]["error"]["message"]
+    assert (
+        results["long"][0] == 400
+        and "maximum context length is 512" in results["long"][1]["error"]["message"]
+    )

@@ -149,7 +149,10 @@ def test_bad_requests(served):
         assert err.value.code == 400 and why in err.value.read().decode()
     with pytest.raises(openai.BadRequestError, match="one completion per call"):
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], n=2, extra_headers={"X-Session-Id": "s3"}
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            n=2,
+            extra_headers={"X-Session-Id": "s3"},
         )
     # `user` is not a session: n > 1 works with it, and nothing is traced under its name
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,

@@ -28,13 +28,18 @@ def test_an_output_under_a_file_fails_before_generating(tiny_model_path, tmp_pat
     blocker.write_text("x")
     assert main(_argv(tiny_model_path, blocker / "sub" / "out.jsonl")) == 1
     err = capsys.readouterr().err
-    assert f"relayrl generate: error: --output {blocker / 'sub' / 'out.jsonl'} cannot be written: {blocker} is a file" in err
+    assert (
+        f"relayrl generate: error: --output {blocker / 'sub' / 'out.jsonl'} cannot be written: {blocker} is a file"
+        in err
+    )
     assert main(_argv(tiny_model_path, tmp_path)) == 1
     assert f"--output {tmp_path} is a folder" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_an_output_in_a_read_only_folder_fails_before_generating(tiny_model_path, tmp_path, capsys, no_generation):
+def test_an_output_in_a_read_only_folder_fails_before_generating(
+    tiny_model_path, tmp_path, capsys, no_generation
+):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)

@@ -133,7 +133,9 @@ def test_the_six_missing_cells_command_lines(tmp_path, shape, gpus, card):
     assert kw["dist_mode"] == ("ray" if gpus > 1 or mode == "full" else "local")
     assert kw["offload"] is (mode == "full")
     assert kw.get("offload_optimizer_in_rollout", False) is (mode == "states")
-    assert kw.get("engine_sleep", "auto") == ("auto" if mode == "none" else "yes")  # both peers' engines sleep
+    assert kw.get("engine_sleep", "auto") == (
+        "auto" if mode == "none" else "yes"
+    )  # both peers' engines sleep
     assert kw.get("gradient_checkpointing", False) is (shape == "7b")  # as both peers run 7B
 
 
@@ -163,7 +165,9 @@ def test_relayrl_side_kwargs_are_rl_step_run_parameters(tmp_path):
         assert set(kw) <= params, set(kw) - params
     kw = json.loads(pc.relayrl_command("0.5b", 4, 4, Path("/m"), tmp_path / "o.json", "none", True)[-2])
     assert kw["replicate"] is True and kw["dist_mode"] == "ray" and set(kw) <= params
-    assert "replicate" not in json.loads(pc.relayrl_command("0.5b", 4, 4, Path("/m"), tmp_path / "o.json")[-2])
+    assert "replicate" not in json.loads(
+        pc.relayrl_command("0.5b", 4, 4, Path("/m"), tmp_path / "o.json")[-2]
+    )
     with pytest.raises(ValueError, match="offload"):
         pc.relayrl_command("7b", 1, 4, Path("/m"), tmp_path / "o.json", "some")
     for gpus, mode in ((1, "none"), (4, "full")):
@@ -224,6 +228,7 @@ def test_plan_runs_one_gpu_cells_side_by_side_and_multi_gpu_cells_alone():
         ["relayrl-7b-4gpu"],
         ["verl-7b-4gpu"],
     ]
+
     def fits(shape: str, gpus: int) -> str:  # 7B needs 4 GPUs' memory without offload, as on the real cards
         return "none" if shape == "0.5b" or gpus > 1 else "states"
 
@@ -441,9 +446,10 @@ def test_the_replicate_run_is_recorded_beside_the_cell_not_as_its_number(tmp_pat
     row = d.table[0]
     assert row["relayrl_step_s"] == 3.0 and row["ratio"] == 3.0
     assert row["relayrl_replicate"] == {"step_median_s": 1.5, "status": "ok"}
-    assert "openrlhf-0.5b-4gpu: relayrl with dist.replicate (every rank the whole model) 1.500 s (ok)" in (
-        tmp_path / "cells.md"
-    ).read_text()
+    assert (
+        "openrlhf-0.5b-4gpu: relayrl with dist.replicate (every rank the whole model) 1.500 s (ok)"
+        in (tmp_path / "cells.md").read_text()
+    )
 
 
 def test_a_plan_longer_than_its_budget_is_named_with_the_fix(tmp_path, monkeypatch):
@@ -460,7 +466,8 @@ def test_a_plan_longer_than_its_budget_is_named_with_the_fix(tmp_path, monkeypat
     d = run_cells.Driver(args(680), cells, 4)
     est = d.estimate()
     want = run_cells.BUILD_S["0.5b"] + sum(
-        run_cells.EST_S[k] for k in [("relayrl", "0.5b", 4)] * 2 + [("verl", "0.5b", 4), ("openrlhf", "0.5b", 4)]
+        run_cells.EST_S[k]
+        for k in [("relayrl", "0.5b", 4)] * 2 + [("verl", "0.5b", 4), ("openrlhf", "0.5b", 4)]
     )
     assert est == want
     warning = d.over_budget()
@@ -471,7 +478,9 @@ def test_a_plan_longer_than_its_budget_is_named_with_the_fix(tmp_path, monkeypat
 
 def test_versions_name_the_commit_from_git_or_from_the_carried_copy(tmp_path, monkeypatch):
     v = pc.versions(("pytest", "no-such-package-xyz"))
-    head = subprocess.run(["git", "-C", str(pc.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    head = subprocess.run(
+        ["git", "-C", str(pc.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
     if head.returncode == 0:  # a clone: the commit, marked when relayrl/ has local changes
         dirty = subprocess.run(
             ["git", "-C", str(pc.ROOT), "status", "--porcelain", "relayrl"], capture_output=True, text=True

@@ -66,7 +66,13 @@ def test_sft_without_a_model_names_the_flag_and_leaves_nothing(tmp_path, monkeyp
 
 def test_sft_whose_data_fails_leaves_no_run_folder(tmp_path, monkeypatch, capsys, tiny_model_path):
     monkeypatch.chdir(tmp_path)
-    argv = ["sft", "--model.name_or_path", str(tiny_model_path), "--data.datasets", str(tmp_path / "none.jsonl")]
+    argv = [
+        "sft",
+        "--model.name_or_path",
+        str(tiny_model_path),
+        "--data.datasets",
+        str(tmp_path / "none.jsonl"),
+    ]
     assert cli_main(argv) == 1
     assert "none.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
@@ -93,7 +99,9 @@ def test_a_hub_id_fails_fast_when_the_hub_is_unreachable(monkeypatch, tmp_path):
         load_tokenizer("no-such-org/no-such-model", what="model.name_or_path")
     assert time.perf_counter() - start < 5.0
     text = str(err.value)
-    assert text.startswith("model.name_or_path='no-such-org/no-such-model' is not a local folder and the Hugging")
+    assert text.startswith(
+        "model.name_or_path='no-such-org/no-such-model' is not a local folder and the Hugging"
+    )
     assert "127.0.0.1" in text and "is unreachable" in text
     with pytest.raises(FileNotFoundError, match=r"model.name_or_path='\./no/such/folder': no such folder"):
         load_tokenizer("./no/such/folder", what="model.name_or_path")
@@ -113,7 +121,10 @@ def test_resuming_from_a_checkpoint_of_another_model_is_one_line(tiny_model_path
                 "--train.batch_size", "4", "--train.micro_batch_size", "4", "--train.output_dir", str(out),
                 "--logger.progress_bar", "false", *extra]  # fmt: skip
 
-    assert cli_main(sft(tiny_model_path, tmp_path / "a", "--train.max_steps", "1", "--ckpt.save_every", "1")) == 0
+    assert (
+        cli_main(sft(tiny_model_path, tmp_path / "a", "--train.max_steps", "1", "--ckpt.save_every", "1"))
+        == 0
+    )
     capsys.readouterr()
     step = tmp_path / "a" / "checkpoints" / "step_1"
     assert cli_main(sft(narrow, tmp_path / "b", "--train.max_steps", "2", "--ckpt.resume", str(step))) == 1

@@ -48,7 +48,9 @@ def test_two_gpus_equal_one_gpu(tiny_model_path, tmp_path):
     one = run_rl(_cfg(tiny_model_path, tmp_path / "one", 1, "fp32"))
     trainer = RLTrainer(_cfg(tiny_model_path, tmp_path / "two", 2, "fp32"))
     canary: list[float] = []
-    two = trainer.fit(on_step=lambda s, m: canary.append(trainer.roles.policy.call(PolicyWorker.weight_canary)))
+    two = trainer.fit(
+        on_step=lambda s, m: canary.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    )
     assert one.exit_code == two.exit_code == 0, two.message
     assert canary == [0.0, 0.0]
     for a, b in zip(one.history, two.history, strict=True):
@@ -57,7 +59,9 @@ def test_two_gpus_equal_one_gpu(tiny_model_path, tmp_path):
     # bf16 compute on 2 GPUs: runs, and the engines hold exactly the gathered bf16 weights
     trainer = RLTrainer(_cfg(tiny_model_path, tmp_path / "bf16", 2, "bf16"))
     canary.clear()
-    res = trainer.fit(on_step=lambda s, m: canary.append(trainer.roles.policy.call(PolicyWorker.weight_canary)))
+    res = trainer.fit(
+        on_step=lambda s, m: canary.append(trainer.roles.policy.call(PolicyWorker.weight_canary))
+    )
     assert res.exit_code == 0, res.message
     assert canary == [0.0, 0.0]
     assert all(h["perf/peak_mem_gib"] > 0 for h in res.history)

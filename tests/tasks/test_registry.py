@@ -17,7 +17,9 @@ def test_table_names_every_builtin_task_and_builds_fresh_ones():
 
 
 def test_unknown_task_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown task 'add4'; known tasks: \['add2', 'add3', 'guess', 'image_digit'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'add4'; known tasks: \['add2', 'add3', 'guess', 'image_digit'\]"
+    ):
         get_task("add4")
 
 

@@ -213,7 +213,9 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
 
 
 @pytest.mark.parametrize("hf_format", [True, False])
-def test_a_checkpoint_of_another_model_shape_is_one_clear_error(tmp_path, tiny_model, tiny_tokenizer, hf_format):
+def test_a_checkpoint_of_another_model_shape_is_one_clear_error(
+    tmp_path, tiny_model, tiny_tokenizer, hf_format
+):
     """Resuming from a checkpoint of another shape names both shapes (and architectures) and what to do, in
     one line, instead of torch's list of size mismatches."""
     from relayrl.models.tiny import TinyModelSpec, build_tiny_model
@@ -228,4 +230,6 @@ def test_a_checkpoint_of_another_model_shape_is_one_clear_error(tmp_path, tiny_m
     assert "model.embed_tokens.weight is [" in text and ", 64] there and [" in text and ", 32] here" in text
     assert "--train.output_dir" in text and "--ckpt.resume none --ckpt.overwrite true" in text
     if hf_format:  # config.json travels with an HF folder: both architectures are named
-        assert "(checkpoint: hidden 64, layers 2, vocab " in text and "this model: hidden 32, layers 2" in text
+        assert (
+            "(checkpoint: hidden 64, layers 2, vocab " in text and "this model: hidden 32, layers 2" in text
+        )

@@ -68,7 +68,9 @@ def test_a_two_rank_policy_worker_exports_and_resumes_its_sharded_ema(tiny_model
     from safetensors.torch import load_file
 
     two, one = tmp_path / "two", tmp_path / "one"
-    spawn_ranks(ema_ranks.policy_rank_main, (2, str(tmp_path / "store"), str(tiny_model_path), str(two)), nprocs=2)
+    spawn_ranks(
+        ema_ranks.policy_rank_main, (2, str(tmp_path / "store"), str(tiny_model_path), str(two)), nprocs=2
+    )
     assert (two / "ckpt" / EMA_DIR / ".metadata").is_file()
     ema_ranks.policy_run(str(tiny_model_path), one, ema_ranks.DECAY)
     a, b = load_file(two / "a" / "model.safetensors"), load_file(two / "b" / "model.safetensors")

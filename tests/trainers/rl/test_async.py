@@ -223,7 +223,7 @@ def test_async_in_ray_mode_with_a_two_rank_policy(tiny_model_path, tmp_path):
     assert (tmp_path / "run/final/model.safetensors").is_file()
 
 
-SKIP_SECOND_BATCH = '''
+SKIP_SECOND_BATCH = """
 calls = 0
 
 
@@ -234,7 +234,7 @@ def reward_func(queries, prompts, labels, **kwargs):
         return {"rewards": [float("nan")] * len(queries)}
     out = [sum(c.isdigit() for c in q[len(p):]) / max(1, len(q) - len(p)) for q, p in zip(queries, prompts)]
     return {"rewards": out, "scores": out}
-'''
+"""
 
 
 @pytest.mark.timeout(120)
