@@ -508,16 +508,16 @@ def summarise(steps: list[dict[str, float]], warmup: int, key: str = "step") -> 
 
 
 def versions(names: tuple[str, ...]) -> dict[str, str]:
-    """Python and package versions, and the relayrl commit ("-dirty" when relayrl/ has local changes; from
-    RELAYRL_COMMIT in a copy of the tree without .git, as bench/peers/remote.sh makes on a GPU machine)."""
+    """Python and package versions, and the relayrl commit: RELAYRL_COMMIT when set (a copy of the tree on a
+    GPU machine, whose .git, when it has one, can be older than the files: a run there on 2026-11-28 read
+    "f913623-dirty" for the tree of d1960ea), else git's HEAD ("-dirty" when relayrl/ has local changes)."""
     out = {"python": platform.python_version()}
+    commit = os.environ.get("RELAYRL_COMMIT", "")
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if head.returncode == 0:
+    if not commit and head.returncode == 0:
         dirty = subprocess.run([*git, "status", "--porcelain", "relayrl"], capture_output=True, text=True)
         commit = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    else:
-        commit = os.environ.get("RELAYRL_COMMIT", "")
     out["relayrl"] = commit or "unknown"
     for n in names:
         try:

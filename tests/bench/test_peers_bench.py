@@ -477,6 +477,7 @@ def test_a_plan_longer_than_its_budget_is_named_with_the_fix(tmp_path, monkeypat
 
 
 def test_versions_name_the_commit_from_git_or_from_the_carried_copy(tmp_path, monkeypatch):
+    monkeypatch.delenv("RELAYRL_COMMIT", raising=False)
     v = pc.versions(("pytest", "no-such-package-xyz"))
     head = subprocess.run(
         ["git", "-C", str(pc.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -488,9 +489,10 @@ def test_versions_name_the_commit_from_git_or_from_the_carried_copy(tmp_path, mo
         assert v["relayrl"] == head.stdout.strip() + ("-dirty" if dirty else "")
     assert v["pytest"] == pytest.__version__
     assert v["no-such-package-xyz"] == "not installed"
-    # a copy of the tree without .git (remote.sh on a GPU machine): the commit it was told
-    monkeypatch.setattr(pc, "ROOT", tmp_path)
+    # the commit the runner names wins over git's (a GPU machine's copy can hold an older .git)
     monkeypatch.setenv("RELAYRL_COMMIT", "abc1234")
     assert pc.versions(())["relayrl"] == "abc1234"
+    # a copy of the tree without .git and without the variable: unknown
+    monkeypatch.setattr(pc, "ROOT", tmp_path)
     monkeypatch.delenv("RELAYRL_COMMIT")
     assert pc.versions(())["relayrl"] == "unknown"
