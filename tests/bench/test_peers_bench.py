@@ -133,9 +133,8 @@ def test_the_six_missing_cells_command_lines(tmp_path, shape, gpus, card):
     assert kw["dist_mode"] == ("ray" if gpus > 1 or mode == "full" else "local")
     assert kw["offload"] is (mode == "full")
     assert kw.get("offload_optimizer_in_rollout", False) is (mode == "states")
-    assert kw.get("engine_sleep", "auto") == (
-        "auto" if mode == "none" else "yes"
-    )  # both peers' engines sleep
+    # both peers' engines sleep
+    assert kw.get("engine_sleep", "auto") == ("auto" if mode == "none" else "yes")
     assert kw.get("gradient_checkpointing", False) is (shape == "7b")  # as both peers run 7B
 
 
