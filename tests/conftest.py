@@ -11,10 +11,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if not os.path.exists(
-    "/dev/nvidiactl"
-):  # no GPU: relayrl/rollout/kernels.py's Triton kernels run in Triton's
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU interpreter (read when triton is first imported)
+# No GPU: relayrl/rollout/kernels.py's Triton kernels run in Triton's CPU interpreter (read when triton is
+# first imported).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers: each its own Ray temp root, so that a
     # cluster one worker starts (`ray start` writes <root>/ray/ray_current_cluster) is never joined by the other

@@ -513,11 +513,12 @@ def versions(names: tuple[str, ...]) -> dict[str, str]:
     "f913623-dirty" for the tree of d1960ea), else git's HEAD ("-dirty" when relayrl/ has local changes)."""
     out = {"python": platform.python_version()}
     commit = os.environ.get("RELAYRL_COMMIT", "")
-    git = ["git", "-C", str(ROOT)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if not commit and head.returncode == 0:
-        dirty = subprocess.run([*git, "status", "--porcelain", "relayrl"], capture_output=True, text=True)
-        commit = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    if not commit:
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if head.returncode == 0:
+            dirty = subprocess.run([*git, "status", "--porcelain", "relayrl"], capture_output=True, text=True)
+            commit = head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     out["relayrl"] = commit or "unknown"
     for n in names:
         try:

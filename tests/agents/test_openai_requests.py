@@ -162,9 +162,8 @@ def test_a_prompt_longer_than_the_context_is_400_as_openai_answers(server):
     OpenAI's code, not answered 200 with empty text."""
     s, port = server
     assert s.max_total_len == 512
-    status, body = _post(
-        port, "/v1/completions", {**COMPLETION, "prompt": list(range(5, 25)) * 26}
-    )  # 520 ids
+    prompt_520_ids = list(range(5, 25)) * 26
+    status, body = _post(port, "/v1/completions", {**COMPLETION, "prompt": prompt_520_ids})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert (
         "maximum context length is 512 tokens. However, your prompt resulted in 520 tokens"
